@@ -1,0 +1,110 @@
+"""Memory: chunk sizes, and fast allocation of large per-sample outputs.
+
+Writing a fresh ``[N, *param]`` tensor is dominated by page faults on CPU
+(e.g. 100 MB: ~26 ms of faults for ~3 ms of arithmetic). Outputs that are not
+part of an autograd graph or a ``torch.func`` transform are therefore placed in
+anonymous memory advised for transparent huge pages, which cuts the faults by
+up to 512x. Everything else uses ``torch.empty``.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import torch
+from torch import Tensor
+
+DEFAULT_BUDGET = 2**25
+"""Elements of per-sample gradients held at once when chunking automatically."""
+
+_HUGE_PAGE_MIN_BYTES = 4 * 2**20
+
+
+def chunk_length(n: int, numel_per_sample: int, chunk_size: int | None) -> int:
+    """Return how many samples to process at once.
+
+    Args:
+        n: Number of samples.
+        numel_per_sample: Elements one sample's intermediate needs.
+        chunk_size: The user's ``chunk_size=`` (``None``: automatic).
+
+    Returns:
+        A chunk length in ``[1, max(n, 1)]``.
+
+    Raises:
+        ValueError: if ``chunk_size`` is not a positive integer.
+
+    Example:
+        >>> chunk_length(128, 2**20, None)
+        32
+    """
+    if chunk_size is not None:
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer or None; got {chunk_size!r}.")
+        return min(chunk_size, max(n, 1))
+    return max(1, min(max(n, 1), DEFAULT_BUDGET // max(numel_per_sample, 1)))
+
+
+def chunks(n: int, length: int) -> list[slice]:
+    """Split ``range(n)`` into consecutive slices of at most ``length``.
+
+    Args:
+        n: Number of items.
+        length: Maximum slice length.
+
+    Returns:
+        The slices, in order.
+
+    Example:
+        >>> chunks(5, 2)
+        [slice(0, 2, None), slice(2, 4, None), slice(4, 5, None)]
+    """
+    return [slice(start, min(start + length, n)) for start in range(0, n, length)]
+
+
+def is_plain(*tensors: Tensor) -> bool:
+    """Whether results computed from ``tensors`` may be written into preallocated memory.
+
+    True when no tensor takes part in autograd or a ``torch.func`` transform.
+
+    Args:
+        *tensors: Inputs of a computation.
+
+    Returns:
+        Whether ``out=`` and in-place writes are safe.
+
+    Example:
+        >>> is_plain(torch.zeros(2))
+        True
+    """
+    grad_on = torch.is_grad_enabled()
+    return not any(
+        torch._C._functorch.is_functorch_wrapped_tensor(t) or (grad_on and t.requires_grad)
+        for t in tensors
+    )
+
+
+def new_output(shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """Allocate an uninitialized output; large CPU outputs go to huge pages.
+
+    Args:
+        shape: Shape of the output.
+        like: A tensor giving dtype and device.
+
+    Returns:
+        An uninitialized tensor of that shape.
+
+    Example:
+        >>> new_output((2, 3), torch.zeros(1)).shape
+        torch.Size([2, 3])
+    """
+    count = math.prod(shape)
+    nbytes = count * like.element_size()
+    if like.device.type != "cpu" or nbytes < _HUGE_PAGE_MIN_BYTES or not hasattr(
+        mmap, "MADV_HUGEPAGE"
+    ):
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buffer, dtype=like.dtype, count=count).view(shape)

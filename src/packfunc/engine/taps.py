@@ -1,0 +1,359 @@
+"""Record, per tapped op call, its input and the cotangent of its output.
+
+Two passes over ``model_fn``, both inside a ``TorchFunctionMode``:
+
+1. :func:`discover` runs the model on the first sample only. It lists every
+   call of a tapped op (``F.linear``, convolutions, ``F.embedding``) whose
+   weight is a parameter leaf, and marks as *uncovered* every leaf that is also
+   used any other way (a raw ``nn.Parameter`` in a matmul, a LayerNorm weight,
+   a weight used transposed ...). Uncovered leaves go to the generic path.
+2. :func:`record` runs the model on the whole batch inside ``torch.func.vjp``
+   with a zero *probe* added to the output of each tapped call and to the model
+   output. One vector-Jacobian product of the loss then yields every cotangent:
+   ``g_k[n] = ∂L/∂z_k[n]`` is sample ``n``'s share, because the loss is a sum of
+   per-sample terms and each row ``n`` of ``z_k`` depends on sample ``n`` only.
+
+Running discovery on one sample also checks that dim 0 is the sample dimension
+at every tapped call: its size must be 1 there and ``N`` in the batch pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import optree
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import vjp
+from torch.overrides import TorchFunctionMode
+
+from packfunc.engine.ops import SIGNATURES, OpSignature, TapCall, make_call
+from packfunc.engine.recurrent import RECURRENT_OPS, run_recurrent
+from packfunc.losses import check_loss_inputs
+
+_METADATA_METHODS = frozenset({
+    Tensor.size, Tensor.dim, Tensor.numel, Tensor.__len__, Tensor.is_floating_point,
+    Tensor.is_complex, Tensor.element_size, Tensor.stride, Tensor.is_contiguous,
+    Tensor.get_device, Tensor.data_ptr, Tensor.nelement, Tensor.ndimension,
+})
+_METADATA_ATTRIBUTES = frozenset({
+    "shape", "dtype", "device", "ndim", "is_nested", "requires_grad", "layout", "is_cuda",
+    "is_cpu", "is_sparse", "is_quantized", "is_meta", "is_mkldnn", "names", "is_leaf",
+})
+
+
+def _is_metadata_query(func: Callable) -> bool:
+    """Whether ``func`` only reads a tensor's metadata (shape, dtype, ...)."""
+    if func in _METADATA_METHODS:
+        return True
+    descriptor = getattr(func, "__self__", None)
+    return (
+        getattr(descriptor, "__objclass__", None) is torch._C.TensorBase
+        and getattr(descriptor, "__name__", None) in _METADATA_ATTRIBUTES
+    )
+
+
+class LeafIndex:
+    """Find parameter leaves by identity among the arguments of a call.
+
+    A tensor object that appears at two places of the parameter pytree cannot be
+    attributed to one place; such leaves are reported in ``duplicated``.
+    """
+
+    def __init__(self, leaves: list[Tensor]):
+        self._positions: dict[int, list[int]] = {}
+        for i, leaf in enumerate(leaves):
+            self._positions.setdefault(id(leaf), []).append(i)
+        self.duplicated = {i for pos in self._positions.values() if len(pos) > 1 for i in pos}
+
+    def __call__(self, value: Any) -> int | None:
+        """Return the leaf index of ``value`` if it is a (unique) parameter leaf."""
+        positions = self._positions.get(id(value)) if isinstance(value, Tensor) else None
+        return positions[0] if positions and len(positions) == 1 else None
+
+    def used_in(self, *values: Any) -> set[int]:
+        """Return the leaf indices of every parameter found in the given pytrees.
+
+        Args:
+            *values: Arguments of a call (nested lists, tuples, dicts of tensors).
+
+        Returns:
+            Indices of the leaves among them (duplicated leaves included).
+        """
+        found: set[int] = set()
+        for value in optree.tree_leaves(values, none_is_leaf=True):
+            if isinstance(value, Tensor):
+                found.update(self._positions.get(id(value), ()))
+        return found
+
+
+class _FunctionalMode(TorchFunctionMode):
+    """Make a model safe for per-sample computations.
+
+    Recurrent ops are replaced by an out-of-place decomposition (vmap-able,
+    built from ``F.linear``) and BatchNorm in training mode, which mixes the
+    samples of a batch, is refused. Subclasses handle tapped ops.
+    """
+
+    leaf_of: LeafIndex | None = None
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
+                           ) -> Any:
+        kwargs = kwargs or {}
+        if func in RECURRENT_OPS:
+            with self:
+                return run_recurrent(func, args, kwargs)
+        if func is F.batch_norm:
+            _refuse_batch_statistics(args, kwargs)
+        sig = SIGNATURES.get(func)
+        if sig is not None and self.leaf_of is not None:
+            bound = sig.bind(args, kwargs)
+            if self.leaf_of(bound["weight"]) is not None:
+                return self._tapped(func, sig, bound, lambda: func(*args, **kwargs))
+        return self._other(func, args, kwargs)
+
+    def _tapped(self, func: Callable, sig: OpSignature, bound: dict[str, Any],
+                run: Callable[[], Tensor]) -> Tensor:
+        return run()
+
+    def _other(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        return func(*args, **kwargs)
+
+
+def _refuse_batch_statistics(args: tuple, kwargs: dict) -> None:
+    names = ("input", "running_mean", "running_var", "weight", "bias", "training")
+    bound = dict(zip(names, args)) | kwargs
+    if bound.get("training", False):
+        raise ValueError(
+            "BatchNorm in training mode normalizes with batch statistics, which mixes samples: "
+            "per-sample quantities are not defined. Call model.eval() (or use GroupNorm/"
+            "LayerNorm) before computing them."
+        )
+
+
+def functional_mode() -> TorchFunctionMode:
+    """Return the mode that runs models for the generic, vmap-based path.
+
+    Returns:
+        A ``TorchFunctionMode`` that decomposes recurrent ops and refuses BatchNorm
+        in training mode.
+
+    Example:
+        >>> with functional_mode():
+        ...     y = torch.nn.GRU(2, 3)(torch.zeros(4, 1, 2))
+    """
+    return _FunctionalMode()
+
+
+@dataclass
+class Site:
+    """A tapped call seen during discovery, with its per-sample output shape."""
+
+    call: TapCall
+    tail: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class TapPlan:
+    """What discovery learned about the model.
+
+    Attributes:
+        sites: Every tapped call, in call order.
+        uncovered: Leaves also used outside tapped ops (or ambiguously).
+        output: Per-sample shape, dtype and device of the model output.
+    """
+
+    sites: list[Site] = field(default_factory=list)
+    uncovered: set[int] = field(default_factory=set)
+    output: Site | None = None
+
+    def covered(self) -> set[int]:
+        """Return the leaves whose every use is a tapped call."""
+        return {leaf for site in self.sites for _, leaf in site.call.leaves} - self.uncovered
+
+    def active(self) -> list[int]:
+        """Return the indices of sites that have at least one covered leaf."""
+        covered = self.covered()
+        return [k for k, site in enumerate(self.sites)
+                if any(leaf in covered for _, leaf in site.call.leaves)]
+
+
+class _DiscoveryMode(_FunctionalMode):
+    def __init__(self, leaf_of: LeafIndex):
+        super().__init__()
+        self.leaf_of = leaf_of
+        self.plan = TapPlan(uncovered=set(leaf_of.duplicated))
+
+    def _tapped(self, func: Callable, sig: OpSignature, bound: dict[str, Any],
+                run: Callable[[], Tensor]) -> Tensor:
+        _refuse_coupled_embedding(sig, bound)
+        out = run()
+        call = make_call(sig, bound, self.leaf_of)
+        others = {k: v for k, v in bound.items() if k not in dict(call.leaves)}
+        self.plan.uncovered |= self.leaf_of.used_in(others)
+        x = bound["input"]
+        if not (isinstance(x, Tensor) and x.dim() and x.shape[0] == 1 and out.shape[0] == 1):
+            self.plan.uncovered |= {leaf for _, leaf in call.leaves}
+        self.plan.sites.append(Site(call, out.shape[1:], out.dtype, out.device))
+        return out
+
+    def _other(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        if not _is_metadata_query(func):
+            self.plan.uncovered |= self.leaf_of.used_in(args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _refuse_coupled_embedding(sig: OpSignature, bound: dict[str, Any]) -> None:
+    if sig.family != "embedding":
+        return
+    if bound["max_norm"] is not None:
+        raise ValueError(
+            "Embedding(max_norm=...) renormalizes the weight in place during the forward pass, "
+            "which a pure function cannot do; drop max_norm or renormalize the weight yourself."
+        )
+    if bound["scale_grad_by_freq"]:
+        raise ValueError(
+            "Embedding(scale_grad_by_freq=True) scales gradients by word counts over the whole "
+            "batch, which couples samples; per-sample gradients are not defined. Set it to False."
+        )
+
+
+def discover(model_fn: Callable, params: Any, leaves: list[Tensor], X_first: Any) -> TapPlan:
+    """Run the model on one sample and plan which leaves the tapped path covers.
+
+    Args:
+        model_fn: ``model_fn(params, X)``.
+        params: The parameter pytree.
+        leaves: Its flattened leaves (same objects as in ``params``).
+        X_first: The inputs restricted to the first sample (batch size 1).
+
+    Returns:
+        The :class:`TapPlan`.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> len(discover(fn, p, list(p.values()), torch.zeros(1, 3)).sites)
+        1
+    """
+    mode = _DiscoveryMode(LeafIndex(leaves))
+    with torch.no_grad(), mode:
+        out = model_fn(params, X_first)
+    if not (isinstance(out, Tensor) and out.dim() and out.shape[0] == 1):
+        shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(
+            f"model_fn returned {shape} for a batch of one sample; it must return a tensor "
+            "whose leading dimension is the batch dimension."
+        )
+    mode.plan.output = Site(TapCall("output", (), ()), out.shape[1:], out.dtype, out.device)
+    return mode.plan
+
+
+class _RecordMode(_FunctionalMode):
+    def __init__(self, leaf_of: LeafIndex, plan: TapPlan, probes: dict[int, Tensor]):
+        super().__init__()
+        self.leaf_of, self.plan, self.probes = leaf_of, plan, probes
+        self.inputs: dict[int, Tensor] = {}
+        self.failed: set[int] = set()
+        self.count = 0
+
+    def _tapped(self, func: Callable, sig: OpSignature, bound: dict[str, Any],
+                run: Callable[[], Tensor]) -> Tensor:
+        k, self.count = self.count, self.count + 1
+        call = make_call(sig, bound, self.leaf_of)
+        if k >= len(self.plan.sites) or self.plan.sites[k].call.leaves != call.leaves:
+            raise RuntimeError(
+                "model_fn called its layers in a different order for one sample than for the "
+                "batch; packfunc needs the same sequence of layer calls for any batch size."
+            )
+        out = run()
+        probe = self.probes.get(k)
+        if probe is None:
+            return out
+        if out.shape != probe.shape or bound["input"].shape[0] != probe.shape[0]:
+            self.failed.add(k)
+            return out
+        self.inputs[k] = bound["input"]
+        return out + probe
+
+
+OUTPUT = -1
+"""Probe key of the model output."""
+
+
+@dataclass
+class TapRecord:
+    """Everything the batch pass produced.
+
+    Attributes:
+        loss: The reduced loss.
+        output: The model output ``[N, ...]``.
+        output_cotangent: ``∂L/∂output``; row ``n`` is sample ``n``'s share.
+        inputs: Input of each recorded tapped call, by site index.
+        cotangents: Cotangent of each recorded tapped call's output, by site index.
+        failed: Active sites whose shapes differed from discovery (their leaves must
+            take the generic path).
+    """
+
+    loss: Tensor
+    output: Tensor
+    output_cotangent: Tensor
+    inputs: dict[int, Tensor]
+    cotangents: dict[int, Tensor]
+    failed: set[int]
+
+
+def record(model_fn: Callable, params: Any, leaves: list[Tensor], plan: TapPlan, X: Any,
+           y: Tensor, loss: nn.Module, n: int) -> TapRecord:
+    """Run the batch pass: one forward, one vector-Jacobian product of the loss.
+
+    Args:
+        model_fn: ``model_fn(params, X)``.
+        params: The parameter pytree.
+        leaves: Its flattened leaves.
+        plan: The result of :func:`discover`.
+        X: The batch of inputs.
+        y: The batch of targets.
+        loss: The loss module.
+        n: The batch size.
+
+    Returns:
+        The :class:`TapRecord`.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+        >>> plan = discover(fn, p, list(p.values()), X[:1])
+        >>> rec = record(fn, p, list(p.values()), plan, X, y, torch.nn.CrossEntropyLoss(), 4)
+        >>> rec.cotangents[0].shape
+        torch.Size([4, 2])
+    """
+    probes = {
+        k: torch.zeros((n, *plan.sites[k].tail), dtype=plan.sites[k].dtype,
+                       device=plan.sites[k].device)
+        for k in plan.active()
+    }
+    leaf_of = LeafIndex(leaves)
+    failed: set[int] = set()
+
+    def loss_of_probes(probes: dict[int, Tensor]) -> tuple[Tensor, tuple]:
+        mode = _RecordMode(leaf_of, plan, probes)
+        with mode:
+            output = model_fn(params, X)
+        check_loss_inputs(loss, output, y, n)
+        failed.update(mode.failed)
+        output = output + probes[OUTPUT]
+        return loss(output, y), (output, mode.inputs)
+
+    out = plan.output
+    probes[OUTPUT] = torch.zeros((n, *out.tail), dtype=out.dtype, device=out.device)
+    value, vjp_fn, (output, inputs) = vjp(loss_of_probes, probes, has_aux=True)
+    (cotangents,) = vjp_fn(torch.ones_like(value))
+    output_cotangent = cotangents.pop(OUTPUT)
+    cotangents = {k: g for k, g in cotangents.items() if k in inputs}
+    return TapRecord(value, output, output_cotangent, inputs, cotangents, failed)
+

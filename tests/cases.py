@@ -1,0 +1,265 @@
+"""Shared test cases: models, losses and autograd oracles, reused by every test module."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# ----------------------------------------------------------------------------- models
+
+
+class Residual(nn.Module):
+    """Two linear layers with a skip connection."""
+
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.inner(x)
+
+
+class SharedLayer(nn.Module):
+    """The same Linear applied twice (weight sharing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.shared = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.shared(torch.tanh(self.inp(x))))
+        return self.out(torch.tanh(self.shared(h)))
+
+
+class RawParameter(nn.Module):
+    """A raw nn.Parameter used in a matmul, plus a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4) / 2)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.sigmoid(x @ self.w))
+
+
+class Scale(nn.Module):
+    """A custom module nothing knows about: elementwise scale and shift."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(width) + 0.5)
+        self.shift = nn.Parameter(torch.randn(width) / 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.scale + self.shift**2
+
+
+class TransposedUse(nn.Module):
+    """A Linear weight reused transposed: half tapped, half not (tied autoencoder)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(torch.tanh(self.enc(x)), self.enc.weight.t())
+
+
+class TiedEmbedding(nn.Module):
+    """Embedding whose weight is reused as the output projection (weight tying)."""
+
+    def __init__(self, vocab: int = 7, width: int = 4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width, padding_idx=0)
+        self.mix = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.mix(self.emb(x))).mean(1)
+        return F.linear(h, self.emb.weight)
+
+
+class RecurrentHead(nn.Module):
+    """A recurrent layer followed by a linear head on the last time step."""
+
+    def __init__(self, cell: type[nn.RNNBase], **kwargs):
+        super().__init__()
+        self.rnn = cell(3, 4, batch_first=True, **kwargs)
+        width = 4 * (2 if kwargs.get("bidirectional") else 1)
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm self-attention and MLP block with a mean-pooled classifier."""
+
+    def __init__(self, width: int = 8, heads: int = 2, batch_first: bool = True):
+        super().__init__()
+        self.batch_first = batch_first
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=batch_first)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(),
+                                 nn.Linear(2 * width, width))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm1(x)
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        if not self.batch_first:
+            a = a.transpose(0, 1)
+        x = x + a
+        x = x + self.mlp(self.norm2(x))
+        return self.head(x.mean(1))
+
+
+@dataclass
+class Case:
+    """A model with an input generator and a target generator."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    inputs: Callable[[int], Tensor]
+    classes: int = 2
+    spatial: tuple[int, ...] = ()
+
+
+def _randn(*shape: int) -> Callable[[int], Tensor]:
+    return lambda n: torch.randn(n, *shape)
+
+
+def _tokens(vocab: int, length: int) -> Callable[[int], Tensor]:
+    return lambda n: torch.randint(0, vocab, (n, length))
+
+
+CASES: list[Case] = [
+    Case("mlp", lambda: nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)), _randn(3)),
+    Case("conv1d", lambda: nn.Sequential(
+        nn.Conv1d(2, 4, 3, stride=2, padding=1, dilation=1, groups=2), nn.Tanh(), nn.Flatten(),
+        nn.Linear(4 * 4, 2)), _randn(2, 8)),
+    Case("conv2d", lambda: nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding="same", dilation=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+        nn.Linear(4 * 2 * 2, 2)), _randn(2, 5, 5)),
+    Case("conv3d", lambda: nn.Sequential(
+        nn.Conv3d(1, 2, 2, stride=(1, 2, 1), padding_mode="circular", padding=1), nn.Tanh(),
+        nn.Flatten(), nn.Linear(2 * 4 * 2 * 4, 2)), _randn(1, 3, 3, 3)),
+    Case("convtranspose1d", lambda: nn.Sequential(
+        nn.ConvTranspose1d(4, 2, 3, stride=2, padding=1, output_padding=1, groups=2),
+        nn.Tanh(), nn.Flatten(), nn.Linear(2 * 6, 2)), _randn(4, 3)),
+    Case("convtranspose2d", lambda: nn.Sequential(
+        nn.ConvTranspose2d(2, 3, 2, stride=2, dilation=1), nn.Sigmoid(), nn.Flatten(),
+        nn.Linear(3 * 4 * 4, 2)), _randn(2, 2, 2)),
+    Case("convtranspose3d", lambda: nn.Sequential(
+        nn.ConvTranspose3d(1, 2, 2, dilation=2, bias=False), nn.Tanh(), nn.Flatten(),
+        nn.Linear(2 * 4 * 4 * 4, 2)), _randn(1, 2, 2, 2)),
+    Case("embedding", lambda: nn.Sequential(
+        nn.Embedding(6, 3, padding_idx=1), nn.Flatten(), nn.Linear(3 * 4, 2)), _tokens(6, 4)),
+    Case("batchnorm_eval", lambda: _eval_batchnorm(), _randn(2, 4, 4)),
+    Case("layernorm_groupnorm", lambda: nn.Sequential(
+        nn.Conv1d(2, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.LayerNorm(12),
+        nn.Linear(12, 2)), _randn(2, 5)),
+    Case("residual", lambda: nn.Sequential(nn.Linear(3, 4), Residual(4), nn.Linear(4, 2)),
+         _randn(3)),
+    Case("shared_layer", SharedLayer, _randn(3)),
+    Case("raw_parameter", RawParameter, _randn(3)),
+    Case("custom_module", lambda: nn.Sequential(nn.Linear(3, 4), Scale(4), nn.Tanh(),
+                                                nn.Linear(4, 2)), _randn(3)),
+    Case("transposed_use", TransposedUse, _randn(4), classes=4),
+    Case("tied_embedding", TiedEmbedding, _tokens(7, 3), classes=7),
+    Case("rnn", lambda: RecurrentHead(nn.RNN, num_layers=2), _randn(5, 3)),
+    Case("gru", lambda: RecurrentHead(nn.GRU, bidirectional=True), _randn(4, 3)),
+    Case("lstm", lambda: RecurrentHead(nn.LSTM), _randn(4, 3)),
+    Case("transformer", TransformerBlock, _randn(5, 8), classes=3),
+    Case("transformer_seq_first", lambda: TransformerBlock(batch_first=False), _randn(5, 8),
+         classes=3),
+    Case("spatial_output", lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1)), _randn(2, 3, 4),
+         classes=3, spatial=(3, 4)),
+]
+CASE_IDS = [case.name for case in CASES]
+
+
+def _eval_batchnorm() -> nn.Module:
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(3 * 2 * 2, 2))
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- losses
+
+LOSSES = ["cross_entropy", "nll", "mse", "bce_with_logits"]
+
+
+def make_loss(name: str, reduction: str) -> nn.Module:
+    """A loss module by name."""
+    return {
+        "cross_entropy": nn.CrossEntropyLoss,
+        "nll": nn.NLLLoss,
+        "mse": nn.MSELoss,
+        "bce_with_logits": nn.BCEWithLogitsLoss,
+    }[name](reduction=reduction)
+
+
+def wrap_for_loss(model: nn.Module, loss_name: str) -> nn.Module:
+    """NLLLoss expects log-probabilities: append a LogSoftmax over classes."""
+    return nn.Sequential(model, nn.LogSoftmax(dim=1)) if loss_name == "nll" else model
+
+
+def make_targets(loss_name: str, output: Tensor, classes: int) -> Tensor:
+    """Targets matching the loss and the model output."""
+    n = output.shape[0]
+    if loss_name in ("cross_entropy", "nll"):
+        return torch.randint(0, classes, (n, *output.shape[2:]))
+    if loss_name == "bce_with_logits":
+        return torch.rand_like(output).round()
+    return torch.randn_like(output)
+
+
+# ----------------------------------------------------------------------------- oracles
+
+
+def autograd_batch_grad(model: nn.Module, loss: nn.Module, X: Tensor, y: Tensor
+                        ) -> dict[str, Tensor]:
+    """Per-sample gradients by an autograd loop over samples.
+
+    Sample n's share of the reduced loss is obtained by letting only row n of
+    the output depend on the parameters (a fresh forward of sample n alone)
+    while the other rows are constants; by additivity of the loss over samples
+    its gradient is sample n's term's gradient, whatever the reduction and the
+    loss options.
+    """
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        full = model(X)
+    grads: dict[str, list[Tensor]] = {name: [] for name in params}
+    for n in range(X.shape[0]):
+        rows = list(full.detach().unbind(0))
+        rows[n] = model(X[n:n + 1])[0]
+        value = loss(torch.stack(rows), y)
+        found = torch.autograd.grad(value, list(params.values()), allow_unused=True)
+        for name, g, p in zip(params, found, params.values()):
+            grads[name].append(torch.zeros_like(p) if g is None else g)
+    return {name: torch.stack(g) for name, g in grads.items()}
+
+
+def moments(batch: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+    """All first-order quantities from per-sample gradients, by their definitions."""
+    return {
+        "batch_grad": batch,
+        "grad": {k: v.sum(0) for k, v in batch.items()},
+        "batch_l2_grad": {k: v.flatten(1).square().sum(1) for k, v in batch.items()},
+        "sum_grad_squared": {k: v.square().sum(0) for k, v in batch.items()},
+        "variance": {k: v.square().mean(0) - v.mean(0).square() for k, v in batch.items()},
+    }

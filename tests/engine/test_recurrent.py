@@ -1,0 +1,243 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.nn.utils.rnn import pack_padded_sequence
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from packfunc.engine.recurrent import RECURRENT_OPS, run_recurrent
+
+KINDS = ["tanh", "relu", "gru", "lstm"]
+
+
+class RecurrentMode(TorchFunctionMode):
+    """Route the fused recurrent kernels to run_recurrent; count how often that happens."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in RECURRENT_OPS:
+            self.calls += 1
+            return run_recurrent(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class LinearSpy(TorchFunctionMode):
+    """Record the input and output shapes of every F.linear call."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is F.linear:
+            self.shapes.append((tuple(args[0].shape), tuple(out.shape)))
+        return out
+
+
+class MutationSpy(TorchDispatchMode):
+    """Record every aten op that mutates one of its arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.mutating = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.is_mutable:
+            self.mutating.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def make_module(kind, input_size, hidden, proj=0, **kw):
+    if kind == "lstm":
+        return nn.LSTM(input_size, hidden, proj_size=proj, **kw).double()
+    if kind == "gru":
+        return nn.GRU(input_size, hidden, **kw).double()
+    return nn.RNN(input_size, hidden, nonlinearity=kind, **kw).double()
+
+
+def initial_state(kind, module, batch, proj):
+    dirs = 2 if module.bidirectional else 1
+    shape = (module.num_layers * dirs, batch, module.hidden_size)
+    h0 = torch.randn(shape[:2] + (proj or module.hidden_size,), dtype=torch.float64)
+    return (h0, torch.randn(shape, dtype=torch.float64)) if kind == "lstm" else h0
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kind=st.sampled_from(KINDS),
+    sizes=st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 3), st.integers(2, 5)),
+    layers=st.integers(1, 3),
+    bidirectional=st.booleans(),
+    batch_first=st.booleans(),
+    bias=st.booleans(),
+    proj=st.integers(0, 4),
+    given_state=st.booleans(),
+    training=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_pytorch_modules(
+    kind, sizes, layers, bidirectional, batch_first, bias, proj, given_state, training, seed
+):
+    batch, steps, input_size, hidden = sizes
+    proj = proj if kind == "lstm" and proj < hidden else 0
+    torch.manual_seed(seed)
+    # dropout is inert in eval mode, and with p=0 in training mode: both must match exactly
+    module = make_module(
+        kind,
+        input_size,
+        hidden,
+        proj,
+        num_layers=layers,
+        bidirectional=bidirectional,
+        batch_first=batch_first,
+        bias=bias,
+        dropout=0.5 if layers > 1 and not training else 0.0,
+    ).train(training)
+    shape = (batch, steps) if batch_first else (steps, batch)
+    x = torch.randn(*shape, input_size, dtype=torch.float64)
+    args = (x, initial_state(kind, module, batch, proj)) if given_state else (x,)
+
+    expected = module(*args)
+    mode = RecurrentMode()
+    with mode:
+        actual = module(*args)
+
+    assert mode.calls == 1
+    torch.testing.assert_close(actual, expected)
+    assert actual[0].is_contiguous()
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_direct_call_with_kwargs_linear_layout_and_no_mutation(batch_first):
+    batch, steps, layers, dirs = 3, 4, 2, 2
+    module = make_module("lstm", 2, 5, 3, num_layers=layers, bidirectional=True)
+    x = torch.randn(steps, batch, 2, dtype=torch.float64)
+    x = x.transpose(0, 1) if batch_first else x
+    hx = initial_state("lstm", module, batch, 3)
+    kwargs = dict(has_biases=True, num_layers=layers, dropout=0.0, train=False)
+    kwargs.update(bidirectional=True, batch_first=batch_first)
+
+    linears, mutations = LinearSpy(), MutationSpy()
+    with linears, mutations:
+        actual = run_recurrent(torch.lstm, (x, hx, module._flat_weights), kwargs)
+    expected = torch.lstm(x, hx, module._flat_weights, **kwargs)
+
+    torch.testing.assert_close(actual, expected)
+    assert mutations.mutating == []
+    # per layer-direction: one input projection, one hidden product and one projection per step
+    assert len(linears.shapes) == layers * dirs * (1 + 2 * steps)
+    input_projections = [s for s in linears.shapes if len(s[0]) == 3]
+    assert len(input_projections) == layers * dirs
+    assert all(s[0][:2] == (batch, steps) for s in input_projections)
+    assert all(inp[0] == out[0] == batch for inp, out in linears.shapes)
+
+
+@pytest.mark.parametrize(
+    "kind, proj, layers, bidirectional, batch_first, unbatched",
+    [
+        ("tanh", 0, 1, False, True, False),
+        ("relu", 0, 2, True, False, False),
+        ("gru", 0, 2, True, False, False),
+        ("gru", 0, 1, False, True, True),
+        ("lstm", 2, 2, True, False, False),
+        ("lstm", 0, 1, True, True, True),
+    ],
+)
+def test_vmap_of_grad_matches_per_sample_autograd(
+    kind, proj, layers, bidirectional, batch_first, unbatched
+):
+    torch.manual_seed(0)
+    batch, steps, input_size = 4, 3, 2
+    module = make_module(
+        kind,
+        input_size,
+        3,
+        proj,
+        num_layers=layers,
+        bidirectional=bidirectional,
+        batch_first=batch_first,
+    )
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    xs = torch.randn(batch, steps, input_size, dtype=torch.float64)
+    ys = torch.randn(batch, dtype=torch.float64)
+
+    def loss(params, x, y):  # x: one sample [T, in]
+        if not unbatched:
+            x = x.unsqueeze(0 if batch_first else 1)
+        out, state = functional_call(module, params, (x,))
+        pred = out.tanh().sum() + sum(s.sum() for s in tree_leaves(state))
+        return (pred - y) ** 2
+
+    mode = RecurrentMode()
+    with mode:
+        per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, xs, ys)
+    assert mode.calls > 0
+
+    for n in range(batch):
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+        grads = torch.autograd.grad(loss(leaves, xs[n], ys[n]), list(leaves.values()))
+        for name, g in zip(leaves, grads, strict=True):
+            torch.testing.assert_close(per_sample[name][n], g)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_unbatched_input_through_module(kind):
+    module = make_module(kind, 3, 4, num_layers=2, bidirectional=True)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    expected = module(x)
+    with RecurrentMode():
+        actual = module(x)
+    assert actual[0].shape == (5, 8)
+    torch.testing.assert_close(actual, expected)
+
+
+def test_training_dropout_runs_and_is_differentiable():
+    torch.manual_seed(0)
+    module = make_module("lstm", 3, 4, 2, num_layers=3, dropout=0.5, batch_first=True).train()
+    x = torch.randn(2, 6, 3, dtype=torch.float64)
+    expected = module(x)
+    with RecurrentMode():
+        actual = module(x)
+    assert [t.shape for t in tree_leaves(actual)] == [t.shape for t in tree_leaves(expected)]
+    with torch.no_grad(), RecurrentMode():
+        assert not torch.allclose(actual[0], module.eval()(x)[0])  # dropout was applied
+    actual[0].sum().backward()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in module.parameters())
+
+
+def test_training_dropout_one_is_deterministic_and_exact():
+    # p=1 zeroes every layer output but the last: deterministic, so it must match exactly
+    module = make_module("gru", 3, 4, num_layers=2, dropout=1.0, bidirectional=True).train()
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    expected = module(x)
+    with RecurrentMode():
+        actual = module(x)
+    torch.testing.assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_sequence_raises(kind):
+    module = make_module(kind, 3, 4)
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    packed = pack_padded_sequence(x, torch.tensor([5, 3]))
+    with RecurrentMode(), pytest.raises(NotImplementedError, match="PackedSequence"):
+        module(packed)
+
+
+def test_rejects_unknown_op_and_bad_weights():
+    x, h = torch.randn(2, 1, 3), torch.zeros(1, 1, 4)
+    with pytest.raises(ValueError, match="recurrent"):
+        run_recurrent(torch.add, (x, h), {})
+    weights = nn.GRU(3, 4)._flat_weights[:3]
+    with pytest.raises(ValueError, match="flat weights"):
+        run_recurrent(torch.gru, (x, h, weights, True, 1, 0.0, False, False, False), {})

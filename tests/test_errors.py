@@ -1,0 +1,136 @@
+"""Bad input gets a clear error that names the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import packfunc as pf
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return pf.functional(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)))
+
+
+X, Y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+
+
+def test_reduction_none_is_refused():
+    model_fn, params = _mlp()
+    with pytest.raises(ValueError, match="reduction='mean' or reduction='sum'"):
+        pf.batch_grad(model_fn, params, X, Y, loss=nn.CrossEntropyLoss(reduction="none"))
+
+
+@pytest.mark.parametrize("loss", [nn.KLDivLoss(), nn.CosineEmbeddingLoss()])
+def test_unsupported_loss_lists_the_supported_ones(loss):
+    model_fn, params = _mlp()
+    with pytest.raises(TypeError, match="CrossEntropyLoss.*MSELoss"):
+        pf.batch_grad(model_fn, params, X, Y, loss=loss)
+
+
+def test_loss_must_be_a_module_not_a_function():
+    model_fn, params = _mlp()
+    with pytest.raises(TypeError, match="not supported"):
+        pf.batch_grad(model_fn, params, X, Y, loss=nn.functional.cross_entropy)
+
+
+def test_mse_target_that_would_broadcast_is_refused():
+    model_fn, params = _mlp()
+    with pytest.raises(ValueError, match="broadcast"):
+        pf.batch_grad(model_fn, params, X, torch.randn(5, 1), loss=nn.MSELoss())
+
+
+def test_cross_entropy_float_targets_of_wrong_shape():
+    model_fn, params = _mlp()
+    with pytest.raises(ValueError, match="integer class targets of shape"):
+        pf.batch_grad(model_fn, params, X, torch.rand(5))
+
+
+def test_target_batch_size_mismatch():
+    model_fn, params = _mlp()
+    with pytest.raises(ValueError, match="one entry per sample"):
+        pf.batch_grad(model_fn, params, X, Y[:4])
+
+
+def test_inputs_with_different_batch_sizes():
+    model_fn, params = _mlp()
+    with pytest.raises(ValueError, match="leading batch dimension"):
+        pf.batch_grad(lambda p, X: model_fn(p, X[0]), params, (X, X[:2]), Y)
+
+
+def test_output_without_batch_dimension():
+    model_fn, params = _mlp()
+    with pytest.raises(ValueError, match="leading dimension is the batch"):
+        pf.batch_grad(lambda p, X: model_fn(p, X).sum(0), params, X, Y)
+
+
+def test_integer_params_are_refused():
+    model_fn, params = _mlp()
+    params = dict(params, step=torch.tensor(3))
+    with pytest.raises(TypeError, match="floating-point params"):
+        pf.batch_grad(model_fn, params, X, Y)
+
+
+def test_batchnorm_in_training_mode_is_refused():
+    model_fn, params = pf.functional(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4),
+                                                   nn.Linear(4, 2)).train())
+    with pytest.raises(ValueError, match=r"model\.eval\(\)"):
+        pf.batch_grad(model_fn, params, X, Y)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"max_norm": 1.0}, "max_norm"),
+                                               ({"scale_grad_by_freq": True}, "couples samples")])
+def test_embedding_options_that_break_purity_or_independence(kwargs, match):
+    model_fn, params = pf.functional(nn.Sequential(nn.Embedding(5, 3, **kwargs), nn.Flatten(),
+                                                   nn.Linear(6, 2)))
+    with pytest.raises(ValueError, match=match):
+        pf.batch_grad(model_fn, params, torch.randint(0, 5, (4, 2)), Y[:4])
+
+
+def test_unknown_quantity_name():
+    model_fn, params = _mlp()
+    with pytest.raises(ValueError, match="unknown quantities"):
+        pf.first_order(model_fn, params, X, Y, quantities=("batch_grads",))
+
+
+def test_bad_chunk_size():
+    model_fn, params = _mlp()
+    with pytest.raises(ValueError, match="chunk_size"):
+        pf.sum_grad_squared(model_fn, params, X, Y, chunk_size=0)
+
+
+def test_subsampling_out_of_range():
+    model_fn, params = _mlp()
+    with pytest.raises(ValueError, match="subsampling"):
+        pf.batch_grad(model_fn, params, X, Y, subsampling=[0, 5])
+
+
+def test_packed_sequences_are_refused_with_the_fix():
+    rnn = nn.GRU(3, 4, batch_first=True)
+    params = {k: v.detach() for k, v in rnn.named_parameters()}
+
+    def model_fn(p, X):
+        packed = nn.utils.rnn.pack_padded_sequence(X, [X.shape[1]] * X.shape[0], batch_first=True)
+        _, h = torch.func.functional_call(rnn, p, (packed,))
+        return h[0]
+
+    with pytest.raises(NotImplementedError, match="padded"):
+        pf.batch_grad(model_fn, params, torch.randn(2, 5, 3), torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_reduced_precision_works_or_raises_clearly(dtype):
+    model_fn, params = _mlp()
+    params = {k: v.to(dtype) for k, v in params.items()}
+    try:
+        result = pf.batch_grad(model_fn, params, X.to(dtype), Y)
+    except RuntimeError as error:  # a kernel PyTorch lacks for this dtype on this device
+        assert "not implemented" in str(error).lower() or dtype == torch.float16, error
+        return
+    reference = pf.batch_grad(model_fn, {k: v.double() for k, v in params.items()}, X.double(), Y)
+    for name in params:
+        assert result[name].dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(result[name].double(), reference[name], rtol=tol, atol=tol)

@@ -1,0 +1,85 @@
+"""Loss options: every supported option gives per-sample gradients of the reduced loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import packfunc as pf
+from tests.cases import autograd_batch_grad, moments
+
+CLASSES = 4
+
+
+def _model(final: nn.Module | None = None) -> nn.Module:
+    layers = [nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, CLASSES)]
+    return nn.Sequential(*layers, *([final] if final else [])).double()
+
+
+def _class_targets(n: int) -> torch.Tensor:
+    return torch.tensor([0, 2, 1, 3, 2, 1][:n])
+
+
+LOSS_CASES = {
+    "ce_weight": (lambda: nn.CrossEntropyLoss(weight=torch.rand(CLASSES).double() + 0.1),
+                  None, _class_targets),
+    "ce_ignore_index": (lambda: nn.CrossEntropyLoss(ignore_index=2), None, _class_targets),
+    "ce_label_smoothing_weight_ignore": (
+        lambda: nn.CrossEntropyLoss(label_smoothing=0.2, ignore_index=1,
+                                    weight=torch.rand(CLASSES).double() + 0.1),
+        None, _class_targets),
+    "ce_probabilities": (lambda: nn.CrossEntropyLoss(label_smoothing=0.1), None,
+                         lambda n: torch.softmax(torch.randn(n, CLASSES), 1).double()),
+    "nll_weight_ignore": (lambda: nn.NLLLoss(weight=torch.rand(CLASSES).double(), ignore_index=0),
+                          nn.LogSoftmax(1), _class_targets),
+    "bce_pos_weight_weight": (
+        lambda: nn.BCEWithLogitsLoss(pos_weight=torch.rand(CLASSES).double() + 0.5,
+                                     weight=torch.rand(CLASSES).double()),
+        None, lambda n: torch.rand(n, CLASSES).round().double()),
+    "bce_probabilities": (nn.BCELoss, nn.Sigmoid(), lambda n: torch.rand(n, CLASSES).double()),
+    "l1": (nn.L1Loss, None, lambda n: torch.randn(n, CLASSES).double()),
+    "smooth_l1": (lambda: nn.SmoothL1Loss(beta=0.5), None,
+                  lambda n: torch.randn(n, CLASSES).double()),
+    "huber": (lambda: nn.HuberLoss(delta=0.3), None, lambda n: torch.randn(n, CLASSES).double()),
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", list(LOSS_CASES))
+def test_loss_options_match_autograd(name: str, reduction: str):
+    torch.manual_seed(0)
+    make, final, targets = LOSS_CASES[name]
+    loss = make()
+    loss.reduction = reduction
+    model = _model(final)
+    X, y = torch.randn(6, 3, dtype=torch.float64), targets(6)
+    expected = moments(autograd_batch_grad(model, loss, X, y))
+    model_fn, params = pf.functional(model)
+    result = pf.first_order(model_fn, params, X, y, loss=loss)
+    torch.testing.assert_close(result["loss"], loss(model(X), y))
+    for quantity in pf.QUANTITIES:
+        for param in params:
+            torch.testing.assert_close(result[quantity][param], expected[quantity][param],
+                                       msg=lambda m, q=quantity, p=param: f"{q}/{p}: {m}")
+
+
+def test_ignored_sample_has_zero_gradient():
+    torch.manual_seed(0)
+    model = _model()
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 2, 2, 1])
+    model_fn, params = pf.functional(model)
+    l2 = pf.batch_l2_grad(model_fn, params, X, y, loss=nn.CrossEntropyLoss(ignore_index=2))
+    for value in l2.values():
+        assert torch.all(value[1:3] == 0) and torch.all(value[[0, 3]] > 0)
+
+
+def test_mean_scaling_is_one_over_n_of_sum():
+    torch.manual_seed(0)
+    model = _model()
+    X, y = torch.randn(5, 3, dtype=torch.float64), _class_targets(5)
+    model_fn, params = pf.functional(model)
+    mean = pf.batch_grad(model_fn, params, X, y, loss=nn.CrossEntropyLoss())
+    total = pf.batch_grad(model_fn, params, X, y, loss=nn.CrossEntropyLoss(reduction="sum"))
+    for name in params:
+        torch.testing.assert_close(mean[name] * 5, total[name])
