@@ -14,7 +14,8 @@ def _mlp():
     return pf.functional(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)))
 
 
-X, Y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+_DATA = torch.Generator().manual_seed(0)
+X, Y = torch.randn(5, 3, generator=_DATA), torch.randint(0, 2, (5,), generator=_DATA)
 
 
 def test_reduction_none_is_refused():
@@ -132,5 +133,7 @@ def test_reduced_precision_works_or_raises_clearly(dtype):
     reference = pf.batch_grad(model_fn, {k: v.double() for k, v in params.items()}, X.double(), Y)
     for name in params:
         assert result[name].dtype == dtype
-        tol = 1e-5 if dtype == torch.float32 else 5e-2
-        torch.testing.assert_close(result[name].double(), reference[name], rtol=tol, atol=tol)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        scale = float(reference[name].abs().max())
+        torch.testing.assert_close(result[name].double(), reference[name], rtol=tol,
+                                   atol=tol * scale)

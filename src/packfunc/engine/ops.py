@@ -70,7 +70,7 @@ ROLES = ("weight", "bias")
 
 @dataclass(frozen=True)
 class TapCall:
-    """One call of a tapped op whose weight is a parameter leaf.
+    """One call of a tapped op whose weight or bias is a parameter leaf.
 
     Attributes:
         family: ``"linear"``, ``"conv"`` or ``"embedding"``.

@@ -4,7 +4,7 @@ Two passes over ``model_fn``, both inside a ``TorchFunctionMode``:
 
 1. :func:`discover` runs the model on the first sample only. It lists every
    call of a tapped op (``F.linear``, convolutions, ``F.embedding``) whose
-   weight is a parameter leaf, and marks as *uncovered* every leaf that is also
+   weight or bias is a parameter leaf, and marks as *uncovered* every leaf that is also
    used any other way (a raw ``nn.Parameter`` in a matmul, a LayerNorm weight,
    a weight used transposed ...). Uncovered leaves go to the generic path.
 2. :func:`record` runs the model on the whole batch inside ``torch.func.vjp``
@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.func import vjp
 from torch.overrides import TorchFunctionMode
 
-from packfunc.engine.ops import SIGNATURES, OpSignature, TapCall, make_call
+from packfunc.engine.ops import ROLES, SIGNATURES, OpSignature, TapCall, make_call
 from packfunc.engine.recurrent import RECURRENT_OPS, run_recurrent
 from packfunc.losses import check_loss_inputs
 
@@ -111,7 +111,7 @@ class _FunctionalMode(TorchFunctionMode):
         sig = SIGNATURES.get(func)
         if sig is not None and self.leaf_of is not None:
             bound = sig.bind(args, kwargs)
-            if self.leaf_of(bound["weight"]) is not None:
+            if any(self.leaf_of(bound.get(role)) is not None for role in ROLES):
                 return self._tapped(func, sig, bound, lambda: func(*args, **kwargs))
         return self._other(func, args, kwargs)
 

@@ -1,0 +1,70 @@
+"""Chunking bounds how many per-sample gradients exist at once; results do not change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import packfunc as pf
+from packfunc.engine import generic, memory
+from packfunc.engine.memory import chunk_length, chunks, is_plain, new_output
+
+
+def _raw_parameter_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    model_fn, params = pf.functional(model)
+
+    def squared(p, X):  # weight used squared: no rule applies, the generic path runs
+        return model_fn({**p, "0.weight": p["0.weight"] ** 2}, X)
+
+    return squared, params
+
+
+def test_automatic_chunks_respect_the_budget(monkeypatch):
+    model_fn, params = _raw_parameter_model()
+    X, y = torch.randn(10, 6, dtype=torch.float64), torch.randint(0, 3, (10,))
+    unbounded = pf.first_order(model_fn, params, X, y)
+    seen: list[int] = []
+    original = generic.per_sample_grads
+
+    def spy(*args):
+        seen.append(args[-1].shape[0])
+        return original(*args)
+
+    monkeypatch.setattr(generic, "per_sample_grads", spy)
+    monkeypatch.setattr(memory, "DEFAULT_BUDGET", 2 * 48)  # two samples' worth of 0.weight
+    bounded = pf.first_order(model_fn, params, X, y, quantities=("sum_grad_squared", "variance"))
+    assert max(seen) == 2 and sum(seen) == 10
+    for quantity in ("sum_grad_squared", "variance"):
+        for name in params:
+            torch.testing.assert_close(bounded[quantity][name], unbounded[quantity][name])
+
+
+def test_explicit_chunk_size_is_used(monkeypatch):
+    model_fn, params = _raw_parameter_model()
+    X, y = torch.randn(7, 6, dtype=torch.float64), torch.randint(0, 3, (7,))
+    seen: list[int] = []
+    original = generic.per_sample_grads
+    monkeypatch.setattr(generic, "per_sample_grads",
+                        lambda *a: seen.append(a[-1].shape[0]) or original(*a))
+    pf.batch_grad(model_fn, params, X, y, chunk_size=3)
+    assert seen == [3, 3, 1]
+
+
+def test_chunk_helpers():
+    assert chunk_length(100, 10, None) == 100
+    assert chunk_length(100, memory.DEFAULT_BUDGET, None) == 1
+    assert chunk_length(5, 1, 2) == 2
+    assert chunks(5, 2) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_length(5, 1, -1)
+
+
+def test_large_outputs_are_ordinary_tensors():
+    like = torch.zeros(1)
+    big = new_output((2**21, 3), like)
+    big.fill_(2.0)
+    assert big.shape == (2**21, 3) and big.dtype == like.dtype and float(big.sum()) == 2**22 * 3
+    assert is_plain(like) and not is_plain(torch.zeros(1, requires_grad=True))
