@@ -8,10 +8,12 @@ Two passes over ``model_fn``, both inside a ``TorchFunctionMode``:
    used any other way (a raw ``nn.Parameter`` in a matmul, a LayerNorm weight,
    a weight used transposed ...). Uncovered leaves go to the generic path.
 2. :func:`record` runs the model on the whole batch inside ``torch.func.vjp``
-   with a zero *probe* added to the output of each tapped call and to the model
-   output. One vector-Jacobian product of the loss then yields every cotangent:
+   with a zero *probe* added to the output of each tapped call. Pulling the
+   loss gradient ``∂L/∂f`` back through that vjp yields every cotangent at once:
    ``g_k[n] = ∂L/∂z_k[n]`` is sample ``n``'s share, because the loss is a sum of
    per-sample terms and each row ``n`` of ``z_k`` depends on sample ``n`` only.
+   The pullback is kept: any other output cotangent (e.g. the columns of a loss
+   Hessian's square root) can be pulled back through the same forward pass.
 
 Running discovery on one sample also checks that dim 0 is the sample dimension
 at every tapped call: its size must be 1 there and ``N`` in the batch pass.
@@ -165,12 +167,10 @@ class TapPlan:
     Attributes:
         sites: Every tapped call, in call order.
         uncovered: Leaves also used outside tapped ops (or ambiguously).
-        output: Per-sample shape, dtype and device of the model output.
     """
 
     sites: list[Site] = field(default_factory=list)
     uncovered: set[int] = field(default_factory=set)
-    output: Site | None = None
 
     def covered(self) -> set[int]:
         """Return the leaves whose every use is a tapped call."""
@@ -249,7 +249,6 @@ def discover(model_fn: Callable, params: Any, leaves: list[Tensor], X_first: Any
             f"model_fn returned {shape} for a batch of one sample; it must return a tensor "
             "whose leading dimension is the batch dimension."
         )
-    mode.plan.output = Site(TapCall("output", (), ()), out.shape[1:], out.dtype, out.device)
     return mode.plan
 
 
@@ -281,10 +280,6 @@ class _RecordMode(_FunctionalMode):
         return out + probe
 
 
-OUTPUT = -1
-"""Probe key of the model output."""
-
-
 @dataclass
 class TapRecord:
     """Everything the batch pass produced.
@@ -297,6 +292,8 @@ class TapRecord:
         cotangents: Cotangent of each recorded tapped call's output, by site index.
         failed: Active sites whose shapes differed from discovery (their leaves must
             take the generic path).
+        pullback: Maps an output cotangent ``[N, ...]`` to the cotangents of the
+            recorded calls' outputs (vmap it for several output cotangents).
     """
 
     loss: Tensor
@@ -305,6 +302,7 @@ class TapRecord:
     inputs: dict[int, Tensor]
     cotangents: dict[int, Tensor]
     failed: set[int]
+    pullback: Callable[[Tensor], dict[int, Tensor]]
 
 
 def record(model_fn: Callable, params: Any, leaves: list[Tensor], plan: TapPlan, X: Any,
@@ -340,20 +338,22 @@ def record(model_fn: Callable, params: Any, leaves: list[Tensor], plan: TapPlan,
     leaf_of = LeafIndex(leaves)
     failed: set[int] = set()
 
-    def loss_of_probes(probes: dict[int, Tensor]) -> tuple[Tensor, tuple]:
+    def output_of_probes(probes: dict[int, Tensor]) -> tuple[Tensor, dict[int, Tensor]]:
         mode = _RecordMode(leaf_of, plan, probes)
         with mode:
             output = model_fn(params, X)
         check_loss_inputs(loss, output, y, n)
         failed.update(mode.failed)
-        output = output + probes[OUTPUT]
-        return loss(output, y), (output, mode.inputs)
+        return output, mode.inputs
 
-    out = plan.output
-    probes[OUTPUT] = torch.zeros((n, *out.tail), dtype=out.dtype, device=out.device)
-    value, vjp_fn, (output, inputs) = vjp(loss_of_probes, probes, has_aux=True)
-    (cotangents,) = vjp_fn(torch.ones_like(value))
-    output_cotangent = cotangents.pop(OUTPUT)
-    cotangents = {k: g for k, g in cotangents.items() if k in inputs}
-    return TapRecord(value, output, output_cotangent, inputs, cotangents, failed)
+    output, probe_pullback, inputs = vjp(output_of_probes, probes, has_aux=True)
+    value, loss_pullback = vjp(lambda out: loss(out, y), output)
+    (output_cotangent,) = loss_pullback(torch.ones_like(value))
+
+    def pullback(cotangent: Tensor) -> dict[int, Tensor]:
+        (found,) = probe_pullback(cotangent)
+        return {k: g for k, g in found.items() if k in inputs}
+
+    return TapRecord(value, output, output_cotangent, inputs, pullback(output_cotangent),
+                     failed, pullback)
 
