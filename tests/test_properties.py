@@ -39,7 +39,7 @@ def conv_layers(draw):
             kwargs["padding"] = draw(st.integers(0, 1))
         if kwargs["padding"] not in (0, "valid", "same"):
             kwargs["padding_mode"] = draw(st.sampled_from(["zeros", "reflect", "circular"]))
-    size = draw(st.integers(3, 5)) if dims < 3 else 3
+    size = max(draw(st.integers(3, 5)) if dims < 3 else 3, dilation * (kernel - 1) + 1)
     layer = CONVS[(dims, transposed)](channels_in, channels_out, kernel, **kwargs)
     return layer, (channels_in, *[size] * dims)
 

@@ -51,9 +51,9 @@ class Config:
         seed: Seed for the split, the initialization, the shuffling and the noise.
     """
 
-    epochs: int = 10
+    epochs: int = 20
     batch_size: int = 64
-    lr: float = 0.5
+    lr: float = 0.1
     clip: float = 1.0
     noise: float = 1.0
     seed: int = 0
@@ -85,14 +85,10 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.25) -> Split:
     X_tr, X_te, y_tr, y_te = train_test_split(
         X, y, test_size=test_fraction, random_state=seed, stratify=y)
     scaler = StandardScaler().fit(X_tr)
-
-    def features(a):  # numpy -> float32 tensor
-        return torch.as_tensor(scaler.transform(a), dtype=torch.float32)
-
-    def labels(a):  # numpy -> int64 tensor
-        return torch.as_tensor(a, dtype=torch.long)
-
-    return Split(features(X_tr), labels(y_tr), features(X_te), labels(y_te))
+    return Split(torch.as_tensor(scaler.transform(X_tr), dtype=torch.float32),
+                 torch.as_tensor(y_tr, dtype=torch.long),
+                 torch.as_tensor(scaler.transform(X_te), dtype=torch.float32),
+                 torch.as_tensor(y_te, dtype=torch.long))
 
 
 def build_mlp(n_in: int = 64, hidden: int = 128, n_out: int = 10) -> nn.Module:
@@ -279,6 +275,14 @@ def accuracy(model_fn: ModelFn, params: Params, X: Tensor, y: Tensor) -> float:
     return (model_fn(params, X).argmax(1) == y).float().mean().item()
 
 
+def _positive_int(text: str) -> int:
+    """Parse a strictly positive integer for argparse."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
 def parse_args(argv: Sequence[str] | None = None) -> Config:
     """Parse command-line options into a :class:`Config`.
 
@@ -295,8 +299,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     default = Config()
     parser = argparse.ArgumentParser(prog="python -m packfunc.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=default.epochs, help="passes over the data")
-    parser.add_argument("--batch-size", type=int, default=default.batch_size,
+    parser.add_argument("--epochs", type=_positive_int, default=default.epochs,
+                        help="passes over the data")
+    parser.add_argument("--batch-size", type=_positive_int, default=default.batch_size,
                         help="samples per step")
     parser.add_argument("--lr", type=float, default=default.lr, help="SGD learning rate")
     parser.add_argument("--clip", type=float, default=default.clip,

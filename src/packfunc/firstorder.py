@@ -100,13 +100,22 @@ def _quantity(name: str, stats: dict[str, Tensor], n: int) -> Tensor:
 
 def _leaf_stats(grads: PerSampleGradients, stats: set[str], index: slice | Tensor
                 ) -> list[dict[str, Tensor]]:
-    """Return, per leaf, the statistics in ``stats``; closed forms first."""
+    """Return, per leaf, the statistics in ``stats``; closed forms first.
+
+    The gradient is summed from materialized per-sample gradients when the
+    squared sum is (one pass over them serves both), else taken in closed form.
+    """
     per_leaf: list[dict[str, Tensor]] = [{} for _ in grads.leaves]
     for leaf, found in enumerate(per_leaf):
-        for stat in stats - {"batch_grad"}:
+        for stat in stats - {"batch_grad", "grad"}:
             value = grads.closed_form(leaf, stat)
             if value is not None:
                 found[stat] = value[index] if stat == "batch_l2" else value
+        squares_materialized = "sum_grad_squared" in stats - found.keys()
+        if "grad" in stats and not squares_materialized:
+            value = grads.closed_form(leaf, "grad")
+            if value is not None:
+                found["grad"] = value
     tapped = [i for i in range(len(grads.leaves)) if i not in grads.generic]
     for group in [[i] for i in tapped] + [grads.generic]:
         missing = stats - per_leaf[group[0]].keys() if group else set()

@@ -8,7 +8,14 @@ from torch import nn
 
 import packfunc as pf
 from packfunc.engine import generic, memory
-from packfunc.engine.memory import chunk_length, chunks, is_plain, new_output
+from packfunc.engine.memory import (
+    chunk_length,
+    chunks,
+    index_length,
+    is_plain,
+    new_output,
+    split_index,
+)
 
 
 def _raw_parameter_model():
@@ -30,7 +37,7 @@ def test_automatic_chunks_respect_the_budget(monkeypatch):
     original = generic.per_sample_grads
 
     def spy(*args):
-        seen.append(args[-1].shape[0])
+        seen.append(index_length(args[-1]))
         return original(*args)
 
     monkeypatch.setattr(generic, "per_sample_grads", spy)
@@ -48,7 +55,7 @@ def test_explicit_chunk_size_is_used(monkeypatch):
     seen: list[int] = []
     original = generic.per_sample_grads
     monkeypatch.setattr(generic, "per_sample_grads",
-                        lambda *a: seen.append(a[-1].shape[0]) or original(*a))
+                        lambda *a: seen.append(index_length(a[-1])) or original(*a))
     pf.batch_grad(model_fn, params, X, y, chunk_size=3)
     assert seen == [3, 3, 1]
 
@@ -58,13 +65,16 @@ def test_chunk_helpers():
     assert chunk_length(100, memory.DEFAULT_BUDGET, None) == 1
     assert chunk_length(5, 1, 2) == 2
     assert chunks(5, 2) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert split_index(slice(1, 6), 2) == [slice(1, 3), slice(3, 5), slice(5, 6)]
+    assert [t.tolist() for t in split_index(torch.tensor([4, 0, 4]), 2)] == [[4, 0], [4]]
+    assert index_length(slice(1, 6)) == 5 and index_length(torch.tensor([4, 0, 4])) == 3
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_length(5, 1, -1)
 
 
 def test_large_outputs_are_ordinary_tensors():
     like = torch.zeros(1)
-    big = new_output((2**21, 3), like)
+    big = new_output((2**23, 2), like)  # 64 MiB: served from huge pages
     big.fill_(2.0)
-    assert big.shape == (2**21, 3) and big.dtype == like.dtype and float(big.sum()) == 2**22 * 3
+    assert big.shape == (2**23, 2) and big.dtype == like.dtype and float(big.sum()) == 2**25
     assert is_plain(like) and not is_plain(torch.zeros(1, requires_grad=True))

@@ -10,11 +10,10 @@ smoothing, ``pos_weight``) exact by construction.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import optree
-import torch
 from torch import Tensor
 from torch.func import vjp, vmap
 
@@ -29,7 +28,7 @@ def per_sample_grads(
     wanted: list[int],
     X: Any,
     output_cotangent: Tensor,
-    index: Tensor,
+    index: slice | Tensor,
 ) -> list[Tensor]:
     """Return per-sample gradients of the leaves ``wanted`` for the samples ``index``.
 
@@ -40,7 +39,7 @@ def per_sample_grads(
         wanted: Indices of the leaves to differentiate.
         X: The whole batch of inputs.
         output_cotangent: ``∂L/∂output`` for the whole batch.
-        index: Sample indices (a long tensor) to compute.
+        index: Samples to compute (a slice or an index tensor).
 
     Returns:
         One tensor ``[len(index), *leaf.shape]`` per wanted leaf.
@@ -68,61 +67,3 @@ def per_sample_grads(
 
     xs = select_samples(X, index)
     return vmap(one_sample, randomness="different")(xs, output_cotangent[index])
-
-
-def iter_per_sample_grads(
-    model_fn: Callable,
-    leaves: list[Tensor],
-    treespec: optree.PyTreeSpec,
-    wanted: list[int],
-    X: Any,
-    output_cotangent: Tensor,
-    index: Tensor,
-    length: int,
-) -> Iterator[list[Tensor]]:
-    """Yield :func:`per_sample_grads` for consecutive chunks of ``index``.
-
-    Args:
-        model_fn: ``model_fn(params, X)``.
-        leaves: Flattened parameter leaves.
-        treespec: Their pytree structure.
-        wanted: Indices of the leaves to differentiate.
-        X: The whole batch of inputs.
-        output_cotangent: ``∂L/∂output`` for the whole batch.
-        index: Sample indices to compute.
-        length: Samples per chunk.
-
-    Yields:
-        Per chunk, one tensor ``[chunk, *leaf.shape]`` per wanted leaf.
-
-    Example:
-        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
-        >>> leaves, spec = optree.tree_flatten(p)
-        >>> chunks = iter_per_sample_grads(fn, leaves, spec, [1], torch.ones(4, 3),
-        ...                                torch.ones(4, 2), torch.arange(4), 3)
-        >>> [c[0].shape[0] for c in chunks]
-        [3, 1]
-    """
-    for start in range(0, index.shape[0], length):
-        yield per_sample_grads(model_fn, leaves, treespec, wanted, X, output_cotangent,
-                               index[start:start + length])
-
-
-def index_tensor(index: slice | Tensor, n: int, device: torch.device) -> Tensor:
-    """Return sample indices as a long tensor.
-
-    Args:
-        index: A slice over the batch or an index tensor.
-        n: Batch size.
-        device: Device for the indices.
-
-    Returns:
-        A 1-D long tensor.
-
-    Example:
-        >>> index_tensor(slice(0, 3), 3, torch.device("cpu"))
-        tensor([0, 1, 2])
-    """
-    if isinstance(index, Tensor):
-        return index
-    return torch.arange(n, device=device)[index]

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from packfunc.engine import generic
-from packfunc.engine.memory import chunk_length
+from packfunc.engine.memory import chunk_length, index_length, split_index
 from packfunc.engine.ops import TapCall
 from packfunc.engine.rules import RULES, Rule
 from packfunc.engine.taps import TapPlan, TapRecord, discover, record
@@ -34,14 +34,14 @@ class Term:
 
 
 def _merge(terms: list[Term]) -> list[Term]:
-    """Concatenate terms of one mergeable rule along dim 1 (sequence positions)."""
-    rule = terms[0].rule
-    if len(terms) == 1 or not rule.mergeable or any(t.rule is not rule for t in terms):
+    """Concatenate the terms of several calls of one rule along its positions dim."""
+    rule, dim = terms[0].rule, terms[0].rule.merge_dim
+    if len(terms) == 1 or dim is None or any(t.rule is not rule for t in terms):
         return terms
-    if len({(t.call.options, t.x.dtype) for t in terms}) != 1:
+    if len({(t.call.options, t.x.dtype, t.x.shape[:dim], t.g.shape[:dim]) for t in terms}) != 1:
         return terms
-    x = torch.cat([t.x for t in terms], dim=1)
-    g = torch.cat([t.g for t in terms], dim=1)
+    x = torch.cat([t.x for t in terms], dim=dim)
+    g = torch.cat([t.g for t in terms], dim=dim)
     return [Term(rule, x, g, terms[0].call)]
 
 
@@ -132,8 +132,7 @@ class PerSampleGradients:
         param = self.leaves[leaf]
         terms = self.terms.get(leaf)
         if not terms:
-            count = generic.index_tensor(index, self.n, param.device).shape[0]
-            return param.new_zeros((count, *param.shape))
+            return param.new_zeros((index_length(index), *param.shape))
         grads = [t.rule.batch_grad(t.x[index], t.g[index], t.call, param) for t in terms]
         return grads[0] if len(grads) == 1 else sum(grads)
 
@@ -150,18 +149,14 @@ class PerSampleGradients:
         Yields:
             Per chunk, one ``[chunk, *leaf.shape]`` tensor per wanted leaf.
         """
-        device = self.record.output.device
-        indices = generic.index_tensor(index, self.n, device)
         numel = sum(self.leaves[i].numel() for i in wanted)
-        length = chunk_length(indices.shape[0], numel, self.chunk_size)
-        if wanted and wanted[0] in self.generic:
-            yield from generic.iter_per_sample_grads(
-                self.model_fn, self.leaves, self.treespec, wanted, self.X,
-                self.record.output_cotangent, indices, length)
-            return
-        for start in range(0, indices.shape[0], length):
-            chunk = indices[start:start + length]
-            yield [self.batch_grad(i, chunk) for i in wanted]
+        length = chunk_length(index_length(index), numel, self.chunk_size)
+        for chunk in split_index(index, length):
+            if wanted and wanted[0] in self.generic:
+                yield generic.per_sample_grads(self.model_fn, self.leaves, self.treespec, wanted,
+                                               self.X, self.record.output_cotangent, chunk)
+            else:
+                yield [self.batch_grad(i, chunk) for i in wanted]
 
 
 def _zeros_of(param: Tensor, quantity: str, n: int) -> Tensor:

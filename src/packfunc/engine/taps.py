@@ -331,8 +331,8 @@ def record(model_fn: Callable, params: Any, leaves: list[Tensor], plan: TapPlan,
         torch.Size([4, 2])
     """
     probes = {
-        k: torch.zeros((n, *plan.sites[k].tail), dtype=plan.sites[k].dtype,
-                       device=plan.sites[k].device)
+        k: torch.zeros((), dtype=plan.sites[k].dtype, device=plan.sites[k].device).expand(
+            n, *plan.sites[k].tail)
         for k in plan.active()
     }
     leaf_of = LeafIndex(leaves)

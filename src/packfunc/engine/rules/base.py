@@ -17,8 +17,8 @@ class Rule:
     in chunks.
     """
 
-    mergeable: bool = False
-    """Whether canonical terms of several calls can be concatenated along dim 1."""
+    merge_dim: int | None = None
+    """Dim along which canonical terms of several calls concatenate (``None``: they add up)."""
 
     def canonical(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
                   ) -> tuple[Tensor, Tensor]:

@@ -1,69 +1,87 @@
 """Rules for convolutions and transposed convolutions (1d, 2d, 3d, any options).
 
-Per-sample weight gradients come from one grouped weight-gradient
-convolution: stacking the samples as groups (``groups = N · G``) makes
-``aten.convolution_backward`` return one weight gradient per sample.
+The input is unfolded (a strided view, copied once) into ``[N, G, C_in/G·K, L]``
+so that the weight gradient is a grouped matrix product (see ``product.py``).
+A transposed convolution is the adjoint of the convolution with the same
+weight, so its weight gradient is that convolution's with the roles of input
+and output cotangent swapped: the cotangent is unfolded, the input is not.
 """
 
 from __future__ import annotations
 
-import torch
+import math
+
 import torch.nn.functional as F
 from torch import Tensor
 
 from packfunc.engine.ops import TapCall
-from packfunc.engine.rules.base import Rule
+from packfunc.engine.rules.product import ProductWeight
 
 
 def _per_dim(value: int | tuple[int, ...] | list[int], dims: int) -> list[int]:
     return list(value) if isinstance(value, (tuple, list)) else [value] * dims
 
 
-def _explicit_padding(x: Tensor, call: TapCall, kernel: tuple[int, ...]
-                      ) -> tuple[Tensor, list[int]]:
-    """Turn ``padding='same'/'valid'`` into integers, padding ``x`` where 'same' is asymmetric."""
-    dims = len(kernel)
+def _padding_pairs(call: TapCall, kernel: list[int], dilation: list[int]) -> list[tuple[int, int]]:
+    """(before, after) padding per spatial dim; ``'same'`` may be asymmetric."""
     padding = call.option("padding")
-    if not isinstance(padding, str):
-        return x, _per_dim(padding, dims)
     if padding == "valid":
-        return x, [0] * dims
-    dilation = _per_dim(call.option("dilation"), dims)
-    total = [d * (k - 1) for d, k in zip(dilation, kernel)]
-    if all(t % 2 == 0 for t in total):
-        return x, [t // 2 for t in total]
-    pads = [side for t in reversed(total) for side in (t // 2, t - t // 2)]
-    return F.pad(x, pads), [0] * dims
+        return [(0, 0)] * len(kernel)
+    if padding == "same":
+        totals = [d * (k - 1) for d, k in zip(dilation, kernel)]
+        return [(t // 2, t - t // 2) for t in totals]
+    return [(p, p) for p in _per_dim(padding, len(kernel))]
 
 
-def _weight_grad(x: Tensor, g: Tensor, call: TapCall, weight_shape: tuple[int, ...],
-                 groups: int) -> Tensor:
-    """``aten.convolution_backward``'s weight gradient for the given grouping."""
-    kernel = tuple(weight_shape[2:])
-    x, padding = _explicit_padding(x, call, kernel)
-    dims = len(kernel)
-    output_padding = [0] * dims
-    if call.transposed:
-        output_padding = _per_dim(call.option("output_padding"), dims)
-    weight = x.new_zeros(()).expand(weight_shape)
-    return torch.ops.aten.convolution_backward(
-        g, x, weight, None,
-        _per_dim(call.option("stride"), dims), padding, _per_dim(call.option("dilation"), dims),
-        call.transposed, output_padding, groups, [False, True, False],
-    )[1]
+def unfold(x: Tensor, kernel: list[int], stride: list[int], dilation: list[int],
+           padding: list[tuple[int, int]], positions: list[int] | None = None) -> Tensor:
+    """Unfold ``x: [N, C, *S]`` into ``[N, C·K, L]``: every kernel window as a column.
+
+    Args:
+        x: Input with any number of spatial dims.
+        kernel: Kernel size per spatial dim.
+        stride: Stride per spatial dim.
+        dilation: Dilation per spatial dim.
+        padding: (before, after) zero padding per spatial dim.
+        positions: Windows per spatial dim (default: all that fit).
+
+    Returns:
+        The unfolded input; for 2-D equal to ``F.unfold``.
+
+    Example:
+        >>> unfold(torch.ones(1, 2, 3, 3), [2, 2], [1, 1], [1, 1], [(0, 0), (0, 0)]).shape
+        torch.Size([1, 8, 4])
+    """
+    if any(before or after for before, after in padding):
+        x = F.pad(x, [side for pair in reversed(padding) for side in pair])
+    n, channels, *size = x.shape
+    if positions is None:
+        positions = [(s - d * (k - 1) - 1) // st + 1
+                     for s, k, st, d in zip(size, kernel, stride, dilation)]
+    sample_stride, channel_stride, *space = x.stride()
+    windows = x.as_strided(
+        (n, channels, *kernel, *positions),
+        (sample_stride, channel_stride, *[s * d for s, d in zip(space, dilation)],
+         *[s * st for s, st in zip(space, stride)]),
+    )
+    return windows.reshape(n, channels * math.prod(kernel), math.prod(positions))
 
 
-class ConvWeight(Rule):
-    """Weight of ``torch.convNd`` / ``torch.conv_transposeNd``; ``x``, ``g`` as in the op."""
+class ConvWeight(ProductWeight):
+    """Weight of ``torch.convNd`` / ``torch.conv_transposeNd``."""
 
-    def batch_grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
-        """One grouped weight-gradient convolution over ``n · groups`` groups."""
-        n, groups = x.shape[0], call.option("groups")
-        stacked = (n * param.shape[0], *param.shape[1:])
-        grads = _weight_grad(x.reshape(1, -1, *x.shape[2:]), g.reshape(1, -1, *g.shape[2:]),
-                             call, stacked, n * groups)
-        return grads.view(n, *param.shape)
-
-    def grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
-        """The ordinary weight gradient of the batch."""
-        return _weight_grad(x, g, call, tuple(param.shape), call.option("groups"))
+    def canonical(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+                  ) -> tuple[Tensor, Tensor]:
+        """Unfold the op's input (or, transposed, its cotangent) and group the channels."""
+        kernel = list(param.shape[2:])
+        dims = len(kernel)
+        stride = _per_dim(call.option("stride"), dims)
+        dilation = _per_dim(call.option("dilation"), dims)
+        groups, n = call.option("groups"), x.shape[0]
+        source, target = (g, x) if call.transposed else (x, g)
+        # a transposed op's output_padding adds trailing positions no input position reaches
+        columns = unfold(source, kernel, stride, dilation, _padding_pairs(call, kernel, dilation),
+                         positions=list(target.shape[2:]))
+        u = columns.view(n, groups, -1, columns.shape[-1])
+        v = target.reshape(n, groups, -1, u.shape[-1])
+        return u, v

@@ -17,7 +17,7 @@ class EmbeddingWeight(Rule):
     pair are summed first, so work and memory scale with the number of indices.
     """
 
-    mergeable = True
+    merge_dim = 1
 
     def canonical(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
                   ) -> tuple[Tensor, Tensor]:
