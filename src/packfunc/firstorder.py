@@ -14,7 +14,7 @@ import optree
 import torch
 from torch import Tensor, nn
 
-from packfunc.engine.memory import chunk_length, chunks
+from packfunc.engine.memory import chunks
 from packfunc.engine.persample import PerSampleGradients
 from packfunc.functional import as_index
 from packfunc.losses import default_loss
@@ -157,17 +157,20 @@ def _reduce(parts: Iterable[list[Tensor]], stats: set[str]) -> list[dict[str, Te
             for found in collected]
 
 
+_SQUARES_AT_ONCE = 2**20
+"""Elements squared per temporary: small enough for the allocator to reuse its memory."""
+
+
 def _statistic(stat: str, per_sample: Tensor) -> Tensor:
-    """One chunk's contribution to a statistic, squaring in bounded slices."""
+    """One chunk's contribution to a statistic, without a temporary of the chunk's size."""
     n = per_sample.shape[0]
     if stat == "batch_grad":
         return per_sample
     if stat == "grad":
         return per_sample.sum(0)
-    flat = per_sample.reshape(n, -1)
-    length = chunk_length(n, flat.shape[1], None)
     if stat == "batch_l2":
-        return torch.cat([flat[s].square().sum(1) for s in chunks(n, length)])
+        return torch.linalg.vector_norm(per_sample.reshape(n, -1), dim=1).square()
+    length = max(1, _SQUARES_AT_ONCE // max(per_sample[0].numel(), 1))
     return sum(per_sample[s].square().sum(0) for s in chunks(n, length))
 
 
