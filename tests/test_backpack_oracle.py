@@ -14,7 +14,8 @@ from tests.cases import autograd_batch_grad, moments
 backpack = pytest.importorskip("backpack")
 extensions = pytest.importorskip("backpack.extensions")
 
-pytestmark = pytest.mark.backpack
+pytestmark = [pytest.mark.backpack,
+              pytest.mark.filterwarnings("ignore:Full backward hook is firing")]
 
 EXTENSIONS = {
     "batch_grad": ("BatchGrad", "grad_batch"),

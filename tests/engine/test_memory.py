@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.cases import CASE_IDS, CASES
 from torch import nn
 
 import packfunc as pf
@@ -16,6 +17,7 @@ from packfunc.engine.memory import (
     new_output,
     split_index,
 )
+from packfunc.engine.persample import PerSampleGradients
 
 
 def _raw_parameter_model():
@@ -78,3 +80,17 @@ def test_large_outputs_are_ordinary_tensors():
     big.fill_(2.0)
     assert big.shape == (2**23, 2) and big.dtype == like.dtype and float(big.sum()) == 2**25
     assert is_plain(like) and not is_plain(torch.zeros(1, requires_grad=True))
+
+
+@pytest.mark.parametrize("case_name", ["mlp", "embedding"])
+def test_moments_of_closed_form_layers_never_materialize(monkeypatch, case_name):
+    def refuse(*args):
+        raise AssertionError("materialized per-sample gradients")
+
+    monkeypatch.setattr(PerSampleGradients, "batch_grad", refuse)
+    monkeypatch.setattr(generic, "per_sample_grads", refuse)
+    case = CASES[CASE_IDS.index(case_name)]
+    model_fn, params = pf.functional(case.build())
+    X = case.inputs(6)
+    pf.first_order(model_fn, params, X, torch.randint(0, 2, (6,)),
+                   quantities=("grad", "batch_l2_grad", "sum_grad_squared", "variance"))

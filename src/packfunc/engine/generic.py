@@ -46,8 +46,8 @@ def per_sample_grads(
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
-        >>> leaves, spec = optree.tree_flatten(p)
-        >>> g = per_sample_grads(fn, leaves, spec, [0], torch.ones(4, 3), torch.ones(4, 2),
+        >>> leaves, spec = optree.tree_flatten(p)  # dict keys sorted: bias, weight
+        >>> g = per_sample_grads(fn, leaves, spec, [1], torch.ones(4, 3), torch.ones(4, 2),
         ...                      torch.arange(4))
         >>> g[0].shape
         torch.Size([4, 2, 3])

@@ -61,7 +61,7 @@ class PerSampleGradients:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
         >>> grads = PerSampleGradients(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
         ...                            torch.nn.CrossEntropyLoss())
-        >>> grads.batch_grad(0, slice(0, 4)).shape
+        >>> grads.batch_grad(grads.names.index("weight"), slice(0, 4)).shape
         torch.Size([4, 2, 3])
     """
 
