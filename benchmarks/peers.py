@@ -71,7 +71,7 @@ def packfunc_builder(problem: Problem, quantity: str) -> Closure | None:
     model_fn, params = pf.functional(problem.model())
     lossfunc, X, y = problem.loss(), problem.X, problem.y
     if quantity == "grad":
-        return lambda: pf.first_order(model_fn, params, X, y, quantities=("grad",),
+        return lambda: pf.compute(model_fn, params, X, y, quantities=("grad",),
                                       loss=lossfunc)["grad"]
     function = getattr(pf, quantity, None)
     if function is None:

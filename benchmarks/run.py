@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(row.quantity == "grad" for row in rows):
         print(f"Reference rows ({LABELS['grad']}): {REFERENCE} column = plain "
               "`loss.backward()` on an unextended model; vmap(grad) = `torch.func.grad` of the "
-              f"mean loss; {SUBJECT} = `first_order(quantities=('grad',))`.")
+              f"mean loss; {SUBJECT} = `compute(quantities=('grad',))`.")
     for row, outcome in zip(rows, outcomes):
         if outcome.repeats < repeats:
             print(f"- {row.key}: {outcome.repeats} repeats (time budget)")

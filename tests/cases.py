@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.functional import hessian, jacobian
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # ----------------------------------------------------------------------------- models
 
@@ -77,7 +79,7 @@ class TiedEmbedding(nn.Module):
 
     def __init__(self, vocab: int = 7, width: int = 4):
         super().__init__()
-        self.emb = nn.Embedding(vocab, width, padding_idx=0)
+        self.emb = nn.Embedding(vocab, width)
         self.mix = nn.Linear(width, width)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -263,3 +265,62 @@ def moments(batch: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
         "sum_grad_squared": {k: v.square().sum(0) for k, v in batch.items()},
         "variance": {k: v.square().mean(0) - v.mean(0).square() for k, v in batch.items()},
     }
+
+
+# ----------------------------------------------------------------------------- dense curvature
+
+
+@dataclass
+class Dense:
+    """Dense curvature matrices over all parameters, flattened in ``named_parameters`` order."""
+
+    ggn: Tensor
+    sample_ggn: Tensor
+    hessian: Tensor
+    sample_hessian: Tensor
+    names: list[str]
+    shapes: list[torch.Size]
+
+    def flatten(self, tree: dict[str, Tensor], leading: int = 0) -> Tensor:
+        """Concatenate a result pytree's leaves (with ``leading`` batch dims kept)."""
+        parts = [tree[name].reshape(*tree[name].shape[:leading], -1) for name in self.names]
+        return torch.cat(parts, dim=-1)
+
+
+def dense_curvature(model: nn.Module, loss: nn.Module, X: Tensor, y: Tensor) -> Dense:
+    """GGN and Hessian of the reduced loss, and of each sample's share, by autograd loops.
+
+    Deliberately not ``torch.func.jacrev``/``hessian``: their vmap-based rows are
+    wrong for ``nn.MultiheadAttention`` in torch 2.13 (an asymmetric Hessian that
+    finite differences contradict), so the oracle uses one backward pass per row.
+    """
+    names = [name for name, _ in model.named_parameters()]
+    shapes = [p.shape for _, p in model.named_parameters()]
+    flat0 = torch.cat([p.detach().reshape(-1) for _, p in model.named_parameters()])
+
+    def unflatten(flat: Tensor) -> dict[str, Tensor]:
+        return dict(zip(names, [t.view(s) for t, s in zip(flat.split([s.numel() for s in shapes]),
+                                                          shapes)]))
+
+    def output(flat: Tensor, inputs: Tensor) -> Tensor:
+        return torch.func.functional_call(model, unflatten(flat), (inputs,))
+
+    with torch.no_grad():
+        full = output(flat0, X)
+    n = X.shape[0]
+    jac = jacobian(lambda flat: output(flat, X), flat0, vectorize=False)
+    jac = jac.reshape(n, -1, flat0.numel())  # [N, O, P]
+    h_out = hessian(lambda o: loss(o, y), full).reshape(n, full[0].numel(), n, -1)
+    blocks = torch.stack([h_out[i, :, i] for i in range(n)])  # [N, O, O]
+    sample_ggn = torch.einsum("nop,noq,nqr->npr", jac, blocks, jac)
+
+    def share(flat: Tensor, i: int) -> Tensor:
+        rows = list(full.unbind(0))
+        rows[i] = output(flat, X[i:i + 1])[0]
+        return loss(torch.stack(rows), y)
+
+    with sdpa_kernel([SDPBackend.MATH]):  # CPU flash attention has no second derivatives
+        sample_hessian = torch.stack([hessian(lambda flat, i=i: share(flat, i), flat0)
+                                      for i in range(n)])
+        full_hessian = hessian(lambda flat: loss(output(flat, X), y), flat0)
+    return Dense(sample_ggn.sum(0), sample_ggn, full_hessian, sample_hessian, names, shapes)

@@ -70,7 +70,7 @@ def test_first_order_quantities_equal_backpack(name, loss_cls, reduction, n):
     y = torch.randint(0, 3, (n,)) if loss_cls is nn.CrossEntropyLoss else torch.randn_like(out)
     theirs = _backpack_results(model, loss, X, y)
     model_fn, params = pf.functional(model)
-    ours = pf.first_order(model_fn, params, X, y, loss=loss, quantities=tuple(EXTENSIONS))
+    ours = pf.compute(model_fn, params, X, y, loss=loss, quantities=tuple(EXTENSIONS))
     for quantity in EXTENSIONS:
         if quantity == "batch_l2_grad" and name == "grouped_conv2d":
             continue  # BackPACK 1.7.1 is wrong here; see the test below
@@ -93,3 +93,72 @@ def test_grouped_conv_batch_l2_follows_autograd_where_backpack_is_wrong():
     theirs = _backpack_results(model, loss, X, y)["batch_l2_grad"]["0.weight"]
     torch.testing.assert_close(ours, truth)
     assert not torch.allclose(theirs, truth), "BackPACK fixed grouped-conv BatchL2Grad"
+
+
+SECOND_ORDER = {
+    "diag_ggn": ("DiagGGNExact", "diag_ggn_exact"),
+    "batch_diag_ggn": ("BatchDiagGGNExact", "diag_ggn_exact_batch"),
+    "sqrt_ggn": ("SqrtGGNExact", "sqrt_ggn_exact"),
+    "diag_hessian": ("DiagHessian", "diag_h"),
+    "batch_diag_hessian": ("BatchDiagHessian", "diag_h_batch"),
+}
+SECOND_ORDER_MODELS = {
+    "tanh_mlp": (lambda: nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Sigmoid(),
+                                       nn.Linear(5, 3)), (4,)),
+    "cnn": (lambda: nn.Sequential(nn.Conv2d(2, 3, 2, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                  nn.Flatten(), nn.Linear(12, 3)), (2, 3, 3)),
+    "conv1d_tanh": (lambda: nn.Sequential(nn.Conv1d(2, 2, 3, stride=2), nn.Tanh(), nn.Flatten(),
+                                          nn.Linear(8, 3)), (2, 9)),
+}
+
+
+def _backpack_second_order(model, loss, X, y, exts: dict) -> dict:
+    model, loss = backpack.extend(copy.deepcopy(model)), backpack.extend(copy.deepcopy(loss))
+    with backpack.backpack(*[getattr(extensions, cls)() for cls, _ in exts.values()]):
+        loss(model(X), y).backward()
+    return {q: {name: getattr(p, field) for name, p in model.named_parameters()}
+            for q, (_, field) in exts.items()}
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("loss_cls", [nn.CrossEntropyLoss, nn.MSELoss])
+@pytest.mark.parametrize("name", list(SECOND_ORDER_MODELS))
+def test_second_order_quantities_equal_backpack(name, loss_cls, reduction, n):
+    torch.manual_seed(0)
+    build, shape = SECOND_ORDER_MODELS[name]
+    model = build().double()
+    X = torch.randn(n, *shape, dtype=torch.float64)
+    loss = loss_cls(reduction=reduction)
+    with torch.no_grad():
+        out = model(X)
+    y = torch.randint(0, 3, (n,)) if loss_cls is nn.CrossEntropyLoss else torch.randn_like(out)
+    theirs = _backpack_second_order(model, loss, X, y, SECOND_ORDER)
+    model_fn, params = pf.functional(model)
+    ours = pf.compute(model_fn, params, X, y, loss=loss, quantities=tuple(SECOND_ORDER))
+    for quantity in SECOND_ORDER:
+        for param in params:
+            torch.testing.assert_close(ours[quantity][param], theirs[quantity][param],
+                                       msg=lambda m, q=quantity, p=param: f"{q}/{p}: {m}")
+
+
+def test_monte_carlo_extensions_have_backpack_shapes_and_statistics():
+    torch.manual_seed(0)
+    build, shape = SECOND_ORDER_MODELS["tanh_mlp"]
+    model = build().double()
+    X, y = torch.randn(4, *shape, dtype=torch.float64), torch.randint(0, 3, (4,))
+    loss = nn.CrossEntropyLoss()
+    model_b, loss_b = backpack.extend(copy.deepcopy(model)), backpack.extend(copy.deepcopy(loss))
+    with backpack.backpack(extensions.DiagGGNMC(mc_samples=5000),
+                           extensions.SqrtGGNMC(mc_samples=7)):
+        loss_b(model_b(X), y).backward()
+    model_fn, params = pf.functional(model)
+    ours = pf.compute(model_fn, params, X, y, loss=loss, mc_samples=5000,
+                      generator=torch.Generator().manual_seed(0), quantities=("diag_ggn",))
+    exact = pf.diag_ggn(model_fn, params, X, y, loss=loss)
+    root = pf.sqrt_ggn(model_fn, params, X, y, loss=loss, mc_samples=7)
+    for name, p in model_b.named_parameters():
+        assert root[name].shape == p.sqrt_ggn_mc.shape == (7, 4, *p.shape)
+        scale = exact[name].abs().max()
+        for estimate in (ours["diag_ggn"][name], p.diag_ggn_mc):
+            assert float((estimate - exact[name]).abs().max() / scale) < 0.1

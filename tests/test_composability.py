@@ -39,13 +39,13 @@ def test_vmap_over_an_ensemble_equals_each_member(case_name: str):
         return functional_call(base, params, (X,))
 
     def quantities(params):
-        out = pf.first_order(model_fn, params, X, y, quantities=("batch_grad", "variance"))
+        out = pf.compute(model_fn, params, X, y, quantities=("batch_grad", "variance"))
         return out["batch_grad"], out["variance"]
 
     batch, var = vmap(quantities)(stacked)
     for i, member in enumerate(members):
         fn, params = pf.functional(member)
-        expected = pf.first_order(fn, params, X, y, quantities=("batch_grad", "variance"))
+        expected = pf.compute(fn, params, X, y, quantities=("batch_grad", "variance"))
         for name in params:
             torch.testing.assert_close(batch[name][i], expected["batch_grad"][name])
             torch.testing.assert_close(var[name][i], expected["variance"][name])
@@ -88,7 +88,7 @@ def test_params_and_model_are_not_mutated():
     _, model, X, y = _case("batchnorm_eval")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     model_fn, params = pf.functional(model)
-    pf.first_order(model_fn, params, X, y)
+    pf.compute(model_fn, params, X, y, quantities=pf.FIRST_ORDER)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
     assert all(not p.requires_grad for p in params.values())

@@ -41,7 +41,7 @@ def test_norms_from_packfunc_match_batch_grad() -> None:
     torch.manual_seed(0)
     model_fn, params = pf.functional(demo.build_mlp(8, 5, 3))
     X, y = torch.randn(7, 8), torch.randint(0, 3, (7,))
-    out = pf.first_order(model_fn, params, X, y, loss=nn.CrossEntropyLoss(reduction="sum"),
+    out = pf.compute(model_fn, params, X, y, loss=nn.CrossEntropyLoss(reduction="sum"),
                          quantities=("batch_grad", "batch_l2_grad"))
     norms = demo.per_sample_norms(out["batch_l2_grad"])
     expected = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in out["batch_grad"].values()))

@@ -93,7 +93,7 @@ def test_embedding_options_that_break_purity_or_independence(kwargs, match):
 def test_unknown_quantity_name():
     model_fn, params = _mlp()
     with pytest.raises(ValueError, match="unknown quantities"):
-        pf.first_order(model_fn, params, X, Y, quantities=("batch_grads",))
+        pf.compute(model_fn, params, X, Y, quantities=("batch_grads",))
 
 
 def test_bad_chunk_size():

@@ -47,9 +47,9 @@ def test_all_quantities_match_autograd(case_name: str, loss_name: str, reduction
     model, loss, X, y = _setup(case_name, loss_name, reduction, n)
     expected = moments(autograd_batch_grad(model, loss, X, y))
     model_fn, params = pf.functional(model)
-    result = pf.first_order(model_fn, params, X, y, loss=loss, quantities=pf.QUANTITIES)
+    result = pf.compute(model_fn, params, X, y, loss=loss, quantities=pf.FIRST_ORDER)
     torch.testing.assert_close(result["loss"], loss(model(X), y))
-    for quantity in pf.QUANTITIES:
+    for quantity in pf.FIRST_ORDER:
         _assert_tree_close(result[quantity], expected[quantity], f"{case_name}/{quantity}")
 
 
@@ -70,7 +70,7 @@ def test_single_quantity_functions_agree_with_first_order(function):
     model, loss, X, y = _setup("shared_layer", "cross_entropy", "mean", 5)
     model_fn, params = pf.functional(model)
     name = function.__name__
-    together = pf.first_order(model_fn, params, X, y, loss=loss, quantities=(name,))[name]
+    together = pf.compute(model_fn, params, X, y, loss=loss, quantities=(name,))[name]
     _assert_tree_close(function(model_fn, params, X, y, loss=loss), together, name)
 
 
@@ -78,10 +78,10 @@ def test_single_quantity_functions_agree_with_first_order(function):
 def test_subsampling_selects_samples_with_batch_scaling(case_name: str):
     model, loss, X, y = _setup(case_name, "cross_entropy", "mean", 5)
     model_fn, params = pf.functional(model)
-    full = pf.first_order(model_fn, params, X, y, loss=loss,
+    full = pf.compute(model_fn, params, X, y, loss=loss,
                           quantities=("batch_grad", "batch_l2_grad", "sum_grad_squared"))
     subset = [3, 0, 3]
-    sub = pf.first_order(model_fn, params, X, y, loss=loss, subsampling=subset,
+    sub = pf.compute(model_fn, params, X, y, loss=loss, subsampling=subset,
                          quantities=("batch_grad", "batch_l2_grad", "sum_grad_squared"))
     for name in params:
         torch.testing.assert_close(sub["batch_grad"][name], full["batch_grad"][name][subset])
@@ -94,9 +94,10 @@ def test_subsampling_selects_samples_with_batch_scaling(case_name: str):
 def test_chunking_gives_identical_results(case_name: str, chunk_size: int):
     model, loss, X, y = _setup(case_name, "cross_entropy", "sum", 5)
     model_fn, params = pf.functional(model)
-    reference = pf.first_order(model_fn, params, X, y, loss=loss)
-    chunked = pf.first_order(model_fn, params, X, y, loss=loss, chunk_size=chunk_size)
-    for quantity in pf.QUANTITIES:
+    reference = pf.compute(model_fn, params, X, y, loss=loss, quantities=pf.FIRST_ORDER)
+    chunked = pf.compute(model_fn, params, X, y, loss=loss, chunk_size=chunk_size,
+                         quantities=pf.FIRST_ORDER)
+    for quantity in pf.FIRST_ORDER:
         _assert_tree_close(chunked[quantity], reference[quantity], quantity)
 
 
@@ -128,7 +129,7 @@ def test_unused_parameter_gets_zeros():
         return torch.nn.functional.linear(X, p["used.weight"], p["used.bias"])
 
     X, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
-    result = pf.first_order(model_fn, params, X, y)
+    result = pf.compute(model_fn, params, X, y, quantities=pf.FIRST_ORDER)
     assert torch.count_nonzero(result["batch_grad"]["unused.weight"]) == 0
     assert result["batch_l2_grad"]["unused.bias"].shape == (4,)
     assert torch.count_nonzero(result["batch_grad"]["used.weight"]) > 0

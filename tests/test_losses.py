@@ -56,9 +56,9 @@ def test_loss_options_match_autograd(name: str, reduction: str):
     X, y = torch.randn(6, 3, dtype=torch.float64), targets(6)
     expected = moments(autograd_batch_grad(model, loss, X, y))
     model_fn, params = pf.functional(model)
-    result = pf.first_order(model_fn, params, X, y, loss=loss)
+    result = pf.compute(model_fn, params, X, y, loss=loss, quantities=pf.FIRST_ORDER)
     torch.testing.assert_close(result["loss"], loss(model(X), y))
-    for quantity in pf.QUANTITIES:
+    for quantity in pf.FIRST_ORDER:
         for param in params:
             torch.testing.assert_close(result[quantity][param], expected[quantity][param],
                                        msg=lambda m, q=quantity, p=param: f"{q}/{p}: {m}")

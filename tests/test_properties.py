@@ -59,9 +59,9 @@ def test_random_convolutions(conv, n, double, reduction):
     loss = nn.CrossEntropyLoss(reduction=reduction)
     expected = moments(autograd_batch_grad(model, loss, X, y))
     model_fn, params = pf.functional(model)
-    result = pf.first_order(model_fn, params, X, y, loss=loss)
+    result = pf.compute(model_fn, params, X, y, loss=loss, quantities=pf.FIRST_ORDER)
     tol = {"rtol": 1e-9, "atol": 1e-11} if double else {"rtol": 2e-4, "atol": 1e-5}
-    for quantity in pf.QUANTITIES:
+    for quantity in pf.FIRST_ORDER:
         for name in params:
             torch.testing.assert_close(result[quantity][name], expected[quantity][name], **tol,
                                        msg=lambda m, q=quantity, p=name: f"{layer} {q}/{p}: {m}")
@@ -94,7 +94,7 @@ def test_random_mlps(widths, n, activation, bias, loss_name, reduction, sequence
          else torch.rand_like(out).round())
     expected = moments(autograd_batch_grad(model, loss, X, y))
     model_fn, params = pf.functional(model)
-    result = pf.first_order(model_fn, params, X, y, loss=loss)
-    for quantity in pf.QUANTITIES:
+    result = pf.compute(model_fn, params, X, y, loss=loss, quantities=pf.FIRST_ORDER)
+    for quantity in pf.FIRST_ORDER:
         for name in params:
             torch.testing.assert_close(result[quantity][name], expected[quantity][name])

@@ -1,21 +1,32 @@
 """packfunc: per-sample gradients, their moments and curvature as pure torch.func functions."""
 
-from packfunc.firstorder import (
-    QUANTITIES,
-    batch_grad,
-    batch_l2_grad,
-    first_order,
-    sum_grad_squared,
-    variance,
-)
+from packfunc.firstorder import batch_grad, batch_l2_grad, sum_grad_squared, variance
 from packfunc.functional import functional
+from packfunc.products import ggn_vector_product, hessian_vector_product
+from packfunc.quantities import FIRST_ORDER, QUANTITIES, SECOND_ORDER, compute
+from packfunc.secondorder import (
+    batch_diag_ggn,
+    batch_diag_hessian,
+    diag_ggn,
+    diag_hessian,
+    sqrt_ggn,
+)
 
 __all__ = [
+    "FIRST_ORDER",
     "QUANTITIES",
+    "SECOND_ORDER",
+    "batch_diag_ggn",
+    "batch_diag_hessian",
     "batch_grad",
     "batch_l2_grad",
-    "first_order",
+    "compute",
+    "diag_ggn",
+    "diag_hessian",
     "functional",
+    "ggn_vector_product",
+    "hessian_vector_product",
+    "sqrt_ggn",
     "sum_grad_squared",
     "variance",
 ]

@@ -1,7 +1,7 @@
 """DP-SGD on scikit-learn's digits with packfunc's per-sample gradients.
 
 Run ``python -m packfunc.demo --help`` for the options. Each step makes one
-:func:`packfunc.first_order` call for the per-sample gradients and their squared
+:func:`packfunc.compute` call for the per-sample gradients and their squared
 norms, clips every sample's gradient to norm ``C``, sums, adds Gaussian noise of
 standard deviation ``σ·C``, divides by the batch size and takes a plain SGD step
 on a fresh parameter dict. The model itself is never mutated.
@@ -228,7 +228,7 @@ def dp_sgd_step(model_fn: ModelFn, params: Params, X: Tensor, y: Tensor, config:
         >>> new.keys() == params.keys()
         True
     """
-    out = pf.first_order(model_fn, params, X, y, loss=nn.CrossEntropyLoss(reduction="sum"),
+    out = pf.compute(model_fn, params, X, y, loss=nn.CrossEntropyLoss(reduction="sum"),
                          quantities=("batch_grad", "batch_l2_grad"))
     norms = per_sample_norms(out["batch_l2_grad"])
     clipped = clip_per_sample(out["batch_grad"], norms, config.clip)

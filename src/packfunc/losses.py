@@ -10,6 +10,12 @@ per-sample gradients that packfunc computes sum to the gradient of ``L``.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 CLASS_LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss)
@@ -121,3 +127,185 @@ def _check_class_targets(loss: nn.Module, output: Tensor, target: Tensor) -> Non
         f"{tuple(index_shape)}{alternative}; got {target.dtype} targets of shape "
         f"{tuple(target.shape)}."
     )
+
+
+# ----------------------------------------------------------------------------- curvature
+
+
+@dataclass(frozen=True)
+class HessianFactors:
+    """Square-root factors of the loss Hessian w.r.t. the model output.
+
+    Column ``k`` of sample ``n`` is a tensor shaped like the output of one
+    sample; ``Σ_k S[k, n] S[k, n]ᵀ`` is sample ``n``'s block ``∂²L/∂f_n²`` of
+    the reduced loss (exact factors), or its expectation (Monte-Carlo factors).
+    Columns are produced in slices, so ``K`` may be large (1000 classes, or
+    classes × positions for dense predictions) without being held at once.
+
+    Attributes:
+        count: Number of columns ``K``.
+        make: Returns columns ``[k, N, *output.shape[1:]]`` for a slice of ``range(K)``.
+    """
+
+    count: int
+    make: Callable[[slice], Tensor]
+
+    def all(self) -> Tensor:
+        """Return every column, ``[K, N, ...]``."""
+        return self.make(slice(0, self.count))
+
+
+def hessian_factors(loss: nn.Module, output: Tensor, target: Tensor, *,
+                    mc_samples: int | None = None,
+                    generator: torch.Generator | None = None) -> HessianFactors:
+    """Factor the loss Hessian w.r.t. the output, exactly or by sampling.
+
+    Exact factors: cross-entropy ``diag(√p) − p√pᵀ`` per position (``K = C·positions``),
+    MSE ``√2·I``, BCE-with-logits ``√(σ(1−σ))`` on the diagonal, other elementwise
+    losses the square root of their (autodiff) diagonal Hessian; all scaled by the
+    reduction and every loss option. Monte-Carlo factors (``K = mc_samples``)
+    sample targets from the model's predictive distribution (categorical,
+    Gaussian, Bernoulli) and are scaled by ``1/√mc_samples``.
+
+    Args:
+        loss: A supported loss (``check_loss``); ``NLLLoss`` is refused.
+        output: Model output ``[N, ...]`` of the batch.
+        target: Targets of the batch.
+        mc_samples: ``None`` for exact factors, else the number of samples.
+        generator: Random generator for the samples (on the output's device).
+
+    Returns:
+        The :class:`HessianFactors`.
+
+    Raises:
+        ValueError: for ``NLLLoss``, a bad ``mc_samples``, or a loss whose Hessian
+            is not positive semi-definite at ``output``.
+
+    Example:
+        >>> f = hessian_factors(nn.MSELoss(reduction="sum"), torch.zeros(3, 2), torch.ones(3, 2))
+        >>> f.count, f.all().shape
+        (2, torch.Size([2, 3, 2]))
+    """
+    if mc_samples is not None and (not isinstance(mc_samples, int) or mc_samples < 1):
+        raise ValueError(f"mc_samples must be a positive integer or None; got {mc_samples!r}.")
+    if isinstance(loss, nn.NLLLoss):
+        raise ValueError(
+            "NLLLoss is linear in its input (log-probabilities), so its Hessian and the GGN at "
+            "that split are zero. Use CrossEntropyLoss on logits for second-order quantities."
+        )
+    if isinstance(loss, nn.CrossEntropyLoss):
+        return _cross_entropy_factors(loss, output, target, mc_samples, generator)
+    curvature = _elementwise_curvature(loss, output, target)
+    if isinstance(loss, nn.BCEWithLogitsLoss) and mc_samples is not None:
+        probs = torch.sigmoid(output)
+        weight = curvature / (probs * (1 - probs)).clamp_min(torch.finfo(output.dtype).tiny)
+        def sample(s: slice) -> Tensor:
+            draws = torch.bernoulli(probs.expand(_length(s), *probs.shape), generator=generator)
+            return (weight / mc_samples).sqrt() * (probs - draws)
+        return HessianFactors(mc_samples, sample)
+    if mc_samples is not None:
+        def gaussian(s: slice) -> Tensor:
+            noise = torch.randn((_length(s), *output.shape), generator=generator,
+                                dtype=output.dtype, device=output.device)
+            return (curvature / mc_samples).sqrt() * noise
+        return HessianFactors(mc_samples, gaussian)
+    return _diagonal_factors(curvature.sqrt())
+
+
+def _length(s: slice) -> int:
+    return s.stop - s.start
+
+
+def _diagonal_factors(root: Tensor) -> HessianFactors:
+    """Factors of a diagonal Hessian: column ``j`` is ``root`` at output entry ``j`` only."""
+    n, entries = root.shape[0], root[0].numel()
+    flat = root.reshape(n, entries)
+
+    def make(s: slice) -> Tensor:
+        picks = torch.arange(s.start, s.stop, device=root.device)
+        onehot = (picks.unsqueeze(1) == torch.arange(entries, device=root.device)).to(root.dtype)
+        return (onehot.unsqueeze(1) * flat).reshape(_length(s), *root.shape)
+
+    return HessianFactors(entries, make)
+
+
+def _elementwise_curvature(loss: nn.Module, output: Tensor, target: Tensor) -> Tensor:
+    """Diagonal of the reduced loss's Hessian w.r.t. the output, ``[N, ...]``."""
+    if isinstance(loss, nn.MSELoss):
+        return torch.full_like(output, 2.0 / _mean_divisor(loss, output.numel()))
+    if isinstance(loss, nn.BCEWithLogitsLoss):
+        probs = torch.sigmoid(output)
+        weight = torch.ones_like(output)
+        if loss.pos_weight is not None:
+            weight = loss.pos_weight * target + 1 - target
+        if loss.weight is not None:
+            weight = weight * loss.weight
+        return probs * (1 - probs) * weight / _mean_divisor(loss, output.numel())
+    # any other elementwise loss: its Hessian is diagonal, so H·1 is the diagonal
+    _, hvp = torch.func.jvp(torch.func.grad(lambda f: loss(f, target)), (output,),
+                            (torch.ones_like(output),))
+    if bool((hvp < -1e-6 * hvp.abs().max().clamp_min(1)).any()):
+        raise ValueError(
+            f"{type(loss).__name__} has negative curvature at these outputs; the GGN needs a "
+            "convex loss (positive semi-definite Hessian w.r.t. the output)."
+        )
+    return hvp.clamp_min(0)
+
+
+def _mean_divisor(loss: nn.Module, count: float | Tensor) -> float | Tensor:
+    return count if loss.reduction == "mean" else 1.0
+
+
+def _cross_entropy_factors(loss: nn.CrossEntropyLoss, output: Tensor, target: Tensor,
+                           mc_samples: int | None, generator: torch.Generator | None
+                           ) -> HessianFactors:
+    """``diag(√p) − p√pᵀ`` per position, scaled; or ``p − onehot(sample)``."""
+    probs = torch.softmax(output, dim=1)
+    n, classes, spatial = output.shape[0], output.shape[1], output.shape[2:]
+    positions = math.prod(spatial)
+    scale = _cross_entropy_scale(loss, output, target)  # [N, *spatial]
+    flat_p = probs.reshape(n, classes, positions)
+    root_scale = scale.reshape(n, 1, positions).sqrt()
+    if mc_samples is not None:
+        def sample(s: slice) -> Tensor:
+            rows = flat_p.transpose(1, 2).reshape(-1, classes)
+            draws = torch.multinomial(rows, _length(s), replacement=True, generator=generator)
+            onehot = F.one_hot(draws.T, classes).to(probs.dtype)  # [k, N·P, C]
+            onehot = onehot.view(_length(s), n, positions, classes).transpose(2, 3)
+            columns = root_scale * (flat_p - onehot) / math.sqrt(mc_samples)
+            return columns.reshape(_length(s), *output.shape)
+        return HessianFactors(mc_samples, sample)
+    tau = flat_p.sqrt()
+
+    def make(s: slice) -> Tensor:
+        picks = torch.arange(s.start, s.stop, device=output.device)
+        k, q = picks // positions, picks % positions
+        # column (k, q): at position q, (diag(τ) − p τᵀ)[:, k]; zero at the other positions
+        at_q = (q.unsqueeze(1) == torch.arange(positions, device=output.device)).to(probs.dtype)
+        delta = (k.unsqueeze(1) == torch.arange(classes, device=output.device)).to(probs.dtype)
+        tau_k = tau[:, k].transpose(0, 1).unsqueeze(2)  # [k, N, 1, P]
+        column = delta.view(-1, 1, classes, 1) * tau - flat_p * tau_k
+        return (root_scale * column * at_q.view(-1, 1, 1, positions)).reshape(
+            _length(s), *output.shape)
+
+    return HessianFactors(classes * positions, make)
+
+
+def _cross_entropy_scale(loss: nn.CrossEntropyLoss, output: Tensor, target: Tensor) -> Tensor:
+    """Per-position factor ``c/D``: the loss Hessian there is ``c/D · (diag p − ppᵀ)``.
+
+    ``c`` is the total target mass the position's term puts on ``−log p`` (class
+    weights and label smoothing included, 0 where ignored); ``D`` divides for
+    ``reduction='mean'``.
+    """
+    classes, smoothing = output.shape[1], loss.label_smoothing
+    weight = loss.weight if loss.weight is not None else output.new_ones(classes)
+    if target.is_floating_point():  # class probabilities
+        mass = (1 - smoothing) * target + smoothing / classes
+        shape = (1, classes) + (1,) * (output.dim() - 2)
+        c = (mass * weight.view(shape)).sum(1)
+        return c / _mean_divisor(loss, c.numel())
+    valid = target != loss.ignore_index
+    target_weight = weight[target.clamp(0, classes - 1)] * valid
+    c = (1 - smoothing) * target_weight + smoothing * weight.mean() * valid
+    return c / _mean_divisor(loss, target_weight.sum())

@@ -17,7 +17,7 @@ from packfunc.engine.memory import (
     new_output,
     split_index,
 )
-from packfunc.engine.persample import PerSampleGradients
+from packfunc.engine.persample import ColumnGradients
 
 
 def _raw_parameter_model():
@@ -34,17 +34,17 @@ def _raw_parameter_model():
 def test_automatic_chunks_respect_the_budget(monkeypatch):
     model_fn, params = _raw_parameter_model()
     X, y = torch.randn(10, 6, dtype=torch.float64), torch.randint(0, 3, (10,))
-    unbounded = pf.first_order(model_fn, params, X, y)
+    unbounded = pf.compute(model_fn, params, X, y, quantities=pf.FIRST_ORDER)
     seen: list[int] = []
-    original = generic.per_sample_grads
+    original = generic.column_grads
 
     def spy(*args):
         seen.append(index_length(args[-1]))
         return original(*args)
 
-    monkeypatch.setattr(generic, "per_sample_grads", spy)
+    monkeypatch.setattr(generic, "column_grads", spy)
     monkeypatch.setattr(memory, "DEFAULT_BUDGET", 2 * 48)  # two samples' worth of 0.weight
-    bounded = pf.first_order(model_fn, params, X, y, quantities=("sum_grad_squared", "variance"))
+    bounded = pf.compute(model_fn, params, X, y, quantities=("sum_grad_squared", "variance"))
     assert max(seen) == 2 and sum(seen) == 10
     for quantity in ("sum_grad_squared", "variance"):
         for name in params:
@@ -55,8 +55,8 @@ def test_explicit_chunk_size_is_used(monkeypatch):
     model_fn, params = _raw_parameter_model()
     X, y = torch.randn(7, 6, dtype=torch.float64), torch.randint(0, 3, (7,))
     seen: list[int] = []
-    original = generic.per_sample_grads
-    monkeypatch.setattr(generic, "per_sample_grads",
+    original = generic.column_grads
+    monkeypatch.setattr(generic, "column_grads",
                         lambda *a: seen.append(index_length(a[-1])) or original(*a))
     pf.batch_grad(model_fn, params, X, y, chunk_size=3)
     assert seen == [3, 3, 1]
@@ -87,10 +87,10 @@ def test_moments_of_closed_form_layers_never_materialize(monkeypatch, case_name)
     def refuse(*args):
         raise AssertionError("materialized per-sample gradients")
 
-    monkeypatch.setattr(PerSampleGradients, "batch_grad", refuse)
-    monkeypatch.setattr(generic, "per_sample_grads", refuse)
+    monkeypatch.setattr(ColumnGradients, "batch_grad", refuse)
+    monkeypatch.setattr(generic, "column_grads", refuse)
     case = CASES[CASE_IDS.index(case_name)]
     model_fn, params = pf.functional(case.build())
     X = case.inputs(6)
-    pf.first_order(model_fn, params, X, torch.randint(0, 2, (6,)),
+    pf.compute(model_fn, params, X, torch.randint(0, 2, (6,)),
                    quantities=("grad", "batch_l2_grad", "sum_grad_squared", "variance"))

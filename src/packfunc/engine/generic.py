@@ -21,16 +21,16 @@ from packfunc.engine.taps import functional_mode
 from packfunc.functional import select_samples
 
 
-def per_sample_grads(
+def column_grads(
     model_fn: Callable,
     leaves: list[Tensor],
     treespec: optree.PyTreeSpec,
     wanted: list[int],
     X: Any,
-    output_cotangent: Tensor,
+    cotangents: Tensor,
     index: slice | Tensor,
 ) -> list[Tensor]:
-    """Return per-sample gradients of the leaves ``wanted`` for the samples ``index``.
+    """Return column gradients of the leaves ``wanted`` for the samples ``index``.
 
     Args:
         model_fn: ``model_fn(params, X)``.
@@ -38,22 +38,22 @@ def per_sample_grads(
         treespec: Their pytree structure.
         wanted: Indices of the leaves to differentiate.
         X: The whole batch of inputs.
-        output_cotangent: ``∂L/∂output`` for the whole batch.
+        cotangents: Output cotangents ``[K, N, ...]`` for the whole batch.
         index: Samples to compute (a slice or an index tensor).
 
     Returns:
-        One tensor ``[len(index), *leaf.shape]`` per wanted leaf.
+        One tensor ``[K, len(index), *leaf.shape]`` per wanted leaf.
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
         >>> leaves, spec = optree.tree_flatten(p)  # dict keys sorted: bias, weight
-        >>> g = per_sample_grads(fn, leaves, spec, [1], torch.ones(4, 3), torch.ones(4, 2),
-        ...                      torch.arange(4))
+        >>> g = column_grads(fn, leaves, spec, [1], torch.ones(4, 3), torch.ones(1, 4, 2),
+        ...                  slice(0, 4))
         >>> g[0].shape
-        torch.Size([4, 2, 3])
+        torch.Size([1, 4, 2, 3])
     """
 
-    def one_sample(x: Any, cotangent: Tensor) -> list[Tensor]:
+    def one_sample(x: Any, columns: Tensor) -> list[Tensor]:
         def forward(chosen: list[Tensor]) -> Tensor:
             current = list(leaves)
             for i, leaf in zip(wanted, chosen):
@@ -63,7 +63,8 @@ def per_sample_grads(
                 return model_fn(optree.tree_unflatten(treespec, current), x_batch)
 
         _, pullback = vjp(forward, [leaves[i] for i in wanted])
-        return pullback(cotangent.unsqueeze(0))[0]
+        return vmap(lambda c: pullback(c.unsqueeze(0))[0])(columns)
 
     xs = select_samples(X, index)
-    return vmap(one_sample, randomness="different")(xs, output_cotangent[index])
+    per_sample = vmap(one_sample, in_dims=(0, 1), randomness="different")(xs, cotangents[:, index])
+    return [g.transpose(0, 1) for g in per_sample]

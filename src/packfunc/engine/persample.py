@@ -1,8 +1,12 @@
-"""The engine: per-sample gradients of every parameter leaf, from the cheapest source.
+"""The engine: column gradients of every parameter leaf, from the cheapest source.
 
-:class:`PerSampleGradients` runs discovery and the batch pass once, then
-answers per leaf: closed forms from the rules for tapped leaves, per-sample
-gradients in chunks (tapped or generic) otherwise, zeros for unused leaves.
+:class:`Backprop` runs discovery and the batch pass once per ``(model_fn,
+params, X, y, loss)``. :meth:`Backprop.columns` then pulls any stack of output
+cotangents ``[K, N, ...]`` back through it — the loss gradient (``K = 1``,
+first order) or the columns of the loss Hessian's square root (the GGN) — and
+returns :class:`ColumnGradients`, which answers per leaf: closed forms from the
+rules for tapped leaves, column gradients in chunks (tapped or generic)
+otherwise, zeros for unused leaves.
 """
 
 from __future__ import annotations
@@ -13,12 +17,13 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.func import vmap
 
 from packfunc.engine import generic
 from packfunc.engine.memory import chunk_length, index_length, split_index
 from packfunc.engine.ops import TapCall
 from packfunc.engine.rules import RULES, Rule
-from packfunc.engine.taps import TapPlan, TapRecord, discover, record
+from packfunc.engine.taps import discover, record
 from packfunc.functional import batch_size, flatten_params, select_samples
 from packfunc.losses import check_loss
 
@@ -45,8 +50,8 @@ def _merge(terms: list[Term]) -> list[Term]:
     return [Term(rule, x, g, terms[0].call)]
 
 
-class PerSampleGradients:
-    """Per-sample gradients of ``loss(model_fn(params, X), y)``, one leaf at a time.
+class Backprop:
+    """Discovery and the batch pass of ``loss(model_fn(params, X), y)``.
 
     Args:
         model_fn: ``model_fn(params, X) -> output``.
@@ -54,15 +59,15 @@ class PerSampleGradients:
         X: Inputs (tensor or pytree) with leading batch dimension.
         y: Targets with leading batch dimension.
         loss: A supported ``torch.nn`` loss module.
-        chunk_size: Samples per chunk when per-sample gradients are materialized
+        chunk_size: Samples per chunk when column gradients are materialized
             (``None``: automatic).
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
-        >>> grads = PerSampleGradients(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
-        ...                            torch.nn.CrossEntropyLoss())
-        >>> grads.batch_grad(grads.names.index("weight"), slice(0, 4)).shape
-        torch.Size([4, 2, 3])
+        >>> bp = Backprop(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        ...               torch.nn.CrossEntropyLoss())
+        >>> bp.gradient_columns().batch_grad(bp.names.index("weight"), slice(0, 4)).shape
+        torch.Size([1, 4, 2, 3])
     """
 
     def __init__(self, model_fn: Callable, params: Any, X: Any, y: Tensor, loss: nn.Module,
@@ -71,73 +76,110 @@ class PerSampleGradients:
         chunk_length(1, 1, chunk_size)  # validates chunk_size before any work
         self.leaves, self.treespec, self.names = flatten_params(params)
         self.n = batch_size(X)
-        self.model_fn, self.X, self.chunk_size = model_fn, X, chunk_size
-        plan = discover(model_fn, params, self.leaves, select_samples(X, slice(0, 1)))
-        self.record = record(model_fn, params, self.leaves, plan, X, y, loss, self.n)
-        self.generic = sorted(plan.uncovered | self._leaves_of(plan, self.record.failed))
-        self.terms = self._collect_terms(plan, self.record)
+        self.model_fn, self.params, self.X, self.y, self.loss = model_fn, params, X, y, loss
+        self.chunk_size = chunk_size
+        self.plan = discover(model_fn, params, self.leaves, select_samples(X, slice(0, 1)))
+        self.record = record(model_fn, params, self.leaves, self.plan, X, y, loss, self.n)
+        failed = {leaf for k in self.record.failed for _, leaf in self.plan.sites[k].call.leaves}
+        self.generic = sorted(self.plan.uncovered | failed)
 
     @property
-    def loss(self) -> Tensor:
+    def loss_value(self) -> Tensor:
         """The reduced loss of the batch."""
         return self.record.loss
 
-    def _leaves_of(self, plan: TapPlan, sites: set[int]) -> set[int]:
-        return {leaf for k in sites for _, leaf in plan.sites[k].call.leaves}
+    def column_width(self) -> int:
+        """Elements one column of one sample occupies at the output and the recorded calls."""
+        sites = sum(self.plan.sites[k].tail.numel() for k in self.record.inputs)
+        return sites + self.record.output[0].numel()
 
-    def _collect_terms(self, plan: TapPlan, rec: TapRecord) -> dict[int, list[Term]]:
+    def gradient_columns(self) -> ColumnGradients:
+        """Column gradients for the loss gradient: ``K = 1``, per-sample gradients."""
+        sites = {k: g.unsqueeze(0) for k, g in self.record.cotangents.items()}
+        return ColumnGradients(self, self.record.output_cotangent.unsqueeze(0), sites)
+
+    def columns(self, cotangents: Tensor) -> ColumnGradients:
+        """Pull a stack of output cotangents ``[K, N, ...]`` back through the batch pass.
+
+        Args:
+            cotangents: ``K`` output cotangents for the whole batch.
+
+        Returns:
+            The :class:`ColumnGradients` of every leaf.
+        """
+        sites = vmap(self.record.pullback)(cotangents) if self.record.inputs else {}
+        return ColumnGradients(self, cotangents, sites)
+
+
+class ColumnGradients:
+    """Column gradients ``J_nᵀ c_{k,n}`` of every leaf for output cotangents ``c [K, N, ...]``.
+
+    Args:
+        backprop: The batch pass.
+        cotangents: Output cotangents ``[K, N, ...]``.
+        sites: Their pullback to every recorded tapped call, ``[K, N, ...]`` each.
+    """
+
+    def __init__(self, backprop: Backprop, cotangents: Tensor, sites: dict[int, Tensor]):
+        self.bp, self.cotangents = backprop, cotangents
+        self.columns = cotangents.shape[0]
+        self.terms = self._collect_terms(sites)
+
+    def _collect_terms(self, sites: dict[int, Tensor]) -> dict[int, list[Term]]:
         by_leaf: dict[int, list[Term]] = {}
-        for k, x in rec.inputs.items():
-            call = plan.sites[k].call
+        for k, x in self.bp.record.inputs.items():
+            call = self.bp.plan.sites[k].call
             for role, leaf in call.leaves:
-                if leaf in self.generic:
+                if leaf in self.bp.generic:
                     continue
                 rule = RULES[(call.family, role)]
-                cx, cg = rule.canonical(x, rec.cotangents[k], call, self.leaves[leaf])
+                cx, cg = rule.canonical(x, sites[k], call, self.bp.leaves[leaf])
                 by_leaf.setdefault(leaf, []).append(Term(rule, cx, cg, call))
         return {leaf: _merge(terms) for leaf, terms in by_leaf.items()}
 
-    def closed_form(self, leaf: int, quantity: str) -> Tensor | None:
-        """Return ``grad``, ``sum_grad_squared`` or ``batch_l2`` of a leaf in closed form.
+    def closed_form(self, leaf: int, stat: str, index: slice | Tensor) -> Tensor | None:
+        """Return a statistic of a leaf in closed form, or ``None``.
 
         Args:
             leaf: Leaf index.
-            quantity: ``"grad"``, ``"sum_grad_squared"`` or ``"batch_l2"``.
+            stat: ``"grad"``, ``"sum_grad_squared"``, ``"batch_sum_squares"`` or ``"batch_l2"``.
+            index: Samples the statistic covers.
 
         Returns:
-            The quantity, or ``None`` if it needs materialized per-sample gradients.
+            The statistic, or ``None`` if it needs materialized column gradients.
         """
-        if leaf in self.generic:
+        if leaf in self.bp.generic:
             return None
-        terms, param = self.terms.get(leaf, []), self.leaves[leaf]
+        terms, param = self.terms.get(leaf, []), self.bp.leaves[leaf]
         if not terms:
-            return _zeros_of(param, quantity, self.n)
-        if quantity == "grad":
-            return sum(t.rule.grad(t.x, t.g, t.call, param) for t in terms)
+            return _zeros_of(param, stat, index_length(index))
+        if stat == "grad":
+            return sum(t.rule.grad(t.x[:, index], t.g[:, index], t.call, param) for t in terms)
         if len(terms) != 1:
             return None
         (t,) = terms
-        return getattr(t.rule, quantity)(t.x, t.g, t.call, param)
+        return getattr(t.rule, stat)(t.x[:, index], t.g[:, index], t.call, param)
 
     def batch_grad(self, leaf: int, index: slice | Tensor) -> Tensor:
-        """Per-sample gradients ``[n, *leaf.shape]`` of a tapped or unused leaf.
+        """Column gradients ``[K, n, *leaf.shape]`` of a tapped or unused leaf.
 
         Args:
             leaf: Leaf index (not generic).
             index: Samples to compute.
 
         Returns:
-            The per-sample gradients of those samples.
+            The column gradients of those samples.
         """
-        param = self.leaves[leaf]
+        param = self.bp.leaves[leaf]
         terms = self.terms.get(leaf)
         if not terms:
-            return param.new_zeros((index_length(index), *param.shape))
-        grads = [t.rule.batch_grad(t.x[index], t.g[index], t.call, param) for t in terms]
+            return param.new_zeros((self.columns, index_length(index), *param.shape))
+        grads = [t.rule.batch_grad(t.x[:, index], t.g[:, index], t.call, param) for t in terms]
         return grads[0] if len(grads) == 1 else sum(grads)
 
-    def iter_batch_grads(self, wanted: list[int], index: slice | Tensor) -> Iterator[list[Tensor]]:
-        """Yield per-sample gradients of ``wanted`` leaves for chunks of ``index``.
+    def iter_batch_grads(self, wanted: list[int], index: slice | Tensor
+                         ) -> Iterator[list[Tensor]]:
+        """Yield column gradients ``[K, chunk, *p]`` of ``wanted`` leaves for chunks of ``index``.
 
         Generic leaves come from one shared vmap pass per chunk; the others from
         their rules.
@@ -147,18 +189,22 @@ class PerSampleGradients:
             index: Samples to compute.
 
         Yields:
-            Per chunk, one ``[chunk, *leaf.shape]`` tensor per wanted leaf.
+            Per chunk, one tensor per wanted leaf.
         """
-        numel = sum(self.leaves[i].numel() for i in wanted)
-        length = chunk_length(index_length(index), numel, self.chunk_size)
+        numel = self.columns * sum(self.bp.leaves[i].numel() for i in wanted)
+        length = chunk_length(index_length(index), numel, self.bp.chunk_size)
         for chunk in split_index(index, length):
-            if wanted and wanted[0] in self.generic:
-                yield generic.per_sample_grads(self.model_fn, self.leaves, self.treespec, wanted,
-                                               self.X, self.record.output_cotangent, chunk)
+            if wanted and wanted[0] in self.bp.generic:
+                yield generic.column_grads(self.bp.model_fn, self.bp.leaves, self.bp.treespec,
+                                           wanted, self.bp.X, self.cotangents, chunk)
             else:
                 yield [self.batch_grad(i, chunk) for i in wanted]
 
 
-def _zeros_of(param: Tensor, quantity: str, n: int) -> Tensor:
-    """Quantities of a leaf the loss does not depend on."""
-    return param.new_zeros(n) if quantity == "batch_l2" else torch.zeros_like(param)
+def _zeros_of(param: Tensor, stat: str, n: int) -> Tensor:
+    """Statistics of a leaf the output does not depend on."""
+    if stat == "batch_l2":
+        return param.new_zeros(n)
+    if stat == "batch_sum_squares":
+        return param.new_zeros((n, *param.shape))
+    return torch.zeros_like(param)

@@ -21,6 +21,7 @@ at every tapped call: its size must be 1 there and ``N`` in the batch pass.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import vjp
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from packfunc.engine.ops import ROLES, SIGNATURES, OpSignature, TapCall, make_call
@@ -148,6 +150,23 @@ def functional_mode() -> TorchFunctionMode:
         ...     y = torch.nn.GRU(2, 3)(torch.zeros(4, 1, 2))
     """
     return _FunctionalMode()
+
+
+def twice_differentiable() -> contextlib.AbstractContextManager:
+    """Select kernels that support higher-order derivatives.
+
+    Fused attention kernels (e.g. CPU flash attention) have neither forward-mode
+    nor double-backward formulas; inside this context ``scaled_dot_product_attention``
+    uses its math implementation, which has both.
+
+    Returns:
+        A context manager.
+
+    Example:
+        >>> with twice_differentiable():
+        ...     out = F.scaled_dot_product_attention(*torch.ones(3, 1, 2, 4))
+    """
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 @dataclass
@@ -280,6 +299,65 @@ class _RecordMode(_FunctionalMode):
         return out + probe
 
 
+def zero_probes(plan: TapPlan, sites: list[int], n: int) -> dict[int, Tensor]:
+    """Zero probes for the outputs of the given sites of a batch of ``n`` samples.
+
+    Args:
+        plan: The result of :func:`discover`.
+        sites: Indices of the sites to probe.
+        n: Batch size.
+
+    Returns:
+        One stride-0 zero tensor ``[n, *tail]`` per site.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> plan = discover(fn, p, list(p.values()), torch.zeros(1, 3))
+        >>> zero_probes(plan, [0], 5)[0].shape
+        torch.Size([5, 2])
+    """
+    return {k: torch.zeros((), dtype=plan.sites[k].dtype, device=plan.sites[k].device).expand(
+        n, *plan.sites[k].tail) for k in sites}
+
+
+def probed_forward(model_fn: Callable, params: Any, leaves: list[Tensor], plan: TapPlan,
+                   X: Any, failed: set[int] | None = None
+                   ) -> Callable[[dict[int, Tensor]], tuple[Tensor, dict[int, Tensor]]]:
+    """Return ``probes -> (output, inputs)``: the model with probes added to tapped outputs.
+
+    Args:
+        model_fn: ``model_fn(params, X)``.
+        params: The parameter pytree.
+        leaves: Its flattened leaves.
+        plan: The result of :func:`discover`.
+        X: The batch of inputs.
+        failed: Collects sites whose output shape differed from the probe's.
+
+    Returns:
+        A function of a dict of probes (site index -> tensor shaped like the
+        site's output) returning the model output and each probed call's input.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> plan = discover(fn, p, list(p.values()), torch.zeros(1, 3))
+        >>> out, inputs = probed_forward(fn, p, list(p.values()), plan, torch.ones(4, 3))(
+        ...     zero_probes(plan, [0], 4))
+        >>> out.shape, inputs[0].shape
+        (torch.Size([4, 2]), torch.Size([4, 3]))
+    """
+    leaf_of = LeafIndex(leaves)
+
+    def forward(probes: dict[int, Tensor]) -> tuple[Tensor, dict[int, Tensor]]:
+        mode = _RecordMode(leaf_of, plan, probes)
+        with mode:
+            output = model_fn(params, X)
+        if failed is not None:
+            failed.update(mode.failed)
+        return output, mode.inputs
+
+    return forward
+
+
 @dataclass
 class TapRecord:
     """Everything the batch pass produced.
@@ -330,22 +408,15 @@ def record(model_fn: Callable, params: Any, leaves: list[Tensor], plan: TapPlan,
         >>> rec.cotangents[0].shape
         torch.Size([4, 2])
     """
-    probes = {
-        k: torch.zeros((), dtype=plan.sites[k].dtype, device=plan.sites[k].device).expand(
-            n, *plan.sites[k].tail)
-        for k in plan.active()
-    }
-    leaf_of = LeafIndex(leaves)
     failed: set[int] = set()
+    forward = probed_forward(model_fn, params, leaves, plan, X, failed)
 
     def output_of_probes(probes: dict[int, Tensor]) -> tuple[Tensor, dict[int, Tensor]]:
-        mode = _RecordMode(leaf_of, plan, probes)
-        with mode:
-            output = model_fn(params, X)
+        output, inputs = forward(probes)
         check_loss_inputs(loss, output, y, n)
-        failed.update(mode.failed)
-        return output, mode.inputs
+        return output, inputs
 
+    probes = zero_probes(plan, plan.active(), n)
     output, probe_pullback, inputs = vjp(output_of_probes, probes, has_aux=True)
     value, loss_pullback = vjp(lambda out: loss(out, y), output)
     (output_cotangent,) = loss_pullback(torch.ones_like(value))

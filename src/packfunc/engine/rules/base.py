@@ -1,4 +1,12 @@
-"""The interface every rule implements."""
+"""The interface every rule implements.
+
+A rule works on *columns*: a column ``(k, n)`` is the gradient of parameter
+``θ`` pulled back from output cotangent ``k`` of sample ``n``. For first-order
+quantities there is one output cotangent (``K = 1``: the loss gradient), for
+the generalized Gauss-Newton there are ``K`` (the columns of the loss
+Hessian's square root). The column gradient is ``batch_grad[k, n]``; every
+other method is a reduction of it that a closed form may give more cheaply.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +18,11 @@ from packfunc.engine.ops import TapCall
 class Rule:
     """Closed forms for one parameter role (weight or bias) of one op family.
 
-    A rule receives, for a batch of samples, the op's input ``x`` and the
-    cotangent ``g`` of its output (both with the sample dimension first), the
-    call's options and the parameter itself. Methods that have no closed form
-    return ``None``; the engine then reduces materialized per-sample gradients
-    in chunks.
+    ``canonical`` receives the op's input ``x: [N, ...]`` and the cotangents of
+    its output ``g: [K, N, ...]``; the other methods receive the canonical pair,
+    whose sample dim is dim 1, restricted to the samples of interest. Methods
+    with no closed form for the given tensors return ``None``; the engine then
+    reduces materialized column gradients in chunks.
     """
 
     merge_dim: int | None = None
@@ -22,32 +30,27 @@ class Rule:
 
     def canonical(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
                   ) -> tuple[Tensor, Tensor]:
-        """Bring ``(x, g)`` into the layout the other methods expect.
-
-        Args:
-            x: Input of the op, ``[N, ...]``.
-            g: Cotangent of the op's output, ``[N, ...]``.
-            call: The call's description.
-            param: The parameter this rule handles.
-
-        Returns:
-            The canonical ``(x, g)``.
-        """
+        """Bring ``(x [N, ...], g [K, N, ...])`` into the layout the other methods expect."""
         return x, g
 
     def batch_grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
-        """Return per-sample gradients ``[n, *param.shape]`` from canonical ``(x, g)``."""
+        """Column gradients ``[K, n, *param.shape]``."""
         raise NotImplementedError
 
     def grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
-        """Return the gradient ``Σ_n batch_grad[n]``."""
-        return self.batch_grad(x, g, call, param).sum(0)
+        """``Σ_{k,n} batch_grad[k, n]``."""
+        return self.batch_grad(x, g, call, param).sum((0, 1))
 
     def sum_grad_squared(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
                          ) -> Tensor | None:
-        """Return ``Σ_n batch_grad[n]**2`` without materializing it, or ``None``."""
+        """``Σ_{k,n} batch_grad[k, n]²`` in closed form, or ``None``."""
+        return None
+
+    def batch_sum_squares(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+                          ) -> Tensor | None:
+        """``Σ_k batch_grad[k, n]²`` per sample, ``[n, *param.shape]``, or ``None``."""
         return None
 
     def batch_l2(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor | None:
-        """Return ``‖batch_grad[n]‖²`` per sample without materializing it, or ``None``."""
+        """``Σ_k ‖batch_grad[k, n]‖²`` per sample, ``[n]``, or ``None``."""
         return None

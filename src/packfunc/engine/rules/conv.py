@@ -77,11 +77,12 @@ class ConvWeight(ProductWeight):
         dims = len(kernel)
         stride = _per_dim(call.option("stride"), dims)
         dilation = _per_dim(call.option("dilation"), dims)
-        groups, n = call.option("groups"), x.shape[0]
+        groups, n, columns = call.option("groups"), x.shape[0], g.shape[0]
+        g = g.reshape(columns * n, *g.shape[2:])
         source, target = (g, x) if call.transposed else (x, g)
         # a transposed op's output_padding adds trailing positions no input position reaches
-        columns = unfold(source, kernel, stride, dilation, _padding_pairs(call, kernel, dilation),
+        windows = unfold(source, kernel, stride, dilation, _padding_pairs(call, kernel, dilation),
                          positions=list(target.shape[2:]))
-        u = columns.view(n, groups, -1, columns.shape[-1])
-        v = target.reshape(n, groups, -1, u.shape[-1])
-        return u, v
+        unfolded = windows.view(-1, n, groups, windows.shape[1] // groups, windows.shape[-1])
+        other = target.reshape(-1, n, groups, target.shape[1] // groups, windows.shape[-1])
+        return unfolded, other

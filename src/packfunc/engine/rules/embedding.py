@@ -11,54 +11,73 @@ from packfunc.engine.rules.base import Rule
 
 
 class EmbeddingWeight(Rule):
-    """Embedding weight ``[V, D]``; canonical ``x: [N, L]`` indices, ``g: [N, L, D]``.
+    """Embedding weight ``[V, D]``; canonical ``x: [1, N, L]`` indices, ``g: [K, N, L, D]``.
 
-    Moments avoid ``[N, V, D]``: the cotangents of each distinct (sample, row)
-    pair are summed first, so work and memory scale with the number of indices.
+    Squared reductions avoid ``[K, N, V, D]``: the cotangents of each distinct
+    (column, sample, row) key are summed first, so work and memory scale with
+    the number of indices, not with the vocabulary.
     """
 
-    merge_dim = 1
+    merge_dim = 2
 
     def canonical(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
                   ) -> tuple[Tensor, Tensor]:
         """Flatten positions; zero the cotangents at ``padding_idx``."""
-        n, width = x.shape[0], g.shape[-1]
-        x, g = x.reshape(n, -1), g.reshape(n, -1, width)
+        n, columns, width = x.shape[0], g.shape[0], g.shape[-1]
+        x, g = x.reshape(1, n, -1), g.reshape(columns, n, -1, width)
         padding_idx = call.option("padding_idx")
         if padding_idx is not None:
             g = g * (x != padding_idx % param.shape[0]).unsqueeze(-1).to(g.dtype)
         return x, g
 
     def batch_grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
-        """Scatter-add each sample's cotangents into its own copy of the weight."""
-        n, (rows, width) = x.shape[0], param.shape
-        keys = (torch.arange(n, device=x.device).unsqueeze(1) * rows + x).reshape(-1)
+        """Scatter-add each column's cotangents into its own copy of the weight."""
+        columns, n, _, width = g.shape
+        keys = _keys(x, columns, param.shape[0])
         source = g.reshape(-1, width)
+        size = columns * n * param.shape[0]
         if is_plain(g):
-            out = new_output((n * rows, width), like=g).zero_()
-            return out.index_add_(0, keys, source).view(n, rows, width)
-        return g.new_zeros(n * rows, width).index_add(0, keys, source).view(n, rows, width)
+            out = new_output((size, width), like=g).zero_().index_add_(0, keys, source)
+        else:
+            out = g.new_zeros(size, width).index_add(0, keys, source)
+        return out.view(columns, n, *param.shape)
 
     def grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """Scatter-add all cotangents into one weight."""
-        return g.new_zeros(param.shape).index_add(0, x.reshape(-1), g.reshape(-1, g.shape[-1]))
-
-    def _pair_sums(self, x: Tensor, g: Tensor, rows: int) -> tuple[Tensor, Tensor]:
-        """Return the distinct (sample, row) keys and their summed cotangents."""
-        keys = (torch.arange(x.shape[0], device=x.device).unsqueeze(1) * rows + x).reshape(-1)
-        unique, inverse = torch.unique(keys, return_inverse=True)
-        sums = g.new_zeros(unique.shape[0], g.shape[-1]).index_add(
-            0, inverse, g.reshape(-1, g.shape[-1]))
-        return unique, sums
+        return g.new_zeros(param.shape).index_add(0, x.reshape(-1),
+                                                   g.sum(0).reshape(-1, g.shape[-1]))
 
     def sum_grad_squared(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
-        """``Σ_n`` of the squared per-(sample, row) sums, scattered into rows."""
+        """Squared per-key sums, scattered into rows."""
         rows = param.shape[0]
-        unique, sums = self._pair_sums(x, g, rows)
+        unique, sums = _key_sums(x, g, rows)
         return g.new_zeros(param.shape).index_add(0, unique % rows, sums.square())
 
+    def batch_sum_squares(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+        """Squared per-key sums, scattered into each sample's rows."""
+        n, rows = x.shape[1], param.shape[0]
+        unique, sums = _key_sums(x, g, rows)
+        target = (unique // rows) % n * rows + unique % rows
+        out = g.new_zeros(n * rows, g.shape[-1]).index_add(0, target, sums.square())
+        return out.view(n, *param.shape)
+
     def batch_l2(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
-        """Squared norms of the per-(sample, row) sums, gathered per sample."""
-        rows = param.shape[0]
-        unique, sums = self._pair_sums(x, g, rows)
-        return g.new_zeros(x.shape[0]).index_add(0, unique // rows, sums.square().sum(-1))
+        """Squared norms of the per-key sums, gathered per sample."""
+        n, rows = x.shape[1], param.shape[0]
+        unique, sums = _key_sums(x, g, rows)
+        return g.new_zeros(n).index_add(0, (unique // rows) % n, sums.square().sum(-1))
+
+
+def _keys(x: Tensor, columns: int, rows: int) -> Tensor:
+    """Flat key ``(k·N + n)·V + row`` of every index of every column."""
+    n = x.shape[1]
+    column_of = torch.arange(columns * n, device=x.device).view(columns, n, 1)
+    return (column_of * rows + x).reshape(-1)
+
+
+def _key_sums(x: Tensor, g: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """Distinct (column, sample, row) keys and the sums of their cotangents."""
+    unique, inverse = torch.unique(_keys(x, g.shape[0], rows), return_inverse=True)
+    sums = g.new_zeros(unique.shape[0], g.shape[-1]).index_add(0, inverse,
+                                                                g.reshape(-1, g.shape[-1]))
+    return unique, sums

@@ -14,33 +14,40 @@ class LinearWeight(ProductWeight):
 
     def canonical(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
                   ) -> tuple[Tensor, Tensor]:
-        """``x: [N, ..., in] -> [N, 1, in, L]`` and ``g`` likewise, as views."""
-        n = x.shape[0]
-        u = x.reshape(n, -1, x.shape[-1]).transpose(1, 2).unsqueeze(1)
-        return u, g.reshape(n, -1, g.shape[-1]).transpose(1, 2).unsqueeze(1)
+        """``x: [N, ..., in] -> [1, N, 1, in, L]``, ``g: [K, N, ..., out] -> [K, N, 1, out, L]``."""
+        n, columns = x.shape[0], g.shape[0]
+        u = x.reshape(1, n, 1, -1, x.shape[-1]).transpose(-1, -2)
+        return u, g.reshape(columns, n, 1, -1, g.shape[-1]).transpose(-1, -2)
 
 
 class Bias(Rule):
-    """Bias of a linear or convolution op; canonical ``g``: per-sample bias gradient ``[N, C]``."""
+    """Bias of a linear or convolution op; canonical ``g``: column gradients ``[K, N, C]``."""
 
     def __init__(self, channel_dim: int):
         self.channel_dim = channel_dim
 
     def canonical(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
                   ) -> tuple[Tensor, Tensor]:
-        """Sum ``g`` over every dim but samples and channels."""
-        channel = self.channel_dim % g.dim()
-        dims = [d for d in range(1, g.dim()) if d != channel]
-        return x, g.sum(dims) if dims else g
+        """Sum ``g [K, N, ...]`` over every dim but columns, samples and channels.
+
+        ``x`` is not needed; it gets the column dim that canonical inputs share.
+        """
+        channel = self.channel_dim % (g.dim() - 1) + 1
+        dims = [d for d in range(2, g.dim()) if d != channel]
+        return x.unsqueeze(0), g.sum(dims) if dims else g
 
     def batch_grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """The canonical cotangent itself."""
         return g
 
     def sum_grad_squared(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
-        """``Σ_n g_n²``."""
+        """``Σ_{k,n} g²``."""
+        return g.square().sum((0, 1))
+
+    def batch_sum_squares(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+        """``Σ_k g²`` per sample."""
         return g.square().sum(0)
 
     def batch_l2(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
-        """``‖g_n‖²``."""
-        return g.square().sum(1)
+        """``Σ_k ‖g_kn‖²``."""
+        return g.square().sum((0, 2))

@@ -1,10 +1,12 @@
 """Weights of ops that multiply a (grouped) input matrix by the weight: linear and convolution.
 
 After canonicalization both families look alike per sample ``n`` and group:
-``u[n, g]`` is ``[I, L]`` (input features by positions) and ``g[n, g]`` is
-``[O, L]`` (output cotangents by positions); the weight gradient of a sample
-is ``Σ_l g_l u_lᵀ``. For a linear layer ``u`` is the input itself, for a
-convolution the unfolded input (``I = C_in/G · kernel`` elements per position).
+``u[n, g]`` is ``[I, L]`` (input features by positions) and ``v[k, n, g]`` is
+``[O, L]`` (output cotangents by positions); column ``(k, n)``'s weight
+gradient is ``Σ_l v_l u_lᵀ``. For a linear layer ``u`` is the input itself, for
+a convolution the unfolded input (``I = C_in/G · kernel`` per position).
+Canonical tensors are ``x: [Kx, N, G, I, L]`` and ``g: [Kg, N, G, O, L]`` with
+the column dim on one side only (``Kx == 1`` or ``Kg == 1``).
 """
 
 from __future__ import annotations
@@ -18,51 +20,70 @@ from packfunc.engine.rules.base import Rule
 
 
 class ProductWeight(Rule):
-    """Closed forms on canonical ``u: [N, G, I, L]``, ``g: [N, G, O, L]``.
+    """Closed forms on canonical ``x: [Kx, N, G, I, L]``, ``g: [Kg, N, G, O, L]``.
 
-    For ``L == 1`` the moments need no per-sample gradients:
-    ``Σ_n (g_n u_nᵀ)² = Σ_n g_n² (u_n²)ᵀ`` and ``‖g_n u_nᵀ‖² = ‖g_n‖²‖u_n‖²``;
-    for ``L > 1`` the squared norm has the Gram form ``Σ_{l,m} (g_l·g_m)(u_l·u_m)``,
-    used when it is cheaper than materializing. Several calls of one layer
-    (weight sharing) are concatenated along ``L``.
+    For ``L == 1`` the squares need no column gradients: ``(v uᵀ)² = v² (u²)ᵀ``,
+    so every squared reduction is a product of squared factors summed over the
+    column dim first. For ``L > 1`` the squared norm has the Gram form
+    ``Σ_{l,m} (v_l·v_m)(u_l·u_m)``, used when cheaper than materializing.
+    Several calls of one layer (weight sharing) concatenate along ``L``.
     """
 
     merge_dim = -1
 
     def batch_grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
-        """Per-sample ``Σ_l g_l u_lᵀ``, shaped ``[n, *param.shape]``."""
-        n, groups, n_out, length = g.shape
-        shape = (n, groups, n_out, x.shape[2])
+        """Column gradients ``Σ_l v_l u_lᵀ``, shaped ``[K, n, *param.shape]``."""
+        columns, n, groups, n_out, _ = g.shape
+        columns = max(columns, x.shape[0])
+        out_shape = (columns, n, *param.shape)
         if not is_plain(x, g):
-            return torch.matmul(g, x.transpose(-1, -2)).reshape(n, *param.shape)
-        out = new_output(shape, like=g)
-        if length == 1:
+            return torch.matmul(g, x.transpose(-1, -2)).reshape(out_shape)
+        out = new_output((columns, n, groups, n_out, x.shape[-2]), like=g)
+        if g.shape[-1] == 1:
             torch.mul(g, x.transpose(-1, -2), out=out)
         else:
             torch.matmul(g, x.transpose(-1, -2), out=out)
-        return out.view(n, *param.shape)
+        return out.view(out_shape)
 
     def grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
-        """``Σ_{n,l} g_{nl} u_{nl}ᵀ`` per group."""
-        return _contract_samples(g, x).reshape(param.shape)
+        """``Σ_{k,n,l} v u_lᵀ`` per group; the column dim is summed on its side first."""
+        return _contract_samples(g.sum(0), x.sum(0)).reshape(param.shape)
 
     def sum_grad_squared(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
                          ) -> Tensor | None:
-        """``Σ_n g_n² (u_n²)ᵀ`` per group when every sample has one position."""
+        """``Σ_n (Σ_k v_kn²)(Σ_k u_kn²)ᵀ`` when every sample has one position."""
         if x.shape[-1] != 1:
             return None
-        return _contract_samples(g.square(), x.square()).reshape(param.shape)
+        return _contract_samples(*_summed_squares(x, g)).reshape(param.shape)
+
+    def batch_sum_squares(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+                          ) -> Tensor | None:
+        """``(Σ_k v_kn²)(Σ_k u_kn²)ᵀ`` per sample when every sample has one position."""
+        if x.shape[-1] != 1:
+            return None
+        v2, u2 = _summed_squares(x, g)
+        n = v2.shape[0]
+        if not is_plain(v2, u2):
+            return (v2 * u2.transpose(-1, -2)).reshape(n, *param.shape)
+        out = new_output((n, v2.shape[1], v2.shape[2], u2.shape[2]), like=v2)
+        return torch.mul(v2, u2.transpose(-1, -2), out=out).view(n, *param.shape)
 
     def batch_l2(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor | None:
-        """``‖g‖²‖u‖²`` summed over groups; the Gram form for ``L > 1`` when it is cheaper."""
-        n_in, n_out, length = x.shape[2], g.shape[2], x.shape[3]
+        """``Σ_k ‖v_kn‖²‖u_kn‖²`` over groups; the Gram form for one column and ``L > 1``."""
+        n_in, n_out, length = x.shape[-2], g.shape[-2], x.shape[-1]
         if length == 1:
-            return (g[..., 0].square().sum(-1) * x[..., 0].square().sum(-1)).sum(1)
-        if length * (n_in + n_out) >= n_in * n_out:
+            v2, u2 = _summed_squares(x, g)
+            return (v2.sum((-2, -1)) * u2.sum((-2, -1))).sum(1)
+        if g.shape[0] != 1 or x.shape[0] != 1 or length * (n_in + n_out) >= n_in * n_out:
             return None
-        gram_g = g.transpose(-1, -2) @ g
-        gram_u = x.transpose(-1, -2) @ x
+        gram_g = g[0].transpose(-1, -2) @ g[0]
+        gram_u = x[0].transpose(-1, -2) @ x[0]
         return (gram_g * gram_u).sum((1, 2, 3))
+
+
+def _summed_squares(x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """``(Σ_k g², Σ_k x²)`` as ``[N, G, O, L]`` and ``[N, G, I, L]``."""
+    return g.square().sum(0), x.square().sum(0)
 
 
 def _contract_samples(a: Tensor, b: Tensor) -> Tensor:

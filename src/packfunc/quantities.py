@@ -1,0 +1,151 @@
+"""Every quantity, computed together: one batch pass shared by all of them.
+
+A quantity is a statistic of *column gradients* (see ``engine/statistics.py``)
+for one source of output cotangents: the loss gradient (first order) or the
+columns of the loss Hessian's square root (the GGN, exact or Monte-Carlo);
+Hessian diagonals come from ``engine/hessian.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor, nn
+
+from packfunc.engine import hessian
+from packfunc.engine.persample import Backprop
+from packfunc.engine.statistics import ggn_statistics, leaf_statistics
+from packfunc.functional import as_index
+from packfunc.losses import default_loss
+
+Stats = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class Quantity:
+    """How a public quantity is made: its cotangent source, statistics and final step."""
+
+    source: str
+    stats: frozenset[str]
+    finish: Callable[[Stats, int], Tensor]
+
+
+def _stat(name: str) -> Callable[[Stats, int], Tensor]:
+    return lambda stats, n: stats[name]
+
+
+def _variance(stats: Stats, n: int) -> Tensor:
+    return stats["sum_grad_squared"] / n - (stats["grad"] / n) ** 2
+
+
+QUANTITIES: dict[str, Quantity] = {
+    "grad": Quantity("gradient", frozenset({"grad"}), _stat("grad")),
+    "batch_grad": Quantity("gradient", frozenset({"batch_grad"}),
+                           lambda stats, n: stats["batch_grad"][0]),
+    "batch_l2_grad": Quantity("gradient", frozenset({"batch_l2"}), _stat("batch_l2")),
+    "sum_grad_squared": Quantity("gradient", frozenset({"sum_grad_squared"}),
+                                 _stat("sum_grad_squared")),
+    "variance": Quantity("gradient", frozenset({"sum_grad_squared", "grad"}), _variance),
+    "sqrt_ggn": Quantity("ggn", frozenset({"batch_grad"}), _stat("batch_grad")),
+    "diag_ggn": Quantity("ggn", frozenset({"sum_grad_squared"}), _stat("sum_grad_squared")),
+    "batch_diag_ggn": Quantity("ggn", frozenset({"batch_sum_squares"}),
+                               _stat("batch_sum_squares")),
+    "diag_hessian": Quantity("hessian", frozenset({"sum_grad_squared"}),
+                             _stat("sum_grad_squared")),
+    "batch_diag_hessian": Quantity("hessian", frozenset({"batch_sum_squares"}),
+                                   _stat("batch_sum_squares")),
+}
+"""Every name :func:`compute` accepts."""
+
+FIRST_ORDER = ("grad", "batch_grad", "batch_l2_grad", "sum_grad_squared", "variance")
+"""The first-order quantities."""
+
+SECOND_ORDER = ("sqrt_ggn", "diag_ggn", "batch_diag_ggn", "diag_hessian", "batch_diag_hessian")
+"""The second-order quantities."""
+
+
+def compute(
+    model_fn: Callable,
+    params: Any,
+    X: Any,
+    y: Tensor,
+    *,
+    quantities: Sequence[str],
+    loss: nn.Module | None = None,
+    subsampling: Sequence[int] | Tensor | None = None,
+    mc_samples: int | None = None,
+    generator: torch.Generator | None = None,
+    chunk_size: int | None = None,
+) -> dict[str, Any]:
+    """Compute several quantities in one pass over the model.
+
+    One forward and one vector-Jacobian product are shared by all quantities;
+    closed forms avoid materializing per-sample tensors where a layer allows it.
+
+    Args:
+        model_fn: ``model_fn(params, X) -> output``.
+        params: Pytree of floating-point tensors.
+        X: Inputs (tensor or pytree) with leading batch dimension ``N``.
+        y: Targets with leading batch dimension.
+        quantities: Names from :data:`QUANTITIES`: ``grad``, ``batch_grad``,
+            ``batch_l2_grad``, ``sum_grad_squared``, ``variance``, ``sqrt_ggn``,
+            ``diag_ggn``, ``batch_diag_ggn``, ``diag_hessian``, ``batch_diag_hessian``.
+        loss: A ``torch.nn`` loss with ``reduction`` ``'mean'`` or ``'sum'``
+            (default ``CrossEntropyLoss()``).
+        subsampling: Sample indices for the per-sample quantities (``batch_grad``,
+            ``batch_l2_grad``, ``sqrt_ggn``, ``batch_diag_ggn``, ``batch_diag_hessian``);
+            the others always use the whole batch.
+        mc_samples: ``None``: exact GGN; an int: Monte-Carlo GGN with that many samples.
+        generator: Random generator for the Monte-Carlo samples.
+        chunk_size: Samples per chunk when per-sample tensors must be
+            materialized (``None``: automatic, bounded memory).
+
+    Returns:
+        A dict with ``"loss"`` (the reduced loss) and one pytree shaped like
+        ``params`` per requested quantity.
+
+    Raises:
+        ValueError: for an unknown quantity name, a bad loss reduction or shapes.
+        TypeError: for an unsupported loss or non-floating params.
+
+    Example:
+        >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> X, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+        >>> out = compute(model_fn, params, X, y, quantities=("batch_grad", "diag_ggn"))
+        >>> out["batch_grad"]["weight"].shape, out["diag_ggn"]["bias"].shape
+        (torch.Size([8, 2, 3]), torch.Size([2]))
+    """
+    unknown = set(quantities) - set(QUANTITIES)
+    if unknown:
+        raise ValueError(f"unknown quantities {sorted(unknown)}; choose from {list(QUANTITIES)}.")
+    bp = Backprop(model_fn, params, X, y, loss or default_loss(), chunk_size)
+    index = as_index(subsampling, bp.n, bp.record.output.device)
+    wanted: dict[str, set[str]] = {}
+    for name in quantities:
+        wanted.setdefault(QUANTITIES[name].source, set()).update(QUANTITIES[name].stats)
+    stats = {source: _source_statistics(bp, source, needed, index, mc_samples, generator)
+             for source, needed in wanted.items()}
+    result: dict[str, Any] = {"loss": bp.loss_value}
+    for name in quantities:
+        quantity = QUANTITIES[name]
+        values = [quantity.finish(leaf, bp.n) for leaf in stats[quantity.source]]
+        result[name] = optree.tree_unflatten(bp.treespec, values)
+    return result
+
+
+def _source_statistics(bp: Backprop, source: str, stats: set[str], index: slice | Tensor,
+                       mc_samples: int | None, generator: torch.Generator | None
+                       ) -> list[Stats]:
+    """Statistics of every leaf for one cotangent source."""
+    if source == "gradient":
+        return leaf_statistics(bp.gradient_columns(), stats, index)
+    if source == "hessian":
+        return hessian.diagonals(bp, stats, index)
+    return ggn_statistics(bp, stats, index, mc_samples, generator)
+
+
+__all__ = ["FIRST_ORDER", "QUANTITIES", "SECOND_ORDER", "Quantity", "compute"]

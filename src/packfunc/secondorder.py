@@ -1,0 +1,168 @@
+"""Second-order quantities: the GGN (exact or Monte-Carlo) and Hessian diagonals.
+
+The generalized Gauss-Newton of the reduced loss is ``G = Σ_n J_nᵀ H_n J_n``
+with ``H_n`` the loss Hessian of sample ``n``'s output; with ``H_n = S_n S_nᵀ``
+its square root has columns ``J_nᵀ S_n[:, k]``. ``mc_samples=None`` uses the
+exact factorization (``K`` = number of outputs per sample), an integer draws
+that many targets from the model's predictive distribution (``K = mc_samples``).
+Every function returns a pytree shaped like ``params``; :func:`packfunc.compute`
+gives several quantities in one pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from packfunc.quantities import compute
+
+
+def _single(quantity: str, model_fn: Callable, params: Any, X: Any, y: Tensor, **kwargs: Any
+            ) -> Any:
+    return compute(model_fn, params, X, y, quantities=(quantity,), **kwargs)[quantity]
+
+
+def sqrt_ggn(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
+             loss: nn.Module | None = None, mc_samples: int | None = None,
+             generator: torch.Generator | None = None,
+             subsampling: Sequence[int] | Tensor | None = None,
+             chunk_size: int | None = None) -> Any:
+    """Square root of the GGN, per sample (BackPACK's ``SqrtGGNExact`` / ``SqrtGGNMC``).
+
+    Args:
+        model_fn: ``model_fn(params, X) -> output``.
+        params: Pytree of floating-point tensors.
+        X: Inputs with leading batch dimension ``N``.
+        y: Targets.
+        loss: Loss module (default ``CrossEntropyLoss()``).
+        mc_samples: ``None`` (exact) or the number of Monte-Carlo samples.
+        generator: Random generator for the samples.
+        subsampling: Only these samples (default: all).
+        chunk_size: Samples per chunk where columns are materialized.
+
+    Returns:
+        Pytree like ``params``; leaf ``V [K, N, *p]`` with
+        ``GGN = Σ_{k,n} vec(V[k, n]) vec(V[k, n])ᵀ``.
+
+    Example:
+        >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 4))
+        >>> V = sqrt_ggn(model_fn, params, torch.randn(5, 3), torch.randint(0, 4, (5,)))
+        >>> V["weight"].shape
+        torch.Size([4, 5, 4, 3])
+    """
+    return _single("sqrt_ggn", model_fn, params, X, y, loss=loss, mc_samples=mc_samples,
+                   generator=generator, subsampling=subsampling, chunk_size=chunk_size)
+
+
+def diag_ggn(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
+             loss: nn.Module | None = None, mc_samples: int | None = None,
+             generator: torch.Generator | None = None, chunk_size: int | None = None) -> Any:
+    """Diagonal of the GGN (BackPACK's ``DiagGGNExact`` / ``DiagGGNMC``).
+
+    Args:
+        model_fn: ``model_fn(params, X) -> output``.
+        params: Pytree of floating-point tensors.
+        X: Inputs with leading batch dimension ``N``.
+        y: Targets.
+        loss: Loss module (default ``CrossEntropyLoss()``).
+        mc_samples: ``None`` (exact) or the number of Monte-Carlo samples.
+        generator: Random generator for the samples.
+        chunk_size: Samples per chunk where columns are materialized.
+
+    Returns:
+        Pytree like ``params``; leaf ``diag(GGN)`` shaped like the parameter.
+
+    Example:
+        >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 4))
+        >>> d = diag_ggn(model_fn, params, torch.randn(5, 3), torch.randint(0, 4, (5,)))
+        >>> d["weight"].shape
+        torch.Size([4, 3])
+    """
+    return _single("diag_ggn", model_fn, params, X, y, loss=loss, mc_samples=mc_samples,
+                   generator=generator, chunk_size=chunk_size)
+
+
+def batch_diag_ggn(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
+                   loss: nn.Module | None = None, mc_samples: int | None = None,
+                   generator: torch.Generator | None = None,
+                   subsampling: Sequence[int] | Tensor | None = None,
+                   chunk_size: int | None = None) -> Any:
+    """Per-sample diagonals of the GGN (BackPACK's ``BatchDiagGGNExact`` / ``BatchDiagGGNMC``).
+
+    Args:
+        model_fn: ``model_fn(params, X) -> output``.
+        params: Pytree of floating-point tensors.
+        X: Inputs with leading batch dimension ``N``.
+        y: Targets.
+        loss: Loss module (default ``CrossEntropyLoss()``).
+        mc_samples: ``None`` (exact) or the number of Monte-Carlo samples.
+        generator: Random generator for the samples.
+        subsampling: Only these samples (default: all).
+        chunk_size: Samples per chunk where columns are materialized.
+
+    Returns:
+        Pytree like ``params``; leaf ``[N, *p]`` whose sum over samples is ``diag_ggn``.
+
+    Example:
+        >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 4))
+        >>> d = batch_diag_ggn(model_fn, params, torch.randn(5, 3), torch.randint(0, 4, (5,)))
+        >>> d["bias"].shape
+        torch.Size([5, 4])
+    """
+    return _single("batch_diag_ggn", model_fn, params, X, y, loss=loss, mc_samples=mc_samples,
+                   generator=generator, subsampling=subsampling, chunk_size=chunk_size)
+
+
+def diag_hessian(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
+                 loss: nn.Module | None = None, chunk_size: int | None = None) -> Any:
+    """Diagonal of the loss Hessian w.r.t. the parameters (BackPACK's ``DiagHessian``).
+
+    Args:
+        model_fn: ``model_fn(params, X) -> output``.
+        params: Pytree of floating-point tensors.
+        X: Inputs with leading batch dimension ``N``.
+        y: Targets.
+        loss: Loss module (default ``CrossEntropyLoss()``).
+        chunk_size: Samples per chunk where columns are materialized.
+
+    Returns:
+        Pytree like ``params``; leaf ``diag(∇²L)`` shaped like the parameter.
+
+    Example:
+        >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 4))
+        >>> h = diag_hessian(model_fn, params, torch.randn(5, 3), torch.randint(0, 4, (5,)))
+        >>> h["weight"].shape
+        torch.Size([4, 3])
+    """
+    return _single("diag_hessian", model_fn, params, X, y, loss=loss, chunk_size=chunk_size)
+
+
+def batch_diag_hessian(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
+                       loss: nn.Module | None = None,
+                       subsampling: Sequence[int] | Tensor | None = None,
+                       chunk_size: int | None = None) -> Any:
+    """Per-sample diagonals of the loss Hessian (BackPACK's ``BatchDiagHessian``).
+
+    Args:
+        model_fn: ``model_fn(params, X) -> output``.
+        params: Pytree of floating-point tensors.
+        X: Inputs with leading batch dimension ``N``.
+        y: Targets.
+        loss: Loss module (default ``CrossEntropyLoss()``).
+        subsampling: Only these samples (default: all).
+        chunk_size: Samples per chunk where columns are materialized.
+
+    Returns:
+        Pytree like ``params``; leaf ``[N, *p]`` whose sum over samples is ``diag_hessian``.
+
+    Example:
+        >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 4))
+        >>> h = batch_diag_hessian(model_fn, params, torch.randn(5, 3), torch.randint(0, 4, (5,)))
+        >>> h["bias"].shape
+        torch.Size([5, 4])
+    """
+    return _single("batch_diag_hessian", model_fn, params, X, y, loss=loss,
+                   subsampling=subsampling, chunk_size=chunk_size)
