@@ -39,6 +39,11 @@ BACKPACK_EXTENSIONS = {
     "batch_l2_grad": "BatchL2Grad",
     "sum_grad_squared": "SumGradSquared",
     "variance": "Variance",
+    "diag_ggn": "DiagGGNExact",
+    "diag_ggn_mc": "DiagGGNMC",
+    "batch_diag_ggn": "BatchDiagGGNExact",
+    "batch_diag_ggn_mc": "BatchDiagGGNMC",
+    "diag_hessian": "DiagHessian",
 }
 """Quantity name -> class name in ``backpack.extensions``."""
 
@@ -73,10 +78,63 @@ def packfunc_builder(problem: Problem, quantity: str) -> Closure | None:
     if quantity == "grad":
         return lambda: pf.compute(model_fn, params, X, y, quantities=("grad",),
                                       loss=lossfunc)["grad"]
-    function = getattr(pf, quantity, None)
+    base, sampled = _split_mc(quantity)
+    function = getattr(pf, base, None)
     if function is None:
         return None
+    if sampled:
+        generator = torch.Generator().manual_seed(0)
+        return lambda: function(model_fn, params, X, y, loss=lossfunc, mc_samples=1,
+                                generator=generator)
     return lambda: function(model_fn, params, X, y, loss=lossfunc)
+
+
+def _split_mc(quantity: str) -> tuple[str, bool]:
+    """``"diag_ggn_mc"`` -> ``("diag_ggn", True)``: Monte-Carlo rows use one sample."""
+    if quantity.endswith("_mc"):
+        return quantity[: -len("_mc")], True
+    return quantity, False
+
+
+GGN_DIAGONALS = ("diag_ggn", "diag_ggn_mc", "batch_diag_ggn", "batch_diag_ggn_mc")
+"""Rows the naive torch.func contender computes."""
+
+
+def naive_builder(problem: Problem, quantity: str) -> Closure | None:
+    """GGN diagonals the way a torch.func user (or curvlinops) writes them.
+
+    A ``vmap`` over samples of a ``vmap`` over the loss Hessian's square-root
+    columns of a ``vjp``: one full gradient per (sample, column) pair, squared.
+    """
+    if quantity not in GGN_DIAGONALS:
+        return None
+    from torch.func import functional_call, vjp, vmap
+
+    model, X = problem.model(), problem.X
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    base, sampled = _split_mc(quantity)
+    generator = torch.Generator().manual_seed(0)
+
+    def sample_columns(ps: dict[str, Tensor], x: Tensor, roots: Tensor) -> dict[str, Tensor]:
+        _, pullback = vjp(lambda q: functional_call(model, q, (x.unsqueeze(0),))[0], ps)
+        return vmap(lambda column: pullback(column)[0])(roots)
+
+    columns = vmap(sample_columns, in_dims=(None, 0, 0))
+
+    def run() -> Result:
+        with torch.no_grad():
+            probs = torch.softmax(functional_call(model, params, (X,)), 1)
+        if sampled:  # (p − onehot(sample)) / √N, one sample
+            draws = torch.multinomial(probs, 1, generator=generator)[:, 0]
+            roots = (probs - torch.nn.functional.one_hot(draws, probs.shape[1])).unsqueeze(1)
+        else:  # columns k of diag(√p) − p√pᵀ: √p_k (e_k − p), per sample
+            tau = probs.sqrt()
+            roots = tau.unsqueeze(2) * (torch.eye(probs.shape[1]) - probs.unsqueeze(1))
+        squares = {k: v.square().sum(1) for k, v in columns(params, X, roots / problem.n**0.5
+                                                            ).items()}
+        return squares if base == "batch_diag_ggn" else {k: v.sum(0) for k, v in squares.items()}
+
+    return run
 
 
 def backpack_builder(problem: Problem, quantity: str) -> Closure | None:
@@ -165,6 +223,7 @@ BUILDERS: dict[str, Builder] = {
     "BackPACK": backpack_builder,
     "opacus": opacus_builder,
     "vmap(grad)": vmap_builder,
+    "naive torch.func": naive_builder,
 }
 """Contender name -> builder; the order gives the table's columns."""
 

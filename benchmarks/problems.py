@@ -61,5 +61,14 @@ def cnn(n: int = 64) -> Problem:
     return Problem("CNN", model, X, y)
 
 
-PROBLEMS: list[Callable[[], Problem]] = [mlp, cnn]
+def tanh_mlp(n: int = 32) -> Problem:
+    torch.manual_seed(SEED)
+    model = nn.Sequential(
+        nn.Linear(784, 128), nn.Tanh(), nn.Linear(128, 64), nn.Tanh(), nn.Linear(64, 10)
+    )
+    X, y = torch.randn(n, 784), torch.randint(0, 10, (n,))
+    return Problem("tanh MLP", model, X, y)
+
+
+PROBLEMS: list[Callable[[], Problem]] = [mlp, cnn, tanh_mlp]
 """Problem factories, in table order."""

@@ -367,7 +367,6 @@ class TapRecord:
         output: The model output ``[N, ...]``.
         output_cotangent: ``∂L/∂output``; row ``n`` is sample ``n``'s share.
         inputs: Input of each recorded tapped call, by site index.
-        cotangents: Cotangent of each recorded tapped call's output, by site index.
         failed: Active sites whose shapes differed from discovery (their leaves must
             take the generic path).
         pullback: Maps an output cotangent ``[N, ...]`` to the cotangents of the
@@ -378,7 +377,6 @@ class TapRecord:
     output: Tensor
     output_cotangent: Tensor
     inputs: dict[int, Tensor]
-    cotangents: dict[int, Tensor]
     failed: set[int]
     pullback: Callable[[Tensor], dict[int, Tensor]]
 
@@ -405,7 +403,7 @@ def record(model_fn: Callable, params: Any, leaves: list[Tensor], plan: TapPlan,
         >>> X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
         >>> plan = discover(fn, p, list(p.values()), X[:1])
         >>> rec = record(fn, p, list(p.values()), plan, X, y, torch.nn.CrossEntropyLoss(), 4)
-        >>> rec.cotangents[0].shape
+        >>> rec.pullback(rec.output_cotangent)[0].shape
         torch.Size([4, 2])
     """
     failed: set[int] = set()
@@ -425,6 +423,5 @@ def record(model_fn: Callable, params: Any, leaves: list[Tensor], plan: TapPlan,
         (found,) = probe_pullback(cotangent)
         return {k: g for k, g in found.items() if k in inputs}
 
-    return TapRecord(value, output, output_cotangent, inputs, pullback(output_cotangent),
-                     failed, pullback)
+    return TapRecord(value, output, output_cotangent, inputs, failed, pullback)
 

@@ -34,16 +34,16 @@ class ProductWeight(Rule):
     def batch_grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """Column gradients ``Σ_l v_l u_lᵀ``, shaped ``[K, n, *param.shape]``."""
         columns, n, groups, n_out, _ = g.shape
-        columns = max(columns, x.shape[0])
-        out_shape = (columns, n, *param.shape)
+        if max(columns, x.shape[0]) > 1:
+            return _column_products(x, g).reshape(-1, n, *param.shape)
         if not is_plain(x, g):
-            return torch.matmul(g, x.transpose(-1, -2)).reshape(out_shape)
-        out = new_output((columns, n, groups, n_out, x.shape[-2]), like=g)
+            return torch.matmul(g, x.transpose(-1, -2)).reshape(1, n, *param.shape)
+        out = new_output((1, n, groups, n_out, x.shape[-2]), like=g)
         if g.shape[-1] == 1:
             torch.mul(g, x.transpose(-1, -2), out=out)
         else:
             torch.matmul(g, x.transpose(-1, -2), out=out)
-        return out.view(out_shape)
+        return out.view(1, n, *param.shape)
 
     def grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """``Σ_{k,n,l} v u_lᵀ`` per group; the column dim is summed on its side first."""
@@ -79,6 +79,23 @@ class ProductWeight(Rule):
         gram_g = g[0].transpose(-1, -2) @ g[0]
         gram_u = x[0].transpose(-1, -2) @ x[0]
         return (gram_g * gram_u).sum((1, 2, 3))
+
+
+def _column_products(x: Tensor, g: Tensor) -> Tensor:
+    """``g xᵀ`` for every column as ``[K, N, G, O, I]``, one product per column.
+
+    Broadcasting the side without columns would copy it ``K`` times (for a
+    convolution, the unfolded input); one product per column copies nothing.
+    """
+    columns = max(x.shape[0], g.shape[0])
+    xs = x.expand(columns, *x.shape[1:]).unbind(0)
+    gs = g.expand(columns, *g.shape[1:]).unbind(0)
+    if not is_plain(x, g):
+        return torch.stack([torch.matmul(b, a.transpose(-1, -2)) for a, b in zip(xs, gs)])
+    out = new_output((columns, *g.shape[1:-1], x.shape[-2]), like=g)
+    for a, b, o in zip(xs, gs, out.unbind(0)):
+        torch.matmul(b, a.transpose(-1, -2), out=o)
+    return out
 
 
 def _summed_squares(x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
