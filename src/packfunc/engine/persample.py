@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import vmap
 
 from packfunc.engine import generic
 from packfunc.engine.memory import chunk_length, index_length, split_index
@@ -116,14 +115,16 @@ class Backprop:
         Returns:
             The :class:`ColumnGradients` of every leaf.
         """
+        columns = cotangents.shape[0]
         if not self.record.inputs:
-            return ColumnGradients(self, cotangents, {})
-        if cotangents.shape[0] > _VMAPPED_COLUMNS or not self._convolutional:
-            return ColumnGradients(self, cotangents, vmap(self.record.pullback)(cotangents))
-        pulled = [self.record.pullback(column) for column in cotangents.unbind(0)]
-        if len(pulled) == 1:
-            return ColumnGradients(self, cotangents, {k: g[None] for k, g in pulled[0].items()})
-        sites = {k: torch.stack([found[k] for found in pulled]) for k in pulled[0]}
+            sites = {}
+        elif columns == 1:
+            sites = {k: g[None] for k, g in self.record.pullback(cotangents[0]).items()}
+        elif columns > _VMAPPED_COLUMNS or not self._convolutional:
+            sites = self.record.pullback_columns(cotangents)
+        else:
+            pulled = [self.record.pullback(column) for column in cotangents.unbind(0)]
+            sites = {k: torch.stack([found[k] for found in pulled]) for k in pulled[0]}
         return ColumnGradients(self, cotangents, sites)
 
 
