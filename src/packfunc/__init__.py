@@ -2,7 +2,14 @@
 
 from packfunc.firstorder import batch_grad, batch_l2_grad, sum_grad_squared, variance
 from packfunc.functional import functional
-from packfunc.products import ggn_vector_product, hessian_vector_product
+from packfunc.kronecker import kfac, kflr, kfra
+from packfunc.products import (
+    ggn_block_products,
+    ggn_vector_product,
+    hessian_block_products,
+    hessian_vector_product,
+    pch_block_products,
+)
 from packfunc.quantities import FIRST_ORDER, QUANTITIES, SECOND_ORDER, compute
 from packfunc.secondorder import (
     batch_diag_ggn,
@@ -24,8 +31,14 @@ __all__ = [
     "diag_ggn",
     "diag_hessian",
     "functional",
+    "ggn_block_products",
     "ggn_vector_product",
+    "hessian_block_products",
     "hessian_vector_product",
+    "kfac",
+    "kflr",
+    "kfra",
+    "pch_block_products",
     "sqrt_ggn",
     "sum_grad_squared",
     "variance",

@@ -1,10 +1,14 @@
-"""Curvature-vector products: GGN and Hessian times a vector, matrix-free.
+"""Curvature-matrix products, matrix-free: whole matrices and per-parameter blocks.
 
-``v`` is a pytree shaped like ``params``; so is the result. Both products are
-exact for every supported loss and model: the GGN product is
-``J_θᵀ (∇²_f L) J_θ v`` (a forward-mode product through the model, the loss
-Hessian w.r.t. the output, a reverse-mode product back), the Hessian product
-forward-over-reverse differentiation of the loss.
+Vector products take ``v`` shaped like ``params``; block products take ``mats``
+whose leaf for parameter ``p`` is ``[V, *p.shape]`` (or ``None`` to skip it) and
+multiply by ``p``'s own block only — BackPACK's ``GGNMP``, ``HMP`` and ``PCHMP``.
+The GGN product is ``Jᵀ (∇²_f L) J v`` (forward-mode through the model, the loss
+Hessian w.r.t. the output, reverse-mode back); the Hessian product is
+forward-over-reverse differentiation of the loss. Both are exact for every
+supported loss and model. The positive-curvature Hessian (PCH) replaces the
+curvature of each elementwise nonlinearity by its clipped or absolute value; like
+BackPACK's, it is defined for sequential models.
 """
 
 from __future__ import annotations
@@ -12,19 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import optree
 from torch import Tensor, nn
-from torch.func import grad, jvp, vjp
+from torch.func import grad, jvp, vjp, vmap
 
+from packfunc.engine.chain import pch_block_product
+from packfunc.engine.persample import Backprop
 from packfunc.engine.taps import functional_mode, twice_differentiable
 from packfunc.functional import flatten_params
 from packfunc.losses import check_loss, check_loss_inputs, default_loss, hessian_factors
-
-
-def _model(model_fn: Callable, X: Any) -> Callable[[Any], Tensor]:
-    def forward(params: Any) -> Tensor:
-        with functional_mode():
-            return model_fn(params, X)
-    return forward
 
 
 def ggn_vector_product(model_fn: Callable, params: Any, X: Any, y: Tensor, v: Any, *,
@@ -49,16 +49,9 @@ def ggn_vector_product(model_fn: Callable, params: Any, X: Any, y: Tensor, v: An
         ...                    v)["weight"].shape
         torch.Size([2, 3])
     """
-    loss = loss or default_loss()
-    check_loss(loss)
-    flatten_params(params)
-    with twice_differentiable():
-        output, jv = jvp(_model(model_fn, X), (params,), (v,))
-        check_loss_inputs(loss, output, y, output.shape[0])
-        hessian_factors(loss, output.detach(), y)  # refuses losses without a usable curvature
-        _, hjv = jvp(grad(lambda out: loss(out, y)), (output,), (jv,))
-        _, pullback = vjp(_model(model_fn, X), params)
-        return pullback(hjv)[0]
+    loss = _checked(loss, params)
+    forward = _model(model_fn, X, params, [])
+    return _single(_ggn_products(forward, params, _stacked(v), loss, y))
 
 
 def hessian_vector_product(model_fn: Callable, params: Any, X: Any, y: Tensor, v: Any, *,
@@ -83,15 +76,186 @@ def hessian_vector_product(model_fn: Callable, params: Any, X: Any, y: Tensor, v
         ...                        torch.tensor([0, 1, 1, 0]), v)["bias"].shape
         torch.Size([2])
     """
+    loss = _checked(loss, params)
+    forward = _model(model_fn, X, params, [])
+    return _single(_hessian_products(forward, params, _stacked(v), loss, y))
+
+
+def ggn_block_products(model_fn: Callable, params: Any, X: Any, y: Tensor, mats: Any, *,
+                       loss: nn.Module | None = None) -> Any:
+    """Multiply each parameter's GGN block with a stack of matrices (BackPACK's ``GGNMP``).
+
+    Args:
+        model_fn: ``model_fn(params, X) -> output``.
+        params: Pytree of floating-point tensors.
+        X: Inputs with leading batch dimension ``N``.
+        y: Targets.
+        mats: Pytree like ``params``; leaf ``[V, *p.shape]``, or ``None`` to skip.
+        loss: Loss module (default ``CrossEntropyLoss()``).
+
+    Returns:
+        Pytree like ``params``: ``G_pp @ mats[p]`` per leaf (``None`` where skipped).
+
+    Example:
+        >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> mats = {k: torch.ones(5, *p.shape) for k, p in params.items()}
+        >>> ggn_block_products(model_fn, params, torch.randn(4, 3),
+        ...                    torch.tensor([0, 1, 1, 0]), mats)["weight"].shape
+        torch.Size([5, 2, 3])
+    """
+    loss = _checked(loss, params)
+    return _per_block(model_fn, params, X, mats,
+                      lambda forward, leaf, m: _ggn_products(forward, leaf, m, loss, y))
+
+
+def hessian_block_products(model_fn: Callable, params: Any, X: Any, y: Tensor, mats: Any, *,
+                           loss: nn.Module | None = None) -> Any:
+    """Multiply each parameter's Hessian block with a stack of matrices (BackPACK's ``HMP``).
+
+    Args:
+        model_fn: ``model_fn(params, X) -> output``.
+        params: Pytree of floating-point tensors.
+        X: Inputs with leading batch dimension ``N``.
+        y: Targets.
+        mats: Pytree like ``params``; leaf ``[V, *p.shape]``, or ``None`` to skip.
+        loss: Loss module (default ``CrossEntropyLoss()``).
+
+    Returns:
+        Pytree like ``params``: ``H_pp @ mats[p]`` per leaf (``None`` where skipped).
+
+    Example:
+        >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> mats = {k: torch.ones(5, *p.shape) for k, p in params.items()}
+        >>> hessian_block_products(model_fn, params, torch.randn(4, 3),
+        ...                        torch.tensor([0, 1, 1, 0]), mats)["bias"].shape
+        torch.Size([5, 2])
+    """
+    loss = _checked(loss, params)
+    return _per_block(model_fn, params, X, mats,
+                      lambda forward, leaf, m: _hessian_products(forward, leaf, m, loss, y))
+
+
+def pch_block_products(model_fn: Callable, params: Any, X: Tensor, y: Tensor, mats: Any, *,
+                       loss: nn.Module | None = None, modify: str = "clip") -> Any:
+    """Multiply each parameter's positive-curvature Hessian block with matrices (``PCHMP``).
+
+    The PCH is the Hessian with every elementwise nonlinearity's curvature term
+    ``δ ⊙ φ''`` replaced by its clipped (``max(·, 0)``) or absolute value, so that
+    the result is positive semi-definite. (BackPACK 1.7.1's ``PCHMP`` multiplies
+    that term by the gradient ``δ`` a second time; this follows the definition.)
+
+    Args:
+        model_fn: ``model_fn(params, X) -> output``, a sequential model whose
+            nonlinearities are elementwise (or piecewise linear, like max-pooling).
+        params: Pytree of floating-point tensors.
+        X: Input tensor with leading batch dimension ``N``.
+        y: Targets.
+        mats: Pytree like ``params``; leaf ``[V, *p.shape]``, or ``None`` to skip.
+        loss: Loss module (default ``CrossEntropyLoss()``).
+        modify: ``"clip"``, ``"abs"``, or ``"none"`` (no modification: the Hessian block).
+
+    Returns:
+        Pytree like ``params``: ``PCH_pp @ mats[p]`` per leaf (``None`` where skipped).
+
+    Raises:
+        ValueError: for a non-sequential model, another nonlinearity, a parameter used
+            outside one linear or convolution layer, or a bad ``modify``.
+
+    Example:
+        >>> model_fn, params = packfunc.functional(torch.nn.Sequential(
+        ...     torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)))
+        >>> mats = {k: torch.ones(5, *p.shape) for k, p in params.items()}
+        >>> pch_block_products(model_fn, params, torch.randn(4, 3),
+        ...                    torch.tensor([0, 1, 1, 0]), mats)["0.weight"].shape
+        torch.Size([5, 4, 3])
+    """
+    if modify not in ("clip", "abs", "none"):
+        raise ValueError(f"modify must be 'clip', 'abs' or 'none'; got {modify!r}.")
+    bp = Backprop(model_fn, params, X, y, _checked(loss, params))
+    blocks = optree.tree_leaves(mats, none_is_leaf=True)
+    with twice_differentiable():
+        results = [None if m is None else pch_block_product(bp, i, m, modify)
+                   for i, m in enumerate(blocks)]
+    return optree.tree_unflatten(bp.treespec, results)
+
+
+def _checked(loss: nn.Module | None, params: Any) -> nn.Module:
     loss = loss or default_loss()
     check_loss(loss)
     flatten_params(params)
-    forward = _model(model_fn, X)
+    return loss
 
-    def total(params: Any) -> Tensor:
-        output = forward(params)
+
+def _model(model_fn: Callable, X: Any, params: Any, replaced: list[int]
+           ) -> Callable[[Any], Tensor]:
+    """The model as a function of all params (``replaced=[]``) or of one leaf."""
+    leaves, treespec = optree.tree_flatten(params)
+
+    def forward(chosen: Any) -> Tensor:
+        current = chosen
+        if replaced:
+            current = list(leaves)
+            current[replaced[0]] = chosen
+            current = optree.tree_unflatten(treespec, current)
+        with functional_mode():
+            return model_fn(current, X)
+
+    return forward
+
+
+def _per_block(model_fn: Callable, params: Any, X: Any, mats: Any,
+               product: Callable[[Callable, Tensor, Tensor], Tensor]) -> Any:
+    leaves, treespec = optree.tree_flatten(params)
+    blocks = optree.tree_leaves(mats, none_is_leaf=True)
+    if len(blocks) != len(leaves):
+        raise ValueError("mats must have one leaf (or None) per parameter leaf.")
+    with twice_differentiable():
+        results = [None if m is None else product(_model(model_fn, X, params, [i]), leaves[i], m)
+                   for i, m in enumerate(blocks)]
+    return optree.tree_unflatten(treespec, results)
+
+
+def _ggn_products(forward: Callable, primal: Any, tangents: Any, loss: nn.Module,
+                  y: Tensor) -> Any:
+    """``Jᵀ (∇²_f L) J t`` for a stack of tangents (leading dim ``V``)."""
+    with twice_differentiable():
+        output, pullback = vjp(forward, primal)
+        check_loss_inputs(loss, output, y, output.shape[0])
+        hessian_factors(loss, output.detach(), y)  # refuses losses without a usable curvature
+        loss_gradient = grad(lambda out: loss(out, y))
+
+        def one(t: Any) -> Any:
+            jt = jvp(forward, (primal,), (t,))[1]
+            return pullback(jvp(loss_gradient, (output,), (jt,))[1])[0]
+
+        return vmap(one)(tangents)
+
+
+def _hessian_products(forward: Callable, primal: Any, tangents: Any, loss: nn.Module,
+                      y: Tensor) -> Any:
+    """``∇²L t`` for a stack of tangents (leading dim ``V``)."""
+
+    def total(p: Any) -> Tensor:
+        output = forward(p)
         check_loss_inputs(loss, output, y, output.shape[0])
         return loss(output, y)
 
     with twice_differentiable():
-        return jvp(grad(total), (params,), (v,))[1]
+        return vmap(lambda t: jvp(grad(total), (primal,), (t,))[1])(tangents)
+
+
+def _stacked(v: Any) -> Any:
+    return optree.tree_map(lambda t: t.unsqueeze(0), v)
+
+
+def _single(stacked: Any) -> Any:
+    return optree.tree_map(lambda t: t.squeeze(0), stacked)
+
+
+__all__ = [
+    "ggn_block_products",
+    "ggn_vector_product",
+    "hessian_block_products",
+    "hessian_vector_product",
+    "pch_block_products",
+]

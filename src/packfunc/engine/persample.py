@@ -47,15 +47,13 @@ class Term:
 
 
 def _merge(terms: list[Term]) -> list[Term]:
-    """Concatenate the terms of several calls of one rule along its positions dim."""
-    rule, dim = terms[0].rule, terms[0].rule.merge_dim
-    if len(terms) == 1 or dim is None or any(t.rule is not rule for t in terms):
+    """Combine the terms of several calls of one rule into one term, where the rule can."""
+    rule = terms[0].rule
+    if len(terms) == 1 or any(t.rule is not rule for t in terms):
         return terms
-    if len({(t.call.options, t.x.dtype, t.x.shape[:dim], t.g.shape[:dim]) for t in terms}) != 1:
-        return terms
-    x = torch.cat([t.x for t in terms], dim=dim)
-    g = torch.cat([t.g for t in terms], dim=dim)
-    return [Term(rule, x, g, terms[0].call)]
+    merged = rule.merge([t.x for t in terms], [t.g for t in terms],
+                        [t.call.options for t in terms])
+    return terms if merged is None else [Term(rule, *merged, terms[0].call)]
 
 
 class Backprop:

@@ -50,7 +50,7 @@ _METADATA_ATTRIBUTES = frozenset({
 })
 
 
-def _is_metadata_query(func: Callable) -> bool:
+def is_metadata_query(func: Callable) -> bool:
     """Whether ``func`` only reads a tensor's metadata (shape, dtype, ...)."""
     if func in _METADATA_METHODS:
         return True
@@ -95,7 +95,7 @@ class LeafIndex:
         return found
 
 
-class _FunctionalMode(TorchFunctionMode):
+class FunctionalMode(TorchFunctionMode):
     """Make a model safe for per-sample computations.
 
     Recurrent ops are replaced by an out-of-place decomposition (vmap-able,
@@ -150,7 +150,7 @@ def functional_mode() -> TorchFunctionMode:
         >>> with functional_mode():
         ...     y = torch.nn.GRU(2, 3)(torch.zeros(4, 1, 2))
     """
-    return _FunctionalMode()
+    return FunctionalMode()
 
 
 def twice_differentiable() -> contextlib.AbstractContextManager:
@@ -203,7 +203,7 @@ class TapPlan:
                 if any(leaf in covered for _, leaf in site.call.leaves)]
 
 
-class _DiscoveryMode(_FunctionalMode):
+class _DiscoveryMode(FunctionalMode):
     def __init__(self, leaf_of: LeafIndex):
         super().__init__()
         self.leaf_of = leaf_of
@@ -223,7 +223,7 @@ class _DiscoveryMode(_FunctionalMode):
         return out
 
     def _other(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        if not _is_metadata_query(func):
+        if not is_metadata_query(func):
             self.plan.uncovered |= self.leaf_of.used_in(args, kwargs)
         return func(*args, **kwargs)
 
@@ -272,7 +272,7 @@ def discover(model_fn: Callable, params: Any, leaves: list[Tensor], X_first: Any
     return mode.plan
 
 
-class _RecordMode(_FunctionalMode):
+class _RecordMode(FunctionalMode):
     """Adds probes to tapped outputs (``torch.func``), or marks them for autograd."""
 
     def __init__(self, leaf_of: LeafIndex, plan: TapPlan, probes: dict[int, Tensor],

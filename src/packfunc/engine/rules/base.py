@@ -10,6 +10,7 @@ other method is a reduction of it that a closed form may give more cheaply.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from packfunc.engine.ops import TapCall
@@ -27,6 +28,34 @@ class Rule:
 
     merge_dim: int | None = None
     """Dim along which canonical terms of several calls concatenate (``None``: they add up)."""
+
+    kronecker_factors: int = 0
+    """Number of Kronecker factors of the parameter's curvature block (0: no Kronecker rule)."""
+
+    def merge(self, xs: list[Tensor], gs: list[Tensor], options: list[tuple]
+              ) -> tuple[Tensor, Tensor] | None:
+        """One canonical term for several calls of a layer, or ``None`` if they must add up.
+
+        Args:
+            xs: Canonical inputs, one per call.
+            gs: Canonical cotangents, one per call.
+            options: The calls' options.
+
+        Returns:
+            The merged ``(x, g)``: concatenated along :attr:`merge_dim` when the calls agree
+            on options and every other dim.
+        """
+        dim = self.merge_dim
+        if dim is None:
+            return None
+        keys = {(o, x.dtype, x.shape[:dim], g.shape[:dim]) for o, x, g in zip(options, xs, gs)}
+        if len(keys) != 1:
+            return None
+        return torch.cat(xs, dim=dim), torch.cat(gs, dim=dim)
+
+    def kronecker(self, call: TapCall) -> int:
+        """Number of Kronecker factors this rule gives for ``call`` (0: none)."""
+        return self.kronecker_factors
 
     def canonical(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
                   ) -> tuple[Tensor, Tensor]:
@@ -54,3 +83,19 @@ class Rule:
     def batch_l2(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor | None:
         """``Σ_k ‖batch_grad[k, n]‖²`` per sample, ``[n]``, or ``None``."""
         return None
+
+    def output_factor(self, g: Tensor, approx: str) -> Tensor:
+        """Kronecker factor from the cotangent columns (additive over columns).
+
+        Args:
+            g: Canonical cotangent columns.
+            approx: ``"backpack"``, ``"expand"`` or ``"reduce"`` (see ``packfunc.kronecker``).
+
+        Returns:
+            The output-side factor, ``[O, O]``.
+        """
+        raise NotImplementedError
+
+    def input_factor(self, x: Tensor, approx: str) -> Tensor:
+        """Kronecker factor from the op's (canonical) input, ``[I, I]``."""
+        raise NotImplementedError

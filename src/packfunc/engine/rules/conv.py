@@ -70,6 +70,10 @@ def unfold(x: Tensor, kernel: list[int], stride: list[int], dilation: list[int],
 class ConvWeight(ProductWeight):
     """Weight of ``torch.convNd`` / ``torch.conv_transposeNd``."""
 
+    def kronecker(self, call: TapCall) -> int:
+        """Two factors for convolutions; none for transposed ones (their roles are swapped)."""
+        return 0 if call.transposed else 2
+
     def canonical(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
                   ) -> tuple[Tensor, Tensor]:
         """Unfold the op's input (or, transposed, its cotangent) and group the channels."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from packfunc.engine.ops import TapCall
@@ -36,9 +37,23 @@ class Bias(Rule):
         dims = [d for d in range(2, g.dim()) if d != channel]
         return x.unsqueeze(0), g.sum(dims) if dims else g
 
+    kronecker_factors = 1
+
+    def merge(self, xs: list[Tensor], gs: list[Tensor], options: list[tuple]
+              ) -> tuple[Tensor, Tensor] | None:
+        """Several calls add their (position-summed) cotangents: the bias gradient's sum."""
+        if len({g.shape for g in gs}) != 1:
+            return None
+        return xs[0], torch.stack(gs).sum(0)
+
     def batch_grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """The canonical cotangent itself."""
         return g
+
+    def output_factor(self, g: Tensor, approx: str) -> Tensor:
+        """The exact GGN block of the bias: ``Σ_{k,n} g gᵀ`` (positions already summed)."""
+        flat = g.reshape(-1, g.shape[-1])
+        return flat.T @ flat
 
     def sum_grad_squared(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """``Σ_{k,n} g²``."""

@@ -30,6 +30,7 @@ class ProductWeight(Rule):
     """
 
     merge_dim = -1
+    kronecker_factors = 2
 
     def batch_grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """Column gradients ``Σ_l v_l u_lᵀ``, shaped ``[K, n, *param.shape]``."""
@@ -79,6 +80,33 @@ class ProductWeight(Rule):
         gram_g = g[0].transpose(-1, -2) @ g[0]
         gram_u = x[0].transpose(-1, -2) @ x[0]
         return (gram_g * gram_u).sum((1, 2, 3))
+
+
+    def output_factor(self, g: Tensor, approx: str) -> Tensor:
+        """``Σ_{k,n} s sᵀ`` over all output channels, ``s`` the position-summed cotangent.
+
+        With ``"expand"``, one outer product per position instead.
+        """
+        columns, n, groups, n_out, length = g.shape
+        if approx == "expand":
+            flat = g.permute(0, 1, 4, 2, 3).reshape(-1, groups * n_out)
+        else:
+            flat = g.sum(-1).reshape(-1, groups * n_out)
+        return flat.T @ flat
+
+    def input_factor(self, x: Tensor, approx: str) -> Tensor:
+        """Uncentered input covariance, averaged over samples and groups.
+
+        ``"backpack"``: ``Σ_{n,l} u uᵀ / N``; ``"expand"``: ``/ (N·L)``; ``"reduce"``:
+        ``Σ_n ū ūᵀ / N`` with ``ū`` the mean over positions.
+        """
+        _, n, groups, n_in, length = x.shape
+        if approx == "reduce":
+            flat = x[0].mean(-1).reshape(-1, n_in)
+            return flat.T @ flat / (n * groups)
+        flat = x[0].transpose(-1, -2).reshape(-1, n_in)
+        scale = n * groups * (length if approx == "expand" else 1)
+        return flat.T @ flat / scale
 
 
 def _column_products(x: Tensor, g: Tensor) -> Tensor:

@@ -1,0 +1,280 @@
+"""Sequential models as chains of ops, and KFRA's backward recursion over them.
+
+:func:`trace_chain` runs the model once and records every op applied to the
+*chain tensor* — the input, then each op's output in turn. A model is
+sequential when every op takes the current chain tensor once and nothing
+else ever reads an earlier one (no residual connections, no reuse); otherwise
+a clear error is raised.
+
+KFRA (Botev et al., 2017) propagates one batch-averaged matrix ``H`` (the
+GGN w.r.t. the current chain tensor) from the output back to the input:
+``H ← E_n[J_nᵀ H J_n]`` per op, with ``J_n`` the op's Jacobian at sample ``n``.
+A linear or convolution layer reads its Kronecker factors off ``H`` on the way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.func import grad, jvp, vjp, vmap
+
+from packfunc.engine.ops import OpSignature, TapCall, make_call
+from packfunc.engine.persample import Backprop
+from packfunc.engine.taps import FunctionalMode, LeafIndex, is_metadata_query
+
+ELEMENTWISE = frozenset({
+    torch.relu, F.relu, torch.tanh, torch.sigmoid, F.elu, F.leaky_relu, F.gelu, F.silu,
+    F.softplus, F.selu, F.celu, F.hardtanh, F.relu6, F.logsigmoid, F.hardswish, F.mish,
+    torch.exp, Tensor.relu, Tensor.tanh, Tensor.sigmoid, F.dropout,
+})
+"""Ops known to act elementwise: their Jacobian is diagonal."""
+
+RESHAPES = frozenset({Tensor.view, Tensor.reshape, torch.reshape, torch.flatten, Tensor.flatten})
+"""Ops that keep the row-major order of a sample's entries: ``H`` passes unchanged."""
+
+
+@dataclass
+class Link:
+    """One op of the chain.
+
+    Attributes:
+        func: The function called.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments (``inplace`` switched off).
+        position: Index of the chain tensor among ``args`` then ``kwargs`` values.
+        input: The chain tensor the op received (a copy, if the op was in place).
+        output: The op's output.
+        call: For a linear or convolution op with a parameter weight, its description.
+    """
+
+    func: Callable
+    args: tuple
+    kwargs: dict
+    position: int
+    input: Tensor
+    output: Tensor
+    call: TapCall | None = None
+
+    def apply(self, chain: Tensor) -> Tensor:
+        """The op as a function of the chain tensor, every other argument fixed."""
+        return self.with_argument(self.position, chain)
+
+    def with_argument(self, position: int | str, value: Any) -> Any:
+        """Call the op with one argument (an index, or a keyword) replaced."""
+        args, kwargs = list(self.args), dict(self.kwargs)
+        if isinstance(position, str):
+            kwargs[position] = value
+        elif position < len(args):
+            args[position] = value
+        else:
+            kwargs[list(kwargs)[position - len(args)]] = value
+        return self.func(*args, **kwargs)
+
+
+class NotSequentialError(ValueError):
+    """The model is not a chain of ops."""
+
+
+class _ChainMode(FunctionalMode):
+    def __init__(self, leaf_of: LeafIndex, start: Tensor):
+        super().__init__()
+        self.leaf_of, self.current, self.links = leaf_of, start, []
+        self.seen: set[int] = set()
+
+    def _tapped(self, func: Callable, sig: OpSignature, bound: dict[str, Any],
+                run: Callable[[], Tensor]) -> Tensor:
+        call = make_call(sig, bound, self.leaf_of)
+        return self._follow(func, (), bound, run, call)
+
+    def _other(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        if is_metadata_query(func):
+            return func(*args, **kwargs)
+        return self._follow(func, args, kwargs, lambda: func(*args, **kwargs), None)
+
+    def _follow(self, func: Callable, args: tuple, kwargs: dict, run: Callable[[], Any],
+                call: TapCall | None) -> Any:
+        arguments = list(args) + list(kwargs.values())
+        positions = [i for i, a in enumerate(arguments) if a is self.current]
+        stale = [a for a in arguments if isinstance(a, Tensor) and id(a) in self.seen]
+        if stale or len(positions) > 1:
+            raise NotSequentialError(
+                f"{getattr(func, '__name__', func)} reads an earlier activation or the current "
+                "one twice (a residual connection or reuse); KFRA's recursion is only defined "
+                "for sequential networks. Use kflr or kfac instead."
+            )
+        if not positions:
+            return run()
+        if getattr(func, "__name__", "").endswith("_"):
+            raise NotSequentialError(
+                f"{func.__name__} changes an activation in place; write the model with "
+                "out-of-place ops (e.g. nn.ReLU() rather than nn.ReLU(inplace=True)) for KFRA."
+            )
+        saved = self.current.clone() if kwargs.get("inplace") else self.current
+        out = run()
+        if "inplace" in kwargs:
+            kwargs = {**kwargs, "inplace": False}
+        self.links.append(Link(func, args, kwargs, positions[0], saved, out, call))
+        if out is not self.current:
+            self.seen.add(id(self.current))
+        self.current = out
+        return out
+
+
+def trace_chain(model_fn: Callable, params: Any, leaves: list[Tensor], X: Tensor) -> list[Link]:
+    """Record the ops of a sequential model applied to ``X``.
+
+    Args:
+        model_fn: ``model_fn(params, X)``.
+        params: The parameter pytree.
+        leaves: Its flattened leaves.
+        X: The inputs, one tensor.
+
+    Returns:
+        The links, in the order the ops ran.
+
+    Raises:
+        NotSequentialError: if an op reads an earlier activation (residual connections,
+            reused activations) or the output is not the end of the chain.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Sequential(torch.nn.Linear(3, 2),
+        ...                                                 torch.nn.ReLU()))
+        >>> [link.func.__name__ for link in trace_chain(fn, p, list(p.values()),
+        ...                                             torch.ones(4, 3))]
+        ['linear', 'relu']
+    """
+    if not isinstance(X, Tensor):
+        raise NotSequentialError("KFRA needs a single input tensor X.")
+    mode = _ChainMode(LeafIndex(leaves), X)
+    with torch.no_grad(), mode:
+        output = model_fn(params, X)
+    if output is not mode.current:
+        raise NotSequentialError(
+            "the model output is not the last op applied to its input; KFRA's recursion is "
+            "only defined for sequential networks. Use kflr or kfac instead."
+        )
+    return mode.links
+
+
+def expected_jacobian_sandwich(link: Link, H: Tensor) -> Tensor:
+    """``E_n[J_nᵀ H J_n]`` for one op, ``H`` over a sample's output entries.
+
+    Reshapes keep ``H``; elementwise ops scale it by ``E_n[φ'_n φ'_nᵀ]``; linear and
+    convolution ops have one Jacobian for all samples; every other op is
+    averaged over the samples.
+
+    Args:
+        link: The op.
+        H: ``[D_out, D_out]``.
+
+    Returns:
+        ``[D_in, D_in]``.
+    """
+    if link.func in RESHAPES:
+        return H
+    n = link.input.shape[0]
+    if link.func in ELEMENTWISE:
+        _, slope = jvp(link.apply, (link.input,), (torch.ones_like(link.input),))
+        slope = slope.reshape(n, -1)
+        return H * (slope.T @ slope) / n
+    if link.call is not None:
+        return _sandwich(link.apply, link.input[:1], H)
+    return vmap(lambda x: _sandwich(link.apply, x.unsqueeze(0), H))(link.input).mean(0)
+
+
+def _sandwich(apply: Callable[[Tensor], Tensor], x: Tensor, H: Tensor) -> Tensor:
+    """``Jᵀ H J`` for the Jacobian ``J`` of ``apply`` at one sample ``x`` (``[1, ...]``)."""
+    out, pullback = vjp(apply, x)
+    rows = vmap(lambda row: pullback(row.view(out.shape))[0].reshape(-1))(H)  # H J
+    return vmap(lambda column: pullback(column.view(out.shape))[0].reshape(-1))(rows.T)
+
+
+PIECEWISE_LINEAR = frozenset({
+    F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d,
+    F.adaptive_max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d,
+    F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.pad, F.dropout,
+})
+"""Ops whose second derivative vanishes almost everywhere: no curvature of their own."""
+
+
+def pch_block_product(bp: Backprop, leaf: int, mats: Tensor, modify: str) -> Tensor:
+    """Positive-curvature Hessian block of one layer parameter times ``mats [V, *p]``.
+
+    Tangents are pushed from the parameter forward through the chain (``jvp``),
+    the loss Hessian and each elementwise op's modified curvature
+    ``mod(δ ⊙ φ'')`` are applied, and the result is pulled back (``vjp``).
+
+    Args:
+        bp: The batch pass of a sequential model.
+        leaf: Index of a weight or bias of one linear or convolution layer.
+        mats: ``[V, *param.shape]``.
+        modify: ``"clip"``, ``"abs"`` or ``"none"`` (the exact Hessian block).
+
+    Returns:
+        ``[V, *param.shape]``.
+
+    Raises:
+        NotSequentialError: for a non-sequential model, or the parameter not in one layer.
+        ValueError: for a nonlinearity that is neither elementwise nor piecewise linear.
+    """
+    links = trace_chain(bp.model_fn, bp.params, bp.leaves, bp.X)
+    owners = [i for i, link in enumerate(links)
+              if link.call and any(j == leaf for _, j in link.call.leaves)]
+    if len(owners) != 1:
+        raise NotSequentialError(
+            f"{bp.names[leaf]} is not the weight or bias of exactly one linear or convolution "
+            "layer of the chain; the PCH block product is defined for such parameters.")
+    start = owners[0]
+    role = next(r for r, j in links[start].call.leaves if j == leaf)
+    downstream = links[start + 1:]
+    for link in downstream:
+        if not (link.call or link.func in ELEMENTWISE or link.func in RESHAPES
+                or link.func in PIECEWISE_LINEAR):
+            raise ValueError(
+                f"{getattr(link.func, '__name__', link.func)} is not elementwise; the "
+                "positive-curvature Hessian only modifies elementwise nonlinearities.")
+    curvature = _modified_curvature(bp, downstream, modify)
+
+    def through_layer(value: Tensor) -> Tensor:
+        return links[start].with_argument(role, value)
+
+    def one(m: Tensor) -> Tensor:
+        t = jvp(through_layer, (bp.leaves[leaf],), (m,))[1]
+        tangents = []
+        for link in downstream:
+            tangents.append(t)
+            t = jvp(link.apply, (link.input,), (t,))[1]
+        _, hessian_t = jvp(grad(lambda out: bp.loss(out, bp.y)), (bp.record.output,), (t,))
+        c = hessian_t
+        for link, t_in, r in zip(reversed(downstream), reversed(tangents), reversed(curvature)):
+            c = vjp(link.apply, link.input)[1](c)[0]
+            if r is not None:
+                c = c + r * t_in
+        return vjp(through_layer, bp.leaves[leaf])[1](c)[0]
+
+    return vmap(one)(mats)
+
+
+def _second_derivative(apply: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """``φ''(x)`` of an elementwise op, by forward-over-forward differentiation."""
+    ones = torch.ones_like(x)
+    return jvp(lambda z: jvp(apply, (z,), (ones,))[1], (x,), (ones,))[1]
+
+
+def _modified_curvature(bp: Backprop, links: list[Link], modify: str) -> list[Tensor | None]:
+    """``mod(δ ⊙ φ'')`` at the input of each elementwise link (``None`` for the others)."""
+    delta = bp.record.output_cotangent
+    found: list[Tensor | None] = []
+    for link in reversed(links):
+        r = None
+        if link.func in ELEMENTWISE:
+            r = delta * _second_derivative(link.apply, link.input)
+            r = {"clip": r.clamp_min(0), "abs": r.abs()}.get(modify, r)
+        found.append(r)
+        delta = vjp(link.apply, link.input)[1](delta)[0]
+    return found[::-1]

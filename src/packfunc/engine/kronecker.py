@@ -1,0 +1,168 @@
+"""Kronecker factors of each layer's GGN block: KFAC, KFLR (square-root columns) and KFRA.
+
+A linear or convolution weight's GGN block is approximated by ``A ⊗ B`` with
+``A`` from the output side (``[C_out, C_out]``) and ``B`` from the input side
+(``[C_in/G · kernel, …]``), in BackPACK's order; a bias gets ``[A]``. KFAC and
+KFLR build ``A`` from the loss Hessian's square-root columns pulled back to
+the layer output (sampled or exact), KFRA from the batch-averaged GGN
+propagated through a sequential model (``engine/chain.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from packfunc.engine.chain import (
+    Link,
+    NotSequentialError,
+    expected_jacobian_sandwich,
+    trace_chain,
+)
+from packfunc.engine.memory import chunk_length, chunks
+from packfunc.engine.persample import Backprop, Term
+from packfunc.engine.rules import RULES
+from packfunc.losses import hessian_factors
+
+APPROXIMATIONS = ("backpack", "expand", "reduce")
+"""Conventions for positions (sequence entries, pixels, several calls of one layer)."""
+
+
+@dataclass
+class Factors:
+    """Kronecker factors per leaf (``None`` where no Kronecker rule applies) and why not."""
+
+    per_leaf: list[list[Tensor] | None]
+    unsupported: dict[int, str]
+
+
+def sqrt_factors(bp: Backprop, approx: str, mc_samples: int | None,
+                 generator: torch.Generator | None) -> Factors:
+    """KFLR (``mc_samples=None``) or KFAC factors from square-root columns.
+
+    Args:
+        bp: The batch pass.
+        approx: One of :data:`APPROXIMATIONS`.
+        mc_samples: Monte-Carlo samples (KFAC) or ``None`` (exact: KFLR).
+        generator: Random generator for the samples.
+
+    Returns:
+        The :class:`Factors`.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> bp = Backprop(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        ...               torch.nn.CrossEntropyLoss())
+        >>> [f.shape for f in sqrt_factors(bp, "backpack", None, None).per_leaf[1]]
+        [torch.Size([2, 2]), torch.Size([3, 3])]
+    """
+    roots = hessian_factors(bp.loss, bp.record.output, bp.y, mc_samples=mc_samples,
+                            generator=generator)
+    length = chunk_length(roots.count, bp.n * bp.column_width(), None)
+    outputs: dict[int, Tensor] = {}
+    terms: dict[int, Term] = {}
+    unsupported = _unsupported(bp)
+    for s in chunks(roots.count, length):
+        columns = bp.columns(roots.make(s))
+        for leaf, found in columns.terms.items():
+            if leaf in unsupported:
+                continue
+            if len(found) != 1 or not found[0].rule.kronecker(found[0].call):
+                unsupported[leaf] = _reason(found)
+                continue
+            terms[leaf] = found[0]
+            factor = found[0].rule.output_factor(found[0].g, approx)
+            outputs[leaf] = outputs[leaf] + factor if leaf in outputs else factor
+    per_leaf: list[list[Tensor] | None] = [None] * len(bp.leaves)
+    for leaf, term in terms.items():
+        if leaf not in unsupported:
+            per_leaf[leaf] = _assemble(term, outputs[leaf], approx)
+    return Factors(per_leaf, unsupported)
+
+
+def _assemble(term: Term, output: Tensor, approx: str) -> list[Tensor]:
+    if term.rule.kronecker(term.call) == 1:
+        return [output]
+    return [output, term.rule.input_factor(term.x, approx)]
+
+
+def _unsupported(bp: Backprop) -> dict[int, str]:
+    """Leaves no rule covers, with the reason."""
+    used = {leaf for site in bp.plan.sites for _, leaf in site.call.leaves}
+    reasons = {leaf: "used outside a linear or convolution layer" for leaf in bp.generic}
+    for leaf in range(len(bp.leaves)):
+        if leaf not in used and leaf not in reasons:
+            reasons[leaf] = "not used by a linear or convolution layer"
+    return reasons
+
+
+def _reason(terms: list[Term]) -> str:
+    if len(terms) != 1:
+        return "used by layers of different kinds (e.g. tied weights)"
+    call = terms[0].call
+    if call.family == "embedding":
+        return "an embedding (no Kronecker rule)"
+    return "a transposed convolution (no Kronecker rule)"
+
+
+def kfra_factors(bp: Backprop) -> Factors:
+    """KFRA factors: propagate the batch-averaged GGN back through a sequential model.
+
+    Args:
+        bp: The batch pass.
+
+    Returns:
+        The :class:`Factors`.
+
+    Raises:
+        NotSequentialError: if the model is not a chain of ops.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Sequential(torch.nn.Linear(3, 4),
+        ...                                                 torch.nn.Tanh(),
+        ...                                                 torch.nn.Linear(4, 2)))
+        >>> bp = Backprop(fn, p, torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1]),
+        ...               torch.nn.CrossEntropyLoss())
+        >>> [f.shape for f in kfra_factors(bp).per_leaf[bp.names.index("0.weight")]]
+        [torch.Size([4, 4]), torch.Size([3, 3])]
+    """
+    links = trace_chain(bp.model_fn, bp.params, bp.leaves, bp.X)
+    roots = hessian_factors(bp.loss, bp.record.output, bp.y).all()
+    roots = roots.reshape(-1, bp.record.output[0].numel())  # one row per (column, sample)
+    H = roots.T @ roots  # Σ_n H_n, the loss Hessian summed over samples: [D, D]
+    per_leaf: list[list[Tensor] | None] = [None] * len(bp.leaves)
+    unsupported = _unsupported(bp)
+    uses: dict[int, int] = {}
+    for link in links:
+        for _, leaf in link.call.leaves if link.call else ():
+            uses[leaf] = uses.get(leaf, 0) + 1
+    for link in reversed(links):
+        call = link.call
+        if call is not None:
+            for role, leaf in call.leaves:
+                rule = RULES[(call.family, role)]
+                if leaf in unsupported or not rule.kronecker(call) or uses[leaf] > 1:
+                    unsupported.setdefault(leaf, "shared between layers, or no Kronecker rule")
+                    continue
+                output = _channel_block(H, link)
+                x, _ = rule.canonical(link.input, link.output.unsqueeze(0), call,
+                                      bp.leaves[leaf])
+                per_leaf[leaf] = ([output] if rule.kronecker(call) == 1
+                                  else [output, rule.input_factor(x, "backpack")])
+        H = expected_jacobian_sandwich(link, H)
+    return Factors(per_leaf, unsupported)
+
+
+def _channel_block(H: Tensor, link: Link) -> Tensor:
+    """Sum ``H`` over positions: ``[C, C]`` for the output channels of a layer."""
+    output = link.output
+    if link.call.family == "conv":
+        channels, positions = output.shape[1], output[0, 0].numel()
+        return H.view(channels, positions, channels, positions).sum((1, 3))
+    channels, positions = output.shape[-1], output[0].numel() // output.shape[-1]
+    return H.view(positions, channels, positions, channels).sum((0, 2))
+
+
+__all__ = ["APPROXIMATIONS", "Factors", "NotSequentialError", "kfra_factors", "sqrt_factors"]

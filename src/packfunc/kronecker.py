@@ -1,0 +1,146 @@
+"""Kronecker-factored curvature: KFAC, KFLR and KFRA.
+
+For a linear or convolution weight the result is ``[A, B]`` with ``A ⊗ B``
+approximating the parameter's GGN block in row-major order (BackPACK's order:
+Linear ``[out×out, in×in]``; convolution ``[C_out×C_out, (C_in/groups·k…)×(…)]``);
+for a bias ``[A]``, its exact (KFLR) or sampled (KFAC) GGN block.
+
+Positions — sequence entries of a linear layer, pixels of a convolution, and
+the calls of a layer used several times (which are concatenated) — follow
+``kfac_approx``, with ``s`` the pulled-back square-root columns and ``u`` the
+(unfolded) inputs, ``N`` samples, ``L`` positions:
+
+* ``"backpack"`` (default; BackPACK's convolution convention): ``A = Σ_{k,n}
+  (Σ_l s)(Σ_l s)ᵀ``, ``B = Σ_{n,l} u uᵀ / N``;
+* ``"expand"`` (positions as extra samples; exact for a layer applied
+  independently per position): ``A = Σ_{k,n,l} s sᵀ``, ``B = Σ_{n,l} u uᵀ / (N L)``;
+* ``"reduce"`` (positions summed; exact when the input is the same at every
+  position): ``A = Σ_{k,n} (Σ_l s)(Σ_l s)ᵀ``, ``B = Σ_n ū ūᵀ / N`` with ``ū`` the
+  mean over positions.
+
+With one position all three coincide. Grouped convolutions share ``B`` across
+groups (averaged). Parameters without a Kronecker rule (a raw parameter, a norm
+layer, an embedding, a transposed convolution, tied weights) raise a
+``ValueError`` naming them, or get ``None`` with ``on_unsupported="skip"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor, nn
+
+from packfunc.engine.kronecker import APPROXIMATIONS, Factors, kfra_factors, sqrt_factors
+from packfunc.engine.persample import Backprop
+from packfunc.losses import default_loss
+
+
+def kfac(model_fn: Callable, params: Any, X: Any, y: Tensor, *, loss: nn.Module | None = None,
+         mc_samples: int = 1, generator: torch.Generator | None = None,
+         kfac_approx: str = "backpack", on_unsupported: str = "raise") -> Any:
+    """KFAC: Kronecker factors from Monte-Carlo square-root columns (BackPACK's ``KFAC``).
+
+    Args:
+        model_fn: ``model_fn(params, X) -> output``.
+        params: Pytree of floating-point tensors.
+        X: Inputs with leading batch dimension ``N``.
+        y: Targets.
+        loss: Loss module (default ``CrossEntropyLoss()``).
+        mc_samples: Targets sampled per sample from the model's predictive distribution.
+        generator: Random generator for the samples.
+        kfac_approx: ``"backpack"``, ``"expand"`` or ``"reduce"`` (see the module docs).
+        on_unsupported: ``"raise"`` or ``"skip"`` (``None`` for those leaves).
+
+    Returns:
+        Pytree like ``params``; each leaf a list of factors (or ``None``).
+
+    Example:
+        >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> A, B = kfac(model_fn, params, torch.randn(5, 3), torch.randint(0, 2, (5,)))["weight"]
+        >>> A.shape, B.shape
+        (torch.Size([2, 2]), torch.Size([3, 3]))
+    """
+    return _factors(model_fn, params, X, y, loss, on_unsupported,
+                    lambda bp: sqrt_factors(bp, _approx(kfac_approx), mc_samples, generator))
+
+
+def kflr(model_fn: Callable, params: Any, X: Any, y: Tensor, *, loss: nn.Module | None = None,
+         kfac_approx: str = "backpack", on_unsupported: str = "raise") -> Any:
+    """KFLR: Kronecker factors from the exact square-root columns (BackPACK's ``KFLR``).
+
+    Args:
+        model_fn: ``model_fn(params, X) -> output``.
+        params: Pytree of floating-point tensors.
+        X: Inputs with leading batch dimension ``N``.
+        y: Targets.
+        loss: Loss module (default ``CrossEntropyLoss()``).
+        kfac_approx: ``"backpack"``, ``"expand"`` or ``"reduce"`` (see the module docs).
+        on_unsupported: ``"raise"`` or ``"skip"`` (``None`` for those leaves).
+
+    Returns:
+        Pytree like ``params``; each leaf a list of factors (or ``None``).
+
+    Example:
+        >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> [A] = kflr(model_fn, params, torch.randn(5, 3), torch.randint(0, 2, (5,)))["bias"]
+        >>> A.shape
+        torch.Size([2, 2])
+    """
+    return _factors(model_fn, params, X, y, loss, on_unsupported,
+                    lambda bp: sqrt_factors(bp, _approx(kfac_approx), None, None))
+
+
+def kfra(model_fn: Callable, params: Any, X: Tensor, y: Tensor, *,
+         loss: nn.Module | None = None, on_unsupported: str = "raise") -> Any:
+    """KFRA: Kronecker factors from the batch-averaged GGN of a sequential model.
+
+    The loss Hessian summed over samples is propagated from the output to the
+    input, ``H ← E_n[J_nᵀ H J_n]`` op by op (BackPACK's ``KFRA``). Only defined for
+    sequential models: residual connections or reused activations raise.
+
+    Args:
+        model_fn: ``model_fn(params, X) -> output``, a chain of ops.
+        params: Pytree of floating-point tensors.
+        X: Input tensor with leading batch dimension ``N``.
+        y: Targets.
+        loss: Loss module (default ``CrossEntropyLoss()``).
+        on_unsupported: ``"raise"`` or ``"skip"`` (``None`` for those leaves).
+
+    Returns:
+        Pytree like ``params``; each leaf a list of factors (or ``None``).
+
+    Raises:
+        ValueError: for a model that is not sequential, or unsupported leaves.
+
+    Example:
+        >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> A, B = kfra(model_fn, params, torch.randn(5, 3), torch.randint(0, 2, (5,)))["weight"]
+        >>> A.shape, B.shape
+        (torch.Size([2, 2]), torch.Size([3, 3]))
+    """
+    return _factors(model_fn, params, X, y, loss, on_unsupported, kfra_factors)
+
+
+def _approx(kfac_approx: str) -> str:
+    if kfac_approx not in APPROXIMATIONS:
+        raise ValueError(f"kfac_approx must be one of {APPROXIMATIONS}; got {kfac_approx!r}.")
+    return kfac_approx
+
+
+def _factors(model_fn: Callable, params: Any, X: Any, y: Tensor, loss: nn.Module | None,
+             on_unsupported: str, method: Callable[[Backprop], Factors]) -> Any:
+    if on_unsupported not in ("raise", "skip"):
+        raise ValueError(f"on_unsupported must be 'raise' or 'skip'; got {on_unsupported!r}.")
+    bp = Backprop(model_fn, params, X, y, loss or default_loss())
+    found = method(bp)
+    if found.unsupported and on_unsupported == "raise":
+        listing = "; ".join(f"{bp.names[leaf]}: {why}" for leaf, why in
+                            sorted(found.unsupported.items()))
+        raise ValueError(
+            f"no Kronecker factors for {listing}. Pass on_unsupported='skip' to get None for "
+            "these parameters (e.g. to use diag_ggn for them instead)."
+        )
+    return optree.tree_unflatten(bp.treespec, found.per_leaf)

@@ -1,0 +1,263 @@
+"""Kronecker factors and block curvature products: dense references, BackPACK, conventions."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import packfunc as pf
+from packfunc.engine.chain import NotSequentialError
+from tests.cases import CASE_IDS, CASES, dense_curvature
+
+backpack = pytest.importorskip("backpack")
+extensions = pytest.importorskip("backpack.extensions")
+
+SEQUENTIAL = {
+    "mlp": (lambda: nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Sigmoid(),
+                                  nn.Linear(5, 3)), (4,)),
+    "cnn": (lambda: nn.Sequential(nn.Conv2d(2, 3, 2, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                  nn.Flatten(), nn.Linear(12, 3)), (2, 3, 3)),
+    "conv1d": (lambda: nn.Sequential(nn.Conv1d(2, 3, 3, stride=2, dilation=1), nn.Tanh(),
+                                     nn.Flatten(), nn.Linear(9, 3)), (2, 8)),
+}
+
+
+def _problem(name: str, loss_cls: type, reduction: str, n: int = 5):
+    torch.manual_seed(0)
+    build, shape = SEQUENTIAL[name]
+    model = build().double()
+    X = torch.randn(n, *shape, dtype=torch.float64)
+    loss = loss_cls(reduction=reduction)
+    with torch.no_grad():
+        out = model(X)
+    y = torch.randint(0, 3, (n,)) if loss_cls is nn.CrossEntropyLoss else torch.randn_like(out)
+    return model, loss, X, y
+
+
+def _backpack(model, loss, X, y, *exts):
+    model, loss = backpack.extend(copy.deepcopy(model)), backpack.extend(copy.deepcopy(loss))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # BackPACK samples MC targets in the default dtype
+    try:
+        with backpack.backpack(*exts):
+            loss(model(X), y).backward()
+    finally:
+        torch.set_default_dtype(default)
+    return model
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("loss_cls", [nn.CrossEntropyLoss, nn.MSELoss])
+@pytest.mark.parametrize("name", list(SEQUENTIAL))
+def test_kflr_kfra_and_kfac_inputs_equal_backpack(name, loss_cls, reduction):
+    model, loss, X, y = _problem(name, loss_cls, reduction)
+    theirs = _backpack(model, loss, X, y, extensions.KFLR(), extensions.KFRA(),
+                       extensions.KFAC())
+    model_fn, params = pf.functional(model)
+    kflr = pf.kflr(model_fn, params, X, y, loss=loss)
+    kfra = pf.kfra(model_fn, params, X, y, loss=loss)
+    kfac = pf.kfac(model_fn, params, X, y, loss=loss)
+    for param_name, p in theirs.named_parameters():
+        for ours, reference in ((kflr, p.kflr), (kfra, p.kfra)):
+            assert len(ours[param_name]) == len(reference)
+            for a, b in zip(ours[param_name], reference):
+                torch.testing.assert_close(a, b)
+        assert [f.shape for f in kfac[param_name]] == [f.shape for f in p.kfac]
+        if len(p.kfac) == 2:
+            torch.testing.assert_close(kfac[param_name][1], p.kfac[1])
+
+
+def test_kfac_output_factor_converges_to_kflr():
+    model, loss, X, y = _problem("mlp", nn.CrossEntropyLoss, "mean")
+    model_fn, params = pf.functional(model)
+    exact = pf.kflr(model_fn, params, X, y, loss=loss)
+
+    def error(samples: int) -> float:
+        sampled = pf.kfac(model_fn, params, X, y, loss=loss, mc_samples=samples,
+                          generator=torch.Generator().manual_seed(0))
+        return max(float((sampled[k][0] - exact[k][0]).abs().max() / exact[k][0].abs().max())
+                   for k in params)
+
+    few, many = error(5), error(20_000)
+    assert many < 0.05 and many < few / 5, (few, many)
+
+
+def _ggn_block(model, loss, X, y, name: str) -> torch.Tensor:
+    dense = dense_curvature(model, loss, X, y)
+    sizes = [s.numel() for s in dense.shapes]
+    start = sum(sizes[:dense.names.index(name)])
+    size = sizes[dense.names.index(name)]
+    return dense.ggn[start:start + size, start:start + size]
+
+
+def test_single_linear_layer_kflr_is_the_exact_ggn_block():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    X, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    loss = nn.MSELoss()
+    model_fn, params = pf.functional(model)
+    A, B = pf.kflr(model_fn, params, X, y, loss=loss)["weight"]
+    torch.testing.assert_close(torch.kron(A, B), _ggn_block(model, loss, X, y, "weight"))
+    (A_bias,) = pf.kflr(model_fn, params, X, y, loss=loss)["bias"]
+    torch.testing.assert_close(A_bias, _ggn_block(model, loss, X, y, "bias"))
+
+
+class PerPosition(nn.Module):
+    """A linear layer applied to every position of a sequence, twice (weight sharing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return torch.cat([self.shared(x), self.shared(2 * x.flip(1))], 1).flatten(1)
+
+
+class Broadcast(nn.Module):
+    """A linear layer applied to the same input at every position."""
+
+    def __init__(self, positions: int = 4):
+        super().__init__()
+        self.positions = positions
+        self.layer = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return torch.tanh(self.layer(x.unsqueeze(1).expand(-1, self.positions, -1))).flatten(1)
+
+
+def test_expand_is_exact_for_positions_and_shared_calls():
+    torch.manual_seed(0)
+    model = PerPosition().double()
+    X = torch.randn(3, 4, 3, dtype=torch.float64)
+    y = torch.randn(3, 16, dtype=torch.float64)
+    loss = nn.MSELoss(reduction="sum")
+    model_fn, params = pf.functional(model)
+    A, B = pf.kflr(model_fn, params, X, y, loss=loss, kfac_approx="expand")["shared.weight"]
+    torch.testing.assert_close(torch.kron(A, B), _ggn_block(model, loss, X, y, "shared.weight"))
+
+
+def test_reduce_is_exact_when_every_position_sees_the_same_input():
+    torch.manual_seed(0)
+    model = Broadcast().double()
+    X, y = torch.randn(1, 3, dtype=torch.float64), torch.randn(1, 8, dtype=torch.float64)
+    loss = nn.MSELoss()
+    model_fn, params = pf.functional(model)
+    A, B = pf.kflr(model_fn, params, X, y, loss=loss, kfac_approx="reduce")["layer.weight"]
+    torch.testing.assert_close(torch.kron(A, B), _ggn_block(model, loss, X, y, "layer.weight"))
+    backpack_style = pf.kflr(model_fn, params, X, y, loss=loss)["layer.weight"]
+    torch.testing.assert_close(backpack_style[1], 4 * B)  # Σ over the 4 positions, / N
+
+
+def test_layers_written_with_torch_functional_and_residual_nets_are_detected():
+    torch.manual_seed(0)
+    params = {"w1": torch.randn(4, 3, dtype=torch.float64), "b1": torch.zeros(4).double(),
+              "k": torch.randn(2, 1, 3, dtype=torch.float64),
+              "w2": torch.randn(3, 4 + 2 * 2, dtype=torch.float64)}
+
+    def model_fn(p, X):
+        h = torch.tanh(F.linear(X, p["w1"], p["b1"]))
+        c = F.conv1d(h.unsqueeze(1), p["k"]).flatten(1)
+        return F.linear(torch.cat([h, c], 1), p["w2"])  # residual-style concatenation
+
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 3, (5,))
+    factors = pf.kflr(model_fn, params, X, y)
+    assert [f.shape for f in factors["k"]] == [(2, 2), (3, 3)]
+    assert [f.shape for f in factors["w2"]] == [(3, 3), (8, 8)]
+    with pytest.raises(NotSequentialError, match="sequential"):
+        pf.kfra(model_fn, params, X, y)
+
+
+def test_kfra_refuses_residual_nets_with_a_clear_error():
+    case = CASES[CASE_IDS.index("residual")]
+    model_fn, params = pf.functional(case.build().double())
+    X = case.inputs(4).double()
+    with pytest.raises(ValueError, match="sequential networks"):
+        pf.kfra(model_fn, params, X, torch.randint(0, 2, (4,)))
+
+
+@pytest.mark.parametrize("case_name", ["raw_parameter", "layernorm_groupnorm", "tied_embedding"])
+def test_parameters_without_a_kronecker_rule_are_reported(case_name):
+    case = CASES[CASE_IDS.index(case_name)]
+    torch.manual_seed(0)
+    model = case.build().double()
+    X = case.inputs(4)
+    X = X.double() if X.is_floating_point() else X
+    y = torch.randint(0, case.classes, (4,))
+    model_fn, params = pf.functional(model)
+    with pytest.raises(ValueError, match="on_unsupported='skip'"):
+        pf.kflr(model_fn, params, X, y)
+    skipped = pf.kflr(model_fn, params, X, y, on_unsupported="skip")
+    assert any(v is None for v in skipped.values())
+    assert any(v is not None for v in skipped.values())
+
+
+@pytest.mark.parametrize("case_name", ["mlp", "residual", "raw_parameter", "shared_layer",
+                                       "conv2d", "lstm"])
+def test_block_products_equal_dense_blocks(case_name):
+    case = CASES[CASE_IDS.index(case_name)]
+    torch.manual_seed(0)
+    model = case.build().double()
+    X = case.inputs(3).double()
+    y = torch.randint(0, case.classes, (3,))
+    loss = nn.CrossEntropyLoss()
+    dense = dense_curvature(model, loss, X, y)
+    model_fn, params = pf.functional(model)
+    mats = {k: torch.randn(4, *p.shape, dtype=torch.float64) for k, p in params.items()}
+    ggn = pf.ggn_block_products(model_fn, params, X, y, mats, loss=loss)
+    hess = pf.hessian_block_products(model_fn, params, X, y, mats, loss=loss)
+    start = 0
+    for name, shape in zip(dense.names, dense.shapes):
+        size = shape.numel()
+        block = slice(start, start + size)
+        start += size
+        flat = mats[name].reshape(4, -1)
+        torch.testing.assert_close(ggn[name].reshape(4, -1), flat @ dense.ggn[block, block])
+        torch.testing.assert_close(hess[name].reshape(4, -1), flat @ dense.hessian[block, block])
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_block_products_and_positive_curvature(name):
+    model, loss, X, y = _problem(name, nn.CrossEntropyLoss, "mean")
+    theirs = _backpack(model, loss, X, y, extensions.GGNMP(), extensions.HMP(),
+                       extensions.PCHMP(modify="abs"))
+    model_fn, params = pf.functional(model)
+    mats = {k: torch.randn(3, *p.shape, dtype=torch.float64) for k, p in params.items()}
+    ggn = pf.ggn_block_products(model_fn, params, X, y, mats, loss=loss)
+    hess = pf.hessian_block_products(model_fn, params, X, y, mats, loss=loss)
+    exact = pf.pch_block_products(model_fn, params, X, y, mats, loss=loss, modify="none")
+    clip = pf.pch_block_products(model_fn, params, X, y, mats, loss=loss, modify="clip")
+    absolute = pf.pch_block_products(model_fn, params, X, y, mats, loss=loss, modify="abs")
+    for param_name, p in theirs.named_parameters():
+        m = mats[param_name]
+        torch.testing.assert_close(ggn[param_name], p.ggnmp(m))
+        torch.testing.assert_close(hess[param_name], p.hmp(m))
+        torch.testing.assert_close(exact[param_name], hess[param_name])  # no modification
+        # m·(PCH − GGN)·m = Σ mod(r) (J m)² ≥ 0, and |·| bounds the clipped and exact ones
+        quad = {key: (v[param_name] * m).flatten(1).sum(1) - (ggn[param_name] * m).flatten(1)
+                .sum(1) for key, v in (("clip", clip), ("abs", absolute), ("none", exact))}
+        assert torch.all(quad["clip"] >= -1e-12) and torch.all(quad["abs"] >= quad["clip"] - 1e-12)
+        assert torch.all(quad["abs"] >= quad["none"].abs() - 1e-12)
+
+
+def test_backpack_pchmp_multiplies_the_curvature_by_the_gradient_twice():
+    model, loss, X, y = _problem("mlp", nn.CrossEntropyLoss, "mean")
+    theirs = _backpack(model, loss, X, y, extensions.PCHMP(modify="abs"))
+    model_fn, params = pf.functional(model)
+    mats = {k: torch.randn(2, *p.shape, dtype=torch.float64) for k, p in params.items()}
+    ours = pf.pch_block_products(model_fn, params, X, y, mats, loss=loss, modify="abs")
+    first = theirs[0].weight
+    assert not torch.allclose(ours["0.weight"], first.pchmp(mats["0.weight"]))
+
+
+def test_pch_refuses_non_elementwise_nonlinearities():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Softmax(dim=1), nn.Linear(4, 2)).double()
+    model_fn, params = pf.functional(model)
+    X = torch.randn(3, 3, dtype=torch.float64)
+    mats = {k: torch.ones(1, *p.shape, dtype=torch.float64) for k, p in params.items()}
+    with pytest.raises(ValueError, match="elementwise"):
+        pf.pch_block_products(model_fn, params, X, torch.tensor([0, 1, 0]), mats)
