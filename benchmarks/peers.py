@@ -44,6 +44,9 @@ BACKPACK_EXTENSIONS = {
     "batch_diag_ggn": "BatchDiagGGNExact",
     "batch_diag_ggn_mc": "BatchDiagGGNMC",
     "diag_hessian": "DiagHessian",
+    "kfac": "KFAC",
+    "kflr": "KFLR",
+    "kfra": "KFRA",
 }
 """Quantity name -> class name in ``backpack.extensions``."""
 
@@ -94,6 +97,31 @@ def _split_mc(quantity: str) -> tuple[str, bool]:
     if quantity.endswith("_mc"):
         return quantity[: -len("_mc")], True
     return quantity, False
+
+
+def curvlinops_builder(problem: Problem, quantity: str) -> Closure | None:
+    """Curvlinops' ``KFACLinearOperator`` (hooks, one backward): its Kronecker factors.
+
+    Factors are computed as in the operator's constructor; the result uses
+    curvlinops' own layout and normalization, so it is timed but not checked.
+    """
+    fisher_types = {"kfac": "mc", "kflr": "type-2"}
+    if quantity not in fisher_types:
+        return None
+    try:
+        from curvlinops import KFACLinearOperator
+    except ImportError as error:
+        raise Unavailable(str(error)) from error
+    model, lossfunc = problem.model(), problem.loss()
+    operator = KFACLinearOperator(
+        model, lossfunc, list(model.parameters()), [(problem.X, problem.y)],
+        check_deterministic=False, fisher_type=fisher_types[quantity], mc_samples=1)
+
+    def run() -> Result:
+        operator.compute_kronecker_factors()
+        return {}
+
+    return run
 
 
 GGN_DIAGONALS = ("diag_ggn", "diag_ggn_mc", "batch_diag_ggn", "batch_diag_ggn_mc")
@@ -224,6 +252,7 @@ BUILDERS: dict[str, Builder] = {
     "opacus": opacus_builder,
     "vmap(grad)": vmap_builder,
     "naive torch.func": naive_builder,
+    "curvlinops": curvlinops_builder,
 }
 """Contender name -> builder; the order gives the table's columns."""
 
@@ -232,6 +261,9 @@ SUBJECT = "packfunc"
 
 REFERENCE = "BackPACK"
 """The contender whose result the subject is checked against."""
+
+UNCHECKED = frozenset({"curvlinops"})
+"""Contenders whose results come in another layout: timed, not compared."""
 
 
 def build_all(problem: Problem, quantity: str) -> tuple[dict[str, Closure], dict[str, str]]:

@@ -51,11 +51,22 @@ def time_interleaved(closures: dict[str, Callable[[], Any]], repeats: int, warmu
 
 def agrees(result: dict[str, Tensor], reference: dict[str, Tensor],
            rtol: float = 1e-4, atol: float = 1e-6, shapes_only: bool = False) -> bool:
-    """Whether two ``{param name: tensor}`` results match, ``atol`` relative to the scale."""
+    """Whether two ``{param name: tensor or list of tensors}`` results match.
+
+    ``atol`` is relative to each reference tensor's scale.
+    """
     if result.keys() != reference.keys():
         return False
+    pairs = []
     for name, ref in reference.items():
         value = result[name]
+        if isinstance(ref, (list, tuple)):
+            if not isinstance(value, (list, tuple)) or len(value) != len(ref):
+                return False
+            pairs += list(zip(value, ref))
+        else:
+            pairs.append((value, ref))
+    for value, ref in pairs:
         if value.shape != ref.shape:
             return False
         if shapes_only:

@@ -164,9 +164,9 @@ def trace_chain(model_fn: Callable, params: Any, leaves: list[Tensor], X: Tensor
 def expected_jacobian_sandwich(link: Link, H: Tensor) -> Tensor:
     """``E_n[J_nᵀ H J_n]`` for one op, ``H`` over a sample's output entries.
 
-    Reshapes keep ``H``; elementwise ops scale it by ``E_n[φ'_n φ'_nᵀ]``; linear and
-    convolution ops have one Jacobian for all samples; every other op is
-    averaged over the samples.
+    Reshapes keep ``H``; elementwise ops scale it by ``E_n[φ'_n φ'_nᵀ]``; a linear
+    layer gives ``Wᵀ H W`` per position pair; a convolution has one Jacobian for all
+    samples; every other op is averaged over the samples.
 
     Args:
         link: The op.
@@ -182,6 +182,12 @@ def expected_jacobian_sandwich(link: Link, H: Tensor) -> Tensor:
         _, slope = jvp(link.apply, (link.input,), (torch.ones_like(link.input),))
         slope = slope.reshape(n, -1)
         return H * (slope.T @ slope) / n
+    if link.call is not None and link.func is F.linear:
+        weight = link.kwargs["weight"]
+        positions = link.output[0].numel() // weight.shape[0]
+        blocks = H.view(positions, weight.shape[0], positions, weight.shape[0])
+        return torch.einsum("oi,xoyp,pj->xiyj", weight, blocks, weight).reshape(
+            positions * weight.shape[1], -1)
     if link.call is not None:
         return _sandwich(link.apply, link.input[:1], H)
     return vmap(lambda x: _sandwich(link.apply, x.unsqueeze(0), H))(link.input).mean(0)

@@ -138,6 +138,7 @@ def kfra_factors(bp: Backprop) -> Factors:
     for link in links:
         for _, leaf in link.call.leaves if link.call else ():
             uses[leaf] = uses.get(leaf, 0) + 1
+    remaining = sum(1 for link in links if link.call is not None)
     for link in reversed(links):
         call = link.call
         if call is not None:
@@ -151,6 +152,9 @@ def kfra_factors(bp: Backprop) -> Factors:
                                       bp.leaves[leaf])
                 per_leaf[leaf] = ([output] if rule.kronecker(call) == 1
                                   else [output, rule.input_factor(x, "backpack")])
+            remaining -= 1
+        if not remaining:  # nothing upstream needs H
+            break
         H = expected_jacobian_sandwich(link, H)
     return Factors(per_leaf, unsupported)
 

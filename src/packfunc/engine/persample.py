@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from packfunc.engine import generic
-from packfunc.engine.memory import chunk_length, index_length, split_index
+from packfunc.engine.memory import chunk_length, index_length, is_plain, new_output, split_index
 from packfunc.engine.ops import TapCall
 from packfunc.engine.rules import RULES, Rule
 from packfunc.engine.taps import discover, record
@@ -122,7 +122,7 @@ class Backprop:
             sites = self.record.pullback_columns(cotangents)
         else:
             pulled = [self.record.pullback(column) for column in cotangents.unbind(0)]
-            sites = {k: torch.stack([found[k] for found in pulled]) for k in pulled[0]}
+            sites = {k: _stack([found[k] for found in pulled]) for k in pulled[0]}
         return ColumnGradients(self, cotangents, sites)
 
 
@@ -214,6 +214,13 @@ class ColumnGradients:
                                            wanted, self.bp.X, self.cotangents, chunk)
             else:
                 yield [self.batch_grad(i, chunk) for i in wanted]
+
+
+def _stack(tensors: list[Tensor]) -> Tensor:
+    """``torch.stack``, into huge-page memory when the result is large and plain."""
+    if not is_plain(*tensors):
+        return torch.stack(tensors)
+    return torch.stack(tensors, out=new_output((len(tensors), *tensors[0].shape), tensors[0]))
 
 
 def _zeros_of(param: Tensor, stat: str, n: int) -> Tensor:

@@ -101,12 +101,12 @@ class ProductWeight(Rule):
         ``Σ_n ū ūᵀ / N`` with ``ū`` the mean over positions.
         """
         _, n, groups, n_in, length = x.shape
-        if approx == "reduce":
-            flat = x[0].mean(-1).reshape(-1, n_in)
-            return flat.T @ flat / (n * groups)
-        flat = x[0].transpose(-1, -2).reshape(-1, n_in)
         scale = n * groups * (length if approx == "expand" else 1)
-        return flat.T @ flat / scale
+        if approx == "reduce" or length == 1:
+            flat = x[0].mean(-1).reshape(-1, n_in) if approx == "reduce" else x[0].view(-1, n_in)
+            return (flat / (n * groups)).T @ flat
+        u = x[0]  # [N, G, I, L]: one product per sample and group, no transposed copy
+        return (u @ u.transpose(-1, -2)).sum((0, 1)) / scale
 
 
 def _column_products(x: Tensor, g: Tensor) -> Tensor:
