@@ -30,6 +30,32 @@ ELEMENTWISE_LOSSES = (
 SUPPORTED_LOSSES = CLASS_LOSSES + ELEMENTWISE_LOSSES
 
 
+class GivenGradient(nn.Module):
+    """A linear stand-in loss ``⟨G, f⟩`` whose gradient w.r.t. the output is ``G``.
+
+    First-order quantities only need the loss gradient w.r.t. the output; the
+    BackPACK shim uses this when that gradient comes from the user's own
+    backward pass (any loss, extended or not). It has no curvature.
+
+    Args:
+        gradient: ``∂L/∂f`` for the whole batch.
+
+    Example:
+        >>> GivenGradient(torch.ones(2, 3))(torch.ones(2, 3), None)
+        tensor(6.)
+    """
+
+    reduction = "sum"
+
+    def __init__(self, gradient: Tensor):
+        super().__init__()
+        self.gradient = gradient
+
+    def forward(self, output: Tensor, target: object) -> Tensor:
+        """Return ``⟨G, output⟩``."""
+        return (output * self.gradient).sum()
+
+
 def default_loss() -> nn.Module:
     """Return the default loss, ``CrossEntropyLoss()`` with mean reduction.
 
@@ -56,7 +82,7 @@ def check_loss(loss: nn.Module) -> None:
     Example:
         >>> check_loss(torch.nn.MSELoss(reduction="sum"))
     """
-    if not isinstance(loss, SUPPORTED_LOSSES):
+    if not isinstance(loss, (*SUPPORTED_LOSSES, GivenGradient)):
         names = ", ".join(cls.__name__ for cls in SUPPORTED_LOSSES)
         raise TypeError(
             f"loss={type(loss).__name__} is not supported; pass one of the torch.nn losses "
@@ -89,6 +115,11 @@ def check_loss_inputs(loss: nn.Module, output: Tensor, target: Tensor, n: int) -
     name = type(loss).__name__
     if not isinstance(output, Tensor):
         raise TypeError(f"model_fn must return a tensor for {name}; got {type(output).__name__}.")
+    if isinstance(loss, GivenGradient):
+        if output.shape != loss.gradient.shape:
+            raise ValueError(f"the model output {tuple(output.shape)} does not match the "
+                             f"gradient {tuple(loss.gradient.shape)} of the recorded pass.")
+        return
     if not isinstance(target, Tensor):
         raise TypeError(f"targets y must be a tensor; got {type(target).__name__}.")
     if output.dim() == 0 or output.shape[0] != n:
@@ -188,6 +219,11 @@ def hessian_factors(loss: nn.Module, output: Tensor, target: Tensor, *,
     """
     if mc_samples is not None and (not isinstance(mc_samples, int) or mc_samples < 1):
         raise ValueError(f"mc_samples must be a positive integer or None; got {mc_samples!r}.")
+    if isinstance(loss, GivenGradient):
+        raise ValueError(
+            "second-order quantities need the loss function and targets; extend the loss "
+            "module (lossfunc = extend(lossfunc)) and apply it to the model's output."
+        )
     if isinstance(loss, nn.NLLLoss):
         raise ValueError(
             "NLLLoss is linear in its input (log-probabilities), so its Hessian and the GGN at "

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.func import grad, jvp, vjp, vmap
 
+from packfunc.engine.memory import DEFAULT_BUDGET, chunks
 from packfunc.engine.ops import OpSignature, TapCall, make_call
 from packfunc.engine.persample import Backprop
 from packfunc.engine.taps import FunctionalMode, LeafIndex, is_metadata_query
@@ -109,9 +110,10 @@ class _ChainMode(FunctionalMode):
             )
         if not positions:
             return run()
-        if getattr(func, "__name__", "").endswith("_"):
+        name = getattr(func, "__name__", "")
+        if name.endswith("_") and not name.startswith("__"):
             raise NotSequentialError(
-                f"{func.__name__} changes an activation in place; write the model with "
+                f"{name} changes an activation in place; write the model with "
                 "out-of-place ops (e.g. nn.ReLU() rather than nn.ReLU(inplace=True)) for KFRA."
             )
         saved = self.current.clone() if kwargs.get("inplace") else self.current
@@ -190,14 +192,26 @@ def expected_jacobian_sandwich(link: Link, H: Tensor) -> Tensor:
             positions * weight.shape[1], -1)
     if link.call is not None:
         return _sandwich(link.apply, link.input[:1], H)
-    return vmap(lambda x: _sandwich(link.apply, x.unsqueeze(0), H))(link.input).mean(0)
+    total = _sandwich(link.apply, link.input[:1], H)
+    for sample in range(1, n):  # one sample at a time: each term is [D_in, D_in]
+        total = total + _sandwich(link.apply, link.input[sample:sample + 1], H)
+    return total / n
 
 
 def _sandwich(apply: Callable[[Tensor], Tensor], x: Tensor, H: Tensor) -> Tensor:
-    """``Jᵀ H J`` for the Jacobian ``J`` of ``apply`` at one sample ``x`` (``[1, ...]``)."""
+    """``Jᵀ H J`` for the Jacobian ``J`` of ``apply`` at one sample ``x`` (``[1, ...]``).
+
+    Rows of ``H`` and then columns of ``H J`` are pulled back in slices that keep
+    the pulled-back block within the memory budget.
+    """
     out, pullback = vjp(apply, x)
-    rows = vmap(lambda row: pullback(row.view(out.shape))[0].reshape(-1))(H)  # H J
-    return vmap(lambda column: pullback(column.view(out.shape))[0].reshape(-1))(rows.T)
+
+    def pull(rows: Tensor) -> Tensor:
+        slices = chunks(rows.shape[0], max(1, DEFAULT_BUDGET // x.numel()))
+        return torch.cat([vmap(lambda row: pullback(row.view(out.shape))[0].reshape(-1))(
+            rows[s]) for s in slices])
+
+    return pull(pull(H).T)  # Jᵀ (H J)
 
 
 PIECEWISE_LINEAR = frozenset({

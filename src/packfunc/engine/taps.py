@@ -47,6 +47,7 @@ _METADATA_METHODS = frozenset({
 _METADATA_ATTRIBUTES = frozenset({
     "shape", "dtype", "device", "ndim", "is_nested", "requires_grad", "layout", "is_cuda",
     "is_cpu", "is_sparse", "is_quantized", "is_meta", "is_mkldnn", "names", "is_leaf",
+    "grad_fn", "itemsize", "nbytes",
 })
 
 

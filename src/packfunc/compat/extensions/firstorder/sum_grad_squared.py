@@ -1,0 +1,21 @@
+"""``SumGradSquared``: sum of squared per-sample gradients."""
+
+from __future__ import annotations
+
+from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
+
+
+class SumGradSquared(BackpropExtension):
+    """``Σ_n grad_batch[n]²`` in ``param.sum_grad_squared``.
+
+    Example:
+        >>> SumGradSquared().savefield
+        'sum_grad_squared'
+    """
+
+    def __init__(self):
+        super().__init__(savefield="sum_grad_squared")
+
+    def job(self) -> Job:
+        """The second moment of per-sample gradients, summed."""
+        return Job("quantity", "sum_grad_squared", second_order=False)

@@ -1,0 +1,21 @@
+"""``Variance``: variance of per-sample gradients."""
+
+from __future__ import annotations
+
+from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
+
+
+class Variance(BackpropExtension):
+    """``mean_n(grad_batch²) − mean_n(grad_batch)²`` in ``param.variance``.
+
+    Example:
+        >>> Variance().savefield
+        'variance'
+    """
+
+    def __init__(self):
+        super().__init__(savefield="variance")
+
+    def job(self) -> Job:
+        """The gradient variance over the batch."""
+        return Job("quantity", "variance", second_order=False)

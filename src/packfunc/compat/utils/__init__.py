@@ -1,0 +1,1 @@
+"""Helpers shared by the BackPACK-compatible shim (BackPACK's ``utils``)."""

@@ -1,0 +1,355 @@
+"""BackPACK code run through ``packfunc.compat``: the seeds' examples, semantics, misuse.
+
+Every deterministic extension is compared with BackPACK itself on models BackPACK
+supports; Monte-Carlo extensions by shape and statistics; models BackPACK refuses
+are checked against packfunc's functional API (itself checked against autograd).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from einops import einsum
+from torch import nn
+from torch.nn.utils.convert_parameters import parameters_to_vector
+
+import packfunc as pf
+from packfunc.compat import backpack, disable, extend
+from packfunc.compat import extensions as ours
+from packfunc.compat.extensions.firstorder.base import FirstOrderModuleExtension
+from packfunc.compat.extensions.module_extension import ModuleExtension
+from packfunc.compat.extensions.secondorder.diag_ggn import DiagGGNExact
+from packfunc.compat.hessianfree.ggnvp import ggn_vector_product
+from packfunc.compat.utils.convert_parameters import vector_to_parameter_list
+from tests.cases import CASE_IDS, CASES
+
+bp = pytest.importorskip("backpack")
+theirs = pytest.importorskip("backpack.extensions")
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+
+DETERMINISTIC = ["BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance", "DiagGGNExact",
+                 "BatchDiagGGNExact", "DiagHessian", "BatchDiagHessian", "SqrtGGNExact", "KFLR",
+                 "KFRA"]
+MONTE_CARLO = ["DiagGGNMC", "BatchDiagGGNMC", "SqrtGGNMC", "KFAC"]
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Sigmoid(),
+                         nn.Linear(6, 3)).double()
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(2, 3, 2, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(12, 3)).double()
+
+
+def _data(model_name: str, n: int = 5):
+    torch.manual_seed(1)
+    shape = (4,) if model_name == "mlp" else (2, 3, 3)
+    return torch.randn(n, *shape, dtype=torch.float64), torch.randint(0, 3, (n,))
+
+
+def _run(package, exts, model, lossfunc, X, y):
+    model, lossfunc = package.extend(copy.deepcopy(model)), package.extend(copy.deepcopy(lossfunc))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # BackPACK samples in the default dtype
+    try:
+        loss = lossfunc(model(X), y)
+        with package.backpack(*exts):
+            loss.backward()
+    finally:
+        torch.set_default_dtype(default)
+    return model
+
+
+def _assert_same(a, b, what):
+    if isinstance(b, (list, tuple)):
+        assert len(a) == len(b), what
+        for x, z in zip(a, b):
+            torch.testing.assert_close(x, z, msg=lambda m: f"{what}: {m}")
+    else:
+        torch.testing.assert_close(a, b, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("model_name", ["mlp", "cnn"])
+def test_all_extensions_side_by_side_with_backpack(model_name, reduction):
+    torch.manual_seed(0)
+    model = _mlp() if model_name == "mlp" else _cnn()
+    lossfunc = nn.CrossEntropyLoss(reduction=reduction)
+    X, y = _data(model_name)
+    names = DETERMINISTIC + MONTE_CARLO
+    mine = _run(pf.compat, [getattr(ours, n)() for n in names], model, lossfunc, X, y)
+    ref = _run(bp, [getattr(theirs, n)() for n in names], model, lossfunc, X, y)
+    for (name, p), (_, q) in zip(mine.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+        for ext in names:
+            field = getattr(ours, ext)().savefield
+            a, b = getattr(p, field), getattr(q, field)
+            if ext in DETERMINISTIC:
+                _assert_same(a, b, f"{ext}/{name}")
+            else:
+                shapes = [t.shape for t in a] if isinstance(a, list) else a.shape
+                assert shapes == ([t.shape for t in b] if isinstance(b, list) else b.shape)
+
+
+def test_monte_carlo_extensions_have_the_right_statistics():
+    torch.manual_seed(0)
+    model, lossfunc = _mlp(), nn.CrossEntropyLoss()
+    X, y = _data("mlp", 4)
+    mine = _run(pf.compat, [ours.DiagGGNMC(mc_samples=20_000), ours.DiagGGNExact()], model,
+                lossfunc, X, y)
+    for p in mine.parameters():
+        error = (p.diag_ggn_mc - p.diag_ggn_exact).abs().max() / p.diag_ggn_exact.abs().max()
+        assert error < 0.05
+
+
+def test_intro_example_mlp_with_kfac():
+    torch.manual_seed(0)
+    X, y = torch.randn(16, 784), torch.randint(0, 10, (16,))
+    model = nn.Sequential(nn.Linear(784, 64), nn.ReLU(), nn.Linear(64, 10))
+    lossfunc = nn.CrossEntropyLoss()
+    model, lossfunc = extend(model), extend(lossfunc)
+    loss = lossfunc(model(X), y)
+    with backpack(ours.KFAC()):
+        loss.backward()
+    for param in model.parameters():
+        assert param.grad is not None
+        expected = [(param.shape[0], param.shape[0])]
+        if param.dim() == 2:
+            expected.append((param.shape[1], param.shape[1]))
+        assert [tuple(f.shape) for f in param.kfac] == expected
+    reference = _run(bp, [theirs.KFAC()], nn.Sequential(*copy.deepcopy(list(model))),
+                     nn.CrossEntropyLoss(), X, y)
+    torch.testing.assert_close(model[0].weight.kfac[1], reference[0].weight.kfac[1])
+
+
+class ScaleModule(nn.Module):
+    """The tutorial's custom module: multiply the input by a scalar weight."""
+
+    def __init__(self, weight: float = 2.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor([weight]))
+
+    def forward(self, input):
+        return input * self.weight
+
+
+class ScaleModuleBatchGrad(FirstOrderModuleExtension):
+    def __init__(self):
+        super().__init__(params=["weight"])
+
+    def weight(self, ext, module, g_inp, g_out, bpQuantities):
+        return einsum(g_out[0], module.input0, "batch d,batch d->batch").unsqueeze(-1)
+
+
+class ScaleModuleDiagGGNExact(ModuleExtension):
+    def __init__(self):
+        super().__init__(params=["weight"])
+
+    def backpropagate(self, ext, module, grad_inp, grad_out, bpQuantities):
+        return bpQuantities * module.weight
+
+    def weight(self, ext, module, g_inp, g_out, bpQuantities):
+        V_theta = einsum(bpQuantities, module.input0, "c batch d, batch d -> c batch")
+        return einsum(V_theta, V_theta, "c batch, c batch ->").unsqueeze(0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_custom_module_tutorial(reduction):
+    torch.manual_seed(0)
+    inputs, targets = torch.randn(10, 4), torch.randint(0, 2, (10,))
+    lossfunc = nn.CrossEntropyLoss(reduction=reduction)
+    my_module = ScaleModule()
+
+    expected = []
+    for input_n, target_n in zip(inputs.split(1), targets.split(1)):
+        loss_n = lossfunc(my_module(input_n), target_n)
+        expected.append(torch.autograd.grad(loss_n, [my_module.weight])[0])
+    expected = torch.stack(expected)
+    if reduction == "mean":
+        expected /= 10
+
+    batch_grad = ours.BatchGrad()
+    batch_grad.set_module_extension(ScaleModule, ScaleModuleBatchGrad())
+    diag_ggn = DiagGGNExact()
+    diag_ggn.set_module_extension(ScaleModule, ScaleModuleDiagGGNExact())
+    calls = []
+    original = ScaleModuleBatchGrad.weight
+    ScaleModuleBatchGrad.weight = lambda *a: calls.append(1) or original(*a)
+    try:
+        my_module, lossfunc = extend(my_module), extend(lossfunc)
+        outputs = my_module(inputs)
+        loss = lossfunc(outputs, targets)
+        with backpack(batch_grad, diag_ggn):
+            loss.backward(retain_graph=True)
+    finally:
+        ScaleModuleBatchGrad.weight = original
+    assert calls, "the registered first-order extension was not used"
+    torch.testing.assert_close(my_module.weight.grad_batch, expected)
+
+    params = list(my_module.parameters())
+    dim = sum(p.numel() for p in params)
+    diagonal = torch.zeros(dim)
+    for d in range(dim):
+        e_d = vector_to_parameter_list(torch.eye(dim)[d], params)
+        diagonal[d] = parameters_to_vector(ggn_vector_product(loss, outputs, my_module, e_d))[d]
+    torch.testing.assert_close(parameters_to_vector([p.diag_ggn_exact for p in params]),
+                               diagonal)
+
+
+def test_fields_are_reset_by_each_backward_and_grad_accumulates():
+    torch.manual_seed(0)
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    X, y = _data("mlp")
+    for _ in range(2):
+        with backpack(ours.BatchGrad()):
+            lossfunc(model(X), y).backward()
+    weight = model[0].weight
+    single = pf.batch_grad(*pf.functional(model), X, y)["0.weight"]
+    torch.testing.assert_close(weight.grad_batch, single)  # not doubled
+    torch.testing.assert_close(weight.grad, 2 * single.sum(0))  # accumulated, as in PyTorch
+
+
+def test_first_order_works_without_extending_the_loss_and_with_any_loss():
+    torch.manual_seed(0)
+    model = extend(_mlp())
+    X, y = _data("mlp")
+    output = model(X)
+    loss = nn.functional.cross_entropy(output, y) + 0.1 * output.square().mean()
+    with backpack(ours.BatchGrad(), ours.Variance()):
+        loss.backward()
+    model_fn, params = pf.functional(model)
+    for n in range(X.shape[0]):
+        def term(p, n=n):
+            rows = list(model_fn(params, X).detach().unbind(0))
+            rows[n] = model_fn(p, X[n:n + 1])[0]
+            out = torch.stack(rows)
+            return nn.functional.cross_entropy(out, y) + 0.1 * out.square().mean()
+        expected = torch.func.grad(term)(params)
+        torch.testing.assert_close(model[2].weight.grad_batch[n], expected["2.weight"])
+
+
+def test_second_order_needs_the_extended_loss():
+    model = extend(_mlp())
+    X, y = _data("mlp")
+    loss = nn.CrossEntropyLoss()(model(X), y)
+    with pytest.raises(ValueError, match=r"extend\(lossfunc\)"), backpack(ours.DiagGGNExact()):
+        loss.backward()
+
+
+def test_extension_classes_instead_of_instances_are_refused():
+    with pytest.raises(ValueError, match=r"BatchGrad\(\)"):
+        backpack(ours.BatchGrad)
+
+
+def test_batchnorm_in_training_mode_is_refused():
+    model = extend(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 3)).double())
+    X, y = _data("mlp")
+    loss = extend(nn.CrossEntropyLoss())(model(X), y)
+    with pytest.raises(ValueError, match=r"model\.eval\(\)"), backpack(ours.BatchGrad()):
+        loss.backward()
+
+
+def test_extension_hook_runs_on_each_module_after_the_extensions():
+    torch.manual_seed(0)
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    X, y = _data("mlp")
+    seen, norms = [], []
+
+    def hook(module):
+        seen.append(type(module).__name__)
+        for p in module.parameters(recurse=False):
+            norms.append(p.grad_batch.norm())  # the extensions already ran
+            del p.grad_batch  # compact memory, as BackPACK's docs suggest
+
+    loss = lossfunc(model(X), y)
+    with backpack(ours.BatchGrad(), extension_hook=hook):
+        loss.backward()
+    assert seen[0] == "CrossEntropyLoss" and seen.count("Linear") == 3 and len(norms) == 6
+    assert not hasattr(model[0].weight, "grad_batch")
+
+
+def test_retain_graph_allows_a_second_backward():
+    torch.manual_seed(0)
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    X, y = _data("mlp")
+    loss = lossfunc(model(X), y)
+    with backpack(ours.DiagGGNExact(), retain_graph=True):
+        loss.backward(retain_graph=True)
+    first = model[0].weight.diag_ggn_exact.clone()
+    with backpack(ours.DiagGGNExact()):
+        loss.backward()
+    torch.testing.assert_close(model[0].weight.diag_ggn_exact, first)
+    assert not hasattr(model[0], "input0")  # released after the last backward
+
+
+def test_disable_stores_nothing_and_cannot_run_extensions():
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    X, y = _data("mlp")
+    with disable():
+        loss = lossfunc(model(X), y)
+        assert not hasattr(model[0], "input0") and not hasattr(loss, "_packfunc_record")
+        with pytest.raises(RuntimeError, match="disable"):
+            backpack(ours.BatchGrad()).__enter__()
+    loss.backward()
+    assert not hasattr(model[0].weight, "grad_batch")
+
+
+def test_a_training_loop_does_not_keep_activations_alive():
+    torch.manual_seed(0)
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    X, y = _data("mlp")
+    alive = []
+    for _ in range(50):
+        output = model(X)
+        alive.append(weakref.ref(output))
+        with backpack(ours.BatchGrad(), ours.DiagGGNExact()):
+            lossfunc(output, y).backward()
+        del output
+    gc.collect()
+    assert sum(ref() is not None for ref in alive) == 0
+
+
+def test_debug_prints_what_runs(capsys):
+    model, lossfunc = extend(_mlp(), debug=True), extend(nn.CrossEntropyLoss())
+    X, y = _data("mlp")
+    with backpack(ours.BatchGrad(), debug=True):
+        lossfunc(model(X), y).backward()
+    printed = capsys.readouterr().out
+    assert "extended Linear" in printed and "BatchGrad on Sequential" in printed
+
+
+@pytest.mark.parametrize("case_name", ["residual", "shared_layer", "custom_module"])
+def test_second_order_beyond_backpack(case_name):
+    case = CASES[CASE_IDS.index(case_name)]
+    torch.manual_seed(0)
+    model = case.build().double()
+    X, y = case.inputs(4).double(), torch.randint(0, case.classes, (4,))
+    functional = pf.compute(*pf.functional(model), X, y, quantities=("diag_ggn", "diag_hessian",
+                                                                     "batch_grad"))
+    model, lossfunc = extend(model), extend(nn.CrossEntropyLoss())
+    with backpack(ours.DiagGGNExact(), ours.DiagHessian(), ours.BatchGrad()):
+        lossfunc(model(X), y).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, functional["diag_ggn"][name])
+        torch.testing.assert_close(p.diag_h, functional["diag_hessian"][name])
+        torch.testing.assert_close(p.grad_batch, functional["batch_grad"][name])
+
+
+def test_block_products_are_functions_on_the_parameters():
+    torch.manual_seed(0)
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    X, y = _data("mlp")
+    with backpack(ours.GGNMP(), ours.HMP(), ours.PCHMP()):
+        lossfunc(model(X), y).backward()
+    mats = {k: torch.randn(2, *p.shape, dtype=torch.float64) for k, p in model.named_parameters()}
+    ggn = pf.ggn_block_products(*pf.functional(model), X, y, mats)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.ggnmp(mats[name]), ggn[name])
+        assert p.hmp(mats[name]).shape == p.pchmp(mats[name]).shape == mats[name].shape
