@@ -18,6 +18,7 @@ shim): write one more builder and register it in :data:`BUILDERS`.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -165,8 +166,9 @@ def naive_builder(problem: Problem, quantity: str) -> Closure | None:
     return run
 
 
-def backpack_builder(problem: Problem, quantity: str) -> Closure | None:
-    """BackPACK; for ``grad`` (the reference row) a plain ``loss.backward()``."""
+def backpack_builder(problem: Problem, quantity: str, package: str = "backpack"
+                     ) -> Closure | None:
+    """BackPACK (or its packfunc shim); for ``grad`` a plain ``loss.backward()``."""
     model, lossfunc, X, y = problem.model(), problem.loss(), problem.X, problem.y
     params = dict(model.named_parameters())
     if quantity == "grad":  # plain autograd, no BackPACK involved
@@ -181,9 +183,11 @@ def backpack_builder(problem: Problem, quantity: str) -> Closure | None:
     if quantity not in BACKPACK_EXTENSIONS:
         return None
     try:
-        from backpack import backpack, extend, extensions
+        backpack_module = importlib.import_module(package)
+        extensions = importlib.import_module(f"{package}.extensions")
     except ImportError as error:
         raise Unavailable(str(error)) from error
+    backpack, extend = backpack_module.backpack, backpack_module.extend
     extension = getattr(extensions, BACKPACK_EXTENSIONS[quantity])()
     model, lossfunc = extend(model), extend(lossfunc)
 
@@ -196,6 +200,17 @@ def backpack_builder(problem: Problem, quantity: str) -> Closure | None:
         return {name: getattr(p, extension.savefield) for name, p in params.items()}
 
     return run
+
+
+def shim_builder(problem: Problem, quantity: str) -> Closure | None:
+    """The packfunc shim: BackPACK's code with the import prefix ``packfunc.compat``."""
+    if quantity not in SHIM_QUANTITIES:
+        return None
+    return backpack_builder(problem, quantity, package="packfunc.compat")
+
+
+SHIM_QUANTITIES = ("batch_grad", "diag_ggn")
+"""Rows where the shim is timed (forward + backward under the extension)."""
 
 
 def opacus_builder(problem: Problem, quantity: str) -> Closure | None:
@@ -253,11 +268,15 @@ BUILDERS: dict[str, Builder] = {
     "vmap(grad)": vmap_builder,
     "naive torch.func": naive_builder,
     "curvlinops": curvlinops_builder,
+    "packfunc.compat": shim_builder,
 }
 """Contender name -> builder; the order gives the table's columns."""
 
 SUBJECT = "packfunc"
 """The contender compared with the best of the others."""
+
+SHIM = "packfunc.compat"
+"""packfunc's BackPACK shim: not a peer; its own ratio to BackPACK is shown."""
 
 REFERENCE = "BackPACK"
 """The contender whose result the subject is checked against."""

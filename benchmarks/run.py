@@ -27,7 +27,7 @@ from importlib import metadata
 
 import torch
 
-from peers import BUILDERS, REFERENCE, SUBJECT, UNCHECKED, Closure, Result, build_all
+from peers import BUILDERS, REFERENCE, SHIM, SUBJECT, UNCHECKED, Closure, Result, build_all
 from problems import PROBLEMS, Problem
 from timing import agrees, cpu_model, time_interleaved
 
@@ -120,9 +120,10 @@ def measure(row: Row, repeats: int, warmup: int, budget_s: float | None) -> Outc
 def table(rows: list[Row], outcomes: list[Outcome]) -> list[str]:
     names = list(BUILDERS)
     header = (["problem", "quantity"] + [f"{name} ms" for name in names]
-              + ["best peer", f"ratio ({SUBJECT} / best peer)", f"{SUBJECT} = {REFERENCE}"])
+              + ["best peer", f"ratio ({SUBJECT} / best peer)", f"{SHIM} / {REFERENCE}",
+                 f"{SUBJECT} = {REFERENCE}"])
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * 2 + ["--:"] * (
-        len(names)) + ["---", "--:", ":-:"]) + "|"]
+        len(names)) + ["---", "--:", "--:", ":-:"]) + "|"]
     for row, outcome in zip(rows, outcomes):
         cells = [row.problem, LABELS.get(row.quantity, row.quantity)]
         for name in names:
@@ -130,11 +131,15 @@ def table(rows: list[Row], outcomes: list[Outcome]) -> list[str]:
                 cells.append(f"{outcome.ms[name]:.2f}")
             else:
                 cells.append("error" if name in outcome.errors else "—")
-        peers = {name: ms for name, ms in outcome.ms.items() if name != SUBJECT}
+        peers = {name: ms for name, ms in outcome.ms.items() if name not in (SUBJECT, SHIM)}
         best = min(peers, key=peers.__getitem__) if peers else None
         cells.append(best or "—")
         if best is not None and SUBJECT in outcome.ms:
             cells.append(f"{outcome.ms[SUBJECT] / peers[best]:.2f}×")
+        else:
+            cells.append("—")
+        if SHIM in outcome.ms and REFERENCE in outcome.ms:
+            cells.append(f"{outcome.ms[SHIM] / outcome.ms[REFERENCE]:.2f}×")
         else:
             cells.append("—")
         cells.append({True: "✓", False: "✗", None: "—"}[outcome.matches])

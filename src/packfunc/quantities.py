@@ -123,6 +123,31 @@ def compute(
     if unknown:
         raise ValueError(f"unknown quantities {sorted(unknown)}; choose from {list(QUANTITIES)}.")
     bp = Backprop(model_fn, params, X, y, loss or default_loss(), chunk_size)
+    return evaluate(bp, quantities, subsampling, mc_samples, generator)
+
+
+def evaluate(bp: Backprop, quantities: Sequence[str],
+             subsampling: Sequence[int] | Tensor | None = None, mc_samples: int | None = None,
+             generator: torch.Generator | None = None) -> dict[str, Any]:
+    """Compute quantities from an existing batch pass (see :func:`compute`).
+
+    Args:
+        bp: The batch pass.
+        quantities: Names from :data:`QUANTITIES`.
+        subsampling: Sample indices for the per-sample quantities.
+        mc_samples: ``None`` (exact GGN) or the number of Monte-Carlo samples.
+        generator: Random generator for the samples.
+
+    Returns:
+        As :func:`compute`.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> bp = Backprop(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        ...               torch.nn.CrossEntropyLoss())
+        >>> evaluate(bp, ("grad",))["grad"]["bias"].shape
+        torch.Size([2])
+    """
     index = as_index(subsampling, bp.n, bp.record.output.device)
     wanted: dict[str, set[str]] = {}
     for name in quantities:
@@ -148,4 +173,4 @@ def _source_statistics(bp: Backprop, source: str, stats: set[str], index: slice 
     return ggn_statistics(bp, stats, index, mc_samples, generator)
 
 
-__all__ = ["FIRST_ORDER", "QUANTITIES", "SECOND_ORDER", "Quantity", "compute"]
+__all__ = ["FIRST_ORDER", "QUANTITIES", "SECOND_ORDER", "Quantity", "compute", "evaluate"]

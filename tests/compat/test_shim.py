@@ -353,3 +353,32 @@ def test_block_products_are_functions_on_the_parameters():
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.ggnmp(mats[name]), ggn[name])
         assert p.hmp(mats[name]).shape == p.pchmp(mats[name]).shape == mats[name].shape
+
+
+def test_the_users_own_forward_pass_is_reused(monkeypatch):
+    from packfunc.engine import persample
+
+    def refuse(*args):
+        raise AssertionError("ran the model again")
+
+    monkeypatch.setattr(persample, "record", refuse)
+    torch.manual_seed(0)
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    X, y = _data("mlp")
+    with backpack(ours.BatchGrad(), ours.DiagGGNExact()):
+        lossfunc(model(X), y).backward()
+    assert model[0].weight.grad_batch.shape == (5, 6, 4)
+
+
+@pytest.mark.parametrize("case_name", ["lstm", "transformer", "batchnorm_eval"])
+def test_models_whose_forward_cannot_be_reused_still_work(case_name):
+    case = CASES[CASE_IDS.index(case_name)]
+    torch.manual_seed(0)
+    model = case.build().double()
+    X, y = case.inputs(3).double(), torch.randint(0, case.classes, (3,))
+    expected = pf.batch_grad(*pf.functional(model), X, y)
+    model, lossfunc = extend(model), extend(nn.CrossEntropyLoss())
+    with backpack(ours.BatchGrad()):
+        lossfunc(model(X), y).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, expected[name])

@@ -2,11 +2,15 @@
 
 Every extended module stores its input and output (``module.input0``,
 ``module.output``, as BackPACK does). The outermost extended module of a
-forward pass also registers, on its output's ``grad_fn``, a hook that runs the
-active extensions when the backward pass reaches that output: the hook gets
-the gradient of whatever loss is being differentiated w.r.t. the model output,
-which is all first-order quantities need. An extended loss function marks its
-input, so second-order extensions also know the loss and the targets.
+forward pass watches that pass (:class:`~packfunc.engine.taps.ForwardRecorder`:
+the input and output of each linear, convolution and embedding call) and
+registers, on its output's ``grad_fn``, a hook that runs the active extensions
+when the backward pass reaches that output. The hook gets the gradient of
+whatever loss is being differentiated w.r.t. the model output, which is all
+first-order quantities need; the watched calls let packfunc pull cotangents
+back through the user's own graph instead of running the model again. An
+extended loss function marks its input, so second-order extensions also know
+the loss and the targets.
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import optree
 from torch import Tensor, nn
 from torch.nn.modules.loss import _Loss
 
 from packfunc.compat import context
 from packfunc.compat.run import run_extensions
+from packfunc.engine.taps import ForwardRecorder
 
 _depth: list[int] = [0]
+_recorders: list[ForwardRecorder] = []
 
 
 @dataclass
@@ -32,12 +39,14 @@ class ForwardRecord:
         model: The outermost extended module that ran.
         args: Its positional inputs.
         kwargs: Its keyword inputs.
+        recorder: What it watched of its own forward pass.
         loss: ``(loss module, target)`` once an extended loss consumed the output.
     """
 
     model: nn.Module
     args: tuple
     kwargs: dict = field(default_factory=dict)
+    recorder: ForwardRecorder | None = None
     loss: tuple[nn.Module, Any] | None = None
 
 
@@ -78,8 +87,13 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
 
 
 def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    if context.recording():
-        _depth[0] += 1
+    if not context.recording():
+        return
+    _depth[0] += 1
+    if _depth[0] == 1:  # the outermost extended module: watch the whole pass
+        recorder = ForwardRecorder(optree.tree_leaves(dict(module.named_parameters())))
+        recorder.__enter__()
+        _recorders.append(recorder)
 
 
 def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -88,9 +102,14 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     _depth[0] -= 1
     module.input0 = args[0] if args else None
     module.output = output
-    if _depth[0] or not isinstance(output, Tensor) or output.grad_fn is None:
+    if _depth[0]:
         return
-    record = ForwardRecord(module, args, kwargs)
+    recorder = _recorders.pop()
+    recorder.__exit__(None, None, None)
+    if not isinstance(output, Tensor) or output.grad_fn is None:
+        return
+    recorder.release(output)
+    record = ForwardRecord(module, args, kwargs, recorder)
     output._packfunc_record = record
     output.grad_fn.register_prehook(partial(_on_backward, record))
 

@@ -16,7 +16,9 @@ from torch import Tensor, nn
 
 import packfunc as pf
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
+from packfunc.engine.persample import Backprop
 from packfunc.losses import GivenGradient, hessian_factors
+from packfunc.quantities import evaluate
 
 if TYPE_CHECKING:
     from packfunc.compat.context import Context
@@ -46,6 +48,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor) -> Non
     X = record.args[0] if len(record.args) == 1 else record.args
     model_fn, params = pf.functional(model)
     results: dict[str, dict[str, Any]] = {}
+    passes: dict[bool, Backprop] = {}
     for ext in ctx.extensions:
         job = ext.job()
         if job.second_order and record.loss is None:
@@ -55,8 +58,15 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor) -> Non
         if ctx.debug:
             print(f"[packfunc.compat] {type(ext).__name__} on {type(model).__name__}: {job.name}")
         loss, y = record.loss if job.second_order else (GivenGradient(gradient), gradient)
+        if job.kind == "quantity" and job.second_order not in passes:
+            passes[job.second_order] = Backprop(model_fn, params, X, y, loss,
+                                                watched=(record.recorder, model.output))
         with torch.no_grad():
-            results[ext.savefield] = _compute(job, model_fn, params, X, y, loss)
+            if job.kind == "quantity":
+                results[ext.savefield] = evaluate(passes[job.second_order], (job.name,),
+                                                  **dict(job.options))[job.name]
+            else:
+                results[ext.savefield] = _compute(job, model_fn, params, X, y, loss)
         results[ext.savefield].update(_module_extensions(ext, job, record, gradient))
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     for ext in ctx.extensions:
@@ -71,11 +81,8 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor) -> Non
 
 def _compute(job: Job, model_fn: Callable, params: dict[str, Tensor], X: Any, y: Any,
              loss: nn.Module) -> dict[str, Any]:
-    """Run one job with the functional API; a dict of parameter name to result."""
+    """Run a Kronecker or block-product job with the functional API, by parameter name."""
     options = dict(job.options)
-    if job.kind == "quantity":
-        return pf.compute(model_fn, params, X, y, loss=loss, quantities=(job.name,),
-                          **options)[job.name]
     if job.kind == "kronecker":
         return KRONECKER[job.name](model_fn, params, X, y, loss=loss, **options)
     product = BLOCKS[job.name]

@@ -455,9 +455,16 @@ def _record_with_autograd(model_fn: Callable, params: Any, leaves: list[Tensor],
         check_loss_inputs(loss, output, y, n)
         if not output.requires_grad:  # no tapped call upstream
             output.requires_grad_()
+    return _autograd_record(output, mode.inputs, mode.outputs, mode.failed, loss, y)
+
+
+def _autograd_record(output: Tensor, inputs: dict[int, Tensor], outputs: dict[int, Tensor],
+                     failed: set[int], loss: nn.Module, y: Any) -> TapRecord:
+    """A :class:`TapRecord` whose pullbacks run backward through an existing autograd graph."""
+    with torch.enable_grad():
         value = loss(output, y)
         (output_cotangent,) = torch.autograd.grad(value, output, retain_graph=True)
-    sites, marked = list(mode.outputs), list(mode.outputs.values())
+    sites, marked = list(outputs), list(outputs.values())
 
     def gradients(cotangent: Tensor, batched: bool) -> dict[int, Tensor]:
         if not marked:
@@ -468,6 +475,82 @@ def _record_with_autograd(model_fn: Callable, params: Any, leaves: list[Tensor],
         return {k: g if g is not None else cotangent.new_zeros(shape)
                 for k, g, shape in zip(sites, found, shapes)}
 
-    return TapRecord(value.detach(), output.detach(), output_cotangent, mode.inputs, mode.failed,
+    values = {k: x.detach() for k, x in inputs.items()}  # values only: nothing to track
+    return TapRecord(value.detach(), output.detach(), output_cotangent, values, failed,
                      lambda c: gradients(c, False), lambda c: gradients(c, True))
+
+
+class ForwardRecorder(TorchFunctionMode):
+    """Watch someone else's forward pass and keep every tapped call's input and output.
+
+    Unlike the modes above it changes nothing: recurrent ops stay fused and
+    BatchNorm in training mode runs; seeing either only marks the recording as
+    unusable (the batch pass then runs packfunc's own forward instead).
+
+    Args:
+        parameters: The model's parameters, in ``named_parameters`` order.
+
+    Example:
+        >>> layer = torch.nn.Linear(3, 2)
+        >>> with ForwardRecorder(list(layer.parameters())) as recorder:
+        ...     out = layer(torch.ones(4, 3))
+        >>> len(recorder.calls)
+        1
+    """
+
+    def __init__(self, parameters: list[Tensor]):
+        super().__init__()
+        self.leaf_of = LeafIndex(parameters)
+        self.calls: list[tuple[TapCall, Tensor, Tensor]] = []
+        self.usable = True
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        sig = SIGNATURES.get(func)
+        if sig is not None:
+            bound = sig.bind(args, kwargs)
+            if any(self.leaf_of(bound.get(role)) is not None for role in ROLES):
+                self.calls.append((make_call(sig, bound, self.leaf_of), bound["input"], out))
+        elif func in RECURRENT_OPS:
+            self.usable = False  # packfunc's own pass decomposes them: the calls differ
+        return out
+
+    def release(self, output: Tensor) -> None:
+        """Drop references to the pass's final output (a hook on its graph may hold us).
+
+        Args:
+            output: The watched forward's output; :meth:`record` receives it again.
+        """
+        self.calls = [(call, x, None if out is output else out) for call, x, out in self.calls]
+
+    def record(self, plan: TapPlan, output: Tensor, loss: nn.Module, y: Any, n: int
+               ) -> TapRecord | None:
+        """The batch pass's record, from the watched forward; ``None`` if it does not fit.
+
+        Args:
+            plan: The result of :func:`discover` for the same model.
+            output: The watched forward's output (still part of its autograd graph).
+            loss: The loss module.
+            y: The targets.
+            n: The batch size.
+
+        Returns:
+            A :class:`TapRecord` pulling back through the watched graph, or ``None``
+            when the watched calls differ from the plan's.
+        """
+        calls = [call.leaves for call, _, _ in self.calls]
+        if not self.usable or calls != [site.call.leaves for site in plan.sites]:
+            return None
+        check_loss_inputs(loss, output, y, n)
+        inputs, outputs, failed = {}, {}, set()
+        for k in plan.active():
+            _, x, out = self.calls[k]
+            out = output if out is None else out
+            if out.shape != (n, *plan.sites[k].tail) or x.shape[0] != n:
+                failed.add(k)
+            else:
+                inputs[k], outputs[k] = x, out
+        return _autograd_record(output, inputs, outputs, failed, loss, y)
 
