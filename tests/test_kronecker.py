@@ -261,3 +261,18 @@ def test_pch_refuses_non_elementwise_nonlinearities():
     mats = {k: torch.ones(1, *p.shape, dtype=torch.float64) for k, p in params.items()}
     with pytest.raises(ValueError, match="elementwise"):
         pf.pch_block_products(model_fn, params, X, torch.tensor([0, 1, 0]), mats)
+
+
+def test_grouped_convolutions_share_the_input_factor_across_groups():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 6, 2, groups=2), nn.Flatten(), nn.Linear(6 * 4, 3)).double()
+    X, y = torch.randn(5, 4, 3, 3, dtype=torch.float64), torch.randint(0, 3, (5,))
+    model_fn, params = pf.functional(model)
+    A, B = pf.kflr(model_fn, params, X, y)["0.weight"]
+    assert A.shape == (6, 6) and B.shape == (2 * 4, 2 * 4)
+    unfolded = F.unfold(X, 2).view(5, 2, 2 * 4, -1)  # [N, groups, C_in/G · k, positions]
+    expected = torch.einsum("ngil,ngjl->ij", unfolded, unfolded) / (5 * 2)
+    torch.testing.assert_close(B, expected)
+    (A_bias,) = pf.kflr(model_fn, params, X, y)["0.bias"]
+    diagonal = pf.diag_ggn(model_fn, params, X, y)["0.bias"]
+    torch.testing.assert_close(torch.diagonal(A_bias), diagonal)

@@ -382,3 +382,16 @@ def test_models_whose_forward_cannot_be_reused_still_work(case_name):
         lossfunc(model(X), y).backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad_batch, expected[name])
+
+
+def test_hbp_configurations_are_kfac_kflr_and_kfra():
+    torch.manual_seed(0)
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    X, y = _data("mlp")
+    general = ours.HBP("ggn", "exact", "sqrt", "E[J^T E(H) J]", savefield="mine")
+    with backpack(general, ours.KFLR()):
+        lossfunc(model(X), y).backward()
+    for p in model.parameters():
+        _assert_same(p.mine, p.kflr, "HBP == KFLR")
+    with pytest.raises(NotImplementedError, match="KFAC"):
+        ours.HBP("hessian", "exact", "sqrt", "E[J^T E(H) J]")
