@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -324,3 +325,22 @@ def dense_curvature(model: nn.Module, loss: nn.Module, X: Tensor, y: Tensor) -> 
                                       for i in range(n)])
         full_hessian = hessian(lambda flat: loss(output(flat, X), y), flat0)
     return Dense(sample_ggn.sum(0), sample_ggn, full_hessian, sample_hessian, names, shapes)
+
+
+# ----------------------------------------------------------------------------- BackPACK runs
+
+
+def run_backward_with(package, extensions: list, model: nn.Module, loss: nn.Module, X: Tensor,
+                      y: Tensor) -> nn.Module:
+    """Extend copies of ``model`` and ``loss`` with ``package`` (``backpack`` or
+    ``packfunc.compat``), run one backward under ``extensions``; return the model copy."""
+    model, loss = package.extend(copy.deepcopy(model)), package.extend(copy.deepcopy(loss))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(X.dtype if X.is_floating_point() else default)  # BackPACK samples
+    try:                                                 # Monte-Carlo targets in this dtype
+        value = loss(model(X), y)
+        with package.backpack(*extensions):
+            value.backward()
+    finally:
+        torch.set_default_dtype(default)
+    return model

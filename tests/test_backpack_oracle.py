@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import packfunc as pf
-from tests.cases import autograd_batch_grad, moments
+from tests.cases import autograd_batch_grad, moments, run_backward_with
 
 backpack = pytest.importorskip("backpack")
 extensions = pytest.importorskip("backpack.extensions")
@@ -40,14 +40,12 @@ MODELS = {
 }
 
 
-def _backpack_results(model: nn.Module, loss: nn.Module, X, y
+def _backpack_results(model: nn.Module, loss: nn.Module, X, y, exts: dict = EXTENSIONS
                       ) -> dict[str, dict[str, torch.Tensor]]:
-    model, loss = backpack.extend(copy.deepcopy(model)), backpack.extend(copy.deepcopy(loss))
-    exts = [getattr(extensions, cls)() for cls, _ in EXTENSIONS.values()]
-    with backpack.backpack(*exts):
-        loss(model(X), y).backward()
+    instances = [getattr(extensions, cls)() for cls, _ in exts.values()]
+    model = run_backward_with(backpack, instances, model, loss, X, y)
     return {q: {name: getattr(p, field) for name, p in model.named_parameters()}
-            for q, (_, field) in EXTENSIONS.items()}
+            for q, (_, field) in exts.items()}
 
 
 def _inputs(name: str, n: int):
@@ -112,14 +110,6 @@ SECOND_ORDER_MODELS = {
 }
 
 
-def _backpack_second_order(model, loss, X, y, exts: dict) -> dict:
-    model, loss = backpack.extend(copy.deepcopy(model)), backpack.extend(copy.deepcopy(loss))
-    with backpack.backpack(*[getattr(extensions, cls)() for cls, _ in exts.values()]):
-        loss(model(X), y).backward()
-    return {q: {name: getattr(p, field) for name, p in model.named_parameters()}
-            for q, (_, field) in exts.items()}
-
-
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("loss_cls", [nn.CrossEntropyLoss, nn.MSELoss])
@@ -133,7 +123,7 @@ def test_second_order_quantities_equal_backpack(name, loss_cls, reduction, n):
     with torch.no_grad():
         out = model(X)
     y = torch.randint(0, 3, (n,)) if loss_cls is nn.CrossEntropyLoss else torch.randn_like(out)
-    theirs = _backpack_second_order(model, loss, X, y, SECOND_ORDER)
+    theirs = _backpack_results(model, loss, X, y, SECOND_ORDER)
     model_fn, params = pf.functional(model)
     ours = pf.compute(model_fn, params, X, y, loss=loss, quantities=tuple(SECOND_ORDER))
     for quantity in SECOND_ORDER:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +9,7 @@ from torch import nn
 
 import packfunc as pf
 from packfunc.engine.chain import NotSequentialError
-from tests.cases import CASE_IDS, CASES, dense_curvature
+from tests.cases import CASE_IDS, CASES, dense_curvature, run_backward_with
 
 backpack = pytest.importorskip("backpack")
 extensions = pytest.importorskip("backpack.extensions")
@@ -39,15 +37,7 @@ def _problem(name: str, loss_cls: type, reduction: str, n: int = 5):
 
 
 def _backpack(model, loss, X, y, *exts):
-    model, loss = backpack.extend(copy.deepcopy(model)), backpack.extend(copy.deepcopy(loss))
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # BackPACK samples MC targets in the default dtype
-    try:
-        with backpack.backpack(*exts):
-            loss(model(X), y).backward()
-    finally:
-        torch.set_default_dtype(default)
-    return model
+    return run_backward_with(backpack, list(exts), model, loss, X, y)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

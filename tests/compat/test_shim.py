@@ -25,7 +25,7 @@ from packfunc.compat.extensions.module_extension import ModuleExtension
 from packfunc.compat.extensions.secondorder.diag_ggn import DiagGGNExact
 from packfunc.compat.hessianfree.ggnvp import ggn_vector_product
 from packfunc.compat.utils.convert_parameters import vector_to_parameter_list
-from tests.cases import CASE_IDS, CASES
+from tests.cases import CASE_IDS, CASES, run_backward_with
 
 bp = pytest.importorskip("backpack")
 theirs = pytest.importorskip("backpack.extensions")
@@ -55,16 +55,7 @@ def _data(model_name: str, n: int = 5):
 
 
 def _run(package, exts, model, lossfunc, X, y):
-    model, lossfunc = package.extend(copy.deepcopy(model)), package.extend(copy.deepcopy(lossfunc))
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # BackPACK samples in the default dtype
-    try:
-        loss = lossfunc(model(X), y)
-        with package.backpack(*exts):
-            loss.backward()
-    finally:
-        torch.set_default_dtype(default)
-    return model
+    return run_backward_with(package, exts, model, lossfunc, X, y)
 
 
 def _assert_same(a, b, what):
