@@ -13,7 +13,6 @@ import weakref
 
 import pytest
 import torch
-from einops import einsum
 from torch import nn
 from torch.nn.utils.convert_parameters import parameters_to_vector
 
@@ -28,6 +27,7 @@ from packfunc.compat.utils.convert_parameters import vector_to_parameter_list
 from tests.cases import CASE_IDS, CASES, run_backward_with
 
 bp = pytest.importorskip("backpack")
+einsum = pytest.importorskip("einops").einsum
 theirs = pytest.importorskip("backpack.extensions")
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
