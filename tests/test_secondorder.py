@@ -142,3 +142,34 @@ def test_nll_loss_is_refused_for_second_order():
     model_fn, params = pf.functional(nn.Sequential(model, nn.LogSoftmax(1)))
     with pytest.raises(ValueError, match="CrossEntropyLoss on logits"):
         pf.diag_ggn(model_fn, params, X, y, loss=nn.NLLLoss())
+
+
+DEEP_CHAINS = {
+    "deep_tanh_mlp": (lambda: nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4),
+                                            nn.Sigmoid(), nn.Linear(4, 4), nn.ELU(),
+                                            nn.Linear(4, 3)), (3,)),
+    "conv_then_mlp": (lambda: nn.Sequential(nn.Conv1d(2, 2, 2), nn.Tanh(), nn.MaxPool1d(2),
+                                            nn.Flatten(), nn.Linear(8, 4), nn.Softplus(),
+                                            nn.Linear(4, 3)), (2, 9)),
+}
+
+
+@pytest.mark.parametrize("name", list(DEEP_CHAINS))
+def test_hessian_diagonals_of_deep_chains(name, monkeypatch):
+    """The chain recursion (with its expansion of diagonals into columns) is exact."""
+    from packfunc.engine import hessian
+
+    def refuse(*args):
+        raise AssertionError("fell back to one product per unit")
+
+    monkeypatch.setattr(hessian, "_layer_output_curvature", refuse)
+    torch.manual_seed(0)
+    build, shape = DEEP_CHAINS[name]
+    model, loss = build().double(), nn.CrossEntropyLoss()
+    X, y = torch.randn(3, *shape, dtype=torch.float64), torch.tensor([0, 2, 1])
+    dense = dense_curvature(model, loss, X, y)
+    out = pf.compute(*pf.functional(model), X, y, loss=loss,
+                     quantities=("diag_hessian", "batch_diag_hessian"))
+    _close(dense.flatten(out["diag_hessian"]), dense.hessian.diagonal(), "diag_hessian")
+    _close(dense.flatten(out["batch_diag_hessian"], leading=1),
+           dense.sample_hessian.diagonal(dim1=1, dim2=2), "batch_diag_hessian")

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.func import grad, vjp, vmap
 
+from packfunc.engine.chain import layer_output_curvature
 from packfunc.engine.memory import DEFAULT_BUDGET, chunks, index_length
 from packfunc.engine.persample import Backprop
 from packfunc.engine.statistics import ggn_statistics
@@ -76,7 +77,9 @@ def _diagonals(bp: Backprop, stats: set[str], index: slice | Tensor) -> list[Sta
     others = sorted((set(sites_of) | set(bp.generic)) - set(by_site))
     result = [_zeros(leaf, stats, index) for leaf in bp.leaves]
     if by_site:
-        unit_curvature = _layer_output_curvature(bp, sorted(set(by_site.values())))
+        sites = sorted(set(by_site.values()))
+        unit_curvature = (layer_output_curvature(bp, sites)
+                          or _layer_output_curvature(bp, sites))
         for leaf, k in by_site.items():
             role = dict((i, r) for r, i in bp.plan.sites[k].call.leaves)[leaf]
             result[leaf] = _site_stats(bp, k, role, unit_curvature[k], stats, index)

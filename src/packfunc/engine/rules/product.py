@@ -48,7 +48,7 @@ class ProductWeight(Rule):
 
     def grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """``Σ_{k,n,l} v u_lᵀ`` per group; the column dim is summed on its side first."""
-        return _contract_samples(g.sum(0), x.sum(0)).reshape(param.shape)
+        return _contract_samples(_column_sum(g), _column_sum(x)).reshape(param.shape)
 
     def sum_grad_squared(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
                          ) -> Tensor | None:
@@ -128,7 +128,12 @@ def _column_products(x: Tensor, g: Tensor) -> Tensor:
 
 def _summed_squares(x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
     """``(Σ_k g², Σ_k x²)`` as ``[N, G, O, L]`` and ``[N, G, I, L]``."""
-    return g.square().sum(0), x.square().sum(0)
+    return _column_sum(g.square()), _column_sum(x.square())
+
+
+def _column_sum(t: Tensor) -> Tensor:
+    """``Σ_k t[k]``; a view for a single column (no copy)."""
+    return t[0] if t.shape[0] == 1 else t.sum(0)
 
 
 def _contract_samples(a: Tensor, b: Tensor) -> Tensor:
