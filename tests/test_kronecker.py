@@ -19,6 +19,9 @@ SEQUENTIAL = {
                                   nn.Linear(5, 3)), (4,)),
     "cnn": (lambda: nn.Sequential(nn.Conv2d(2, 3, 2, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                                   nn.Flatten(), nn.Linear(12, 3)), (2, 3, 3)),
+    "pools": (lambda: nn.Sequential(nn.Conv2d(2, 3, 2, padding=1), nn.ReLU(), nn.ZeroPad2d(1),
+                                    nn.MaxPool2d(3, stride=1), nn.AvgPool2d(2), nn.Flatten(),
+                                    nn.Linear(12, 3)), (2, 3, 3)),
     "conv1d": (lambda: nn.Sequential(nn.Conv1d(2, 3, 3, stride=2, dilation=1), nn.Tanh(),
                                      nn.Flatten(), nn.Linear(9, 3)), (2, 8)),
 }

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.func import grad, jvp, vjp, vmap
 
-from packfunc.engine.memory import DEFAULT_BUDGET, chunks
+from packfunc.engine.memory import DEFAULT_BUDGET, chunks, is_plain, new_output
 from packfunc.engine.ops import OpSignature, TapCall, make_call
 from packfunc.engine.persample import Backprop
 from packfunc.engine.taps import FunctionalMode, LeafIndex, is_metadata_query
@@ -183,20 +183,99 @@ def expected_jacobian_sandwich(link: Link, H: Tensor) -> Tensor:
     n = link.input.shape[0]
     if link.func in ELEMENTWISE:
         _, slope = jvp(link.apply, (link.input,), (torch.ones_like(link.input),))
-        slope = slope.reshape(n, -1)
-        return H * (slope.T @ slope) / n
+        return _masked_gram(slope.reshape(n, -1), lambda rows: H[rows], H)
     if link.call is not None and link.func is F.linear:
         weight = link.kwargs["weight"]
         positions = link.output[0].numel() // weight.shape[0]
         blocks = H.view(positions, weight.shape[0], positions, weight.shape[0])
         return torch.einsum("oi,xoyp,pj->xiyj", weight, blocks, weight).reshape(
             positions * weight.shape[1], -1)
-    if link.call is not None:
+    if link.call is not None or link.func in SAMPLE_INDEPENDENT:
         return _sandwich(link.apply, link.input[:1], H)
+    selection = _selection(link) if link.func in PIECEWISE_LINEAR else None
+    if selection is not None:
+        return _selection_sandwich(*selection, H, link.input[0].numel())
     total = _sandwich(link.apply, link.input[:1], H)
     for sample in range(1, n):  # one sample at a time: each term is [D_in, D_in]
         total = total + _sandwich(link.apply, link.input[sample:sample + 1], H)
     return total / n
+
+
+def _selection(link: Link) -> tuple[Tensor, Tensor] | None:
+    """``(source, slope)`` if every output entry is one scaled input entry, else ``None``.
+
+    Max pooling, dropout and padding pick, per sample, one input entry (or none)
+    for each output entry: ``J_n[a] = slope[n, a] · e_{source[n, a]}``. Three
+    forward-mode products in float64 find and verify that: with tangents ``1``,
+    ``i`` and ``i²`` (``i`` the entry's index), a one-hot row gives ``s``, ``s·i``
+    and ``s·i²``; any other row fails the check.
+
+    Returns:
+        ``source`` (int64) and ``slope``, both ``[N, D_out]``.
+    """
+    x = link.input.double()
+    n = x.shape[0]
+    index = torch.arange(x[0].numel(), dtype=x.dtype, device=x.device).expand(n, -1)
+    try:
+        slope, first, second = (jvp(link.apply, (x,), (t.reshape(x.shape),))[1].reshape(n, -1)
+                                for t in (torch.ones_like(index), index, index.square()))
+    except RuntimeError:  # the op does not take a float64 copy of its input
+        return None
+    source = torch.where(slope != 0, first / slope.where(slope != 0, 1), 0).round()
+    if not torch.allclose(second, slope * source.square(), rtol=1e-9, atol=1e-6):
+        return None
+    return source.long(), slope.to(link.input.dtype)
+
+
+def _selection_sandwich(source: Tensor, slope: Tensor, H: Tensor, d_in: int) -> Tensor:
+    """``E_n[J_nᵀ H J_n]`` for the scaled selections of :func:`_selection`.
+
+    When each input entry is picked by at most one output entry (non-overlapping
+    pools, dropout, padding), the result is ``H[owner, owner] ⊙ MᵀM / N``, with
+    ``owner[i]`` that output entry and ``M[n, i]`` the slope with which sample ``n``
+    picks ``i``: a gather and one matrix product for the whole batch. Otherwise the
+    samples' blocks are scattered into the result one at a time.
+
+    Args:
+        source: ``[N, D_out]`` picked input entries.
+        slope: ``[N, D_out]`` their factors (0 where nothing is picked).
+        H: ``[D_out, D_out]``.
+        d_in: Entries of one sample's input.
+
+    Returns:
+        ``[D_in, D_in]``.
+    """
+    n, d_out = source.shape
+    picked = slope != 0
+    owner = torch.full((d_in,), -1, dtype=torch.long, device=H.device)
+    outputs = torch.arange(d_out, device=H.device).expand(n, -1)
+    owner[source[picked]] = outputs[picked]
+    if not torch.equal(owner[source[picked]], outputs[picked]):  # shared inputs
+        total = H.new_zeros(d_in, d_in)
+        for src, s in zip(source, slope):
+            total.index_put_((src[:, None], src[None, :]), H * torch.outer(s, s),
+                             accumulate=True)
+        return total / n
+    M = H.new_zeros(n, d_in).scatter_add_(1, source, slope)
+    owner = owner.clamp_min(0)  # inputs nobody picks have zero rows and columns in MᵀM
+    return _masked_gram(M, lambda rows: H.index_select(0, owner[rows]).index_select(1, owner),
+                        H)
+
+
+def _masked_gram(M: Tensor, factor: Callable[[slice], Tensor], H: Tensor) -> Tensor:
+    """``F ⊙ MᵀM / N`` for ``M [N, D]``, with ``F[rows] = factor(rows)`` computed from ``H``.
+
+    Built a block of rows at a time, in place and in huge pages where nothing is
+    traced (the ``[D, D]`` results of KFRA reach gigabytes).
+    """
+    n, d = M.shape
+    if not is_plain(M, H):
+        return factor(slice(0, d)) * (M.T @ M) / n
+    result = new_output((d, d), M)
+    torch.matmul(M.T, M, out=result)
+    for rows in chunks(d, max(1, DEFAULT_BUDGET // d)):
+        result[rows] *= factor(rows)
+    return result.div_(n)
 
 
 def _sandwich(apply: Callable[[Tensor], Tensor], x: Tensor, H: Tensor) -> Tensor:
@@ -221,6 +300,12 @@ PIECEWISE_LINEAR = frozenset({
     F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.pad, F.dropout,
 })
 """Ops whose second derivative vanishes almost everywhere: no curvature of their own."""
+
+SAMPLE_INDEPENDENT = frozenset({
+    F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
+    F.adaptive_avg_pool3d, F.pad,
+})
+"""Affine ops whose Jacobian is the same at every sample: one sandwich serves the batch."""
 
 
 def pch_block_product(bp: Backprop, leaf: int, mats: Tensor, modify: str) -> Tensor:
