@@ -210,8 +210,11 @@ def _selection(link: Link) -> tuple[Tensor, Tensor] | None:
     ``i`` and ``i²`` (``i`` the entry's index), a one-hot row gives ``s``, ``s·i``
     and ``s·i²``; any other row fails the check.
 
+    Args:
+        link: A piecewise-linear op of the chain.
+
     Returns:
-        ``source`` (int64) and ``slope``, both ``[N, D_out]``.
+        ``source`` (int64) and ``slope``, both ``[N, D_out]``; ``None`` for other ops.
     """
     x = link.input.double()
     n = x.shape[0]
