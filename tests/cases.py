@@ -230,6 +230,20 @@ def make_targets(loss_name: str, output: Tensor, classes: int) -> Tensor:
     return torch.randn_like(output)
 
 
+def loss_and_targets(model: nn.Module, X: Tensor, loss_cls: type, reduction: str
+                     ) -> tuple[nn.Module, Tensor]:
+    """A ``loss_cls(reduction=...)`` and random targets for ``model``'s output on ``X``.
+
+    Class indices over the output's classes for ``CrossEntropyLoss``, Gaussian
+    regression targets shaped like the output otherwise.
+    """
+    with torch.no_grad():
+        out = model(X)
+    y = (torch.randint(0, out.shape[1], (out.shape[0],)) if loss_cls is nn.CrossEntropyLoss
+         else torch.randn_like(out))
+    return loss_cls(reduction=reduction), y
+
+
 # ----------------------------------------------------------------------------- oracles
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import packfunc as pf
-from tests.cases import autograd_batch_grad, moments, run_backward_with
+from tests.cases import autograd_batch_grad, loss_and_targets, moments, run_backward_with
 
 backpack = pytest.importorskip("backpack")
 extensions = pytest.importorskip("backpack.extensions")
@@ -62,10 +62,7 @@ def test_first_order_quantities_equal_backpack(name, loss_cls, reduction, n):
     torch.manual_seed(0)
     build, X = _inputs(name, n)
     model = build()
-    loss = loss_cls(reduction=reduction)
-    with torch.no_grad():
-        out = model(X)
-    y = torch.randint(0, 3, (n,)) if loss_cls is nn.CrossEntropyLoss else torch.randn_like(out)
+    loss, y = loss_and_targets(model, X, loss_cls, reduction)
     theirs = _backpack_results(model, loss, X, y)
     model_fn, params = pf.functional(model)
     ours = pf.compute(model_fn, params, X, y, loss=loss, quantities=tuple(EXTENSIONS))
@@ -119,10 +116,7 @@ def test_second_order_quantities_equal_backpack(name, loss_cls, reduction, n):
     build, shape = SECOND_ORDER_MODELS[name]
     model = build().double()
     X = torch.randn(n, *shape, dtype=torch.float64)
-    loss = loss_cls(reduction=reduction)
-    with torch.no_grad():
-        out = model(X)
-    y = torch.randint(0, 3, (n,)) if loss_cls is nn.CrossEntropyLoss else torch.randn_like(out)
+    loss, y = loss_and_targets(model, X, loss_cls, reduction)
     theirs = _backpack_results(model, loss, X, y, SECOND_ORDER)
     model_fn, params = pf.functional(model)
     ours = pf.compute(model_fn, params, X, y, loss=loss, quantities=tuple(SECOND_ORDER))

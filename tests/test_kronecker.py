@@ -9,7 +9,7 @@ from torch import nn
 
 import packfunc as pf
 from packfunc.engine.chain import NotSequentialError
-from tests.cases import CASE_IDS, CASES, dense_curvature, run_backward_with
+from tests.cases import CASE_IDS, CASES, dense_curvature, loss_and_targets, run_backward_with
 
 backpack = pytest.importorskip("backpack")
 extensions = pytest.importorskip("backpack.extensions")
@@ -32,10 +32,7 @@ def _problem(name: str, loss_cls: type, reduction: str, n: int = 5):
     build, shape = SEQUENTIAL[name]
     model = build().double()
     X = torch.randn(n, *shape, dtype=torch.float64)
-    loss = loss_cls(reduction=reduction)
-    with torch.no_grad():
-        out = model(X)
-    y = torch.randint(0, 3, (n,)) if loss_cls is nn.CrossEntropyLoss else torch.randn_like(out)
+    loss, y = loss_and_targets(model, X, loss_cls, reduction)
     return model, loss, X, y
 
 
