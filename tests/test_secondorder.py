@@ -162,7 +162,7 @@ def test_hessian_diagonals_of_deep_chains(name, monkeypatch):
     def refuse(*args):
         raise AssertionError("fell back to one product per unit")
 
-    monkeypatch.setattr(hessian, "_layer_output_curvature", refuse)
+    monkeypatch.setattr(hessian, "_layer_output_curvature_by_hvp", refuse)
     torch.manual_seed(0)
     build, shape = DEEP_CHAINS[name]
     model, loss = build().double(), nn.CrossEntropyLoss()

@@ -79,7 +79,7 @@ def _diagonals(bp: Backprop, stats: set[str], index: slice | Tensor) -> list[Sta
     if by_site:
         sites = sorted(set(by_site.values()))
         unit_curvature = (layer_output_curvature(bp, sites)
-                          or _layer_output_curvature(bp, sites))
+                          or _layer_output_curvature_by_hvp(bp, sites))
         for leaf, k in by_site.items():
             role = dict((i, r) for r, i in bp.plan.sites[k].call.leaves)[leaf]
             result[leaf] = _site_stats(bp, k, role, unit_curvature[k], stats, index)
@@ -114,7 +114,7 @@ def _site_stats(bp: Backprop, k: int, role: str, curvature: Tensor, stats: set[s
     return found
 
 
-def _layer_output_curvature(bp: Backprop, sites: list[int]) -> dict[int, Tensor]:
+def _layer_output_curvature_by_hvp(bp: Backprop, sites: list[int]) -> dict[int, Tensor]:
     """``diag(∂²L/∂z_n²)`` for the outputs ``z`` of the given sites, ``[N, O]`` each.
 
     One site at a time: its Hessian-vector products then only run back to that
