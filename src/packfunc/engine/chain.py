@@ -342,8 +342,7 @@ def pch_block_product(bp: Backprop, leaf: int, mats: Tensor, modify: str) -> Ten
     role = next(r for r, j in links[start].call.leaves if j == leaf)
     downstream = links[start + 1:]
     for link in downstream:
-        if not (link.call or link.func in ELEMENTWISE or link.func in RESHAPES
-                or link.func in PIECEWISE_LINEAR):
+        if not _passes_recursions(link):
             raise ValueError(
                 f"{getattr(link.func, '__name__', link.func)} is not elementwise; the "
                 "positive-curvature Hessian only modifies elementwise nonlinearities.")
@@ -419,12 +418,11 @@ def layer_output_curvature(bp: Backprop, sites: list[int]) -> dict[int, Tensor] 
         return None
     wanted = {layers[k]: k for k in sites}
     start = min(wanted)
-    if not all(link.call or link.func in ELEMENTWISE or link.func in RESHAPES
-               or link.func in PIECEWISE_LINEAR for link in links[start:]):
+    if not all(_passes_recursions(link) for link in links[start:]):
         return None
+    residual = _modified_curvature(bp, links[start + 1:], "none")
     roots = hessian_factors(bp.loss, bp.record.output, bp.y).all()
     columns, signs, diagonal = roots, roots.new_ones(roots.shape[0]), None
-    delta = bp.record.output_cotangent
     found: dict[int, Tensor] = {}
     for i in range(len(links) - 1, start - 1, -1):
         link = links[i]
@@ -434,12 +432,11 @@ def layer_output_curvature(bp: Backprop, sites: list[int]) -> dict[int, Tensor] 
                                                  else diagonal.reshape(bp.n, -1))
         if i == start:
             break
-        pullback = vjp(link.apply, link.input)[1]
         if link.func in ELEMENTWISE:
             ones = torch.ones_like(link.input)
             slope = jvp(link.apply, (link.input,), (ones,))[1]
             columns = columns * slope
-            curvature = delta * _second_derivative(link.apply, link.input)
+            curvature = residual[i - start - 1]
             diagonal = curvature if diagonal is None else diagonal * slope.square() + curvature
         elif link.func in RESHAPES:
             columns = columns.reshape(columns.shape[0], *link.input.shape)
@@ -457,9 +454,15 @@ def layer_output_curvature(bp: Backprop, sites: list[int]) -> dict[int, Tensor] 
                 columns = torch.cat([columns, expanded[0]])
                 signs = torch.cat([signs, expanded[1]])
                 diagonal = None
+            pullback = vjp(link.apply, link.input)[1]
             columns = vmap(lambda c, pull=pullback: pull(c)[0])(columns)
-        delta = pullback(delta)[0]
     return found
+
+
+def _passes_recursions(link: Link) -> bool:
+    """Whether the chain recursions handle the op (layers, elementwise, reshapes, pooling)."""
+    return bool(link.call or link.func in ELEMENTWISE or link.func in RESHAPES
+                or link.func in PIECEWISE_LINEAR)
 
 
 def _is_matrix_product(link: Link) -> bool:
