@@ -348,7 +348,8 @@ def run_backward_with(package, extensions: list, model: nn.Module, loss: nn.Modu
                       y: Tensor) -> nn.Module:
     """Extend copies of ``model`` and ``loss`` with ``package`` (``backpack`` or
     ``packfunc.compat``), run one backward under ``extensions``; return the model copy."""
-    model, loss = package.extend(copy.deepcopy(model)), package.extend(copy.deepcopy(loss))
+    model, loss = _unextended_copy(model), _unextended_copy(loss)
+    model, loss = package.extend(model), package.extend(loss)
     default = torch.get_default_dtype()
     torch.set_default_dtype(X.dtype if X.is_floating_point() else default)  # BackPACK samples
     try:                                                 # Monte-Carlo targets in this dtype
@@ -358,3 +359,15 @@ def run_backward_with(package, extensions: list, model: nn.Module, loss: nn.Modu
     finally:
         torch.set_default_dtype(default)
     return model
+
+
+def _unextended_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` without the hooks ``packfunc.compat.extend`` installed."""
+    module = copy.deepcopy(module)
+    for sub in module.modules():
+        if sub.__dict__.pop("_packfunc_extended", False):
+            for hooks in (sub._forward_pre_hooks, sub._forward_hooks):
+                for key in [k for k, h in hooks.items()
+                            if getattr(h, "__module__", "").startswith("packfunc.compat")]:
+                    del hooks[key]
+    return module

@@ -13,6 +13,8 @@ from tests.cases import CASE_IDS, CASES, dense_curvature, loss_and_targets, run_
 
 backpack = pytest.importorskip("backpack")
 extensions = pytest.importorskip("backpack.extensions")
+pytestmark = pytest.mark.filterwarnings(  # BackPACK explains its transposed-kernel convention
+    "ignore:The Kronecker factors stored in the weight parameters of transpose")
 
 SEQUENTIAL = {
     "mlp": (lambda: nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Sigmoid(),
@@ -24,7 +26,17 @@ SEQUENTIAL = {
                                     nn.Linear(12, 3)), (2, 3, 3)),
     "conv1d": (lambda: nn.Sequential(nn.Conv1d(2, 3, 3, stride=2, dilation=1), nn.Tanh(),
                                      nn.Flatten(), nn.Linear(9, 3)), (2, 8)),
+    "transposed1d": (lambda: nn.Sequential(nn.ConvTranspose1d(2, 3, 3, stride=2, dilation=2),
+                                           nn.Tanh(), nn.Flatten(), nn.Linear(57, 3)), (2, 8)),
+    "transposed2d": (lambda: nn.Sequential(
+        nn.ConvTranspose2d(2, 3, (2, 3), stride=(2, 1), padding=(0, 1), output_padding=(1, 0)),
+        nn.Sigmoid(), nn.Flatten(), nn.Linear(63, 3)), (2, 3, 3)),
+    "transposed3d": (lambda: nn.Sequential(nn.ConvTranspose3d(2, 2, 2, stride=2, bias=False),
+                                           nn.ReLU(), nn.Flatten(), nn.Linear(128, 3)),
+                     (2, 2, 2, 2)),
 }
+"""Sequential models BackPACK's KFAC, KFLR and KFRA support. For transposed convolutions the
+weight's factors approximate the curvature of ``weight.transpose(0, 1)`` (BackPACK's convention)."""
 
 
 def _problem(name: str, loss_cls: type, reduction: str, n: int = 5):
@@ -266,3 +278,166 @@ def test_grouped_convolutions_share_the_input_factor_across_groups():
     (A_bias,) = pf.kflr(model_fn, params, X, y)["0.bias"]
     diagonal = pf.diag_ggn(model_fn, params, X, y)["0.bias"]
     torch.testing.assert_close(torch.diagonal(A_bias), diagonal)
+
+
+def _transposed_problem(layer: nn.Module, shape: tuple[int, ...], n: int = 4):
+    torch.manual_seed(0)
+    model = nn.Sequential(layer, nn.Tanh(), nn.Flatten())
+    X = torch.randn(n, *shape)
+    model.append(nn.Linear(model(X).shape[1], 3))
+    model, X = model.double(), X.double()
+    loss, y = loss_and_targets(model, X, nn.CrossEntropyLoss, "mean")
+    return model, loss, X, y
+
+
+def test_transposed_convolution_input_factor_counts_every_output_position():
+    """BackPACK 1.7.1 unfolds the input with ``output_padding=0``: when padding crops the
+    output, the positions ``output_padding`` restores are missing from its input factor."""
+    unfold_transposeNd = pytest.importorskip("unfoldNd").unfold_transposeNd
+    layer = nn.ConvTranspose1d(2, 3, 3, stride=2, padding=1, output_padding=1, dilation=2)
+    model, loss, X, y = _transposed_problem(layer, (2, 5))
+    theirs = _backpack(model, loss, X, y, extensions.KFLR())
+    kflr = pf.kflr(*pf.functional(model), X, y, loss=loss)
+    unfolded = unfold_transposeNd(X, 3, stride=2, padding=1, output_padding=1, dilation=2)
+    torch.testing.assert_close(kflr["0.weight"][1],
+                               torch.einsum("nil,njl->ij", unfolded, unfolded) / 4)
+    torch.testing.assert_close(kflr["0.weight"][0], theirs[0].weight.kflr[0])
+    assert not torch.allclose(kflr["0.weight"][1], theirs[0].weight.kflr[1])
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_grouped_transposed_convolutions_share_the_input_factor_across_groups(dims):
+    """BackPACK refuses groups > 1; each group is a transposed convolution of its own."""
+    layer = getattr(nn, f"ConvTranspose{dims}d")(4, 6, 2, stride=2, padding=1, groups=2)
+    model, loss, X, y = _transposed_problem(layer, (4, *[3] * dims))
+    model_fn, params = pf.functional(model)
+    for method in (pf.kflr, pf.kfra):
+        factors = method(model_fn, params, X, y, loss=loss)
+        A, B = factors["0.weight"]
+        assert A.shape == (6, 6) and B.shape == (2 * 2**dims, 2 * 2**dims)
+        torch.testing.assert_close(A, factors["0.bias"][0])  # positions summed, as for the bias
+        per_group = []
+        for group in range(2):
+            alone = getattr(nn, f"ConvTranspose{dims}d")(2, 3, 2, stride=2, padding=1).double()
+            alone_fn, alone_params = pf.functional(nn.Sequential(alone, nn.Flatten()))
+            inputs = X[:, 2 * group:2 * group + 2]
+            targets = torch.randn(4, alone(inputs).flatten(1).shape[1], dtype=torch.float64)
+            per_group.append(pf.kflr(alone_fn, alone_params, inputs, targets,
+                                     loss=nn.MSELoss())["0.weight"][1])
+        torch.testing.assert_close(B, sum(per_group) / 2)
+    diagonal = pf.diag_ggn(model_fn, params, X, y, loss=loss)["0.bias"]
+    torch.testing.assert_close(torch.diagonal(pf.kflr(model_fn, params, X, y, loss=loss)
+                                              ["0.bias"][0]), diagonal)
+
+
+def test_kfac_of_a_transposed_convolution_converges_to_kflr():
+    model, loss, X, y = _transposed_problem(nn.ConvTranspose2d(2, 3, 2, stride=2), (2, 2, 2))
+    model_fn, params = pf.functional(model)
+    exact = pf.kflr(model_fn, params, X, y, loss=loss)["0.weight"]
+    sampled = pf.kfac(model_fn, params, X, y, loss=loss, mc_samples=20_000,
+                      generator=torch.Generator().manual_seed(0))["0.weight"]
+    torch.testing.assert_close(sampled[1], exact[1])
+    assert float((sampled[0] - exact[0]).abs().max() / exact[0].abs().max()) < 0.05
+
+
+@pytest.mark.parametrize("kfac_approx", ["expand", "reduce"])
+def test_transposed_convolution_positions_follow_kfac_approx(kfac_approx):
+    layer = nn.ConvTranspose1d(2, 3, 3, stride=2, output_padding=1)
+    model, loss, X, y = _transposed_problem(layer, (2, 4))
+    model_fn, params = pf.functional(model)
+    A, B = pf.kflr(model_fn, params, X, y, loss=loss, kfac_approx=kfac_approx)["0.weight"]
+    A_backpack, B_backpack = pf.kflr(model_fn, params, X, y, loss=loss)["0.weight"]
+    positions = 10  # output length (4 − 1)·2 + 3 + 1
+    if kfac_approx == "expand":
+        torch.testing.assert_close(B, B_backpack / positions)
+        assert not torch.allclose(A, A_backpack)
+    else:
+        torch.testing.assert_close(A, A_backpack)
+        assert not torch.allclose(B, B_backpack)
+
+
+HESSIAN_CHAINS = {
+    "mlp": (lambda: nn.Sequential(nn.Linear(3, 4), nn.Sigmoid(), nn.Linear(4, 4), nn.Tanh(),
+                                  nn.Linear(4, 3)), (3,), nn.CrossEntropyLoss()),
+    "cnn": (lambda: nn.Sequential(nn.Conv2d(2, 3, 2, padding=1), nn.MaxPool2d(2), nn.Flatten(),
+                                  nn.Tanh(), nn.Linear(12, 3)), (2, 3, 3), nn.MSELoss()),
+}
+"""Chains BackPACK's HBP supports with residual curvature (its activations see flat inputs:
+for spatial ones BackPACK 1.7.1 fails an assertion on the residual's shape)."""
+
+
+def _hessian_chain(name: str, n: int = 4):
+    torch.manual_seed(0)
+    build, shape, loss = HESSIAN_CHAINS[name]
+    model = build().double()
+    X = torch.randn(n, *shape, dtype=torch.float64)
+    _, y = loss_and_targets(model, X, type(loss), loss.reduction)
+    return model, loss, X, y
+
+
+@pytest.mark.parametrize("curvature", ["hessian", "pch-clip", "pch-abs"])
+@pytest.mark.parametrize("name", list(HESSIAN_CHAINS))
+def test_kfra_hessian_variants_equal_backpack_hbp(name, curvature):
+    import packfunc.compat as compat
+
+    model, loss, X, y = _hessian_chain(name)
+    strategies = (curvature, "sum", "average", "E[J^T E(H) J]")
+    theirs = _backpack(model, loss, X, y, extensions.HBP(*strategies))
+    shim = run_backward_with(compat, [compat.extensions.HBP(*strategies)], model, loss, X, y)
+    model_fn, params = pf.functional(model)
+    ours = pf.kfra(model_fn, params, X, y, loss=loss, curvature=curvature)
+    ggn = pf.kfra(model_fn, params, X, y, loss=loss)
+    for (param_name, p), q in zip(theirs.named_parameters(), shim.parameters()):
+        for a, b, c in zip(ours[param_name], p.hbp, q.hbp):
+            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(c, b)
+    assert not torch.allclose(ours["0.weight"][0], ggn["0.weight"][0])  # residuals upstream
+
+
+def test_kfra_hessian_of_one_sample_is_the_exact_hessian_block_of_the_first_layer():
+    """With one sample KFRA's expectations are exact: ``H`` at the first layer's output is
+    the loss Hessian there, the bias block itself, and ``H ⊗ x xᵀ`` the weight block."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4), nn.Sigmoid(),
+                          nn.Linear(4, 3)).double()
+    X, y = torch.randn(1, 3, dtype=torch.float64), torch.tensor([2])
+    loss = nn.CrossEntropyLoss()
+    dense = dense_curvature(model, loss, X, y)
+    model_fn, params = pf.functional(model)
+    sizes = {name: shape.numel() for name, shape in zip(dense.names, dense.shapes)}
+    starts = dict(zip(dense.names, torch.tensor([0, *sizes.values()]).cumsum(0).tolist()))
+
+    def block(matrix, name):
+        return matrix[starts[name]:starts[name] + sizes[name], starts[name]:starts[name]
+                      + sizes[name]]
+
+    for curvature, matrix in (("hessian", dense.hessian), ("ggn", dense.ggn)):
+        factors = pf.kfra(model_fn, params, X, y, loss=loss, curvature=curvature)
+        torch.testing.assert_close(factors["0.bias"][0], block(matrix, "0.bias"))
+        torch.testing.assert_close(torch.kron(*factors["0.weight"]), block(matrix, "0.weight"))
+
+
+def test_kfra_hessian_does_not_depend_on_where_a_spatial_activation_is_flattened():
+    torch.manual_seed(0)
+    conv, head = nn.Conv1d(2, 3, 2), nn.Linear(9, 3)
+    before = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), head).double()
+    after = nn.Sequential(conv, nn.Flatten(), nn.Tanh(), head).double()
+    X, y = torch.randn(4, 2, 4, dtype=torch.float64), torch.tensor([0, 2, 1, 1])
+    first = pf.kfra(*pf.functional(before), X, y, curvature="hessian")
+    second = pf.kfra(*pf.functional(after), X, y, curvature="hessian")
+    for name in ("0.weight", "0.bias"):
+        for a, b in zip(first[name], second[name]):
+            torch.testing.assert_close(a, b)
+
+
+def test_hessian_variants_refuse_what_they_cannot_compute():
+    from packfunc.compat.extensions import HBP
+
+    with pytest.raises(NotImplementedError, match="cannot carry the activations' residual"):
+        HBP("hessian", "exact", "sqrt", "E[J^T E(H) J]")
+    model = nn.Sequential(nn.Linear(3, 4), nn.Softmax(dim=1), nn.Linear(4, 2)).double()
+    X = torch.randn(3, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="elementwise"):
+        pf.kfra(*pf.functional(model), X, torch.tensor([0, 1, 0]), curvature="hessian")
+    with pytest.raises(ValueError, match="curvature must be one of"):
+        pf.kfra(*pf.functional(model), X, torch.tensor([0, 1, 0]), curvature="fisher")

@@ -3,7 +3,10 @@
 For a linear or convolution weight the result is ``[A, B]`` with ``A ⊗ B``
 approximating the parameter's GGN block in row-major order (BackPACK's order:
 Linear ``[out×out, in×in]``; convolution ``[C_out×C_out, (C_in/groups·k…)×(…)]``);
-for a bias ``[A]``, its exact (KFLR) or sampled (KFAC) GGN block.
+for a bias ``[A]``, its exact (KFLR) or sampled (KFAC) GGN block. A transposed
+convolution's weight ``[C_in, C_out/groups, k…]`` gets the factors of its kernel
+with the channel axes swapped, ``weight.transpose(0, 1)`` for one group (BackPACK's
+convention): ``B`` from the input unfolded per output position.
 
 Positions — sequence entries of a linear layer, pixels of a convolution, and
 the calls of a layer used several times (which are concatenated) — follow
@@ -20,7 +23,7 @@ the calls of a layer used several times (which are concatenated) — follow
 
 With one position all three coincide. Grouped convolutions share ``B`` across
 groups (averaged). Parameters without a Kronecker rule (a raw parameter, a norm
-layer, an embedding, a transposed convolution, tied weights) raise a
+layer, an embedding, tied weights) raise a
 ``ValueError`` naming them, or get ``None`` with ``on_unsupported="skip"``.
 """
 
@@ -33,7 +36,13 @@ import optree
 import torch
 from torch import Tensor, nn
 
-from packfunc.engine.kronecker import APPROXIMATIONS, Factors, kfra_factors, sqrt_factors
+from packfunc.engine.kronecker import (
+    APPROXIMATIONS,
+    CURVATURES,
+    Factors,
+    kfra_factors,
+    sqrt_factors,
+)
 from packfunc.engine.persample import Backprop
 from packfunc.losses import default_loss
 
@@ -94,12 +103,17 @@ def kflr(model_fn: Callable, params: Any, X: Any, y: Tensor, *, loss: nn.Module 
 
 
 def kfra(model_fn: Callable, params: Any, X: Tensor, y: Tensor, *,
-         loss: nn.Module | None = None, on_unsupported: str = "raise") -> Any:
+         loss: nn.Module | None = None, curvature: str = "ggn",
+         on_unsupported: str = "raise") -> Any:
     """KFRA: Kronecker factors from the batch-averaged GGN of a sequential model.
 
     The loss Hessian summed over samples is propagated from the output to the
     input, ``H ← E_n[J_nᵀ H J_n]`` op by op (BackPACK's ``KFRA``). Only defined for
     sequential models: residual connections or reused activations raise.
+    ``curvature="hessian"`` also adds each elementwise nonlinearity's residual
+    curvature ``Σ_n δ_n ⊙ φ''_n`` (``δ`` the loss gradient at its output) to the
+    diagonal of ``H``; ``"pch-clip"``/``"pch-abs"`` add its clipped/absolute value
+    (BackPACK's ``HBP(curv_type, "sum", "average", ...)``).
 
     Args:
         model_fn: ``model_fn(params, X) -> output``, a chain of ops.
@@ -107,13 +121,15 @@ def kfra(model_fn: Callable, params: Any, X: Tensor, y: Tensor, *,
         X: Input tensor with leading batch dimension ``N``.
         y: Targets.
         loss: Loss module (default ``CrossEntropyLoss()``).
+        curvature: ``"ggn"``, ``"hessian"``, ``"pch-clip"`` or ``"pch-abs"``.
         on_unsupported: ``"raise"`` or ``"skip"`` (``None`` for those leaves).
 
     Returns:
         Pytree like ``params``; each leaf a list of factors (or ``None``).
 
     Raises:
-        ValueError: for a model that is not sequential, or unsupported leaves.
+        ValueError: for a model that is not sequential, unsupported leaves, or a
+            Hessian variant with a nonlinearity that is not elementwise.
 
     Example:
         >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 2))
@@ -121,7 +137,10 @@ def kfra(model_fn: Callable, params: Any, X: Tensor, y: Tensor, *,
         >>> A.shape, B.shape
         (torch.Size([2, 2]), torch.Size([3, 3]))
     """
-    return _factors(model_fn, params, X, y, loss, on_unsupported, kfra_factors)
+    if curvature not in CURVATURES:
+        raise ValueError(f"curvature must be one of {tuple(CURVATURES)}; got {curvature!r}.")
+    return _factors(model_fn, params, X, y, loss, on_unsupported,
+                    lambda bp: kfra_factors(bp, curvature))
 
 
 def _approx(kfac_approx: str) -> str:

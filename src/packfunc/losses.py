@@ -52,8 +52,33 @@ class GivenGradient(nn.Module):
         self.gradient = gradient
 
     def forward(self, output: Tensor, target: object) -> Tensor:
-        """Return ``⟨G, output⟩``."""
-        return (output * self.gradient).sum()
+        """Return ``⟨G, output⟩``; its gradient w.r.t. ``output`` is ``G`` itself.
+
+        ``G`` may depend on ``output`` through an autograd graph (a backward pass with
+        ``create_graph=True``); that dependence is not differentiated.
+        """
+        return _InnerProduct.apply(output, self.gradient)
+
+
+class _InnerProduct(torch.autograd.Function):
+    """``⟨f, G⟩`` whose derivative w.r.t. ``f`` is ``G``, keeping ``G``'s own graph."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(output: Tensor, gradient: Tensor) -> Tensor:
+        return (output * gradient.detach()).sum()
+
+    @staticmethod
+    def setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Tensor, Tensor],
+                      output: Tensor) -> None:
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor
+                 ) -> tuple[Tensor, None]:
+        (gradient,) = ctx.saved_tensors
+        return grad * gradient, None
 
 
 def default_loss() -> nn.Module:
@@ -277,9 +302,10 @@ def _elementwise_curvature(loss: nn.Module, output: Tensor, target: Tensor) -> T
         if loss.weight is not None:
             weight = weight * loss.weight
         return probs * (1 - probs) * weight / _mean_divisor(loss, output.numel())
-    # any other elementwise loss: its Hessian is diagonal, so H·1 is the diagonal
-    _, hvp = torch.func.jvp(torch.func.grad(lambda f: loss(f, target)), (output,),
-                            (torch.ones_like(output),))
+    # any other elementwise loss: its Hessian is diagonal (and symmetric), so 1ᵀH is the
+    # diagonal; reverse over reverse, as some losses have no forward-mode backward rule
+    _, pullback = torch.func.vjp(torch.func.grad(lambda f: loss(f, target)), output)
+    (hvp,) = pullback(torch.ones_like(output))
     if bool((hvp < -1e-6 * hvp.abs().max().clamp_min(1)).any()):
         raise ValueError(
             f"{type(loss).__name__} has negative curvature at these outputs; the GGN needs a "

@@ -20,7 +20,7 @@ import optree
 from torch import Tensor, nn
 from torch.func import grad, jvp, vjp, vmap
 
-from packfunc.engine.chain import pch_block_product
+from packfunc.engine.chain import loss_hessian_product, pch_block_product
 from packfunc.engine.persample import Backprop
 from packfunc.engine.taps import functional_mode, twice_differentiable
 from packfunc.functional import flatten_params
@@ -197,7 +197,7 @@ def _model(model_fn: Callable, X: Any, params: Any, replaced: list[int]
             current = list(leaves)
             current[replaced[0]] = chosen
             current = optree.tree_unflatten(treespec, current)
-        with functional_mode():
+        with functional_mode(batch_statistics=True):  # the products are of the whole batch
             return model_fn(current, X)
 
     return forward
@@ -222,18 +222,23 @@ def _ggn_products(forward: Callable, primal: Any, tangents: Any, loss: nn.Module
         output, pullback = vjp(forward, primal)
         check_loss_inputs(loss, output, y, output.shape[0])
         hessian_factors(loss, output.detach(), y)  # refuses losses without a usable curvature
-        loss_gradient = grad(lambda out: loss(out, y))
+        loss_hessian = loss_hessian_product(loss, output, y)
 
         def one(t: Any) -> Any:
-            jt = jvp(forward, (primal,), (t,))[1]
-            return pullback(jvp(loss_gradient, (output,), (jt,))[1])[0]
+            jt = jvp(forward, (primal,), (t,))[1]  # J t, forward mode
+            return pullback(loss_hessian(jt))[0]  # Jᵀ (∇²_f L) J t
 
         return vmap(one)(tangents)
 
 
 def _hessian_products(forward: Callable, primal: Any, tangents: Any, loss: nn.Module,
                       y: Tensor) -> Any:
-    """``∇²L t`` for a stack of tangents (leading dim ``V``)."""
+    """``∇²L t`` for a stack of tangents (leading dim ``V``), reverse-over-reverse.
+
+    The Hessian is symmetric, so pulling ``t`` back through the gradient gives ``∇²L t``;
+    unlike forward-over-reverse this needs no forward-mode formula for the loss's
+    backward (``MSELoss(reduction='mean')`` and ``HuberLoss`` have none that works).
+    """
 
     def total(p: Any) -> Tensor:
         output = forward(p)
@@ -241,7 +246,8 @@ def _hessian_products(forward: Callable, primal: Any, tangents: Any, loss: nn.Mo
         return loss(output, y)
 
     with twice_differentiable():
-        return vmap(lambda t: jvp(grad(total), (primal,), (t,))[1])(tangents)
+        _, pullback = vjp(grad(total), primal)
+        return vmap(lambda t: pullback(t)[0])(tangents)
 
 
 def _stacked(v: Any) -> Any:

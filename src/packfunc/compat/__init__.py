@@ -10,9 +10,14 @@ Replace the import prefix ``backpack`` with ``packfunc.compat``::
     with backpack(BatchGrad()):
         loss.backward()
     model[0].weight.grad_batch  # [N, *weight.shape]
+
+Libraries that ``import backpack`` themselves run on the shim after
+``alias_backpack()``.
 """
 
+from packfunc.compat._stored_io import memory_cleanup
+from packfunc.compat.alias import BackpackAlias, alias_backpack
 from packfunc.compat.context import backpack, disable
 from packfunc.compat.extend import extend
 
-__all__ = ["backpack", "disable", "extend"]
+__all__ = ["BackpackAlias", "alias_backpack", "backpack", "disable", "extend", "memory_cleanup"]

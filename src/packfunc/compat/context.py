@@ -103,3 +103,15 @@ class disable:  # noqa: N801 (BackPACK's name)
     def is_active() -> bool:
         """Whether recording is disabled."""
         return bool(_DISABLED)
+
+    @staticmethod
+    def should_store_io() -> bool:
+        """Whether forward passes store module inputs and outputs (BackPACK's name).
+
+        Example:
+            >>> disable.should_store_io()
+            True
+        """
+        return not _DISABLED
+
+from packfunc.compat._ctx import CTX  # noqa: E402, F401 (BackPACK imports it from here)

@@ -1,37 +1,64 @@
 """``extend``: record what the extensions need during the forward pass.
 
-Every extended module stores its input and output (``module.input0``,
-``module.output``, as BackPACK does). The outermost extended module of a
-forward pass watches that pass (:class:`~packfunc.engine.taps.ForwardRecorder`:
-the input and output of each linear, convolution and embedding call) and
-registers, on its output's ``grad_fn``, a hook that runs the active extensions
-when the backward pass reaches that output. The hook gets the gradient of
-whatever loss is being differentiated w.r.t. the model output, which is all
-first-order quantities need; the watched calls let packfunc pull cotangents
-back through the user's own graph instead of running the model again. An
-extended loss function marks its input, so second-order extensions also know
-the loss and the targets.
+Every extended module stores its inputs and output (``module.input0``,
+``module.output``, as BackPACK does: only while gradients are enabled and
+recording is not disabled). The outermost extended module of a forward pass
+watches that pass (:class:`~packfunc.engine.taps.ForwardRecorder`: the input and
+output of each linear, convolution and embedding call) and registers, on its
+output's autograd node, a hook that runs the active extensions when the backward
+pass reaches that output. The hook gets the gradient of whatever loss is being
+differentiated w.r.t. the model output, which is all first-order quantities
+need; the watched calls let packfunc pull cotangents back through the user's own
+graph instead of running the model again.
+
+An extended loss function applied to the output — directly, through shape-only
+ops (``f.view(-1, C)``), or through further extended modules chained in plain
+code — is noted too; its own hook marks it when a backward pass goes through it,
+so second-order extensions use the loss actually being differentiated.
 """
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import optree
+import torch
 from torch import Tensor, nn
 from torch.nn.modules.loss import _Loss
 
 from packfunc.compat import context
-from packfunc.compat.run import run_extensions
+from packfunc.compat.layout import RECORD_KEY, SampleLayout, find_layout
+from packfunc.compat.run import NO_OP_MODULES, forget_inputs_and_outputs, run_extensions
 from packfunc.engine.taps import ForwardRecorder
 
 _depth: list[int] = [0]
-_recorders: list[ForwardRecorder] = []
+_recorders: list[ForwardRecorder | None] = []
 
 
 @dataclass
+class LossCall:
+    """An extended loss applied to (a rearrangement of) a recorded output.
+
+    Attributes:
+        module: The loss module.
+        target: Its targets, as passed.
+        layout: How its input rearranges the recorded output.
+        task: The autograd graph task of the last backward pass through it.
+        modified: Whether that pass scaled or otherwise changed the loss value first.
+    """
+
+    module: nn.Module
+    target: Any
+    layout: SampleLayout
+    task: int = -1
+    modified: bool = False
+
+
+@dataclass(eq=False)
 class ForwardRecord:
     """One forward pass of an extended model.
 
@@ -40,21 +67,29 @@ class ForwardRecord:
         args: Its positional inputs.
         kwargs: Its keyword inputs.
         recorder: What it watched of its own forward pass.
-        loss: ``(loss module, target)`` once an extended loss consumed the output.
+        output: Its output (dropped after the backward pass, unless the graph is retained).
+        output_shape: The shape of its output.
+        losses: Extended losses applied to its output.
+        consumers: Records of extended modules that took its output as their only input
+            (weak references, with the layout of that input).
     """
 
     model: nn.Module
     args: tuple
-    kwargs: dict = field(default_factory=dict)
-    recorder: ForwardRecorder | None = None
-    loss: tuple[nn.Module, Any] | None = None
+    kwargs: dict
+    recorder: ForwardRecorder
+    output: Tensor | None
+    output_shape: torch.Size
+    losses: list[LossCall] = field(default_factory=list)
+    consumers: list[tuple[weakref.ref, SampleLayout]] = field(default_factory=list)
 
 
 def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) -> nn.Module:
     """Make a model or loss function ready for ``with backpack(...)``.
 
     Unlike BackPACK, any module works: residual connections, shared layers,
-    custom modules and functional code inside ``forward`` need no support.
+    in-place activations, custom modules and functional code inside ``forward``
+    need no support and no conversion.
 
     Args:
         module: The model (extend the module that maps the inputs to the loss input)
@@ -86,45 +121,137 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
     return module
 
 
+def _recording() -> bool:
+    return context.recording() and torch.is_grad_enabled()
+
+
 def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    if not context.recording():
-        return
     _depth[0] += 1
     if _depth[0] == 1:  # the outermost extended module: watch the whole pass
-        recorder = ForwardRecorder(optree.tree_leaves(dict(module.named_parameters())))
-        recorder.__enter__()
+        recorder = None
+        if _recording():
+            recorder = ForwardRecorder(optree.tree_leaves(dict(module.named_parameters())))
+            recorder.__enter__()
         _recorders.append(recorder)
 
 
 def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    if not context.recording():
-        return
     _depth[0] -= 1
-    module.input0 = args[0] if args else None
-    module.output = output
+    if _recording() and not isinstance(module, NO_OP_MODULES):
+        _store_io(module, args, output)
     if _depth[0]:
         return
     recorder = _recorders.pop()
+    if recorder is None:
+        return
     recorder.__exit__(None, None, None)
     if not isinstance(output, Tensor) or output.grad_fn is None:
         return
     recorder.release(output)
-    record = ForwardRecord(module, args, kwargs, recorder)
-    output._packfunc_record = record
+    record = ForwardRecord(module, args, kwargs, recorder, output, output.shape)
+    _link_to_producer(record)
+    output.grad_fn.metadata[RECORD_KEY] = record
     output.grad_fn.register_prehook(partial(_on_backward, record))
 
 
-def _loss_forward(module: nn.Module, args: tuple, output: Tensor) -> None:
-    if not context.recording() or len(args) < 2:
+def _store_io(module: nn.Module, args: tuple, output: Any) -> None:
+    """Store ``input0``, ``input1``, … and ``output`` on the module, as BackPACK does."""
+    for i, arg in enumerate(args):
+        setattr(module, f"input{i}", arg)
+    module.output = output[0] if isinstance(output, tuple) else output
+
+
+def _link_to_producer(record: ForwardRecord) -> None:
+    """Note ``record`` as a consumer of the recorded output its only input rearranges."""
+    if len(record.args) != 1 or record.kwargs or not isinstance(record.args[0], Tensor):
         return
-    module.input0, module.output = args[0], output
-    record = getattr(args[0], "_packfunc_record", None)
-    if record is not None:
-        record.loss = (module, args[1])
+    found = _layout_of(record.args[0])
+    if found is not None and found[1].positions == 1:
+        producer, layout = found
+        producer.consumers.append((weakref.ref(record), layout))
+
+
+def _layout_of(tensor: Tensor) -> tuple[ForwardRecord, SampleLayout] | None:
+    """The record whose output ``tensor`` rearranges, or ``None`` (also on mixing layouts)."""
+    try:
+        return find_layout(tensor)
+    except ValueError:
+        return None
+
+
+def _loss_forward(module: nn.Module, args: tuple, output: Tensor) -> None:
+    if not _recording() or len(args) < 2:
+        return
+    module.input0, module.input1, module.output = args[0], args[1], output
+    if not isinstance(args[0], Tensor) or output.grad_fn is None:
+        return
+    found = _layout_of(args[0])
+    if found is None:
+        return
+    record, layout = found
+    call = LossCall(module, args[1], layout)
+    record.losses.append(call)
+    output.grad_fn.register_prehook(partial(_on_loss_backward, call))
+
+
+def _on_loss_backward(call: LossCall, grad_outputs: tuple[Tensor | None, ...]) -> None:
+    """Mark ``call`` as part of the running backward pass (and whether its value was changed)."""
+    call.task = torch._C._current_graph_task_id()
+    grad = grad_outputs[0]
+    call.modified = grad is not None and not bool((grad == 1).all())
 
 
 def _on_backward(record: ForwardRecord, grad_outputs: tuple[Tensor, ...]) -> None:
+    if not context.recording():  # packfunc's own pass through the user's graph
+        return
     ctx = context.active()
-    if ctx is not None and ctx.extensions and context.recording():
-        with context.disable():  # packfunc's own passes must not record or trigger
-            run_extensions(ctx, record, grad_outputs[0])
+    if ctx is None or not ctx.extensions:  # a plain backward: drop what was stored
+        forget_inputs_and_outputs(record, None)
+        return
+    route = _route_to_loss(record, torch._C._current_graph_task_id())
+    with context.disable():  # packfunc's own passes must not record or trigger
+        run_extensions(ctx, record, grad_outputs[0], route)
+
+
+@dataclass(frozen=True)
+class LossRoute:
+    """How a recorded output reaches the loss of the running backward pass.
+
+    Attributes:
+        stages: Records of extended modules the output passes through first, each with
+            the layout of its input (empty when the loss takes the output itself).
+        loss: The loss call, or ``None`` if the pass goes through no extended loss.
+        error: Why the loss cannot be used, if so.
+    """
+
+    stages: tuple[tuple[ForwardRecord, SampleLayout], ...] = ()
+    loss: LossCall | None = None
+    error: str | None = None
+
+
+def _route_to_loss(record: ForwardRecord, task: int) -> LossRoute:
+    """Find the extended loss the running backward goes through, from ``record``'s output."""
+    routes = _routes(record, task, ())
+    if len(routes) > 1:
+        return LossRoute(error=f"the backward pass goes through {len(routes)} extended losses "
+                               "applied to this model's output; second-order extensions need "
+                               "exactly one (call backward on each loss separately).")
+    if not routes:
+        return LossRoute()
+    route = routes[0]
+    if route.loss is not None and route.loss.modified:
+        warnings.warn(f"The output of {route.loss.module} seems to have been modified. "
+                      "Second-order extensions use the loss function's own curvature; call "
+                      "backward() on the output of the extended loss module itself.",
+                      UserWarning, stacklevel=2)
+    return route
+
+
+def _routes(record: ForwardRecord, task: int,
+            stages: tuple[tuple[ForwardRecord, SampleLayout], ...]) -> list[LossRoute]:
+    found = [LossRoute(stages, call) for call in record.losses if call.task == task]
+    for ref, layout in record.consumers:
+        consumer = ref()
+        if consumer is not None:
+            found += _routes(consumer, task, (*stages, (consumer, layout)))
+    return found

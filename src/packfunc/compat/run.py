@@ -15,27 +15,40 @@ import torch
 from torch import Tensor, nn
 
 import packfunc as pf
+from packfunc.compat import context
+from packfunc.compat._stored_io import memory_cleanup
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
+from packfunc.compat.layout import SampleLayout
 from packfunc.engine.persample import Backprop
-from packfunc.losses import GivenGradient, hessian_factors
+from packfunc.engine.taps import TapPlan, TapRecord
+from packfunc.losses import CLASS_LOSSES, GivenGradient, hessian_factors
 from packfunc.quantities import evaluate
 
 if TYPE_CHECKING:
     from packfunc.compat.context import Context
-    from packfunc.compat.extend import ForwardRecord
+    from packfunc.compat.extend import ForwardRecord, LossRoute
+
+NO_OP_MODULES: tuple[type[nn.Module], ...] = (nn.Sequential, nn.ModuleList, nn.ModuleDict,
+                                               torch.fx.GraphModule)
+"""Containers that compute nothing themselves: no stored IO, no ``extension_hook`` call."""
 
 KRONECKER = {"kfac": pf.kfac, "kflr": pf.kflr, "kfra": pf.kfra}
 BLOCKS = {"ggn": pf.ggn_block_products, "hessian": pf.hessian_block_products,
           "pch": pf.pch_block_products}
 
 
-def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor) -> None:
+def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor,
+                   route: LossRoute) -> None:
     """Compute every extension of ``ctx`` for ``record`` and store the results.
+
+    Inside ``backward(create_graph=True)`` (gradients enabled in the hook) the
+    results keep their autograd graphs, so they can be differentiated further.
 
     Args:
         ctx: The active ``backpack`` context.
         record: The forward pass of the extended model.
         gradient: ``∂L/∂output`` from the backward pass.
+        route: How the output reaches the extended loss of this backward pass.
 
     Raises:
         ValueError: for a second-order extension without an extended loss, or model
@@ -46,37 +59,95 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor) -> Non
         raise ValueError("packfunc.compat passes the model's positional inputs only; call the "
                          "extended model without keyword arguments.")
     X = record.args[0] if len(record.args) == 1 else record.args
+    differentiable = torch.is_grad_enabled()
     model_fn, params = pf.functional(model)
     results: dict[str, dict[str, Any]] = {}
     passes: dict[bool, Backprop] = {}
     for ext in ctx.extensions:
         job = ext.job()
-        if job.second_order and record.loss is None:
-            raise ValueError(
-                f"{type(ext).__name__} needs the loss function: extend it "
-                "(lossfunc = extend(lossfunc)) and apply it to the model's output directly.")
         if ctx.debug:
             print(f"[packfunc.compat] {type(ext).__name__} on {type(model).__name__}: {job.name}")
-        loss, y = record.loss if job.second_order else (GivenGradient(gradient), gradient)
+        if job.second_order:
+            fn, loss, y, watched = _second_order_problem(ext, job, record, route, model_fn,
+                                                         differentiable)
+        else:
+            fn, loss, y = model_fn, GivenGradient(gradient), gradient
+            watched = partial(_watched, record, None, differentiable)
         if job.kind == "quantity" and job.second_order not in passes:
-            passes[job.second_order] = Backprop(model_fn, params, X, y, loss,
-                                                watched=(record.recorder, model.output))
-        with torch.no_grad():
+            passes[job.second_order] = Backprop(fn, params, X, y, loss, watched=watched)
+        with torch.set_grad_enabled(differentiable):
             if job.kind == "quantity":
                 results[ext.savefield] = evaluate(passes[job.second_order], (job.name,),
                                                   **dict(job.options))[job.name]
             else:
-                results[ext.savefield] = _compute(job, model_fn, params, X, y, loss)
-        results[ext.savefield].update(_module_extensions(ext, job, record, gradient))
+                results[ext.savefield] = _compute(job, fn, params, X, y, loss)
+        results[ext.savefield].update(_module_extensions(ext, job, record, route, gradient))
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     for ext in ctx.extensions:
         for name in names:
             setattr(model.get_parameter(name), ext.savefield, results[ext.savefield][name])
     if ctx.extension_hook is not None:
-        for module in _backward_order(record):
+        for module in _backward_order(record, route):
             ctx.extension_hook(module)
-    if not ctx.retain_graph:
-        _forget_inputs_and_outputs(record)
+    if not ctx.retain_graph and not any(ext.job().kind == "block" for ext in ctx.extensions):
+        forget_inputs_and_outputs(record, route.loss.module if route.loss else None)
+
+
+def _second_order_problem(ext: BackpropExtension, job: Job, record: ForwardRecord,
+                          route: LossRoute, model_fn: Callable, differentiable: bool
+                          ) -> tuple[Callable, nn.Module, Any, Callable | None]:
+    """``(model_fn, loss, targets, watched)`` for the loss this backward pass goes through.
+
+    The model function ends where the loss starts: extended modules the output
+    passes through on the way (chained in plain code) are composed after it, and
+    the loss input's rearrangement of the output (``f.view(-1, C)``) is applied
+    in packfunc's per-sample form.
+    """
+    if route.error is not None:
+        raise ValueError(route.error)
+    call = route.loss
+    if call is None:
+        raise ValueError(
+            f"{type(ext).__name__} needs the loss function: extend it (lossfunc = "
+            "extend(lossfunc)), apply it to the model's output (or a reshape of it, or the "
+            "output of further extended modules) and call backward on the loss itself.")
+    class_dim = isinstance(call.module, CLASS_LOSSES)
+    y = call.layout.target(call.target, class_dim and call.target.is_floating_point())
+    fn = _composed(model_fn, route.stages)
+
+    def ends_at_loss(params: Any, X: Any) -> Tensor:
+        return call.layout.output(fn(params, X), class_dim)
+
+    watched = None
+    if not route.stages:
+        watched = partial(_watched, record, partial(call.layout.output, class_dim=class_dim),
+                          differentiable)
+    return ends_at_loss, call.module, y, watched
+
+
+def _composed(model_fn: Callable, stages: tuple) -> Callable:
+    """``model_fn`` followed by each stage's module (its parameters held fixed)."""
+    for consumer, layout in stages:
+        later_fn, later_params = pf.functional(consumer.model)
+        model_fn = partial(_then, model_fn, later_fn, later_params, layout,
+                           consumer.args[0].shape[1:])
+    return model_fn
+
+
+def _then(first: Callable, later_fn: Callable, later_params: dict[str, Tensor],
+          layout: SampleLayout, input_tail: torch.Size, params: Any, X: Any) -> Tensor:
+    out = layout.output(first(params, X))
+    return later_fn(later_params, out.reshape(out.shape[0], *input_tail))
+
+
+def _watched(record: ForwardRecord, adapt: Callable | None, differentiable: bool,
+             plan: TapPlan, loss: nn.Module, y: Any, n: int) -> TapRecord | None:
+    """The batch pass from the user's own forward, if its recording fits."""
+    output = record.output
+    if output is None:
+        return None
+    return record.recorder.record(plan, output, loss, y, n, adapt=adapt,
+                                  differentiable=differentiable)
 
 
 def _compute(job: Job, model_fn: Callable, params: dict[str, Tensor], X: Any, y: Any,
@@ -92,18 +163,22 @@ def _compute(job: Job, model_fn: Callable, params: dict[str, Tensor], X: Any, y:
 
 def _block_product(product: Callable, name: str, model_fn: Callable, params: dict[str, Tensor],
                    X: Any, y: Any, loss: nn.Module, options: dict, mat: Tensor) -> Tensor:
-    """``block(name) @ mat`` for ``mat`` of shape ``[V, *param.shape]``."""
-    mats = {key: mat if key == name else None for key in params}
-    return product(model_fn, params, X, y, mats, loss=loss, **options)[name]
+    """``block(name) @ mat`` for ``mat`` of shape ``[V, *param.shape]`` or ``param.shape``."""
+    single = mat.shape == params[name].shape
+    mats = {key: (mat.unsqueeze(0) if single else mat) if key == name else None
+            for key in params}
+    with context.disable():  # may run inside ``with backpack(...)``: record nothing
+        result = product(model_fn, params, X, y, mats, loss=loss, **options)[name]
+    return result.squeeze(0) if single else result
 
 
 def _module_extensions(ext: BackpropExtension, job: Job, record: ForwardRecord,
-                       gradient: Tensor) -> dict[str, Any]:
+                       route: LossRoute, gradient: Tensor) -> dict[str, Any]:
     """Results of the module extensions registered on ``ext``, by parameter name."""
     if not ext.module_extensions or job.kind != "quantity":
         return {}
     found: dict[str, Any] = {}
-    output = record.model.output
+    output = record.output
     backproped = None
     for prefix, module in record.model.named_modules():
         extension = ext.module_extensions.get(type(module))
@@ -112,7 +187,7 @@ def _module_extensions(ext: BackpropExtension, job: Job, record: ForwardRecord,
         g_out = torch.autograd.grad(output, module.output, gradient, retain_graph=True)
         g_inp = (None,)
         if job.second_order:
-            backproped = _backproped(job, record, output, module.output)
+            backproped = _backproped(job, record, route, module.output)
         for name, _ in module.named_parameters(recurse=False):
             if extension.handles(name):
                 method = getattr(extension, name)
@@ -121,25 +196,42 @@ def _module_extensions(ext: BackpropExtension, job: Job, record: ForwardRecord,
     return found
 
 
-def _backproped(job: Job, record: ForwardRecord, output: Tensor, target: Tensor) -> Tensor:
+def _backproped(job: Job, record: ForwardRecord, route: LossRoute, target: Tensor) -> Tensor:
     """Square-root columns of the GGN w.r.t. ``target``, ``[K, *target.shape]``."""
-    loss, y = record.loss
+    call = route.loss
+    if call is None or route.stages:
+        raise ValueError("module extensions of second-order extensions need the extended loss "
+                         "applied to the extended model's output (or a reshape of it).")
+    class_dim = isinstance(call.module, CLASS_LOSSES)
+    with torch.enable_grad():
+        output = call.layout.output(record.output, class_dim)
+    y = call.layout.target(call.target, class_dim and call.target.is_floating_point())
     options = dict(job.options)
-    roots = hessian_factors(loss, output.detach(), y, mc_samples=options.get("mc_samples"))
+    roots = hessian_factors(call.module, output.detach(), y,
+                            mc_samples=options.get("mc_samples"))
     (columns,) = torch.autograd.grad(output, target, roots.all(), retain_graph=True,
                                      is_grads_batched=True)
     return columns
 
 
-def _backward_order(record: ForwardRecord) -> list[nn.Module]:
-    """The extended modules, loss first, then the model from its last module to its first."""
-    modules = list(reversed(list(record.model.modules())))
-    return ([record.loss[0]] if record.loss else []) + modules
+def _backward_order(record: ForwardRecord, route: LossRoute) -> list[nn.Module]:
+    """The modules that compute something, loss first, then the model from last to first.
+
+    Containers (``Sequential`` ...) are left out, as BackPACK does.
+    """
+    modules = [m for m in reversed(list(record.model.modules()))
+               if not isinstance(m, NO_OP_MODULES)]
+    return ([route.loss.module] if route.loss and not route.stages else []) + modules
 
 
-def _forget_inputs_and_outputs(record: ForwardRecord) -> None:
-    """Drop the stored inputs and outputs: nothing outlives the backward pass."""
-    for module in _backward_order(record):
-        for attribute in ("input0", "output"):
-            if hasattr(module, attribute):
-                delattr(module, attribute)
+def forget_inputs_and_outputs(record: ForwardRecord, loss: nn.Module | None) -> None:
+    """Drop the stored inputs and outputs: nothing outlives the backward pass.
+
+    Args:
+        record: The forward pass of the extended model.
+        loss: The extended loss function, if any.
+    """
+    record.output = None
+    for module in [*record.model.modules(), *([loss] if loss is not None else [])]:
+        memory_cleanup(module)
+

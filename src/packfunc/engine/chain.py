@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import grad, jvp, vjp, vmap
 
 from packfunc.engine.memory import DEFAULT_BUDGET, chunks, is_plain, new_output
@@ -347,6 +347,7 @@ def pch_block_product(bp: Backprop, leaf: int, mats: Tensor, modify: str) -> Ten
                 f"{getattr(link.func, '__name__', link.func)} is not elementwise; the "
                 "positive-curvature Hessian only modifies elementwise nonlinearities.")
     curvature = _modified_curvature(bp, downstream, modify)
+    loss_hessian = loss_hessian_product(bp.loss, bp.record.output, bp.y)
 
     def through_layer(value: Tensor) -> Tensor:
         return links[start].with_argument(role, value)
@@ -357,8 +358,7 @@ def pch_block_product(bp: Backprop, leaf: int, mats: Tensor, modify: str) -> Ten
         for link in downstream:
             tangents.append(t)
             t = jvp(link.apply, (link.input,), (t,))[1]
-        _, hessian_t = jvp(grad(lambda out: bp.loss(out, bp.y)), (bp.record.output,), (t,))
-        c = hessian_t
+        c = loss_hessian(t)
         for link, t_in, r in zip(reversed(downstream), reversed(tangents), reversed(curvature)):
             c = vjp(link.apply, link.input)[1](c)[0]
             if r is not None:
@@ -366,6 +366,31 @@ def pch_block_product(bp: Backprop, leaf: int, mats: Tensor, modify: str) -> Ten
         return vjp(through_layer, bp.leaves[leaf])[1](c)[0]
 
     return vmap(one)(mats)
+
+
+def loss_hessian_product(loss: nn.Module, output: Tensor, y: Any) -> Callable[[Tensor], Tensor]:
+    """``t -> (∇²_f L) t``: the loss Hessian w.r.t. the model output times a tangent.
+
+    Reverse-over-reverse: the Hessian is symmetric, so pulling ``t`` back through the
+    loss gradient gives the product. Forward mode through a loss's backward is not
+    reliable in torch (``MSELoss(reduction='mean')`` fails on an immutable ZeroTensor
+    for the target's tangent, ``HuberLoss`` has no forward-mode formula).
+
+    Args:
+        loss: The loss module.
+        output: The model output ``[N, ...]``.
+        y: The targets.
+
+    Returns:
+        A function of a tangent shaped like ``output`` (``vmap``-able).
+
+    Example:
+        >>> product = loss_hessian_product(torch.nn.MSELoss(), torch.zeros(2, 3), torch.ones(2, 3))
+        >>> product(torch.ones(2, 3))[0]
+        tensor([0.3333, 0.3333, 0.3333])
+    """
+    _, pullback = vjp(grad(lambda out: loss(out, y)), output)
+    return lambda t: pullback(t)[0]
 
 
 def _second_derivative(apply: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
@@ -386,6 +411,41 @@ def _modified_curvature(bp: Backprop, links: list[Link], modify: str) -> list[Te
         found.append(r)
         delta = vjp(link.apply, link.input)[1](delta)[0]
     return found[::-1]
+
+
+RESIDUAL_MODIFICATIONS = {"none": lambda r: r, "clip": lambda r: r.clamp_min(0),
+                          "abs": lambda r: r.abs()}
+"""How the Hessian variants treat the activations' residual curvature: keep, clip, abs."""
+
+
+def summed_residual_curvature(bp: Backprop, links: list[Link], modify: str
+                              ) -> list[Tensor | None]:
+    """``mod(Σ_n δ_n ⊙ φ''_n)`` at the input of each elementwise link of the whole chain.
+
+    The diagonal that the Hessian variants of KFRA add to the batch-averaged curvature
+    at an elementwise op (BackPACK's HBP residual: summed over samples, then modified).
+
+    Args:
+        bp: The batch pass of a sequential model.
+        links: Its chain, from :func:`trace_chain`.
+        modify: A key of :data:`RESIDUAL_MODIFICATIONS`.
+
+    Returns:
+        Per link, ``[D_in]`` for elementwise ops, ``None`` for the others.
+
+    Raises:
+        ValueError: for an op that is neither a layer, elementwise, a reshape nor
+            piecewise linear (its curvature is not diagonal).
+    """
+    for link in links:
+        if not _passes_recursions(link):
+            raise ValueError(
+                f"{getattr(link.func, '__name__', link.func)} is neither a layer, elementwise, a "
+                "reshape nor piecewise linear; the residual curvature the Hessian variants add "
+                "is only defined (diagonal) for elementwise nonlinearities.")
+    per_sample = _modified_curvature(bp, links, "none")
+    return [None if r is None else RESIDUAL_MODIFICATIONS[modify](r.sum(0).reshape(-1))
+            for r in per_sample]
 
 
 def layer_output_curvature(bp: Backprop, sites: list[int]) -> dict[int, Tensor] | None:

@@ -5,7 +5,9 @@ A linear or convolution weight's GGN block is approximated by ``A ⊗ B`` with
 (``[C_in/G · kernel, …]``), in BackPACK's order; a bias gets ``[A]``. KFAC and
 KFLR build ``A`` from the loss Hessian's square-root columns pulled back to
 the layer output (sampled or exact), KFRA from the batch-averaged GGN
-propagated through a sequential model (``engine/chain.py``).
+propagated through a sequential model (``engine/chain.py``), optionally with the
+activations' residual curvature (Hessian variants). A transposed convolution's
+factors are those of its kernel with the channel axes swapped.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from packfunc.engine.chain import (
     Link,
     NotSequentialError,
     expected_jacobian_sandwich,
+    summed_residual_curvature,
     trace_chain,
 )
 from packfunc.engine.memory import chunk_length, chunks
@@ -28,6 +31,10 @@ from packfunc.losses import hessian_factors
 
 APPROXIMATIONS = ("backpack", "expand", "reduce")
 """Conventions for positions (sequence entries, pixels, several calls of one layer)."""
+
+CURVATURES = {"ggn": None, "hessian": "none", "pch-clip": "clip", "pch-abs": "abs"}
+"""What KFRA propagates (BackPACK's ``curv_type``): the GGN, or the Hessian whose
+activations' residual curvature is kept, clipped or made absolute (the modification)."""
 
 
 @dataclass
@@ -65,21 +72,50 @@ def sqrt_factors(bp: Backprop, approx: str, mc_samples: int | None,
     terms: dict[int, Term] = {}
     unsupported = _unsupported(bp)
     for s in chunks(roots.count, length):
-        columns = bp.columns(roots.make(s))
+        cotangents = roots.make(s)
+        columns = bp.columns(cotangents)
+        pulled: dict[int, Tensor] = {}
         for leaf, found in columns.terms.items():
             if leaf in unsupported:
                 continue
             if len(found) != 1 or not found[0].rule.kronecker(found[0].call):
                 unsupported[leaf] = _reason(found)
                 continue
-            terms[leaf] = found[0]
-            factor = found[0].rule.output_factor(found[0].g, approx)
+            if found[0].call.transposed:  # its factors are read from the raw tensors, which
+                # the column gradients do not keep: pull the columns back once more
+                pulled = pulled or bp.record.pullback_columns(cotangents)
+                term = _raw_layout(bp, leaf, found[0], pulled)
+                if term is None:
+                    unsupported[leaf] = "used by transposed convolutions with different options"
+                    continue
+            else:
+                term = found[0]
+            terms[leaf] = term
+            factor = term.rule.output_factor(term.g, approx)
             outputs[leaf] = outputs[leaf] + factor if leaf in outputs else factor
     per_leaf: list[list[Tensor] | None] = [None] * len(bp.leaves)
     for leaf, term in terms.items():
         if leaf not in unsupported:
             per_leaf[leaf] = _assemble(term, outputs[leaf], approx)
     return Factors(per_leaf, unsupported)
+
+
+def _raw_layout(bp: Backprop, leaf: int, term: Term, pulled: dict[int, Tensor]) -> Term | None:
+    """The leaf's term in the rule's Kronecker layout, from each call's input and cotangents.
+
+    The canonical term serves where the rule has no layout of its own; several calls
+    of the layer concatenate their positions (``None`` if they cannot).
+    """
+    sites = [k for k in bp.record.inputs
+             if any(j == leaf for _, j in bp.plan.sites[k].call.leaves)]
+    layouts = [term.rule.kronecker_layout(bp.record.inputs[k], pulled[k], bp.plan.sites[k].call,
+                                          bp.leaves[leaf]) for k in sites]
+    if any(layout is None for layout in layouts):
+        return term
+    calls = [bp.plan.sites[k].call for k in sites]
+    merged = layouts[0] if len(layouts) == 1 else term.rule.merge(
+        [x for x, _ in layouts], [g for _, g in layouts], [call.options for call in calls])
+    return None if merged is None else Term(term.rule, *merged, term.call)
 
 
 def _assemble(term: Term, output: Tensor, approx: str) -> list[Tensor]:
@@ -101,23 +137,26 @@ def _unsupported(bp: Backprop) -> dict[int, str]:
 def _reason(terms: list[Term]) -> str:
     if len(terms) != 1:
         return "used by layers of different kinds (e.g. tied weights)"
-    call = terms[0].call
-    if call.family == "embedding":
-        return "an embedding (no Kronecker rule)"
-    return "a transposed convolution (no Kronecker rule)"
+    return f"an {terms[0].call.family} (no Kronecker rule)"
 
 
-def kfra_factors(bp: Backprop) -> Factors:
+def kfra_factors(bp: Backprop, curvature: str = "ggn") -> Factors:
     """KFRA factors: propagate the batch-averaged GGN back through a sequential model.
+
+    With a Hessian variant, each elementwise op adds its residual curvature
+    ``mod(Σ_n δ_n ⊙ φ''_n)`` to the diagonal of the propagated matrix (BackPACK's
+    ``HBP(curv_type, "sum", "average", ...)``).
 
     Args:
         bp: The batch pass.
+        curvature: A key of :data:`CURVATURES`.
 
     Returns:
         The :class:`Factors`.
 
     Raises:
         NotSequentialError: if the model is not a chain of ops.
+        ValueError: for a Hessian variant and a nonlinearity that is not elementwise.
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Sequential(torch.nn.Linear(3, 4),
@@ -129,6 +168,9 @@ def kfra_factors(bp: Backprop) -> Factors:
         [torch.Size([4, 4]), torch.Size([3, 3])]
     """
     links = trace_chain(bp.model_fn, bp.params, bp.leaves, bp.X)
+    modify = CURVATURES[curvature]
+    residuals = ([None] * len(links) if modify is None
+                 else summed_residual_curvature(bp, links, modify))
     roots = hessian_factors(bp.loss, bp.record.output, bp.y).all()
     roots = roots.reshape(-1, bp.record.output[0].numel())  # one row per (column, sample)
     H = roots.T @ roots  # Σ_n H_n, the loss Hessian summed over samples: [D, D]
@@ -139,7 +181,7 @@ def kfra_factors(bp: Backprop) -> Factors:
         for _, leaf in link.call.leaves if link.call else ():
             uses[leaf] = uses.get(leaf, 0) + 1
     remaining = sum(1 for link in links if link.call is not None)
-    for link in reversed(links):
+    for link, residual in zip(reversed(links), reversed(residuals)):
         call = link.call
         if call is not None:
             for role, leaf in call.leaves:
@@ -148,14 +190,16 @@ def kfra_factors(bp: Backprop) -> Factors:
                     unsupported.setdefault(leaf, "shared between layers, or no Kronecker rule")
                     continue
                 output = _channel_block(H, link)
-                x, _ = rule.canonical(link.input, link.output.unsqueeze(0), call,
-                                      bp.leaves[leaf])
+                pair = (link.input, link.output.unsqueeze(0), call, bp.leaves[leaf])
+                x, _ = rule.kronecker_layout(*pair) or rule.canonical(*pair)
                 per_leaf[leaf] = ([output] if rule.kronecker(call) == 1
                                   else [output, rule.input_factor(x, "backpack")])
             remaining -= 1
         if not remaining:  # nothing upstream needs H
             break
         H = expected_jacobian_sandwich(link, H)
+        if residual is not None:
+            H.diagonal().add_(residual)
     return Factors(per_leaf, unsupported)
 
 
@@ -169,4 +213,5 @@ def _channel_block(H: Tensor, link: Link) -> Tensor:
     return H.view(positions, channels, positions, channels).sum((0, 2))
 
 
-__all__ = ["APPROXIMATIONS", "Factors", "NotSequentialError", "kfra_factors", "sqrt_factors"]
+__all__ = ["APPROXIMATIONS", "CURVATURES", "Factors", "NotSequentialError", "kfra_factors",
+           "sqrt_factors"]

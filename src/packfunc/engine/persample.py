@@ -22,7 +22,7 @@ from packfunc.engine import generic
 from packfunc.engine.memory import chunk_length, index_length, is_plain, new_output, split_index
 from packfunc.engine.ops import TapCall
 from packfunc.engine.rules import RULES, Rule
-from packfunc.engine.taps import ForwardRecorder, discover, record
+from packfunc.engine.taps import TapPlan, TapRecord, discover, record
 from packfunc.functional import batch_size, flatten_params, select_samples
 from packfunc.losses import check_loss
 
@@ -67,8 +67,9 @@ class Backprop:
         loss: A supported ``torch.nn`` loss module.
         chunk_size: Samples per chunk when column gradients are materialized
             (``None``: automatic).
-        watched: A recorder that watched the model's own forward on ``X`` and that
-            forward's output: the batch pass then reuses that autograd graph.
+        watched: Builds the batch pass's record from a forward pass that already ran
+            (the shim's watched forward): ``watched(plan, loss, y, n)`` returns a
+            :class:`~packfunc.engine.taps.TapRecord`, or ``None`` if it cannot.
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
@@ -80,7 +81,8 @@ class Backprop:
 
     def __init__(self, model_fn: Callable, params: Any, X: Any, y: Tensor, loss: nn.Module,
                  chunk_size: int | None = None,
-                 watched: tuple[ForwardRecorder, Tensor] | None = None):
+                 watched: Callable[[TapPlan, nn.Module, Any, int], TapRecord | None] | None
+                 = None):
         check_loss(loss)
         chunk_length(1, 1, chunk_size)  # validates chunk_size before any work
         self.leaves, self.treespec, self.names = flatten_params(params)
@@ -88,7 +90,7 @@ class Backprop:
         self.model_fn, self.params, self.X, self.y, self.loss = model_fn, params, X, y, loss
         self.chunk_size = chunk_size
         self.plan = discover(model_fn, params, self.leaves, select_samples(X, slice(0, 1)))
-        reused = watched[0].record(self.plan, watched[1], loss, y, self.n) if watched else None
+        reused = watched(self.plan, loss, y, self.n) if watched else None
         self.record = reused or record(model_fn, params, self.leaves, self.plan, X, y, loss,
                                        self.n)
         failed = {leaf for k in self.record.failed for _, leaf in self.plan.sites[k].call.leaves}

@@ -30,6 +30,7 @@ import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.func import vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
@@ -101,10 +102,19 @@ class FunctionalMode(TorchFunctionMode):
 
     Recurrent ops are replaced by an out-of-place decomposition (vmap-able,
     built from ``F.linear``) and BatchNorm in training mode, which mixes the
-    samples of a batch, is refused. Subclasses handle tapped ops.
+    samples of a batch, is refused — or, with ``batch_statistics=True`` (for
+    whole-batch quantities), normalizes with the batch's statistics and leaves
+    the running statistics untouched. Subclasses handle tapped ops.
+
+    Args:
+        batch_statistics: Whether BatchNorm in training mode may run.
     """
 
     leaf_of: LeafIndex | None = None
+
+    def __init__(self, batch_statistics: bool = False):
+        super().__init__()
+        self.batch_statistics = batch_statistics
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
                            ) -> Any:
@@ -113,7 +123,9 @@ class FunctionalMode(TorchFunctionMode):
             with self:
                 return run_recurrent(func, args, kwargs)
         if func is F.batch_norm:
-            _refuse_batch_statistics(args, kwargs)
+            args, kwargs = _batch_norm_arguments(args, kwargs, self.batch_statistics)
+        if self.batch_statistics and _counts_batches(func, args):
+            return args[0]  # running statistics stay as they are, and so does their counter
         sig = SIGNATURES.get(func)
         if sig is not None and self.leaf_of is not None:
             bound = sig.bind(args, kwargs)
@@ -129,29 +141,54 @@ class FunctionalMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _refuse_batch_statistics(args: tuple, kwargs: dict) -> None:
+def _batch_norm_arguments(args: tuple, kwargs: dict, batch_statistics: bool
+                          ) -> tuple[tuple, dict]:
+    """``F.batch_norm``'s arguments; in training mode refused, or without running statistics.
+
+    Without running statistics, training-mode BatchNorm normalizes with the batch's
+    mean and variance and updates nothing: a pure function of its input.
+    """
     names = ("input", "running_mean", "running_var", "weight", "bias", "training")
     bound = dict(zip(names, args)) | kwargs
-    if bound.get("training", False):
+    if not bound.get("training", False):
+        return args, kwargs
+    if not batch_statistics:
         raise ValueError(
             "BatchNorm in training mode normalizes with batch statistics, which mixes samples: "
             "per-sample quantities are not defined. Call model.eval() (or use GroupNorm/"
             "LayerNorm) before computing them."
         )
+    return (), bound | {"running_mean": None, "running_var": None}
 
 
-def functional_mode() -> TorchFunctionMode:
+def _counts_batches(func: Callable, args: tuple) -> bool:
+    """Whether the call increments an integer counter such as ``num_batches_tracked``.
+
+    ``nn.BatchNorm*`` in training mode counts batches in place (for its running
+    averages); a pure function must not, and inside a ``torch.func`` transform it
+    cannot mutate a captured tensor.
+    """
+    return (func is Tensor.add_ and isinstance(args[0], Tensor) and args[0].dim() == 0
+            and args[0].dtype == torch.long)
+
+
+def functional_mode(batch_statistics: bool = False) -> TorchFunctionMode:
     """Return the mode that runs models for the generic, vmap-based path.
+
+    Args:
+        batch_statistics: Let BatchNorm in training mode normalize with batch statistics
+            (for whole-batch quantities) instead of refusing it; running statistics are
+            never updated.
 
     Returns:
         A ``TorchFunctionMode`` that decomposes recurrent ops and refuses BatchNorm
-        in training mode.
+        in training mode (unless ``batch_statistics``).
 
     Example:
         >>> with functional_mode():
         ...     y = torch.nn.GRU(2, 3)(torch.zeros(4, 1, 2))
     """
-    return FunctionalMode()
+    return FunctionalMode(batch_statistics)
 
 
 def twice_differentiable() -> contextlib.AbstractContextManager:
@@ -281,7 +318,7 @@ class _RecordMode(FunctionalMode):
         super().__init__()
         self.leaf_of, self.plan, self.probes, self.mark = leaf_of, plan, probes, mark
         self.inputs: dict[int, Tensor] = {}
-        self.outputs: dict[int, Tensor] = {}
+        self.outputs: dict[int, GradientEdge] = {}
         self.failed: set[int] = set()
         self.count = 0
 
@@ -304,7 +341,7 @@ class _RecordMode(FunctionalMode):
         self.inputs[k] = bound["input"]
         if self.mark:  # autograd: the output itself is differentiated
             out = out if out.requires_grad else out.requires_grad_()
-            self.outputs[k] = out
+            self.outputs[k] = get_gradient_edge(out)  # still right if out is changed in place
             return out
         return out + probe
 
@@ -455,26 +492,40 @@ def _record_with_autograd(model_fn: Callable, params: Any, leaves: list[Tensor],
         check_loss_inputs(loss, output, y, n)
         if not output.requires_grad:  # no tapped call upstream
             output.requires_grad_()
-    return _autograd_record(output, mode.inputs, mode.outputs, mode.failed, loss, y)
+    shapes = {k: (n, *plan.sites[k].tail) for k in mode.outputs}
+    return _autograd_record(output, mode.inputs, mode.outputs, shapes, mode.failed, loss, y)
 
 
-def _autograd_record(output: Tensor, inputs: dict[int, Tensor], outputs: dict[int, Tensor],
-                     failed: set[int], loss: nn.Module, y: Any) -> TapRecord:
-    """A :class:`TapRecord` whose pullbacks run backward through an existing autograd graph."""
+def _autograd_record(output: Tensor, inputs: dict[int, Tensor],
+                     outputs: dict[int, GradientEdge], shapes: dict[int, tuple[int, ...]],
+                     failed: set[int], loss: nn.Module, y: Any,
+                     differentiable: bool = False) -> TapRecord:
+    """A :class:`TapRecord` whose pullbacks run backward through an existing autograd graph.
+
+    The recorded calls' outputs are given as gradient edges (their autograd nodes),
+    so an in-place op applied to an output later (``ReLU(inplace=True)``) does not
+    change what is differentiated. With ``differentiable``, every result keeps its
+    own graph (``backward(create_graph=True)``).
+    """
     with torch.enable_grad():
         value = loss(output, y)
-        (output_cotangent,) = torch.autograd.grad(value, output, retain_graph=True)
-    sites, marked = list(outputs), list(outputs.values())
+        (output_cotangent,) = torch.autograd.grad(value, output, retain_graph=True,
+                                                  create_graph=differentiable)
+    sites, edges = list(outputs), list(outputs.values())
 
     def gradients(cotangent: Tensor, batched: bool) -> dict[int, Tensor]:
-        if not marked:
+        if not edges:
             return {}
-        found = torch.autograd.grad(output, marked, cotangent, retain_graph=True,
-                                    allow_unused=True, is_grads_batched=batched)
-        shapes = [(*cotangent.shape[:batched], *m.shape) for m in marked]
-        return {k: g if g is not None else cotangent.new_zeros(shape)
-                for k, g, shape in zip(sites, found, shapes)}
+        found = torch.autograd.grad(output, edges, cotangent, retain_graph=True,
+                                    create_graph=differentiable, allow_unused=True,
+                                    is_grads_batched=batched)
+        return {k: g if g is not None else cotangent.new_zeros(
+                    (*cotangent.shape[:batched], *shapes[k]))
+                for k, g in zip(sites, found)}
 
+    if differentiable:
+        return TapRecord(value, output, output_cotangent, dict(inputs), failed,
+                         lambda c: gradients(c, False), lambda c: gradients(c, True))
     values = {k: x.detach() for k, x in inputs.items()}  # values only: nothing to track
     return TapRecord(value.detach(), output.detach(), output_cotangent, values, failed,
                      lambda c: gradients(c, False), lambda c: gradients(c, True))
@@ -485,7 +536,9 @@ class ForwardRecorder(TorchFunctionMode):
 
     Unlike the modes above it changes nothing: recurrent ops stay fused and
     BatchNorm in training mode runs; seeing either only marks the recording as
-    unusable (the batch pass then runs packfunc's own forward instead).
+    unusable (the batch pass then runs packfunc's own forward instead). Outputs
+    are kept as gradient edges, so later in-place ops on them do not matter;
+    an input changed in place after its call makes the recording unusable.
 
     Args:
         parameters: The model's parameters, in ``named_parameters`` order.
@@ -501,7 +554,7 @@ class ForwardRecorder(TorchFunctionMode):
     def __init__(self, parameters: list[Tensor]):
         super().__init__()
         self.leaf_of = LeafIndex(parameters)
-        self.calls: list[tuple[TapCall, Tensor, Tensor]] = []
+        self.calls: list[WatchedCall] = []
         self.usable = True
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (),
@@ -512,7 +565,8 @@ class ForwardRecorder(TorchFunctionMode):
         if sig is not None:
             bound = sig.bind(args, kwargs)
             if any(self.leaf_of(bound.get(role)) is not None for role in ROLES):
-                self.calls.append((make_call(sig, bound, self.leaf_of), bound["input"], out))
+                self.calls.append(WatchedCall.of(make_call(sig, bound, self.leaf_of),
+                                                 bound["input"], out))
         elif func in RECURRENT_OPS:
             self.usable = False  # packfunc's own pass decomposes them: the calls differ
         return out
@@ -520,12 +574,20 @@ class ForwardRecorder(TorchFunctionMode):
     def release(self, output: Tensor) -> None:
         """Drop references to the pass's final output (a hook on its graph may hold us).
 
+        The call that produced ``output`` keeps no edge: :meth:`record` takes the
+        output's own. If ``output`` was changed in place after that call, the
+        recording is unusable.
+
         Args:
             output: The watched forward's output; :meth:`record` receives it again.
         """
-        self.calls = [(call, x, None if out is output else out) for call, x, out in self.calls]
+        for call in self.calls:
+            if call.output is output:
+                self.usable &= output._version == call.output_version
+                call.output = call.edge = None
 
-    def record(self, plan: TapPlan, output: Tensor, loss: nn.Module, y: Any, n: int
+    def record(self, plan: TapPlan, output: Tensor, loss: nn.Module, y: Any, n: int,
+               adapt: Callable[[Tensor], Tensor] | None = None, differentiable: bool = False
                ) -> TapRecord | None:
         """The batch pass's record, from the watched forward; ``None`` if it does not fit.
 
@@ -535,22 +597,56 @@ class ForwardRecorder(TorchFunctionMode):
             loss: The loss module.
             y: The targets.
             n: The batch size.
+            adapt: Maps the output to the loss input (a shape change), if they differ.
+            differentiable: Keep the results' graphs (``create_graph=True``).
 
         Returns:
             A :class:`TapRecord` pulling back through the watched graph, or ``None``
             when the watched calls differ from the plan's.
         """
-        calls = [call.leaves for call, _, _ in self.calls]
-        if not self.usable or calls != [site.call.leaves for site in plan.sites]:
+        calls = [call.call.leaves for call in self.calls]
+        if (not self.usable or calls != [site.call.leaves for site in plan.sites]
+                or any(call.input._version != call.input_version for call in self.calls)):
             return None
-        check_loss_inputs(loss, output, y, n)
-        inputs, outputs, failed = {}, {}, set()
+        with torch.enable_grad():
+            final = output if adapt is None else adapt(output)
+        check_loss_inputs(loss, final, y, n)
+        inputs, edges, shapes, failed = {}, {}, {}, set()
         for k in plan.active():
-            _, x, out = self.calls[k]
-            out = output if out is None else out
-            if out.shape != (n, *plan.sites[k].tail) or x.shape[0] != n:
+            call = self.calls[k]
+            released = call.output is None
+            out = output if released else call.output
+            edge = get_gradient_edge(output) if released else call.edge
+            if (edge is None or out.shape != (n, *plan.sites[k].tail)
+                    or call.input.shape[0] != n):
                 failed.add(k)
             else:
-                inputs[k], outputs[k] = x, out
-        return _autograd_record(output, inputs, outputs, failed, loss, y)
+                inputs[k], shapes[k], edges[k] = call.input, tuple(out.shape), edge
+        return _autograd_record(final, inputs, edges, shapes, failed, loss, y, differentiable)
 
+
+@dataclass
+class WatchedCall:
+    """One tapped call of a watched forward pass.
+
+    Attributes:
+        call: The call's op and parameter roles.
+        input: Its input tensor.
+        input_version: The input's version counter right after the call.
+        output: Its output tensor (``None`` once released).
+        output_version: The output's version counter right after the call.
+        edge: The output's gradient edge (``None`` once released, or if it needs no grad).
+    """
+
+    call: TapCall
+    input: Tensor
+    input_version: int
+    output: Tensor | None
+    output_version: int
+    edge: GradientEdge | None
+
+    @classmethod
+    def of(cls, call: TapCall, x: Tensor, out: Tensor) -> WatchedCall:
+        """Record a call right after it ran."""
+        edge = get_gradient_edge(out) if out.requires_grad else None
+        return cls(call, x, x._version, out, out._version, edge)

@@ -62,6 +62,21 @@ class Rule:
         """Bring ``(x [N, ...], g [K, N, ...])`` into the layout the other methods expect."""
         return x, g
 
+    def kronecker_layout(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+                         ) -> tuple[Tensor, Tensor] | None:
+        """The pair :meth:`input_factor` and :meth:`output_factor` read, if not the canonical one.
+
+        Args:
+            x: The op's input ``[N, ...]``.
+            g: Cotangents of its output ``[K, N, ...]``.
+            call: The op call.
+            param: The parameter.
+
+        Returns:
+            ``None`` (the canonical pair serves), or the pair to read the factors from.
+        """
+        return None
+
     def batch_grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """Column gradients ``[K, n, *param.shape]``."""
         raise NotImplementedError

@@ -4,13 +4,16 @@ The input is unfolded (a strided view, copied once) into ``[N, G, C_in/G·K, L]`
 so that the weight gradient is a grouped matrix product (see ``product.py``).
 A transposed convolution is the adjoint of the convolution with the same
 weight, so its weight gradient is that convolution's with the roles of input
-and output cotangent swapped: the cotangent is unfolded, the input is not.
+and output cotangent swapped: the cotangent is unfolded, the input is not. Its
+Kronecker factors are read from the input unfolded per output position and the
+output cotangent (:meth:`ConvWeight.kronecker_layout`).
 """
 
 from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -67,12 +70,42 @@ def unfold(x: Tensor, kernel: list[int], stride: list[int], dilation: list[int],
     return windows.reshape(n, channels * math.prod(kernel), math.prod(positions))
 
 
+def unfold_transposed(x: Tensor, kernel: list[int], call: TapCall) -> Tensor:
+    """Unfold the input of a transposed convolution per *output* position.
+
+    Column ``l`` holds, for every input channel and kernel entry, the input entry
+    that kernel entry carries to output position ``l`` (zero where none does), so
+    that the op's output is ``Wᵀ U`` with ``W`` the kernel with its two channel axes
+    swapped (BackPACK's ``unfold_by_conv_transpose``). A transposed convolution of
+    ``x`` with a one-hot kernel per (channel, kernel entry) builds it.
+
+    Args:
+        x: Input ``[N, C_in, *S_in]``.
+        kernel: Kernel size per spatial dim.
+        call: The transposed convolution (stride, padding, output padding, dilation).
+
+    Returns:
+        ``[N, C_in·K, L_out]``, channels major and kernel entries minor.
+
+    Example:
+        >>> from packfunc.engine.ops import SIGNATURES, make_call
+        >>> sig = SIGNATURES[torch.conv_transpose1d]
+        >>> call = make_call(sig, sig.bind((torch.ones(1, 2, 3), torch.ones(2, 1, 2)), {}),
+        ...                  lambda value: None)
+        >>> unfold_transposed(torch.ones(1, 2, 3), [2], call).shape
+        torch.Size([1, 4, 4])
+    """
+    dims, channels, entries = len(kernel), x.shape[1], math.prod(kernel)
+    onehot = torch.eye(entries, dtype=x.dtype, device=x.device).view(1, entries, *kernel)
+    convolution = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[dims - 1]
+    unfolded = convolution(x, onehot.expand(channels, *onehot.shape[1:]), None,
+                           call.option("stride"), call.option("padding"),
+                           call.option("output_padding"), channels, call.option("dilation"))
+    return unfolded.flatten(2)
+
+
 class ConvWeight(ProductWeight):
     """Weight of ``torch.convNd`` / ``torch.conv_transposeNd``."""
-
-    def kronecker(self, call: TapCall) -> int:
-        """Two factors for convolutions; none for transposed ones (their roles are swapped)."""
-        return 0 if call.transposed else 2
 
     def canonical(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
                   ) -> tuple[Tensor, Tensor]:
@@ -90,3 +123,18 @@ class ConvWeight(ProductWeight):
         unfolded = windows.view(-1, n, groups, windows.shape[1] // groups, windows.shape[-1])
         other = target.reshape(-1, n, groups, target.shape[1] // groups, windows.shape[-1])
         return unfolded, other
+
+    def kronecker_layout(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+                         ) -> tuple[Tensor, Tensor] | None:
+        """Transposed: the input unfolded per output position, and the output cotangent.
+
+        The factors then approximate the curvature of the kernel with its channel axes
+        swapped, per group ``[C_out/G, C_in/G·K]`` (BackPACK's ``weight.transpose(0, 1)``
+        for ``G = 1``), as for a convolution with that kernel.
+        """
+        if not call.transposed:
+            return None
+        groups, n, columns = call.option("groups"), x.shape[0], g.shape[0]
+        unfolded = unfold_transposed(x, list(param.shape[2:]), call)
+        return (unfolded.view(1, n, groups, unfolded.shape[1] // groups, unfolded.shape[-1]),
+                g.reshape(columns, n, groups, g.shape[2] // groups, -1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
+from packfunc.engine.kronecker import CURVATURES
 
 BOTEV_MARTENS = "E[J^T E(H) J]"
 """The expectation approximation packfunc implements (BackPACK's default)."""
@@ -11,19 +12,29 @@ BOTEV_MARTENS = "E[J^T E(H) J]"
 class HBP(BackpropExtension):
     """Hessian backpropagation for Kronecker factors, configured by strategies.
 
+    The square-root strategies give KFLR (``"exact"``) and KFAC (``"sampling"``),
+    ``("sum", "average")`` gives KFRA; with ``curv_type`` ``"hessian"``, ``"pch-clip"``
+    or ``"pch-abs"`` KFRA adds the activations' residual curvature (kept, clipped,
+    absolute) to the propagated matrix, as BackPACK does.
+
     Args:
-        curv_type: ``"ggn"`` (the only curvature with Kronecker factors here).
+        curv_type: ``"ggn"``, ``"hessian"``, ``"pch-clip"`` or ``"pch-abs"``.
         loss_hessian_strategy: ``"exact"``, ``"sampling"`` or ``"sum"``.
         backprop_strategy: ``"sqrt"`` or ``"average"``.
         ea_strategy: ``"E[J^T E(H) J]"``.
         savefield: Attribute to store the factors in.
 
     Raises:
-        NotImplementedError: for combinations other than those of KFAC, KFLR and KFRA.
+        NotImplementedError: for other combinations, and for a curvature other than the
+            GGN with the square-root strategy: square-root columns cannot carry the
+            residual curvature, which may be negative (BackPACK 1.7.1 drops it silently
+            and returns the GGN factors).
 
     Example:
         >>> HBP("ggn", "exact", "sqrt", "E[J^T E(H) J]").job().name
         'kflr'
+        >>> HBP("hessian", "sum", "average", "E[J^T E(H) J]").job().options
+        (('curvature', 'hessian'),)
     """
 
     def __init__(self, curv_type: str, loss_hessian_strategy: str, backprop_strategy: str,
@@ -31,12 +42,22 @@ class HBP(BackpropExtension):
         super().__init__(savefield=savefield)
         method = {("exact", "sqrt"): "kflr", ("sampling", "sqrt"): "kfac",
                   ("sum", "average"): "kfra"}.get((loss_hessian_strategy, backprop_strategy))
-        if curv_type != "ggn" or ea_strategy != BOTEV_MARTENS or method is None:
+        description = (f"HBP({curv_type!r}, {loss_hessian_strategy!r}, {backprop_strategy!r}, "
+                       f"{ea_strategy!r})")
+        if ea_strategy != BOTEV_MARTENS or method is None or curv_type not in CURVATURES:
             raise NotImplementedError(
-                f"HBP({curv_type!r}, {loss_hessian_strategy!r}, {backprop_strategy!r}, "
-                f"{ea_strategy!r}) is not available; packfunc provides the GGN factorizations "
-                "of KFAC (sampling, sqrt), KFLR (exact, sqrt) and KFRA (sum, average).")
-        self.method, self.mc_samples = method, 1
+                f"{description} is not available; packfunc provides KFAC (sampling, sqrt), "
+                f"KFLR (exact, sqrt) and KFRA (sum, average) with {BOTEV_MARTENS!r}, and "
+                f"curv_type one of {tuple(CURVATURES)}.")
+        if curv_type != "ggn" and method != "kfra":
+            raise NotImplementedError(
+                f"{description}: the square-root strategy propagates columns whose outer "
+                "products are positive semi-definite, so it cannot carry the activations' "
+                f"residual curvature of {curv_type!r} (BackPACK 1.7.1 drops that term silently "
+                "and returns the GGN factors). Use curv_type='ggn' for KFLR/KFAC, or "
+                f"HBP({curv_type!r}, 'sum', 'average', ...) for the Kronecker-factored "
+                "curvature with residual terms.")
+        self.method, self.mc_samples, self.curv_type = method, 1, curv_type
 
     def get_num_mc_samples(self) -> int:
         """The number of Monte-Carlo samples (KFAC)."""
@@ -44,7 +65,11 @@ class HBP(BackpropExtension):
 
     def job(self) -> Job:
         """The Kronecker factorization."""
-        options = (("mc_samples", self.mc_samples),) if self.method == "kfac" else ()
+        options: tuple[tuple[str, object], ...] = ()
+        if self.method == "kfac":
+            options = (("mc_samples", self.mc_samples),)
+        elif self.method == "kfra" and self.curv_type != "ggn":
+            options = (("curvature", self.curv_type),)
         return Job("kronecker", self.method, options)
 
 

@@ -1,0 +1,1 @@
+"""BackPACK's ``core.derivatives`` paths that client code imports."""

@@ -1,0 +1,241 @@
+"""BackPACK code that used to go wrong or fail on the shim (issue 8), checked against
+autograd and, where BackPACK computes the case, BackPACK itself."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import packfunc as pf
+from packfunc.compat import backpack, disable, extend
+from packfunc.compat import extensions as ours
+from packfunc.compat.custom_module.slicing import Slicing
+from tests.cases import run_backward_with
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing",
+                                        "ignore:Using backward\\(\\) with create_graph=True")
+
+
+def _data(n: int = 5, d: int = 3, classes: int = 2):
+    torch.manual_seed(0)
+    return (torch.randn(n, d, dtype=torch.float64),
+            torch.randint(0, classes, (n,)))
+
+
+def _per_sample_grads(model: nn.Module, loss: nn.Module, X, y) -> list[torch.Tensor]:
+    """Autograd oracle: sample n's gradient of the reduced loss."""
+    scale = 1.0 / len(X) if loss.reduction == "mean" else 1.0
+    single = type(loss)(reduction="sum")
+    rows = [torch.autograd.grad(single(model(X[n:n + 1]), y[n:n + 1]) * scale,
+                                list(model.parameters())) for n in range(len(X))]
+    return [torch.stack(column) for column in zip(*rows)]
+
+
+def _mlp(inplace: bool = False) -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=inplace), nn.Linear(4, 4),
+                         nn.Sigmoid(), nn.Linear(4, 2)).double()
+
+
+def _functional_diag_ggn(model: nn.Module, loss: nn.Module, X, y) -> dict:
+    fn, params = pf.functional(model)
+    return pf.diag_ggn(fn, params, X, y, loss=loss)
+
+
+# ---------------------------------------------------------------- silently wrong before
+
+
+def test_create_graph_gives_right_and_differentiable_first_order_quantities():
+    X, y = _data()
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    loss = lossfunc(model(X), y)
+    with backpack(ours.BatchGrad(), ours.Variance(), ours.BatchL2Grad()):
+        loss.backward(create_graph=True)
+    expected = _per_sample_grads(_mlp(), nn.CrossEntropyLoss(), X, y)
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad_batch, g)
+        assert p.grad_batch.requires_grad and p.variance.requires_grad
+    # gradient of the summed variance w.r.t. the first weight, against autograd
+    w = model[0].weight
+    (ours_grad,) = torch.autograd.grad(model[2].weight.variance.sum(), w)
+    reference = _mlp()
+
+    def variance_sum(weight):
+        fn, params = pf.functional(reference)
+        params = {**params, "0.weight": weight}
+        return pf.variance(fn, params, X, y, loss=nn.CrossEntropyLoss())["2.weight"].sum()
+
+    expected_grad = torch.func.grad(variance_sum)(reference[0].weight.detach())
+    torch.testing.assert_close(ours_grad, expected_grad)
+
+
+def test_inplace_activation_after_a_layer_is_right():
+    X, y = _data()
+    model, lossfunc = extend(_mlp(inplace=True)), extend(nn.CrossEntropyLoss())
+    loss = lossfunc(model(X), y)
+    with backpack(ours.BatchGrad(), ours.DiagGGNExact()):
+        loss.backward()
+    expected = _per_sample_grads(_mlp(), nn.CrossEntropyLoss(), X, y)
+    ggn = _functional_diag_ggn(_mlp(), nn.CrossEntropyLoss(), X, y)
+    for (name, p), g in zip(model.named_parameters(), expected):
+        torch.testing.assert_close(p.grad_batch, g)
+        torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
+        torch.testing.assert_close(p.diag_ggn_exact, ggn[name])
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_second_loss_on_the_same_output_is_not_used(reduction):
+    X, y = _data()
+    model = extend(_mlp())
+    lossfunc = extend(nn.CrossEntropyLoss(reduction=reduction))
+    logger = extend(nn.CrossEntropyLoss(reduction="none"))
+    output = model(X)
+    loss = lossfunc(output, y)
+    logger(output, y)  # per-sample losses for logging, never backpropagated
+    with backpack(ours.DiagGGNExact()):
+        loss.backward()
+    ggn = _functional_diag_ggn(_mlp(), nn.CrossEntropyLoss(reduction=reduction), X, y)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, ggn[name])
+
+
+def test_two_extended_losses_in_one_backward_are_refused_for_second_order():
+    X, y = _data()
+    model, first, second = extend(_mlp()), extend(nn.CrossEntropyLoss()), extend(
+        nn.CrossEntropyLoss(reduction="sum"))
+    output = model(X)
+    with backpack(ours.DiagGGNExact()), pytest.raises(ValueError, match="2 extended losses"):
+        (first(output, y) + second(output, y)).backward()
+
+
+# ---------------------------------------------------------------- worked on BackPACK only
+
+
+@pytest.mark.parametrize("extension", ["DiagGGNExact", "KFLR", "DiagHessian"])
+def test_loss_on_a_reshaped_output_matches_backpack(extension):
+    X, y = _data()
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    f = model(X)
+    loss = lossfunc(f.view(-1, f.size(-1)), y.view(-1))
+    with backpack(getattr(ours, extension)()):
+        loss.backward()
+    bp = pytest.importorskip("backpack")
+    theirs = pytest.importorskip("backpack.extensions")
+    reference = run_backward_with(bp, [getattr(theirs, extension)()], _mlp(),
+                                  nn.CrossEntropyLoss(), X, y)
+    field = getattr(ours, extension)().savefield
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(getattr(p, field), getattr(q, field))
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_sequence_loss_on_flattened_positions_is_exact(reduction):
+    """``[N, T, C]`` logits flattened to ``[N·T, C]``: every sample owns T rows."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 5)).double()
+    X, y = torch.randn(4, 6, 3, dtype=torch.float64), torch.randint(0, 5, (4, 6))
+    extend(model)
+    lossfunc = extend(nn.CrossEntropyLoss(reduction=reduction))
+    f = model(X)
+    loss = lossfunc(f.reshape(-1, 5), y.reshape(-1))
+    with backpack(ours.DiagGGNExact(), ours.BatchGrad()):
+        loss.backward()
+    fn, params = pf.functional(model)
+    canonical = pf.diag_ggn(lambda p, x: fn(p, x).transpose(1, 2), params, X, y,
+                            loss=nn.CrossEntropyLoss(reduction=reduction))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, canonical[name])
+        torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
+
+
+def test_separately_extended_layers_chained_in_plain_code():
+    X, y = _data()
+    torch.manual_seed(2)
+    l1, l2 = nn.Linear(3, 4).double(), nn.Linear(4, 2).double()
+    reference = nn.Sequential(l1, nn.Identity(), l2)
+    ggn = _functional_diag_ggn(reference, nn.CrossEntropyLoss(), X, y)
+    hessian = pf.diag_hessian(*pf.functional(reference), X, y, loss=nn.CrossEntropyLoss())
+    l1, l2, lossfunc = extend(l1), extend(l2), extend(nn.CrossEntropyLoss())
+    loss = lossfunc(l2(l1(X)), y)
+    with backpack(ours.DiagGGNExact(), ours.DiagHessian()):
+        loss.backward()
+    for name, p in [("0.weight", l1.weight), ("0.bias", l1.bias), ("2.weight", l2.weight)]:
+        torch.testing.assert_close(p.diag_ggn_exact, ggn[name])
+        torch.testing.assert_close(p.diag_h, hessian[name])
+
+
+def test_loss_through_an_extended_slicing_module_with_retain_graph():
+    X = torch.rand(3, 6, dtype=torch.float64)
+    model = extend(nn.Sequential(nn.Linear(6, 5), nn.Sigmoid(), nn.Linear(5, 6)).double())
+    lossfunc = extend(nn.MSELoss())
+    full = _functional_diag_ggn(model, nn.MSELoss(), X, X)
+    output = model(X)
+    total = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    for start in (0, 3):
+        part = (slice(None), slice(start, start + 3))
+        loss = lossfunc(extend(Slicing(part))(output), X[part])
+        with backpack(ours.DiagGGNExact(), retain_graph=True):
+            loss.backward(retain_graph=True)
+        for name, p in model.named_parameters():
+            total[name] += p.diag_ggn_exact / 2
+    for name in total:
+        torch.testing.assert_close(total[name], full[name])
+
+
+def test_curvature_products_take_a_single_matrix_and_run_inside_the_context():
+    X, y = _data()
+    model, lossfunc = extend(_mlp()), extend(nn.MSELoss())
+    target = torch.randn(len(X), 2, dtype=torch.float64)
+    loss = lossfunc(model(X), target)
+    with backpack(ours.GGNMP(), ours.HMP()):
+        loss.backward()
+        for p in model.parameters():
+            mat = torch.randn(p.shape, dtype=torch.float64)
+            single = p.ggnmp(mat)
+            assert single.shape == p.shape
+            torch.testing.assert_close(single, p.ggnmp(mat.unsqueeze(0))[0])
+            assert p.hmp(mat).shape == p.shape
+
+
+def test_extension_hook_visits_each_computing_module_once():
+    X, y = _data()
+    model = extend(nn.Sequential(nn.Sequential(nn.Linear(3, 4), nn.ReLU()), nn.Linear(4, 2))
+                   .double())
+    lossfunc = extend(nn.CrossEntropyLoss())
+    visited: list[nn.Module] = []
+    loss = lossfunc(model(X), y)
+    with backpack(ours.BatchGrad(), extension_hook=visited.append):
+        loss.backward()
+    assert [type(m).__name__ for m in visited] == ["CrossEntropyLoss", "Linear", "ReLU",
+                                                    "Linear"]
+
+
+def test_inputs_and_outputs_are_stored_as_backpack_stores_them():
+    X, y = _data()
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    with torch.no_grad():
+        model(X)
+    assert not hasattr(model[0], "input0")
+    loss = lossfunc(model(X), y)
+    assert model[0].input0 is X and hasattr(model[4], "output")
+    loss.backward()  # outside backpack(...): the stored inputs and outputs are dropped
+    assert not hasattr(model[0], "input0") and not hasattr(model[4], "output")
+    with disable():
+        assert not disable.should_store_io()
+        model(X)
+    assert disable.should_store_io() and not hasattr(model[0], "input0")
+
+
+def test_modified_loss_output_warns():
+    X, y = _data()
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    loss = lossfunc(model(X), y)
+    with backpack(ours.DiagGGNExact()), pytest.warns(UserWarning, match="seems to have been"):
+        (2 * loss).backward()
+    loss = lossfunc(model(X), y)
+    with backpack(ours.DiagGGNExact()), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        loss.backward()

@@ -1,0 +1,149 @@
+"""Curvature products against dense reverse-mode autograd and BackPACK: every loss, BatchNorm."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.autograd.functional import hessian, jacobian
+
+import packfunc as pf
+from tests.cases import CASE_IDS, CASES, dense_curvature, make_loss, make_targets, run_backward_with
+
+
+def _mlp_problem(loss_name: str, reduction: str, n: int = 4):
+    torch.manual_seed(0)
+    case = CASES[CASE_IDS.index("mlp")]
+    model = case.build().double()
+    X = case.inputs(n).double()
+    with torch.no_grad():
+        y = make_targets(loss_name, model(X), case.classes)
+    y = y if loss_name == "cross_entropy" else y.double()
+    return model, make_loss(loss_name, reduction), X, y
+
+
+def _flat(tree: dict[str, Tensor], leading: int = 0) -> Tensor:
+    return torch.cat([t.reshape(*t.shape[:leading], -1) for t in tree.values()], -1)
+
+
+def _blocks(matrix: Tensor, params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The diagonal blocks of a dense ``[P, P]`` matrix, by parameter name."""
+    found, start = {}, 0
+    for name, p in params.items():
+        found[name] = matrix[start:start + p.numel(), start:start + p.numel()]
+        start += p.numel()
+    return found
+
+
+def _assert_products(model_fn, params, X, y, loss, ggn: Tensor, hess: Tensor) -> None:
+    """Vector and block products equal the dense GGN and Hessian (and their blocks)."""
+    torch.manual_seed(1)
+    v = {k: torch.randn_like(p) for k, p in params.items()}
+    mats = {k: torch.randn(3, *p.shape, dtype=p.dtype) for k, p in params.items()}
+    gv = pf.ggn_vector_product(model_fn, params, X, y, v, loss=loss)
+    hv = pf.hessian_vector_product(model_fn, params, X, y, v, loss=loss)
+    torch.testing.assert_close(_flat(gv), ggn @ _flat(v), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(_flat(hv), hess @ _flat(v), rtol=1e-9, atol=1e-12)
+    ggn_blocks = pf.ggn_block_products(model_fn, params, X, y, mats, loss=loss)
+    hess_blocks = pf.hessian_block_products(model_fn, params, X, y, mats, loss=loss)
+    for name, block in _blocks(ggn, params).items():
+        torch.testing.assert_close(ggn_blocks[name].flatten(1), mats[name].flatten(1) @ block)
+    for name, block in _blocks(hess, params).items():
+        torch.testing.assert_close(hess_blocks[name].flatten(1), mats[name].flatten(1) @ block)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("loss_name", ["cross_entropy", "mse", "bce_with_logits"])
+def test_products_for_every_loss_and_reduction(loss_name, reduction):
+    """MSELoss(reduction='mean') used to fail ("ZeroTensors are immutable")."""
+    model, loss, X, y = _mlp_problem(loss_name, reduction)
+    dense = dense_curvature(model, loss, X, y)
+    _assert_products(*pf.functional(model), X, y, loss, dense.ggn, dense.hessian)
+
+
+def test_hessian_vector_product_for_a_loss_without_forward_mode_derivatives():
+    model, _, X, y = _mlp_problem("mse", "mean")
+    loss = nn.HuberLoss(delta=0.5)  # torch has no forward-mode rule for huber_loss_backward
+    dense = dense_curvature(model, loss, X, y)
+    model_fn, params = pf.functional(model)
+    v = {k: torch.randn_like(p) for k, p in params.items()}
+    hv = pf.hessian_vector_product(model_fn, params, X, y, v, loss=loss)
+    torch.testing.assert_close(_flat(hv), dense.hessian @ _flat(v))
+
+
+BATCHNORM_MODELS = {
+    "mlp": (lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(),
+                                  nn.Linear(4, 3)), (3,)),
+    "cnn": (lambda: nn.Sequential(nn.Conv2d(2, 3, 2), nn.BatchNorm2d(3), nn.Sigmoid(),
+                                  nn.Flatten(), nn.Linear(12, 3)), (2, 3, 3)),
+}
+
+
+def _batchnorm_problem(name: str, n: int = 5):
+    torch.manual_seed(0)
+    build, shape = BATCHNORM_MODELS[name]
+    model = build().double().train()
+    with torch.no_grad():  # running statistics away from their initial values
+        model(torch.randn(8, *shape, dtype=torch.float64))
+    X = torch.randn(n, *shape, dtype=torch.float64)
+    return model, nn.CrossEntropyLoss(), X, torch.randint(0, 3, (n,))
+
+
+def _dense_whole_batch(model: nn.Module, loss: nn.Module, X: Tensor, y: Tensor
+                       ) -> tuple[Tensor, Tensor]:
+    """GGN ``Jᵀ (∇²_f L) J`` and Hessian of the loss of the whole batch, reverse mode.
+
+    Samples are coupled, so ``J`` is the Jacobian of the whole batch's output. A copy
+    of the model absorbs the running-statistics updates. (``torch.func.hessian``,
+    forward-over-reverse, returns an asymmetric, wrong Hessian for training-mode
+    BatchNorm in torch 2.13; finite differences agree with reverse-over-reverse.)
+    """
+    model = copy.deepcopy(model)
+    params = dict(model.named_parameters())
+    shapes = {k: p.shape for k, p in params.items()}
+    flat0 = _flat({k: p.detach() for k, p in params.items()})
+
+    def output(flat: Tensor) -> Tensor:
+        pieces = flat.split([s.numel() for s in shapes.values()])
+        tree = {k: t.view(s) for (k, s), t in zip(shapes.items(), pieces)}
+        return torch.func.functional_call(model, tree, (X,))
+
+    out = output(flat0).detach()
+    jac = jacobian(output, flat0).reshape(out.numel(), -1)
+    loss_hessian = hessian(lambda o: loss(o, y), out).reshape(out.numel(), out.numel())
+    return jac.T @ loss_hessian @ jac, hessian(lambda flat: loss(output(flat), y), flat0)
+
+
+@pytest.mark.parametrize("name", list(BATCHNORM_MODELS))
+def test_products_with_batchnorm_in_training_mode_use_batch_statistics(name):
+    model, loss, X, y = _batchnorm_problem(name)
+    before = copy.deepcopy(model.state_dict())
+    ggn, hess = _dense_whole_batch(model, loss, X, y)
+    _assert_products(*pf.functional(model), X, y, loss, ggn, hess)
+    for key, value in model.state_dict().items():  # running statistics and counter untouched
+        assert torch.equal(value, before[key]), key
+
+
+def test_block_products_with_batchnorm_in_training_mode_equal_backpack():
+    """BackPACK 1.7.1's GGNMP and HMP support BatchNorm1d (not 2d)."""
+    backpack = pytest.importorskip("backpack")
+    extensions = pytest.importorskip("backpack.extensions")
+    model, loss, X, y = _batchnorm_problem("mlp")
+    theirs = run_backward_with(backpack, [extensions.GGNMP(), extensions.HMP()],
+                               model, loss, X, y)
+    model_fn, params = pf.functional(model)
+    mats = {k: torch.randn(3, *p.shape, dtype=torch.float64) for k, p in params.items()}
+    ggn = pf.ggn_block_products(model_fn, params, X, y, mats, loss=loss)
+    hess = pf.hessian_block_products(model_fn, params, X, y, mats, loss=loss)
+    for param_name, p in theirs.named_parameters():
+        torch.testing.assert_close(ggn[param_name], p.ggnmp(mats[param_name]))
+        torch.testing.assert_close(hess[param_name], p.hmp(mats[param_name]))
+
+
+@pytest.mark.parametrize("quantity", [pf.batch_grad, pf.diag_ggn, pf.diag_hessian, pf.kflr])
+def test_per_sample_quantities_still_refuse_batchnorm_in_training_mode(quantity):
+    model, loss, X, y = _batchnorm_problem("mlp")
+    with pytest.raises(ValueError, match=r"model\.eval\(\)"):
+        quantity(*pf.functional(model), X, y, loss=loss)
