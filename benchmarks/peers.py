@@ -80,16 +80,18 @@ def packfunc_builder(problem: Problem, quantity: str) -> Closure | None:
     model_fn, params = pf.functional(problem.model())
     lossfunc, X, y = problem.loss(), problem.X, problem.y
     if quantity == "grad":
-        return lambda: pf.compute(model_fn, params, X, y, quantities=("grad",),
-                                      loss=lossfunc)["grad"]
+        return lambda: pf.compute(model_fn, params, X, y, quantities=("grad",), loss=lossfunc)[
+            "grad"
+        ]
     base, sampled = _split_mc(quantity)
     function = getattr(pf, base, None)
     if function is None:
         return None
     if sampled:
         generator = torch.Generator().manual_seed(0)
-        return lambda: function(model_fn, params, X, y, loss=lossfunc, mc_samples=1,
-                                generator=generator)
+        return lambda: function(
+            model_fn, params, X, y, loss=lossfunc, mc_samples=1, generator=generator
+        )
     return lambda: function(model_fn, params, X, y, loss=lossfunc)
 
 
@@ -115,8 +117,14 @@ def curvlinops_builder(problem: Problem, quantity: str) -> Closure | None:
         raise Unavailable(str(error)) from error
     model, lossfunc = problem.model(), problem.loss()
     operator = KFACLinearOperator(
-        model, lossfunc, list(model.parameters()), [(problem.X, problem.y)],
-        check_deterministic=False, fisher_type=fisher_types[quantity], mc_samples=1)
+        model,
+        lossfunc,
+        list(model.parameters()),
+        [(problem.X, problem.y)],
+        check_deterministic=False,
+        fisher_type=fisher_types[quantity],
+        mc_samples=1,
+    )
 
     def run() -> Result:
         operator.compute_kronecker_factors()
@@ -159,15 +167,15 @@ def naive_builder(problem: Problem, quantity: str) -> Closure | None:
         else:  # columns k of diag(√p) − p√pᵀ: √p_k (e_k − p), per sample
             tau = probs.sqrt()
             roots = tau.unsqueeze(2) * (torch.eye(probs.shape[1]) - probs.unsqueeze(1))
-        squares = {k: v.square().sum(1) for k, v in columns(params, X, roots / problem.n**0.5
-                                                            ).items()}
+        squares = {
+            k: v.square().sum(1) for k, v in columns(params, X, roots / problem.n**0.5).items()
+        }
         return squares if base == "batch_diag_ggn" else {k: v.sum(0) for k, v in squares.items()}
 
     return run
 
 
-def backpack_builder(problem: Problem, quantity: str, package: str = "backpack"
-                     ) -> Closure | None:
+def backpack_builder(problem: Problem, quantity: str, package: str = "backpack") -> Closure | None:
     """BackPACK (or its packfunc shim); for ``grad`` a plain ``loss.backward()``."""
     model, lossfunc, X, y = problem.model(), problem.loss(), problem.X, problem.y
     params = dict(model.named_parameters())
@@ -305,4 +313,3 @@ def build_all(problem: Problem, quantity: str) -> tuple[dict[str, Closure], dict
         else:
             closures[name] = closure
     return closures, notes
-

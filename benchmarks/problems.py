@@ -25,7 +25,8 @@ class Problem:
     X: Tensor
     y: Tensor
     make_loss: Callable[[], nn.Module] = field(
-        default=lambda: nn.CrossEntropyLoss(reduction="mean"))
+        default=lambda: nn.CrossEntropyLoss(reduction="mean")
+    )
 
     @property
     def n(self) -> int:
@@ -53,9 +54,14 @@ def mlp(n: int = 128) -> Problem:
 def cnn(n: int = 64) -> Problem:
     torch.manual_seed(SEED)
     model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 8 * 8, 10),
     )
     X, y = torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))
     return Problem("CNN", model, X, y)

@@ -36,16 +36,23 @@ THREADS = 2
 FIRST_ORDER = ["grad", "batch_grad", "batch_l2_grad", "sum_grad_squared", "variance"]
 GGN = ["diag_ggn", "diag_ggn_mc", "batch_diag_ggn", "batch_diag_ggn_mc"]
 KRONECKER = ["kfac", "kflr"]
-QUANTITIES = {"MLP": FIRST_ORDER + GGN + KRONECKER + ["kfra"], "CNN": FIRST_ORDER + GGN + KRONECKER,
-              "tanh MLP": ["diag_hessian"]}
+QUANTITIES = {
+    "MLP": FIRST_ORDER + GGN + KRONECKER + ["kfra"],
+    "CNN": FIRST_ORDER + GGN + KRONECKER,
+    "tanh MLP": ["diag_hessian"],
+}
 """Quantities per problem, in table order; ``grad`` is the plain-backward reference row,
 ``*_mc`` rows and ``kfac`` draw one Monte-Carlo sample (their check compares shapes only)."""
 
 LABELS = {"grad": "grad (ref: loss.backward)"}
 """Display names for quantities whose key is not self-explanatory."""
 
-DISTRIBUTIONS = {"packfunc": "packfunc", "BackPACK": "backpack-for-pytorch", "opacus": "opacus",
-                 "curvlinops": "curvlinops-for-pytorch"}
+DISTRIBUTIONS = {
+    "packfunc": "packfunc",
+    "BackPACK": "backpack-for-pytorch",
+    "opacus": "opacus",
+    "curvlinops": "curvlinops-for-pytorch",
+}
 """Contender -> installed distribution, for the version line."""
 
 
@@ -119,11 +126,20 @@ def measure(row: Row, repeats: int, warmup: int, budget_s: float | None) -> Outc
 
 def table(rows: list[Row], outcomes: list[Outcome]) -> list[str]:
     names = list(BUILDERS)
-    header = (["problem", "quantity"] + [f"{name} ms" for name in names]
-              + ["best peer", f"ratio ({SUBJECT} / best peer)", f"{SHIM} / {REFERENCE}",
-                 f"{SUBJECT} = {REFERENCE}"])
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * 2 + ["--:"] * (
-        len(names)) + ["---", "--:", "--:", ":-:"]) + "|"]
+    header = (
+        ["problem", "quantity"]
+        + [f"{name} ms" for name in names]
+        + [
+            "best peer",
+            f"ratio ({SUBJECT} / best peer)",
+            f"{SHIM} / {REFERENCE}",
+            f"{SUBJECT} = {REFERENCE}",
+        ]
+    )
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(["---"] * 2 + ["--:"] * (len(names)) + ["---", "--:", "--:", ":-:"]) + "|",
+    ]
     for row, outcome in zip(rows, outcomes):
         cells = [row.problem, LABELS.get(row.quantity, row.quantity)]
         for name in names:
@@ -160,11 +176,20 @@ def versions() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 repeats instead of 20")
-    parser.add_argument("--only", default="", metavar="SUBSTRING",
-                        help="only rows whose 'problem quantity' contains this (case-insensitive)")
+    parser.add_argument(
+        "--only",
+        default="",
+        metavar="SUBSTRING",
+        help="only rows whose 'problem quantity' contains this (case-insensitive)",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="override the repeat count")
-    parser.add_argument("--budget", type=float, default=10.0, metavar="SECONDS",
-                        help="timed seconds per row before repeats are cut (default 10)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="timed seconds per row before repeats are cut (default 10)",
+    )
     args = parser.parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 20)
     warmup = 2
@@ -175,8 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     start, load = time.perf_counter(), os.getloadavg()
     with warnings.catch_warnings(record=True) as records:
         warnings.simplefilter("always")
-        rows = [row for row in registry([make() for make in PROBLEMS], QUANTITIES)
-                if args.only.lower() in row.key.lower()]
+        rows = [
+            row
+            for row in registry([make() for make in PROBLEMS], QUANTITIES)
+            if args.only.lower() in row.key.lower()
+        ]
         if not rows:
             print(f"no row matches --only {args.only!r}", file=sys.stderr)
             return 2
@@ -191,17 +219,21 @@ def main(argv: list[str] | None = None) -> int:
 
     counts = sorted({outcome.repeats for outcome in outcomes})
     span = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {cpu_model()}; "
-          f"{versions()}; float32, CrossEntropyLoss(mean); median of {span} interleaved "
-          f"repeats after {warmup} warm-up runs; load average at start {load[0]:.1f}, "
-          f"at end {os.getloadavg()[0]:.1f}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {cpu_model()}; "
+        f"{versions()}; float32, CrossEntropyLoss(mean); median of {span} interleaved "
+        f"repeats after {warmup} warm-up runs; load average at start {load[0]:.1f}, "
+        f"at end {os.getloadavg()[0]:.1f}"
+    )
     print()
     print("\n".join(table(rows, outcomes)))
     print()
     if any(row.quantity == "grad" for row in rows):
-        print(f"Reference rows ({LABELS['grad']}): {REFERENCE} column = plain "
-              "`loss.backward()` on an unextended model; vmap(grad) = `torch.func.grad` of the "
-              f"mean loss; {SUBJECT} = `compute(quantities=('grad',))`.")
+        print(
+            f"Reference rows ({LABELS['grad']}): {REFERENCE} column = plain "
+            "`loss.backward()` on an unextended model; vmap(grad) = `torch.func.grad` of the "
+            f"mean loss; {SUBJECT} = `compute(quantities=('grad',))`."
+        )
     for row, outcome in zip(rows, outcomes):
         if outcome.repeats < repeats:
             print(f"- {row.key}: {outcome.repeats} repeats (time budget)")

@@ -12,9 +12,13 @@ import torch
 from torch import Tensor
 
 
-def time_interleaved(closures: dict[str, Callable[[], Any]], repeats: int, warmup: int,
-                     budget_s: float | None = None, min_repeats: int = 5
-                     ) -> dict[str, tuple[float, int]]:
+def time_interleaved(
+    closures: dict[str, Callable[[], Any]],
+    repeats: int,
+    warmup: int,
+    budget_s: float | None = None,
+    min_repeats: int = 5,
+) -> dict[str, tuple[float, int]]:
     """Median wall-clock time of each closure in milliseconds, and the repeats used.
 
     After ``warmup`` untimed rounds, the closures are timed in rounds (one call
@@ -39,7 +43,7 @@ def time_interleaved(closures: dict[str, Callable[[], Any]], repeats: int, warmu
         repeats = max(min(repeats, int(budget_s / round_s)), min(min_repeats, repeats))
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             gc.collect()
             start = time.perf_counter()
             result = closures[name]()
@@ -49,8 +53,13 @@ def time_interleaved(closures: dict[str, Callable[[], Any]], repeats: int, warmu
     return {name: (1e3 * statistics.median(ts), len(ts)) for name, ts in times.items()}
 
 
-def agrees(result: dict[str, Tensor], reference: dict[str, Tensor],
-           rtol: float = 1e-4, atol: float = 1e-6, shapes_only: bool = False) -> bool:
+def agrees(
+    result: dict[str, Tensor],
+    reference: dict[str, Tensor],
+    rtol: float = 1e-4,
+    atol: float = 1e-6,
+    shapes_only: bool = False,
+) -> bool:
     """Whether two ``{param name: tensor or list of tensors}`` results match.
 
     ``atol`` is relative to each reference tensor's scale.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -110,8 +111,9 @@ class TransformerBlock(nn.Module):
         self.batch_first = batch_first
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.attn = nn.MultiheadAttention(width, heads, batch_first=batch_first)
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(),
-                                 nn.Linear(2 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
+        )
         self.head = nn.Linear(width, 3)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -128,13 +130,14 @@ class TransformerBlock(nn.Module):
 
 @dataclass
 class Case:
-    """A model with an input generator and a target generator."""
+    """A model with an input generator; ``slow`` marks cases whose dense oracles are heavy."""
 
     name: str
     build: Callable[[], nn.Module]
     inputs: Callable[[int], Tensor]
     classes: int = 2
     spatial: tuple[int, ...] = ()
+    slow: bool = False
 
 
 def _randn(*shape: int) -> Callable[[int], Tensor]:
@@ -145,55 +148,132 @@ def _tokens(vocab: int, length: int) -> Callable[[int], Tensor]:
     return lambda n: torch.randint(0, vocab, (n, length))
 
 
-CASES: list[Case] = [
-    Case("mlp", lambda: nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)), _randn(3)),
-    Case("conv1d", lambda: nn.Sequential(
-        nn.Conv1d(2, 4, 3, stride=2, padding=1, dilation=1, groups=2), nn.Tanh(), nn.Flatten(),
-        nn.Linear(4 * 4, 2)), _randn(2, 8)),
-    Case("conv2d", lambda: nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding="same", dilation=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-        nn.Linear(4 * 2 * 2, 2)), _randn(2, 5, 5)),
-    Case("conv3d", lambda: nn.Sequential(
-        nn.Conv3d(1, 2, 2, stride=(1, 2, 1), padding_mode="circular", padding=1), nn.Tanh(),
-        nn.Flatten(), nn.Linear(2 * 4 * 2 * 4, 2)), _randn(1, 3, 3, 3)),
-    Case("convtranspose1d", lambda: nn.Sequential(
-        nn.ConvTranspose1d(4, 2, 3, stride=2, padding=1, output_padding=1, groups=2),
-        nn.Tanh(), nn.Flatten(), nn.Linear(2 * 6, 2)), _randn(4, 3)),
-    Case("convtranspose2d", lambda: nn.Sequential(
-        nn.ConvTranspose2d(2, 3, 2, stride=2, dilation=1), nn.Sigmoid(), nn.Flatten(),
-        nn.Linear(3 * 4 * 4, 2)), _randn(2, 2, 2)),
-    Case("convtranspose3d", lambda: nn.Sequential(
-        nn.ConvTranspose3d(1, 2, 2, dilation=2, bias=False), nn.Tanh(), nn.Flatten(),
-        nn.Linear(2 * 4 * 4 * 4, 2)), _randn(1, 2, 2, 2)),
-    Case("embedding", lambda: nn.Sequential(
-        nn.Embedding(6, 3, padding_idx=1), nn.Flatten(), nn.Linear(3 * 4, 2)), _tokens(6, 4)),
-    Case("batchnorm_eval", lambda: _eval_batchnorm(), _randn(2, 4, 4)),
-    Case("layernorm_groupnorm", lambda: nn.Sequential(
-        nn.Conv1d(2, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.LayerNorm(12),
-        nn.Linear(12, 2)), _randn(2, 5)),
-    Case("residual", lambda: nn.Sequential(nn.Linear(3, 4), Residual(4), nn.Linear(4, 2)),
-         _randn(3)),
-    Case("shared_layer", SharedLayer, _randn(3)),
-    Case("raw_parameter", RawParameter, _randn(3)),
-    Case("custom_module", lambda: nn.Sequential(nn.Linear(3, 4), Scale(4), nn.Tanh(),
-                                                nn.Linear(4, 2)), _randn(3)),
-    Case("transposed_use", TransposedUse, _randn(4), classes=4),
-    Case("tied_embedding", TiedEmbedding, _tokens(7, 3), classes=7),
-    Case("rnn", lambda: RecurrentHead(nn.RNN, num_layers=2), _randn(5, 3)),
-    Case("gru", lambda: RecurrentHead(nn.GRU, bidirectional=True), _randn(4, 3)),
-    Case("lstm", lambda: RecurrentHead(nn.LSTM), _randn(4, 3)),
-    Case("transformer", TransformerBlock, _randn(5, 8), classes=3),
-    Case("transformer_seq_first", lambda: TransformerBlock(batch_first=False), _randn(5, 8),
-         classes=3),
-    Case("spatial_output", lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1)), _randn(2, 3, 4),
-         classes=3, spatial=(3, 4)),
-]
-CASE_IDS = [case.name for case in CASES]
+CASES: dict[str, Case] = {
+    case.name: case
+    for case in [
+        Case("mlp", lambda: nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)), _randn(3)),
+        Case(
+            "conv1d",
+            lambda: nn.Sequential(
+                nn.Conv1d(2, 4, 3, stride=2, padding=1, dilation=1, groups=2),
+                nn.Tanh(),
+                nn.Flatten(),
+                nn.Linear(4 * 4, 2),
+            ),
+            _randn(2, 8),
+        ),
+        Case(
+            "conv2d",
+            lambda: nn.Sequential(
+                nn.Conv2d(2, 4, 3, padding="same", dilation=2),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+                nn.Flatten(),
+                nn.Linear(4 * 2 * 2, 2),
+            ),
+            _randn(2, 5, 5),
+        ),
+        Case(
+            "conv3d",
+            lambda: nn.Sequential(
+                nn.Conv3d(1, 2, 2, stride=(1, 2, 1), padding_mode="circular", padding=1),
+                nn.Tanh(),
+                nn.Flatten(),
+                nn.Linear(2 * 4 * 2 * 4, 2),
+            ),
+            _randn(1, 3, 3, 3),
+            slow=True,
+        ),
+        Case(
+            "convtranspose1d",
+            lambda: nn.Sequential(
+                nn.ConvTranspose1d(4, 2, 3, stride=2, padding=1, output_padding=1, groups=2),
+                nn.Tanh(),
+                nn.Flatten(),
+                nn.Linear(2 * 6, 2),
+            ),
+            _randn(4, 3),
+        ),
+        Case(
+            "convtranspose2d",
+            lambda: nn.Sequential(
+                nn.ConvTranspose2d(2, 3, 2, stride=2, dilation=1),
+                nn.Sigmoid(),
+                nn.Flatten(),
+                nn.Linear(3 * 4 * 4, 2),
+            ),
+            _randn(2, 2, 2),
+        ),
+        Case(
+            "convtranspose3d",
+            lambda: nn.Sequential(
+                nn.ConvTranspose3d(1, 2, 2, dilation=2, bias=False),
+                nn.Tanh(),
+                nn.Flatten(),
+                nn.Linear(2 * 4 * 4 * 4, 2),
+            ),
+            _randn(1, 2, 2, 2),
+        ),
+        Case(
+            "embedding",
+            lambda: nn.Sequential(
+                nn.Embedding(6, 3, padding_idx=1), nn.Flatten(), nn.Linear(3 * 4, 2)
+            ),
+            _tokens(6, 4),
+        ),
+        Case("batchnorm_eval", lambda: _eval_batchnorm(), _randn(2, 4, 4)),
+        Case(
+            "layernorm_groupnorm",
+            lambda: nn.Sequential(
+                nn.Conv1d(2, 4, 3),
+                nn.GroupNorm(2, 4),
+                nn.Flatten(),
+                nn.LayerNorm(12),
+                nn.Linear(12, 2),
+            ),
+            _randn(2, 5),
+        ),
+        Case(
+            "residual",
+            lambda: nn.Sequential(nn.Linear(3, 4), Residual(4), nn.Linear(4, 2)),
+            _randn(3),
+        ),
+        Case("shared_layer", SharedLayer, _randn(3)),
+        Case("raw_parameter", RawParameter, _randn(3)),
+        Case(
+            "custom_module",
+            lambda: nn.Sequential(nn.Linear(3, 4), Scale(4), nn.Tanh(), nn.Linear(4, 2)),
+            _randn(3),
+        ),
+        Case("transposed_use", TransposedUse, _randn(4), classes=4),
+        Case("tied_embedding", TiedEmbedding, _tokens(7, 3), classes=7),
+        Case("rnn", lambda: RecurrentHead(nn.RNN, num_layers=2), _randn(5, 3)),
+        Case("gru", lambda: RecurrentHead(nn.GRU, bidirectional=True), _randn(4, 3), slow=True),
+        Case("lstm", lambda: RecurrentHead(nn.LSTM), _randn(4, 3)),
+        Case("transformer", TransformerBlock, _randn(5, 8), classes=3, slow=True),
+        Case(
+            "transformer_seq_first",
+            lambda: TransformerBlock(batch_first=False),
+            _randn(5, 8),
+            classes=3,
+            slow=True,
+        ),
+        Case(
+            "spatial_output",
+            lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1)),
+            _randn(2, 3, 4),
+            classes=3,
+            spatial=(3, 4),
+        ),
+    ]
+}
+"""Every model, by name: the ``case`` fixture (tests/conftest.py) runs a test on each."""
 
 
 def _eval_batchnorm() -> nn.Module:
-    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(),
-                          nn.Linear(3 * 2 * 2, 2))
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 2 * 2, 2)
+    )
     with torch.no_grad():
         model[1].running_mean.uniform_(-1, 1)
         model[1].running_var.uniform_(0.5, 2)
@@ -230,8 +310,9 @@ def make_targets(loss_name: str, output: Tensor, classes: int) -> Tensor:
     return torch.randn_like(output)
 
 
-def loss_and_targets(model: nn.Module, X: Tensor, loss_cls: type, reduction: str
-                     ) -> tuple[nn.Module, Tensor]:
+def loss_and_targets(
+    model: nn.Module, X: Tensor, loss_cls: type, reduction: str
+) -> tuple[nn.Module, Tensor]:
     """A ``loss_cls(reduction=...)`` and random targets for ``model``'s output on ``X``.
 
     Class indices over the output's classes for ``CrossEntropyLoss``, Gaussian
@@ -239,16 +320,92 @@ def loss_and_targets(model: nn.Module, X: Tensor, loss_cls: type, reduction: str
     """
     with torch.no_grad():
         out = model(X)
-    y = (torch.randint(0, out.shape[1], (out.shape[0],)) if loss_cls is nn.CrossEntropyLoss
-         else torch.randn_like(out))
+    y = (
+        torch.randint(0, out.shape[1], (out.shape[0],))
+        if loss_cls is nn.CrossEntropyLoss
+        else torch.randn_like(out)
+    )
     return loss_cls(reduction=reduction), y
+
+
+# ----------------------------------------------------------------------------- problems
+
+
+@dataclass
+class Problem:
+    """A float64 model, a loss and a batch; ``key`` identifies it for the dense-oracle cache."""
+
+    model: nn.Module
+    loss: nn.Module
+    X: Tensor
+    y: Tensor
+    key: tuple | None = None
+
+    def functional(self) -> tuple[Callable, dict[str, Tensor]]:
+        """``packfunc.functional`` of the model."""
+        import packfunc
+
+        return packfunc.functional(self.model)
+
+    def dense(self) -> Dense:
+        """The dense GGN and Hessian (cached per ``key``: read, never modify)."""
+        if self.key is None:
+            return dense_curvature(self.model, self.loss, self.X, self.y)
+        return _cached_dense(self.key)
+
+
+def make_problem(
+    case: Case | str,
+    loss_name: str = "cross_entropy",
+    reduction: str = "mean",
+    n: int = 3,
+    seed: int = 0,
+) -> Problem:
+    """The one setup of every case-based test: ``case``'s model in float64, a loss, a batch.
+
+    ``NLLLoss`` gets a ``LogSoftmax`` appended; regression targets are float64, class
+    targets integers. The same arguments always give the same problem.
+    """
+    case = CASES[case] if isinstance(case, str) else case
+    torch.manual_seed(seed)
+    model = wrap_for_loss(case.build(), loss_name).double()
+    X = case.inputs(n)
+    X = X.double() if X.is_floating_point() else X
+    with torch.no_grad():
+        y = make_targets(loss_name, model(X), case.classes)
+    y = y.long() if loss_name in ("cross_entropy", "nll") else y.double()
+    return Problem(
+        model, make_loss(loss_name, reduction), X, y, key=(case.name, loss_name, reduction, n, seed)
+    )
+
+
+def assert_trees_close(actual, expected, what: str = "", **tolerances) -> None:
+    """The comparison helper: equal structure, shapes and values, leaf by leaf.
+
+    ``actual`` and ``expected`` are tensors or (nested) dicts, lists and tuples of
+    them; ``tolerances`` go to ``torch.testing.assert_close``.
+    """
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and actual.keys() == expected.keys(), what
+        for name in expected:
+            assert_trees_close(actual[name], expected[name], f"{what}[{name}]", **tolerances)
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), what
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_trees_close(a, e, f"{what}[{i}]", **tolerances)
+    else:
+        assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+        torch.testing.assert_close(
+            actual, expected, **tolerances, msg=lambda message: f"{what}: {message}"
+        )
 
 
 # ----------------------------------------------------------------------------- oracles
 
 
-def autograd_batch_grad(model: nn.Module, loss: nn.Module, X: Tensor, y: Tensor
-                        ) -> dict[str, Tensor]:
+def autograd_batch_grad(
+    model: nn.Module, loss: nn.Module, X: Tensor, y: Tensor
+) -> dict[str, Tensor]:
     """Per-sample gradients by an autograd loop over samples.
 
     Sample n's share of the reduced loss is obtained by letting only row n of
@@ -263,7 +420,7 @@ def autograd_batch_grad(model: nn.Module, loss: nn.Module, X: Tensor, y: Tensor
     grads: dict[str, list[Tensor]] = {name: [] for name in params}
     for n in range(X.shape[0]):
         rows = list(full.detach().unbind(0))
-        rows[n] = model(X[n:n + 1])[0]
+        rows[n] = model(X[n : n + 1])[0]
         value = loss(torch.stack(rows), y)
         found = torch.autograd.grad(value, list(params.values()), allow_unused=True)
         for name, g, p in zip(params, found, params.values()):
@@ -314,8 +471,9 @@ def dense_curvature(model: nn.Module, loss: nn.Module, X: Tensor, y: Tensor) -> 
     flat0 = torch.cat([p.detach().reshape(-1) for _, p in model.named_parameters()])
 
     def unflatten(flat: Tensor) -> dict[str, Tensor]:
-        return dict(zip(names, [t.view(s) for t, s in zip(flat.split([s.numel() for s in shapes]),
-                                                          shapes)]))
+        return dict(
+            zip(names, [t.view(s) for t, s in zip(flat.split([s.numel() for s in shapes]), shapes)])
+        )
 
     def output(flat: Tensor, inputs: Tensor) -> Tensor:
         return torch.func.functional_call(model, unflatten(flat), (inputs,))
@@ -331,28 +489,38 @@ def dense_curvature(model: nn.Module, loss: nn.Module, X: Tensor, y: Tensor) -> 
 
     def share(flat: Tensor, i: int) -> Tensor:
         rows = list(full.unbind(0))
-        rows[i] = output(flat, X[i:i + 1])[0]
+        rows[i] = output(flat, X[i : i + 1])[0]
         return loss(torch.stack(rows), y)
 
     with sdpa_kernel([SDPBackend.MATH]):  # CPU flash attention has no second derivatives
-        sample_hessian = torch.stack([hessian(lambda flat, i=i: share(flat, i), flat0)
-                                      for i in range(n)])
+        sample_hessian = torch.stack(
+            [hessian(lambda flat, i=i: share(flat, i), flat0) for i in range(n)]
+        )
         full_hessian = hessian(lambda flat: loss(output(flat, X), y), flat0)
     return Dense(sample_ggn.sum(0), sample_ggn, full_hessian, sample_hessian, names, shapes)
+
+
+@functools.cache
+def _cached_dense(key: tuple) -> Dense:
+    """Dense curvature of ``make_problem(*key)``: several tests share the heavy oracles."""
+    with torch.random.fork_rng():  # a cache hit or miss leaves the caller's random stream alone
+        problem = make_problem(*key)
+        return dense_curvature(problem.model, problem.loss, problem.X, problem.y)
 
 
 # ----------------------------------------------------------------------------- BackPACK runs
 
 
-def run_backward_with(package, extensions: list, model: nn.Module, loss: nn.Module, X: Tensor,
-                      y: Tensor) -> nn.Module:
+def run_backward_with(
+    package, extensions: list, model: nn.Module, loss: nn.Module, X: Tensor, y: Tensor
+) -> nn.Module:
     """Extend copies of ``model`` and ``loss`` with ``package`` (``backpack`` or
     ``packfunc.compat``), run one backward under ``extensions``; return the model copy."""
     model, loss = _unextended_copy(model), _unextended_copy(loss)
     model, loss = package.extend(model), package.extend(loss)
     default = torch.get_default_dtype()
     torch.set_default_dtype(X.dtype if X.is_floating_point() else default)  # BackPACK samples
-    try:                                                 # Monte-Carlo targets in this dtype
+    try:  # Monte-Carlo targets in this dtype
         value = loss(model(X), y)
         with package.backpack(*extensions):
             value.backward()
@@ -367,7 +535,10 @@ def _unextended_copy(module: nn.Module) -> nn.Module:
     for sub in module.modules():
         if sub.__dict__.pop("_packfunc_extended", False):
             for hooks in (sub._forward_pre_hooks, sub._forward_hooks):
-                for key in [k for k, h in hooks.items()
-                            if getattr(h, "__module__", "").startswith("packfunc.compat")]:
+                for key in [
+                    k
+                    for k, h in hooks.items()
+                    if getattr(h, "__module__", "").startswith("packfunc.compat")
+                ]:
                     del hooks[key]
     return module

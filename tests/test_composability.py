@@ -1,4 +1,4 @@
-"""The quantities compose with torch.func: vmap over an ensemble, grad through them."""
+"""The quantities compose with torch.func and autograd; each composition against a reference."""
 
 from __future__ import annotations
 
@@ -6,28 +6,42 @@ import copy
 
 import pytest
 import torch
+from torch import Tensor
 from torch.func import functional_call, grad, stack_module_state, vmap
 
 import packfunc as pf
-from tests.cases import CASE_IDS, CASES
+from tests.cases import assert_trees_close, autograd_batch_grad, make_problem, moments
 
-COMPOSED_CASES = ["mlp", "conv2d", "convtranspose1d", "embedding", "raw_parameter", "lstm",
-                  "shared_layer"]
-
-
-def _case(name: str, n: int = 4):
-    torch.manual_seed(0)
-    case = CASES[CASE_IDS.index(name)]
-    model = case.build().double()
-    X = case.inputs(n)
-    X = X.double() if X.is_floating_point() else X
-    y = torch.randint(0, case.classes, (n,))
-    return case, model, X, y
+COMPOSED_CASES = [
+    "mlp",
+    "conv2d",
+    "convtranspose1d",
+    "embedding",
+    "raw_parameter",
+    "lstm",
+    "shared_layer",
+]
 
 
-@pytest.mark.parametrize("case_name", COMPOSED_CASES)
-def test_vmap_over_an_ensemble_equals_each_member(case_name: str):
-    case, model, X, y = _case(case_name)
+def _gradient_of_squared_norms(problem, params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``∇_θ Σ_n ‖∇_θ ℓ_n‖²`` by autograd double backward, ``ℓ_n`` sample n's term."""
+    model_fn, _ = problem.functional()
+    live = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    n = problem.X.shape[0]
+    scale = 1 / n if problem.loss.reduction == "mean" else 1.0
+    total = 0.0
+    for i in range(n):
+        term = problem.loss(model_fn(live, problem.X[i : i + 1]), problem.y[i : i + 1]) * scale
+        per_sample = torch.autograd.grad(term, list(live.values()), create_graph=True)
+        total = total + sum(g.square().sum() for g in per_sample)
+    found = torch.autograd.grad(total, list(live.values()), allow_unused=True)
+    return {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(live.items(), found)}
+
+
+@pytest.mark.parametrize("case", COMPOSED_CASES, indirect=True)
+def test_vmap_over_an_ensemble_equals_each_member(case):
+    problem = make_problem(case, n=4)
+    model, X, y = problem.model, problem.X, problem.y
     members = [model] + [copy.deepcopy(model) for _ in range(2)]
     for member in members[1:]:
         for p in member.parameters():
@@ -43,52 +57,47 @@ def test_vmap_over_an_ensemble_equals_each_member(case_name: str):
         return out["batch_grad"], out["variance"]
 
     batch, var = vmap(quantities)(stacked)
-    for i, member in enumerate(members):
-        fn, params = pf.functional(member)
-        expected = pf.compute(fn, params, X, y, quantities=("batch_grad", "variance"))
-        for name in params:
-            torch.testing.assert_close(batch[name][i], expected["batch_grad"][name])
-            torch.testing.assert_close(var[name][i], expected["variance"][name])
+    for i, member in enumerate(members):  # each member by an autograd loop over samples
+        expected = moments(autograd_batch_grad(member, problem.loss, X, y))
+        assert_trees_close(
+            {k: v[i] for k, v in batch.items()}, expected["batch_grad"], f"member {i} batch_grad"
+        )
+        assert_trees_close(
+            {k: v[i] for k, v in var.items()}, expected["variance"], f"member {i} variance"
+        )
 
 
-@pytest.mark.parametrize("case_name", COMPOSED_CASES)
-def test_grad_of_mean_batch_l2_matches_double_backward(case_name: str):
-    case, model, X, y = _case(case_name, n=3)
-    model_fn, params = pf.functional(model)
-    loss = torch.nn.CrossEntropyLoss()
+@pytest.mark.parametrize("case", COMPOSED_CASES, indirect=True)
+def test_grad_of_mean_batch_l2_matches_double_backward(case):
+    problem = make_problem(case, n=3)
+    model_fn, params = problem.functional()
 
     def mean_l2(params):
-        l2 = pf.batch_l2_grad(model_fn, params, X, y, loss=loss)
+        l2 = pf.batch_l2_grad(model_fn, params, problem.X, problem.y, loss=problem.loss)
         return sum(v.mean() for v in l2.values())
 
-    actual = grad(mean_l2)(params)
-    live = {k: v.clone().requires_grad_() for k, v in params.items()}
-    total = 0.0
-    for n in range(X.shape[0]):
-        term = torch.nn.functional.cross_entropy(model_fn(live, X[n:n + 1]), y[n:n + 1]) / 3
-        per_sample = torch.autograd.grad(term, list(live.values()), create_graph=True)
-        total = total + sum(g.square().sum() for g in per_sample) / 3
-    expected = torch.autograd.grad(total, list(live.values()), allow_unused=True)
-    for name, e in zip(live, expected):
-        torch.testing.assert_close(actual[name], torch.zeros_like(actual[name]) if e is None else e)
+    expected = {k: v / 3 for k, v in _gradient_of_squared_norms(problem, params).items()}
+    assert_trees_close(grad(mean_l2)(params), expected, "grad of mean batch_l2_grad")
 
 
 def test_results_are_differentiable_with_plain_autograd():
-    _, model, X, y = _case("mlp")
-    model_fn, _ = pf.functional(model)
-    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
-    sgs = pf.sum_grad_squared(model_fn, params, X, y)
-    total = sum(v.sum() for v in sgs.values())
-    grads = torch.autograd.grad(total, list(params.values()))
-    assert all(torch.isfinite(g).all() for g in grads)
-    assert any(g.abs().sum() > 0 for g in grads)
+    problem = make_problem("mlp", "cross_entropy", "sum", n=4)
+    model_fn, params = problem.functional()
+    live = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    sgs = pf.sum_grad_squared(model_fn, live, problem.X, problem.y, loss=problem.loss)
+    total = sum(v.sum() for v in sgs.values())  # Σ_n ‖∇ℓ_n‖²
+    found = dict(zip(live, torch.autograd.grad(total, list(live.values()))))
+    assert_trees_close(
+        found, _gradient_of_squared_norms(problem, params), "autograd through sum_grad_squared"
+    )
 
 
 def test_params_and_model_are_not_mutated():
-    _, model, X, y = _case("batchnorm_eval")
+    problem = make_problem("batchnorm_eval", n=4)
+    model = problem.model
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    model_fn, params = pf.functional(model)
-    pf.compute(model_fn, params, X, y, quantities=pf.FIRST_ORDER)
+    model_fn, params = problem.functional()
+    pf.compute(model_fn, params, problem.X, problem.y, quantities=pf.FIRST_ORDER)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
     assert all(not p.requires_grad for p in params.values())

@@ -2,87 +2,79 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
 import packfunc as pf
-from tests.cases import (
-    CASE_IDS,
-    CASES,
-    LOSSES,
-    autograd_batch_grad,
-    make_loss,
-    make_targets,
-    moments,
-    wrap_for_loss,
-)
+from packfunc.engine import persample
+from tests.cases import LOSSES, assert_trees_close, autograd_batch_grad, make_problem, moments
 
-
-def _setup(case_name: str, loss_name: str, reduction: str, n: int, seed: int = 0):
-    torch.manual_seed(seed)
-    case = CASES[CASE_IDS.index(case_name)]
-    model = wrap_for_loss(case.build(), loss_name).double()
-    X = case.inputs(n)
-    X = X.double() if X.is_floating_point() else X
-    with torch.no_grad():
-        y = make_targets(loss_name, model(X), case.classes).to(
-            torch.float64 if loss_name in ("mse", "bce_with_logits") else torch.long)
-    return model, make_loss(loss_name, reduction), X, y
-
-
-def _assert_tree_close(actual: dict, expected: dict, what: str) -> None:
-    assert actual.keys() == expected.keys(), what
-    for name in expected:
-        assert actual[name].shape == expected[name].shape, (what, name)
-        torch.testing.assert_close(actual[name], expected[name], rtol=1e-9, atol=1e-11,
-                                   msg=lambda m, name=name: f"{what}[{name}]: {m}")
+TIGHT = {"rtol": 1e-9, "atol": 1e-11}
 
 
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("loss_name", LOSSES)
-@pytest.mark.parametrize("case_name", CASE_IDS)
-def test_all_quantities_match_autograd(case_name: str, loss_name: str, reduction: str, n: int):
-    model, loss, X, y = _setup(case_name, loss_name, reduction, n)
+def test_all_quantities_match_autograd(case, loss_name: str, reduction: str, n: int):
+    problem = make_problem(case, loss_name, reduction, n)
+    model, loss, X, y = problem.model, problem.loss, problem.X, problem.y
     expected = moments(autograd_batch_grad(model, loss, X, y))
-    model_fn, params = pf.functional(model)
-    result = pf.compute(model_fn, params, X, y, loss=loss, quantities=pf.FIRST_ORDER)
+    result = pf.compute(*problem.functional(), X, y, loss=loss, quantities=pf.FIRST_ORDER)
     torch.testing.assert_close(result["loss"], loss(model(X), y))
     for quantity in pf.FIRST_ORDER:
-        _assert_tree_close(result[quantity], expected[quantity], f"{case_name}/{quantity}")
+        assert_trees_close(result[quantity], expected[quantity], f"{case.name}/{quantity}", **TIGHT)
 
 
-@pytest.mark.parametrize("case_name", CASE_IDS)
-def test_batch_grad_sums_to_gradient(case_name: str):
+def test_batch_grad_sums_to_gradient(case):
     """Independent of the loop oracle: Σ_n batch_grad[n] is the autograd gradient."""
-    model, loss, X, y = _setup(case_name, "cross_entropy", "mean", 4, seed=1)
-    model_fn, params = pf.functional(model)
-    per_sample = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    problem = make_problem(case, n=4, seed=1)
+    model, loss, X, y = problem.model, problem.loss, problem.X, problem.y
+    per_sample = pf.batch_grad(*problem.functional(), X, y, loss=loss)
     grads = torch.autograd.grad(loss(model(X), y), list(model.parameters()))
     for (name, _), g in zip(model.named_parameters(), grads):
         torch.testing.assert_close(per_sample[name].sum(0), g)
 
 
-@pytest.mark.parametrize("function", [pf.batch_grad, pf.batch_l2_grad, pf.sum_grad_squared,
-                                      pf.variance])
+@pytest.mark.parametrize(
+    "function", [pf.batch_grad, pf.batch_l2_grad, pf.sum_grad_squared, pf.variance]
+)
 def test_single_quantity_functions_agree_with_first_order(function):
-    model, loss, X, y = _setup("shared_layer", "cross_entropy", "mean", 5)
-    model_fn, params = pf.functional(model)
+    problem = make_problem("shared_layer", n=5)
+    model_fn, params = problem.functional()
+    X, y, loss = problem.X, problem.y, problem.loss
     name = function.__name__
     together = pf.compute(model_fn, params, X, y, loss=loss, quantities=(name,))[name]
-    _assert_tree_close(function(model_fn, params, X, y, loss=loss), together, name)
+    assert_trees_close(function(model_fn, params, X, y, loss=loss), together, name, **TIGHT)
 
 
-@pytest.mark.parametrize("case_name", ["mlp", "conv2d", "embedding", "raw_parameter", "lstm"])
-def test_subsampling_selects_samples_with_batch_scaling(case_name: str):
-    model, loss, X, y = _setup(case_name, "cross_entropy", "mean", 5)
-    model_fn, params = pf.functional(model)
-    full = pf.compute(model_fn, params, X, y, loss=loss,
-                          quantities=("batch_grad", "batch_l2_grad", "sum_grad_squared"))
+@pytest.mark.parametrize(
+    "case", ["mlp", "conv2d", "embedding", "raw_parameter", "lstm"], indirect=True
+)
+def test_subsampling_selects_samples_with_batch_scaling(case):
+    problem = make_problem(case, n=5)
+    model_fn, params = problem.functional()
+    X, y, loss = problem.X, problem.y, problem.loss
+    full = pf.compute(
+        model_fn,
+        params,
+        X,
+        y,
+        loss=loss,
+        quantities=("batch_grad", "batch_l2_grad", "sum_grad_squared"),
+    )
     subset = [3, 0, 3]
-    sub = pf.compute(model_fn, params, X, y, loss=loss, subsampling=subset,
-                         quantities=("batch_grad", "batch_l2_grad", "sum_grad_squared"))
+    sub = pf.compute(
+        model_fn,
+        params,
+        X,
+        y,
+        loss=loss,
+        subsampling=subset,
+        quantities=("batch_grad", "batch_l2_grad", "sum_grad_squared"),
+    )
     for name in params:
         torch.testing.assert_close(sub["batch_grad"][name], full["batch_grad"][name][subset])
         torch.testing.assert_close(sub["batch_l2_grad"][name], full["batch_l2_grad"][name][subset])
@@ -90,22 +82,42 @@ def test_subsampling_selects_samples_with_batch_scaling(case_name: str):
 
 
 @pytest.mark.parametrize("chunk_size", [1, 2, 7])
-@pytest.mark.parametrize("case_name", ["conv2d", "raw_parameter", "shared_layer", "lstm"])
-def test_chunking_gives_identical_results(case_name: str, chunk_size: int):
-    model, loss, X, y = _setup(case_name, "cross_entropy", "sum", 5)
-    model_fn, params = pf.functional(model)
+@pytest.mark.parametrize("case", ["conv2d", "raw_parameter", "shared_layer", "lstm"], indirect=True)
+def test_chunking_gives_identical_results(case, chunk_size: int, monkeypatch):
+    problem = make_problem(case, "cross_entropy", "sum", 5)
+    model_fn, params = problem.functional()
+    X, y, loss = problem.X, problem.y, problem.loss
+    splits: list[list[int]] = []  # per materialization: the lengths of its chunks
+    original = persample.split_index
+
+    def spy(index, length):
+        found = original(index, length)
+        splits.append([persample.index_length(chunk) for chunk in found])
+        return found
+
+    monkeypatch.setattr(persample, "split_index", spy)
     reference = pf.compute(model_fn, params, X, y, loss=loss, quantities=pf.FIRST_ORDER)
-    chunked = pf.compute(model_fn, params, X, y, loss=loss, chunk_size=chunk_size,
-                         quantities=pf.FIRST_ORDER)
+    assert splits and all(lengths == [5] for lengths in splits), splits  # one chunk: all 5
+    splits.clear()
+    chunked = pf.compute(
+        model_fn, params, X, y, loss=loss, chunk_size=chunk_size, quantities=pf.FIRST_ORDER
+    )
+    expected = [min(chunk_size, 5 - start) for start in range(0, 5, chunk_size)]
+    assert len(expected) == math.ceil(5 / chunk_size)
+    assert splits and all(lengths == expected for lengths in splits), (splits, expected)
     for quantity in pf.FIRST_ORDER:
-        _assert_tree_close(chunked[quantity], reference[quantity], quantity)
+        assert_trees_close(chunked[quantity], reference[quantity], quantity, **TIGHT)
 
 
 def test_hand_written_model_fn_over_nested_pytree():
     torch.manual_seed(0)
-    params = {"layers": [{"w": torch.randn(3, 4, dtype=torch.float64)},
-                         {"w": torch.randn(4, 2, dtype=torch.float64)}],
-              "b": torch.randn(2, dtype=torch.float64)}
+    params = {
+        "layers": [
+            {"w": torch.randn(3, 4, dtype=torch.float64)},
+            {"w": torch.randn(4, 2, dtype=torch.float64)},
+        ],
+        "b": torch.randn(2, dtype=torch.float64),
+    }
 
     def model_fn(p, X):
         return torch.tanh(X @ p["layers"][0]["w"]) @ p["layers"][1]["w"] + p["b"]
@@ -114,8 +126,10 @@ def test_hand_written_model_fn_over_nested_pytree():
     loss = nn.CrossEntropyLoss()
     result = pf.batch_grad(model_fn, params, X, y, loss=loss)
     for n in range(4):
+
         def loss_n(p, n=n):
-            return loss(model_fn(p, X[n:n + 1]), y[n:n + 1]) / 4
+            return loss(model_fn(p, X[n : n + 1]), y[n : n + 1]) / 4
+
         expected = torch.func.grad(loss_n)(params)
         torch.testing.assert_close(result["layers"][1]["w"][n], expected["layers"][1]["w"])
         torch.testing.assert_close(result["b"][n], expected["b"])

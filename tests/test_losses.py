@@ -22,25 +22,43 @@ def _class_targets(n: int) -> torch.Tensor:
 
 
 LOSS_CASES = {
-    "ce_weight": (lambda: nn.CrossEntropyLoss(weight=torch.rand(CLASSES).double() + 0.1),
-                  None, _class_targets),
+    "ce_weight": (
+        lambda: nn.CrossEntropyLoss(weight=torch.rand(CLASSES).double() + 0.1),
+        None,
+        _class_targets,
+    ),
     "ce_ignore_index": (lambda: nn.CrossEntropyLoss(ignore_index=2), None, _class_targets),
     "ce_label_smoothing_weight_ignore": (
-        lambda: nn.CrossEntropyLoss(label_smoothing=0.2, ignore_index=1,
-                                    weight=torch.rand(CLASSES).double() + 0.1),
-        None, _class_targets),
-    "ce_probabilities": (lambda: nn.CrossEntropyLoss(label_smoothing=0.1), None,
-                         lambda n: torch.softmax(torch.randn(n, CLASSES), 1).double()),
-    "nll_weight_ignore": (lambda: nn.NLLLoss(weight=torch.rand(CLASSES).double(), ignore_index=0),
-                          nn.LogSoftmax(1), _class_targets),
+        lambda: nn.CrossEntropyLoss(
+            label_smoothing=0.2, ignore_index=1, weight=torch.rand(CLASSES).double() + 0.1
+        ),
+        None,
+        _class_targets,
+    ),
+    "ce_probabilities": (
+        lambda: nn.CrossEntropyLoss(label_smoothing=0.1),
+        None,
+        lambda n: torch.softmax(torch.randn(n, CLASSES), 1).double(),
+    ),
+    "nll_weight_ignore": (
+        lambda: nn.NLLLoss(weight=torch.rand(CLASSES).double(), ignore_index=0),
+        nn.LogSoftmax(1),
+        _class_targets,
+    ),
     "bce_pos_weight_weight": (
-        lambda: nn.BCEWithLogitsLoss(pos_weight=torch.rand(CLASSES).double() + 0.5,
-                                     weight=torch.rand(CLASSES).double()),
-        None, lambda n: torch.rand(n, CLASSES).round().double()),
+        lambda: nn.BCEWithLogitsLoss(
+            pos_weight=torch.rand(CLASSES).double() + 0.5, weight=torch.rand(CLASSES).double()
+        ),
+        None,
+        lambda n: torch.rand(n, CLASSES).round().double(),
+    ),
     "bce_probabilities": (nn.BCELoss, nn.Sigmoid(), lambda n: torch.rand(n, CLASSES).double()),
     "l1": (nn.L1Loss, None, lambda n: torch.randn(n, CLASSES).double()),
-    "smooth_l1": (lambda: nn.SmoothL1Loss(beta=0.5), None,
-                  lambda n: torch.randn(n, CLASSES).double()),
+    "smooth_l1": (
+        lambda: nn.SmoothL1Loss(beta=0.5),
+        None,
+        lambda n: torch.randn(n, CLASSES).double(),
+    ),
     "huber": (lambda: nn.HuberLoss(delta=0.3), None, lambda n: torch.randn(n, CLASSES).double()),
 }
 
@@ -60,8 +78,11 @@ def test_loss_options_match_autograd(name: str, reduction: str):
     torch.testing.assert_close(result["loss"], loss(model(X), y))
     for quantity in pf.FIRST_ORDER:
         for param in params:
-            torch.testing.assert_close(result[quantity][param], expected[quantity][param],
-                                       msg=lambda m, q=quantity, p=param: f"{q}/{p}: {m}")
+            torch.testing.assert_close(
+                result[quantity][param],
+                expected[quantity][param],
+                msg=lambda m, q=quantity, p=param: f"{q}/{p}: {m}",
+            )
 
 
 def test_ignored_sample_has_zero_gradient():

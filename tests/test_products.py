@@ -10,18 +10,7 @@ from torch import Tensor, nn
 from torch.autograd.functional import hessian, jacobian
 
 import packfunc as pf
-from tests.cases import CASE_IDS, CASES, dense_curvature, make_loss, make_targets, run_backward_with
-
-
-def _mlp_problem(loss_name: str, reduction: str, n: int = 4):
-    torch.manual_seed(0)
-    case = CASES[CASE_IDS.index("mlp")]
-    model = case.build().double()
-    X = case.inputs(n).double()
-    with torch.no_grad():
-        y = make_targets(loss_name, model(X), case.classes)
-    y = y if loss_name == "cross_entropy" else y.double()
-    return model, make_loss(loss_name, reduction), X, y
+from tests.cases import dense_curvature, make_problem, run_backward_with
 
 
 def _flat(tree: dict[str, Tensor], leading: int = 0) -> Tensor:
@@ -32,7 +21,7 @@ def _blocks(matrix: Tensor, params: dict[str, Tensor]) -> dict[str, Tensor]:
     """The diagonal blocks of a dense ``[P, P]`` matrix, by parameter name."""
     found, start = {}, 0
     for name, p in params.items():
-        found[name] = matrix[start:start + p.numel(), start:start + p.numel()]
+        found[name] = matrix[start : start + p.numel(), start : start + p.numel()]
         start += p.numel()
     return found
 
@@ -58,13 +47,16 @@ def _assert_products(model_fn, params, X, y, loss, ggn: Tensor, hess: Tensor) ->
 @pytest.mark.parametrize("loss_name", ["cross_entropy", "mse", "bce_with_logits"])
 def test_products_for_every_loss_and_reduction(loss_name, reduction):
     """MSELoss(reduction='mean') used to fail ("ZeroTensors are immutable")."""
-    model, loss, X, y = _mlp_problem(loss_name, reduction)
-    dense = dense_curvature(model, loss, X, y)
-    _assert_products(*pf.functional(model), X, y, loss, dense.ggn, dense.hessian)
+    problem = make_problem("mlp", loss_name, reduction, n=4)
+    dense = problem.dense()
+    _assert_products(
+        *problem.functional(), problem.X, problem.y, problem.loss, dense.ggn, dense.hessian
+    )
 
 
 def test_hessian_vector_product_for_a_loss_without_forward_mode_derivatives():
-    model, _, X, y = _mlp_problem("mse", "mean")
+    problem = make_problem("mlp", "mse", "mean", n=4)
+    model, X, y = problem.model, problem.X, problem.y
     loss = nn.HuberLoss(delta=0.5)  # torch has no forward-mode rule for huber_loss_backward
     dense = dense_curvature(model, loss, X, y)
     model_fn, params = pf.functional(model)
@@ -74,10 +66,16 @@ def test_hessian_vector_product_for_a_loss_without_forward_mode_derivatives():
 
 
 BATCHNORM_MODELS = {
-    "mlp": (lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(),
-                                  nn.Linear(4, 3)), (3,)),
-    "cnn": (lambda: nn.Sequential(nn.Conv2d(2, 3, 2), nn.BatchNorm2d(3), nn.Sigmoid(),
-                                  nn.Flatten(), nn.Linear(12, 3)), (2, 3, 3)),
+    "mlp": (
+        lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 3)),
+        (3,),
+    ),
+    "cnn": (
+        lambda: nn.Sequential(
+            nn.Conv2d(2, 3, 2), nn.BatchNorm2d(3), nn.Sigmoid(), nn.Flatten(), nn.Linear(12, 3)
+        ),
+        (2, 3, 3),
+    ),
 }
 
 
@@ -91,8 +89,9 @@ def _batchnorm_problem(name: str, n: int = 5):
     return model, nn.CrossEntropyLoss(), X, torch.randint(0, 3, (n,))
 
 
-def _dense_whole_batch(model: nn.Module, loss: nn.Module, X: Tensor, y: Tensor
-                       ) -> tuple[Tensor, Tensor]:
+def _dense_whole_batch(
+    model: nn.Module, loss: nn.Module, X: Tensor, y: Tensor
+) -> tuple[Tensor, Tensor]:
     """GGN ``Jᵀ (∇²_f L) J`` and Hessian of the loss of the whole batch, reverse mode.
 
     Samples are coupled, so ``J`` is the Jacobian of the whole batch's output. A copy
@@ -126,13 +125,11 @@ def test_products_with_batchnorm_in_training_mode_use_batch_statistics(name):
         assert torch.equal(value, before[key]), key
 
 
-def test_block_products_with_batchnorm_in_training_mode_equal_backpack():
+def test_block_products_with_batchnorm_in_training_mode_equal_backpack(backpack_oracle):
     """BackPACK 1.7.1's GGNMP and HMP support BatchNorm1d (not 2d)."""
-    backpack = pytest.importorskip("backpack")
-    extensions = pytest.importorskip("backpack.extensions")
+    backpack, extensions = backpack_oracle, backpack_oracle.extensions
     model, loss, X, y = _batchnorm_problem("mlp")
-    theirs = run_backward_with(backpack, [extensions.GGNMP(), extensions.HMP()],
-                               model, loss, X, y)
+    theirs = run_backward_with(backpack, [extensions.GGNMP(), extensions.HMP()], model, loss, X, y)
     model_fn, params = pf.functional(model)
     mats = {k: torch.randn(3, *p.shape, dtype=torch.float64) for k, p in params.items()}
     ggn = pf.ggn_block_products(model_fn, params, X, y, mats, loss=loss)

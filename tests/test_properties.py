@@ -10,11 +10,17 @@ from torch import nn
 import packfunc as pf
 from tests.cases import autograd_batch_grad, moments
 
-SETTINGS = settings(max_examples=30, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-CONVS = {(1, False): nn.Conv1d, (2, False): nn.Conv2d, (3, False): nn.Conv3d,
-         (1, True): nn.ConvTranspose1d, (2, True): nn.ConvTranspose2d,
-         (3, True): nn.ConvTranspose3d}
+SETTINGS = settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+CONVS = {
+    (1, False): nn.Conv1d,
+    (2, False): nn.Conv2d,
+    (3, False): nn.Conv3d,
+    (1, True): nn.ConvTranspose1d,
+    (2, True): nn.ConvTranspose2d,
+    (3, True): nn.ConvTranspose3d,
+}
 
 
 @st.composite
@@ -27,8 +33,7 @@ def conv_layers(draw):
     kernel = draw(st.integers(1, 3))
     stride = draw(st.integers(1, 2))
     dilation = draw(st.integers(1, 2))
-    kwargs = {"stride": stride, "dilation": dilation, "groups": groups,
-              "bias": draw(st.booleans())}
+    kwargs = {"stride": stride, "dilation": dilation, "groups": groups, "bias": draw(st.booleans())}
     if transposed:
         kwargs["padding"] = draw(st.integers(0, (kernel - 1) * dilation // 2))
         kwargs["output_padding"] = draw(st.integers(0, max(stride, dilation) - 1))
@@ -45,8 +50,12 @@ def conv_layers(draw):
 
 
 @SETTINGS
-@given(conv=conv_layers(), n=st.integers(1, 3), double=st.booleans(),
-       reduction=st.sampled_from(["mean", "sum"]))
+@given(
+    conv=conv_layers(),
+    n=st.integers(1, 3),
+    double=st.booleans(),
+    reduction=st.sampled_from(["mean", "sum"]),
+)
 def test_random_convolutions(conv, n, double, reduction):
     torch.manual_seed(0)
     layer, shape = conv
@@ -63,18 +72,27 @@ def test_random_convolutions(conv, n, double, reduction):
     tol = {"rtol": 1e-9, "atol": 1e-11} if double else {"rtol": 2e-4, "atol": 1e-5}
     for quantity in pf.FIRST_ORDER:
         for name in params:
-            torch.testing.assert_close(result[quantity][name], expected[quantity][name], **tol,
-                                       msg=lambda m, q=quantity, p=name: f"{layer} {q}/{p}: {m}")
+            torch.testing.assert_close(
+                result[quantity][name],
+                expected[quantity][name],
+                **tol,
+                msg=lambda m, q=quantity, p=name: f"{layer} {q}/{p}: {m}",
+            )
 
 
 ACTIVATIONS = [nn.ReLU, nn.Tanh, nn.Sigmoid, nn.ELU, nn.GELU]
 
 
 @SETTINGS
-@given(widths=st.lists(st.integers(1, 5), min_size=2, max_size=4), n=st.integers(1, 4),
-       activation=st.sampled_from(ACTIVATIONS), bias=st.booleans(),
-       loss_name=st.sampled_from(["cross_entropy", "mse", "bce_with_logits"]),
-       reduction=st.sampled_from(["mean", "sum"]), sequence=st.integers(0, 3))
+@given(
+    widths=st.lists(st.integers(1, 5), min_size=2, max_size=4),
+    n=st.integers(1, 4),
+    activation=st.sampled_from(ACTIVATIONS),
+    bias=st.booleans(),
+    loss_name=st.sampled_from(["cross_entropy", "mse", "bce_with_logits"]),
+    reduction=st.sampled_from(["mean", "sum"]),
+    sequence=st.integers(0, 3),
+)
 def test_random_mlps(widths, n, activation, bias, loss_name, reduction, sequence):
     torch.manual_seed(0)
     layers: list[nn.Module] = []
@@ -88,10 +106,16 @@ def test_random_mlps(widths, n, activation, bias, loss_name, reduction, sequence
     X = torch.randn(n, *shape, dtype=torch.float64)
     with torch.no_grad():
         out = model(X)
-    loss = {"cross_entropy": nn.CrossEntropyLoss, "mse": nn.MSELoss,
-            "bce_with_logits": nn.BCEWithLogitsLoss}[loss_name](reduction=reduction)
-    y = (torch.randint(0, out.shape[1], (n,)) if loss_name == "cross_entropy"
-         else torch.rand_like(out).round())
+    loss = {
+        "cross_entropy": nn.CrossEntropyLoss,
+        "mse": nn.MSELoss,
+        "bce_with_logits": nn.BCEWithLogitsLoss,
+    }[loss_name](reduction=reduction)
+    y = (
+        torch.randint(0, out.shape[1], (n,))
+        if loss_name == "cross_entropy"
+        else torch.rand_like(out).round()
+    )
     expected = moments(autograd_batch_grad(model, loss, X, y))
     model_fn, params = pf.functional(model)
     result = pf.compute(model_fn, params, X, y, loss=loss, quantities=pf.FIRST_ORDER)

@@ -1,8 +1,11 @@
 """packfunc: per-sample gradients, their moments and curvature as pure torch.func functions."""
 
+__version__ = "0.1.0"
+
 from packfunc.firstorder import batch_grad, batch_l2_grad, sum_grad_squared, variance
 from packfunc.functional import functional
 from packfunc.kronecker import kfac, kflr, kfra
+from packfunc.privacy import clip_and_noise, clip_per_sample
 from packfunc.products import (
     ggn_block_products,
     ggn_vector_product,
@@ -27,6 +30,8 @@ __all__ = [
     "batch_diag_hessian",
     "batch_grad",
     "batch_l2_grad",
+    "clip_and_noise",
+    "clip_per_sample",
     "compute",
     "diag_ggn",
     "diag_hessian",
@@ -43,4 +48,3 @@ __all__ = [
     "sum_grad_squared",
     "variance",
 ]
-__version__ = "0.1.0"

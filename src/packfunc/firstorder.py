@@ -8,33 +8,26 @@ gives several quantities in one pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import Tensor, nn
 
-from packfunc.quantities import compute
+from packfunc.quantities import compute_one
+from packfunc.types import Inputs, ModelFn, Params, Samples, shares_arguments
 
 
-def _single(quantity: str, model_fn: Callable, params: Any, X: Any, y: Tensor, **kwargs: Any
-            ) -> Any:
-    return compute(model_fn, params, X, y, quantities=(quantity,), **kwargs)[quantity]
-
-
-def batch_grad(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
-               loss: nn.Module | None = None,
-               subsampling: Sequence[int] | Tensor | None = None,
-               chunk_size: int | None = None) -> Any:
+@shares_arguments("model_fn", "params", "X", "y", "loss", "subsampling", "chunk_size")
+def batch_grad(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Tensor,
+    *,
+    loss: nn.Module | None = None,
+    subsampling: Samples = None,
+    chunk_size: int | None = None,
+) -> Any:
     """Per-sample gradients (BackPACK's ``BatchGrad``, ``grad_batch``).
-
-    Args:
-        model_fn: ``model_fn(params, X) -> output``.
-        params: Pytree of floating-point tensors.
-        X: Inputs with leading batch dimension ``N``.
-        y: Targets.
-        loss: Loss module (default ``CrossEntropyLoss()``).
-        subsampling: Only these samples (default: all).
-        chunk_size: Samples per chunk on the generic path (default: automatic).
 
     Returns:
         Pytree like ``params``; leaf ``[N, *p]`` (or ``[len(subsampling), *p]``)
@@ -46,24 +39,30 @@ def batch_grad(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
         >>> g["weight"].shape
         torch.Size([5, 2, 3])
     """
-    return _single("batch_grad", model_fn, params, X, y, loss=loss, subsampling=subsampling,
-                   chunk_size=chunk_size)
+    return compute_one(
+        "batch_grad",
+        model_fn,
+        params,
+        X,
+        y,
+        loss=loss,
+        subsampling=subsampling,
+        chunk_size=chunk_size,
+    )
 
 
-def batch_l2_grad(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
-                  loss: nn.Module | None = None,
-                  subsampling: Sequence[int] | Tensor | None = None,
-                  chunk_size: int | None = None) -> Any:
+@shares_arguments("model_fn", "params", "X", "y", "loss", "subsampling", "chunk_size")
+def batch_l2_grad(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Tensor,
+    *,
+    loss: nn.Module | None = None,
+    subsampling: Samples = None,
+    chunk_size: int | None = None,
+) -> Any:
     """Squared L2 norm of each per-sample gradient, per leaf (BackPACK's ``BatchL2Grad``).
-
-    Args:
-        model_fn: ``model_fn(params, X) -> output``.
-        params: Pytree of floating-point tensors.
-        X: Inputs with leading batch dimension ``N``.
-        y: Targets.
-        loss: Loss module (default ``CrossEntropyLoss()``).
-        subsampling: Only these samples (default: all).
-        chunk_size: Samples per chunk where gradients are materialized.
 
     Returns:
         Pytree like ``params``; leaf ``[N]`` with ``‖batch_grad[n]‖²``.
@@ -74,21 +73,29 @@ def batch_l2_grad(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
         >>> l2["bias"].shape
         torch.Size([5])
     """
-    return _single("batch_l2_grad", model_fn, params, X, y, loss=loss, subsampling=subsampling,
-                   chunk_size=chunk_size)
+    return compute_one(
+        "batch_l2_grad",
+        model_fn,
+        params,
+        X,
+        y,
+        loss=loss,
+        subsampling=subsampling,
+        chunk_size=chunk_size,
+    )
 
 
-def sum_grad_squared(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
-                     loss: nn.Module | None = None, chunk_size: int | None = None) -> Any:
+@shares_arguments("model_fn", "params", "X", "y", "loss", "chunk_size")
+def sum_grad_squared(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Tensor,
+    *,
+    loss: nn.Module | None = None,
+    chunk_size: int | None = None,
+) -> Any:
     """Sum over samples of squared per-sample gradients (BackPACK's ``SumGradSquared``).
-
-    Args:
-        model_fn: ``model_fn(params, X) -> output``.
-        params: Pytree of floating-point tensors.
-        X: Inputs with leading batch dimension ``N``.
-        y: Targets.
-        loss: Loss module (default ``CrossEntropyLoss()``).
-        chunk_size: Samples per chunk where gradients are materialized.
 
     Returns:
         Pytree like ``params``; leaf ``Σ_n batch_grad[n]²``.
@@ -99,20 +106,20 @@ def sum_grad_squared(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
         >>> s["weight"].shape
         torch.Size([2, 3])
     """
-    return _single("sum_grad_squared", model_fn, params, X, y, loss=loss, chunk_size=chunk_size)
+    return compute_one("sum_grad_squared", model_fn, params, X, y, loss=loss, chunk_size=chunk_size)
 
 
-def variance(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
-             loss: nn.Module | None = None, chunk_size: int | None = None) -> Any:
+@shares_arguments("model_fn", "params", "X", "y", "loss", "chunk_size")
+def variance(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Tensor,
+    *,
+    loss: nn.Module | None = None,
+    chunk_size: int | None = None,
+) -> Any:
     """Variance of the per-sample gradients over the batch (BackPACK's ``Variance``).
-
-    Args:
-        model_fn: ``model_fn(params, X) -> output``.
-        params: Pytree of floating-point tensors.
-        X: Inputs with leading batch dimension ``N``.
-        y: Targets.
-        loss: Loss module (default ``CrossEntropyLoss()``).
-        chunk_size: Samples per chunk where gradients are materialized.
 
     Returns:
         Pytree like ``params``; leaf ``mean_n(batch_grad²) − mean_n(batch_grad)²``.
@@ -123,4 +130,4 @@ def variance(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
         >>> v["bias"].shape
         torch.Size([2])
     """
-    return _single("variance", model_fn, params, X, y, loss=loss, chunk_size=chunk_size)
+    return compute_one("variance", model_fn, params, X, y, loss=loss, chunk_size=chunk_size)

@@ -45,23 +45,36 @@ from packfunc.engine.kronecker import (
 )
 from packfunc.engine.persample import Backprop
 from packfunc.losses import default_loss
+from packfunc.types import (
+    Curvature,
+    Inputs,
+    KfacApprox,
+    ModelFn,
+    OnUnsupported,
+    Params,
+    shares_arguments,
+)
 
 
-def kfac(model_fn: Callable, params: Any, X: Any, y: Tensor, *, loss: nn.Module | None = None,
-         mc_samples: int = 1, generator: torch.Generator | None = None,
-         kfac_approx: str = "backpack", on_unsupported: str = "raise") -> Any:
+@shares_arguments(
+    "model_fn", "params", "X", "y", "loss", "generator", "kfac_approx", "on_unsupported"
+)
+def kfac(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Tensor,
+    *,
+    loss: nn.Module | None = None,
+    mc_samples: int = 1,
+    generator: torch.Generator | None = None,
+    kfac_approx: KfacApprox = "backpack",
+    on_unsupported: OnUnsupported = "raise",
+) -> Any:
     """KFAC: Kronecker factors from Monte-Carlo square-root columns (BackPACK's ``KFAC``).
 
     Args:
-        model_fn: ``model_fn(params, X) -> output``.
-        params: Pytree of floating-point tensors.
-        X: Inputs with leading batch dimension ``N``.
-        y: Targets.
-        loss: Loss module (default ``CrossEntropyLoss()``).
         mc_samples: Targets sampled per sample from the model's predictive distribution.
-        generator: Random generator for the samples.
-        kfac_approx: ``"backpack"``, ``"expand"`` or ``"reduce"`` (see the module docs).
-        on_unsupported: ``"raise"`` or ``"skip"`` (``None`` for those leaves).
 
     Returns:
         Pytree like ``params``; each leaf a list of factors (or ``None``).
@@ -72,22 +85,29 @@ def kfac(model_fn: Callable, params: Any, X: Any, y: Tensor, *, loss: nn.Module 
         >>> A.shape, B.shape
         (torch.Size([2, 2]), torch.Size([3, 3]))
     """
-    return _factors(model_fn, params, X, y, loss, on_unsupported,
-                    lambda bp: sqrt_factors(bp, _approx(kfac_approx), mc_samples, generator))
+    return _factors(
+        model_fn,
+        params,
+        X,
+        y,
+        loss,
+        on_unsupported,
+        lambda bp: sqrt_factors(bp, _approx(kfac_approx), mc_samples, generator),
+    )
 
 
-def kflr(model_fn: Callable, params: Any, X: Any, y: Tensor, *, loss: nn.Module | None = None,
-         kfac_approx: str = "backpack", on_unsupported: str = "raise") -> Any:
+@shares_arguments("model_fn", "params", "X", "y", "loss", "kfac_approx", "on_unsupported")
+def kflr(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Tensor,
+    *,
+    loss: nn.Module | None = None,
+    kfac_approx: KfacApprox = "backpack",
+    on_unsupported: OnUnsupported = "raise",
+) -> Any:
     """KFLR: Kronecker factors from the exact square-root columns (BackPACK's ``KFLR``).
-
-    Args:
-        model_fn: ``model_fn(params, X) -> output``.
-        params: Pytree of floating-point tensors.
-        X: Inputs with leading batch dimension ``N``.
-        y: Targets.
-        loss: Loss module (default ``CrossEntropyLoss()``).
-        kfac_approx: ``"backpack"``, ``"expand"`` or ``"reduce"`` (see the module docs).
-        on_unsupported: ``"raise"`` or ``"skip"`` (``None`` for those leaves).
 
     Returns:
         Pytree like ``params``; each leaf a list of factors (or ``None``).
@@ -98,13 +118,28 @@ def kflr(model_fn: Callable, params: Any, X: Any, y: Tensor, *, loss: nn.Module 
         >>> A.shape
         torch.Size([2, 2])
     """
-    return _factors(model_fn, params, X, y, loss, on_unsupported,
-                    lambda bp: sqrt_factors(bp, _approx(kfac_approx), None, None))
+    return _factors(
+        model_fn,
+        params,
+        X,
+        y,
+        loss,
+        on_unsupported,
+        lambda bp: sqrt_factors(bp, _approx(kfac_approx), None, None),
+    )
 
 
-def kfra(model_fn: Callable, params: Any, X: Tensor, y: Tensor, *,
-         loss: nn.Module | None = None, curvature: str = "ggn",
-         on_unsupported: str = "raise") -> Any:
+@shares_arguments("y", "loss")
+def kfra(
+    model_fn: ModelFn,
+    params: Params,
+    X: Tensor,
+    y: Tensor,
+    *,
+    loss: nn.Module | None = None,
+    curvature: Curvature = "ggn",
+    on_unsupported: OnUnsupported = "raise",
+) -> Any:
     """KFRA: Kronecker factors from the batch-averaged GGN of a sequential model.
 
     The loss Hessian summed over samples is propagated from the output to the
@@ -119,8 +154,6 @@ def kfra(model_fn: Callable, params: Any, X: Tensor, y: Tensor, *,
         model_fn: ``model_fn(params, X) -> output``, a chain of ops.
         params: Pytree of floating-point tensors.
         X: Input tensor with leading batch dimension ``N``.
-        y: Targets.
-        loss: Loss module (default ``CrossEntropyLoss()``).
         curvature: ``"ggn"``, ``"hessian"``, ``"pch-clip"`` or ``"pch-abs"``.
         on_unsupported: ``"raise"`` or ``"skip"`` (``None`` for those leaves).
 
@@ -139,8 +172,9 @@ def kfra(model_fn: Callable, params: Any, X: Tensor, y: Tensor, *,
     """
     if curvature not in CURVATURES:
         raise ValueError(f"curvature must be one of {tuple(CURVATURES)}; got {curvature!r}.")
-    return _factors(model_fn, params, X, y, loss, on_unsupported,
-                    lambda bp: kfra_factors(bp, curvature))
+    return _factors(
+        model_fn, params, X, y, loss, on_unsupported, lambda bp: kfra_factors(bp, curvature)
+    )
 
 
 def _approx(kfac_approx: str) -> str:
@@ -149,15 +183,23 @@ def _approx(kfac_approx: str) -> str:
     return kfac_approx
 
 
-def _factors(model_fn: Callable, params: Any, X: Any, y: Tensor, loss: nn.Module | None,
-             on_unsupported: str, method: Callable[[Backprop], Factors]) -> Any:
+def _factors(
+    model_fn: Callable,
+    params: Any,
+    X: Any,
+    y: Tensor,
+    loss: nn.Module | None,
+    on_unsupported: str,
+    method: Callable[[Backprop], Factors],
+) -> Any:
     if on_unsupported not in ("raise", "skip"):
         raise ValueError(f"on_unsupported must be 'raise' or 'skip'; got {on_unsupported!r}.")
     bp = Backprop(model_fn, params, X, y, loss or default_loss())
     found = method(bp)
     if found.unsupported and on_unsupported == "raise":
-        listing = "; ".join(f"{bp.names[leaf]}: {why}" for leaf, why in
-                            sorted(found.unsupported.items()))
+        listing = "; ".join(
+            f"{bp.names[leaf]}: {why}" for leaf, why in sorted(found.unsupported.items())
+        )
         raise ValueError(
             f"no Kronecker factors for {listing}. Pass on_unsupported='skip' to get None for "
             "these parameters (e.g. to use diag_ggn for them instead)."

@@ -13,10 +13,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from packfunc.engine.autodiff import vjp
 
 CLASS_LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss)
 ELEMENTWISE_LOSSES = (
@@ -70,13 +73,13 @@ class _InnerProduct(torch.autograd.Function):
         return (output * gradient.detach()).sum()
 
     @staticmethod
-    def setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Tensor, Tensor],
-                      output: Tensor) -> None:
+    def setup_context(
+        ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Tensor, Tensor], output: Tensor
+    ) -> None:
         ctx.save_for_backward(inputs[1])
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor
-                 ) -> tuple[Tensor, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         (gradient,) = ctx.saved_tensors
         return grad * gradient, None
 
@@ -142,8 +145,10 @@ def check_loss_inputs(loss: nn.Module, output: Tensor, target: Tensor, n: int) -
         raise TypeError(f"model_fn must return a tensor for {name}; got {type(output).__name__}.")
     if isinstance(loss, GivenGradient):
         if output.shape != loss.gradient.shape:
-            raise ValueError(f"the model output {tuple(output.shape)} does not match the "
-                             f"gradient {tuple(loss.gradient.shape)} of the recorded pass.")
+            raise ValueError(
+                f"the model output {tuple(output.shape)} does not match the "
+                f"gradient {tuple(loss.gradient.shape)} of the recorded pass."
+            )
         return
     if not isinstance(target, Tensor):
         raise TypeError(f"targets y must be a tensor; got {type(target).__name__}.")
@@ -174,6 +179,11 @@ def _check_class_targets(loss: nn.Module, output: Tensor, target: Tensor) -> Non
     index_shape = output.shape[:1] + output.shape[2:]
     takes_probabilities = isinstance(loss, nn.CrossEntropyLoss)
     if target.shape == index_shape and not target.is_floating_point():
+        if target.dtype not in (torch.long, torch.uint8):
+            raise ValueError(
+                f"{name} needs class targets of dtype torch.int64 (long); got {target.dtype}. "
+                "Pass y.long()."
+            )
         return
     if takes_probabilities and target.shape == output.shape and target.is_floating_point():
         return
@@ -211,9 +221,14 @@ class HessianFactors:
         return self.make(slice(0, self.count))
 
 
-def hessian_factors(loss: nn.Module, output: Tensor, target: Tensor, *,
-                    mc_samples: int | None = None,
-                    generator: torch.Generator | None = None) -> HessianFactors:
+def hessian_factors(
+    loss: nn.Module,
+    output: Tensor,
+    target: Tensor,
+    *,
+    mc_samples: int | None = None,
+    generator: torch.Generator | None = None,
+) -> HessianFactors:
     """Factor the loss Hessian w.r.t. the output, exactly or by sampling.
 
     Exact factors: cross-entropy ``diag(√p) − p√pᵀ`` per position (``K = C·positions``),
@@ -260,15 +275,23 @@ def hessian_factors(loss: nn.Module, output: Tensor, target: Tensor, *,
     if isinstance(loss, nn.BCEWithLogitsLoss) and mc_samples is not None:
         probs = torch.sigmoid(output)
         weight = curvature / (probs * (1 - probs)).clamp_min(torch.finfo(output.dtype).tiny)
+
         def sample(s: slice) -> Tensor:
             draws = torch.bernoulli(probs.expand(_length(s), *probs.shape), generator=generator)
             return (weight / mc_samples).sqrt() * (probs - draws)
+
         return HessianFactors(mc_samples, sample)
     if mc_samples is not None:
+
         def gaussian(s: slice) -> Tensor:
-            noise = torch.randn((_length(s), *output.shape), generator=generator,
-                                dtype=output.dtype, device=output.device)
+            noise = torch.randn(
+                (_length(s), *output.shape),
+                generator=generator,
+                dtype=output.dtype,
+                device=output.device,
+            )
             return (curvature / mc_samples).sqrt() * noise
+
         return HessianFactors(mc_samples, gaussian)
     return _diagonal_factors(curvature.sqrt())
 
@@ -293,7 +316,7 @@ def _diagonal_factors(root: Tensor) -> HessianFactors:
 def _elementwise_curvature(loss: nn.Module, output: Tensor, target: Tensor) -> Tensor:
     """Diagonal of the reduced loss's Hessian w.r.t. the output, ``[N, ...]``."""
     if isinstance(loss, nn.MSELoss):
-        return torch.full_like(output, 2.0 / _mean_divisor(loss, output.numel()))
+        return torch.full_like(output, 2.0 / output.numel() if loss.reduction == "mean" else 2.0)
     if isinstance(loss, nn.BCEWithLogitsLoss):
         probs = torch.sigmoid(output)
         weight = torch.ones_like(output)
@@ -302,9 +325,13 @@ def _elementwise_curvature(loss: nn.Module, output: Tensor, target: Tensor) -> T
         if loss.weight is not None:
             weight = weight * loss.weight
         return probs * (1 - probs) * weight / _mean_divisor(loss, output.numel())
+
     # any other elementwise loss: its Hessian is diagonal (and symmetric), so 1ᵀH is the
     # diagonal; reverse over reverse, as some losses have no forward-mode backward rule
-    _, pullback = torch.func.vjp(torch.func.grad(lambda f: loss(f, target)), output)
+    def loss_of(f: Tensor) -> Tensor:
+        return loss(f, target)
+
+    _, pullback = vjp(torch.func.grad(loss_of), output)
     (hvp,) = pullback(torch.ones_like(output))
     if bool((hvp < -1e-6 * hvp.abs().max().clamp_min(1)).any()):
         raise ValueError(
@@ -318,9 +345,13 @@ def _mean_divisor(loss: nn.Module, count: float | Tensor) -> float | Tensor:
     return count if loss.reduction == "mean" else 1.0
 
 
-def _cross_entropy_factors(loss: nn.CrossEntropyLoss, output: Tensor, target: Tensor,
-                           mc_samples: int | None, generator: torch.Generator | None
-                           ) -> HessianFactors:
+def _cross_entropy_factors(
+    loss: nn.CrossEntropyLoss,
+    output: Tensor,
+    target: Tensor,
+    mc_samples: int | None,
+    generator: torch.Generator | None,
+) -> HessianFactors:
     """``diag(√p) − p√pᵀ`` per position, scaled; or ``p − onehot(sample)``."""
     probs = torch.softmax(output, dim=1)
     n, classes, spatial = output.shape[0], output.shape[1], output.shape[2:]
@@ -329,6 +360,7 @@ def _cross_entropy_factors(loss: nn.CrossEntropyLoss, output: Tensor, target: Te
     flat_p = probs.reshape(n, classes, positions)
     root_scale = scale.reshape(n, 1, positions).sqrt()
     if mc_samples is not None:
+
         def sample(s: slice) -> Tensor:
             rows = flat_p.transpose(1, 2).reshape(-1, classes)
             draws = torch.multinomial(rows, _length(s), replacement=True, generator=generator)
@@ -336,6 +368,7 @@ def _cross_entropy_factors(loss: nn.CrossEntropyLoss, output: Tensor, target: Te
             onehot = onehot.view(_length(s), n, positions, classes).transpose(2, 3)
             columns = root_scale * (flat_p - onehot) / math.sqrt(mc_samples)
             return columns.reshape(_length(s), *output.shape)
+
         return HessianFactors(mc_samples, sample)
     tau = flat_p.sqrt()
 
@@ -348,7 +381,8 @@ def _cross_entropy_factors(loss: nn.CrossEntropyLoss, output: Tensor, target: Te
         tau_k = tau[:, k].transpose(0, 1).unsqueeze(2)  # [k, N, 1, P]
         column = delta.view(-1, 1, classes, 1) * tau - flat_p * tau_k
         return (root_scale * column * at_q.view(-1, 1, 1, positions)).reshape(
-            _length(s), *output.shape)
+            _length(s), *output.shape
+        )
 
     return HessianFactors(classes * positions, make)
 

@@ -18,24 +18,30 @@ from typing import Any
 
 import optree
 from torch import Tensor, nn
-from torch.func import grad, jvp, vjp, vmap
+from torch.func import grad, vmap
 
+from packfunc.engine.autodiff import jvp, vjp
 from packfunc.engine.chain import loss_hessian_product, pch_block_product
 from packfunc.engine.persample import Backprop
 from packfunc.engine.taps import functional_mode, twice_differentiable
-from packfunc.functional import flatten_params
+from packfunc.functional import check_model_arguments, flatten_params
 from packfunc.losses import check_loss, check_loss_inputs, default_loss, hessian_factors
+from packfunc.types import Inputs, ModelFn, Modify, Params, shares_arguments
 
 
-def ggn_vector_product(model_fn: Callable, params: Any, X: Any, y: Tensor, v: Any, *,
-                       loss: nn.Module | None = None) -> Any:
+@shares_arguments("model_fn", "params", "X", "y")
+def ggn_vector_product(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Tensor,
+    v: Any,
+    *,
+    loss: nn.Module | None = None,
+) -> Any:
     """Multiply the GGN of the reduced loss with ``v`` (BackPACK's ``ggn_vector_product``).
 
     Args:
-        model_fn: ``model_fn(params, X) -> output``.
-        params: Pytree of floating-point tensors.
-        X: Inputs with leading batch dimension ``N``.
-        y: Targets.
         v: Pytree shaped like ``params``.
         loss: Loss module (default ``CrossEntropyLoss()``); ``NLLLoss`` is refused.
 
@@ -49,20 +55,24 @@ def ggn_vector_product(model_fn: Callable, params: Any, X: Any, y: Tensor, v: An
         ...                    v)["weight"].shape
         torch.Size([2, 3])
     """
-    loss = _checked(loss, params)
+    loss = _checked(loss, model_fn, params)
     forward = _model(model_fn, X, params, [])
-    return _single(_ggn_products(forward, params, _stacked(v), loss, y))
+    return _first_column(_ggn_products(forward, params, _stacked(v), loss, y))
 
 
-def hessian_vector_product(model_fn: Callable, params: Any, X: Any, y: Tensor, v: Any, *,
-                           loss: nn.Module | None = None) -> Any:
+@shares_arguments("model_fn", "params", "X", "y")
+def hessian_vector_product(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Tensor,
+    v: Any,
+    *,
+    loss: nn.Module | None = None,
+) -> Any:
     """Multiply the Hessian of the reduced loss w.r.t. the parameters with ``v``.
 
     Args:
-        model_fn: ``model_fn(params, X) -> output``.
-        params: Pytree of floating-point tensors.
-        X: Inputs with leading batch dimension ``N``.
-        y: Targets.
         v: Pytree shaped like ``params``.
         loss: Loss module (default ``CrossEntropyLoss()``).
 
@@ -76,20 +86,24 @@ def hessian_vector_product(model_fn: Callable, params: Any, X: Any, y: Tensor, v
         ...                        torch.tensor([0, 1, 1, 0]), v)["bias"].shape
         torch.Size([2])
     """
-    loss = _checked(loss, params)
+    loss = _checked(loss, model_fn, params)
     forward = _model(model_fn, X, params, [])
-    return _single(_hessian_products(forward, params, _stacked(v), loss, y))
+    return _first_column(_hessian_products(forward, params, _stacked(v), loss, y))
 
 
-def ggn_block_products(model_fn: Callable, params: Any, X: Any, y: Tensor, mats: Any, *,
-                       loss: nn.Module | None = None) -> Any:
+@shares_arguments("model_fn", "params", "X", "y")
+def ggn_block_products(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Tensor,
+    mats: Any,
+    *,
+    loss: nn.Module | None = None,
+) -> Any:
     """Multiply each parameter's GGN block with a stack of matrices (BackPACK's ``GGNMP``).
 
     Args:
-        model_fn: ``model_fn(params, X) -> output``.
-        params: Pytree of floating-point tensors.
-        X: Inputs with leading batch dimension ``N``.
-        y: Targets.
         mats: Pytree like ``params``; leaf ``[V, *p.shape]``, or ``None`` to skip.
         loss: Loss module (default ``CrossEntropyLoss()``).
 
@@ -103,20 +117,25 @@ def ggn_block_products(model_fn: Callable, params: Any, X: Any, y: Tensor, mats:
         ...                    torch.tensor([0, 1, 1, 0]), mats)["weight"].shape
         torch.Size([5, 2, 3])
     """
-    loss = _checked(loss, params)
-    return _per_block(model_fn, params, X, mats,
-                      lambda forward, leaf, m: _ggn_products(forward, leaf, m, loss, y))
+    loss = _checked(loss, model_fn, params)
+    return _per_block(
+        model_fn, params, X, mats, lambda forward, leaf, m: _ggn_products(forward, leaf, m, loss, y)
+    )
 
 
-def hessian_block_products(model_fn: Callable, params: Any, X: Any, y: Tensor, mats: Any, *,
-                           loss: nn.Module | None = None) -> Any:
+@shares_arguments("model_fn", "params", "X", "y")
+def hessian_block_products(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Tensor,
+    mats: Any,
+    *,
+    loss: nn.Module | None = None,
+) -> Any:
     """Multiply each parameter's Hessian block with a stack of matrices (BackPACK's ``HMP``).
 
     Args:
-        model_fn: ``model_fn(params, X) -> output``.
-        params: Pytree of floating-point tensors.
-        X: Inputs with leading batch dimension ``N``.
-        y: Targets.
         mats: Pytree like ``params``; leaf ``[V, *p.shape]``, or ``None`` to skip.
         loss: Loss module (default ``CrossEntropyLoss()``).
 
@@ -130,13 +149,27 @@ def hessian_block_products(model_fn: Callable, params: Any, X: Any, y: Tensor, m
         ...                        torch.tensor([0, 1, 1, 0]), mats)["bias"].shape
         torch.Size([5, 2])
     """
-    loss = _checked(loss, params)
-    return _per_block(model_fn, params, X, mats,
-                      lambda forward, leaf, m: _hessian_products(forward, leaf, m, loss, y))
+    loss = _checked(loss, model_fn, params)
+    return _per_block(
+        model_fn,
+        params,
+        X,
+        mats,
+        lambda forward, leaf, m: _hessian_products(forward, leaf, m, loss, y),
+    )
 
 
-def pch_block_products(model_fn: Callable, params: Any, X: Tensor, y: Tensor, mats: Any, *,
-                       loss: nn.Module | None = None, modify: str = "clip") -> Any:
+@shares_arguments("model_fn", "params", "X", "y")
+def pch_block_products(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Tensor,
+    mats: Any,
+    *,
+    loss: nn.Module | None = None,
+    modify: Modify = "clip",
+) -> Any:
     """Multiply each parameter's positive-curvature Hessian block with matrices (``PCHMP``).
 
     The PCH is the Hessian with every elementwise nonlinearity's curvature term
@@ -145,11 +178,7 @@ def pch_block_products(model_fn: Callable, params: Any, X: Tensor, y: Tensor, ma
     that term by the gradient ``δ`` a second time; this follows the definition.)
 
     Args:
-        model_fn: ``model_fn(params, X) -> output``, a sequential model whose
             nonlinearities are elementwise (or piecewise linear, like max-pooling).
-        params: Pytree of floating-point tensors.
-        X: Input tensor with leading batch dimension ``N``.
-        y: Targets.
         mats: Pytree like ``params``; leaf ``[V, *p.shape]``, or ``None`` to skip.
         loss: Loss module (default ``CrossEntropyLoss()``).
         modify: ``"clip"``, ``"abs"``, or ``"none"`` (no modification: the Hessian block).
@@ -171,23 +200,24 @@ def pch_block_products(model_fn: Callable, params: Any, X: Tensor, y: Tensor, ma
     """
     if modify not in ("clip", "abs", "none"):
         raise ValueError(f"modify must be 'clip', 'abs' or 'none'; got {modify!r}.")
-    bp = Backprop(model_fn, params, X, y, _checked(loss, params))
+    bp = Backprop(model_fn, params, X, y, _checked(loss, model_fn, params))
     blocks = optree.tree_leaves(mats, none_is_leaf=True)
     with twice_differentiable():
-        results = [None if m is None else pch_block_product(bp, i, m, modify)
-                   for i, m in enumerate(blocks)]
+        results = [
+            None if m is None else pch_block_product(bp, i, m, modify) for i, m in enumerate(blocks)
+        ]
     return optree.tree_unflatten(bp.treespec, results)
 
 
-def _checked(loss: nn.Module | None, params: Any) -> nn.Module:
+def _checked(loss: nn.Module | None, model_fn: Callable, params: Any) -> nn.Module:
+    check_model_arguments(model_fn, params)
     loss = loss or default_loss()
     check_loss(loss)
     flatten_params(params)
     return loss
 
 
-def _model(model_fn: Callable, X: Any, params: Any, replaced: list[int]
-           ) -> Callable[[Any], Tensor]:
+def _model(model_fn: Callable, X: Any, params: Any, replaced: list[int]) -> Callable[[Any], Tensor]:
     """The model as a function of all params (``replaced=[]``) or of one leaf."""
     leaves, treespec = optree.tree_flatten(params)
 
@@ -203,20 +233,26 @@ def _model(model_fn: Callable, X: Any, params: Any, replaced: list[int]
     return forward
 
 
-def _per_block(model_fn: Callable, params: Any, X: Any, mats: Any,
-               product: Callable[[Callable, Tensor, Tensor], Tensor]) -> Any:
+def _per_block(
+    model_fn: Callable,
+    params: Any,
+    X: Any,
+    mats: Any,
+    product: Callable[[Callable, Tensor, Tensor], Tensor],
+) -> Any:
     leaves, treespec = optree.tree_flatten(params)
     blocks = optree.tree_leaves(mats, none_is_leaf=True)
     if len(blocks) != len(leaves):
         raise ValueError("mats must have one leaf (or None) per parameter leaf.")
     with twice_differentiable():
-        results = [None if m is None else product(_model(model_fn, X, params, [i]), leaves[i], m)
-                   for i, m in enumerate(blocks)]
+        results = [
+            None if m is None else product(_model(model_fn, X, params, [i]), leaves[i], m)
+            for i, m in enumerate(blocks)
+        ]
     return optree.tree_unflatten(treespec, results)
 
 
-def _ggn_products(forward: Callable, primal: Any, tangents: Any, loss: nn.Module,
-                  y: Tensor) -> Any:
+def _ggn_products(forward: Callable, primal: Any, tangents: Any, loss: nn.Module, y: Tensor) -> Any:
     """``Jᵀ (∇²_f L) J t`` for a stack of tangents (leading dim ``V``)."""
     with twice_differentiable():
         output, pullback = vjp(forward, primal)
@@ -231,8 +267,9 @@ def _ggn_products(forward: Callable, primal: Any, tangents: Any, loss: nn.Module
         return vmap(one)(tangents)
 
 
-def _hessian_products(forward: Callable, primal: Any, tangents: Any, loss: nn.Module,
-                      y: Tensor) -> Any:
+def _hessian_products(
+    forward: Callable, primal: Any, tangents: Any, loss: nn.Module, y: Tensor
+) -> Any:
     """``∇²L t`` for a stack of tangents (leading dim ``V``), reverse-over-reverse.
 
     The Hessian is symmetric, so pulling ``t`` back through the gradient gives ``∇²L t``;
@@ -254,7 +291,7 @@ def _stacked(v: Any) -> Any:
     return optree.tree_map(lambda t: t.unsqueeze(0), v)
 
 
-def _single(stacked: Any) -> Any:
+def _first_column(stacked: Any) -> Any:
     return optree.tree_map(lambda t: t.squeeze(0), stacked)
 
 

@@ -44,20 +44,21 @@ def _variance(stats: Stats, n: int) -> Tensor:
 
 QUANTITIES: dict[str, Quantity] = {
     "grad": Quantity("gradient", frozenset({"grad"}), _stat("grad")),
-    "batch_grad": Quantity("gradient", frozenset({"batch_grad"}),
-                           lambda stats, n: stats["batch_grad"][0]),
+    "batch_grad": Quantity(
+        "gradient", frozenset({"batch_grad"}), lambda stats, n: stats["batch_grad"][0]
+    ),
     "batch_l2_grad": Quantity("gradient", frozenset({"batch_l2"}), _stat("batch_l2")),
-    "sum_grad_squared": Quantity("gradient", frozenset({"sum_grad_squared"}),
-                                 _stat("sum_grad_squared")),
+    "sum_grad_squared": Quantity(
+        "gradient", frozenset({"sum_grad_squared"}), _stat("sum_grad_squared")
+    ),
     "variance": Quantity("gradient", frozenset({"sum_grad_squared", "grad"}), _variance),
     "sqrt_ggn": Quantity("ggn", frozenset({"batch_grad"}), _stat("batch_grad")),
     "diag_ggn": Quantity("ggn", frozenset({"sum_grad_squared"}), _stat("sum_grad_squared")),
-    "batch_diag_ggn": Quantity("ggn", frozenset({"batch_sum_squares"}),
-                               _stat("batch_sum_squares")),
-    "diag_hessian": Quantity("hessian", frozenset({"sum_grad_squared"}),
-                             _stat("sum_grad_squared")),
-    "batch_diag_hessian": Quantity("hessian", frozenset({"batch_sum_squares"}),
-                                   _stat("batch_sum_squares")),
+    "batch_diag_ggn": Quantity("ggn", frozenset({"batch_sum_squares"}), _stat("batch_sum_squares")),
+    "diag_hessian": Quantity("hessian", frozenset({"sum_grad_squared"}), _stat("sum_grad_squared")),
+    "batch_diag_hessian": Quantity(
+        "hessian", frozenset({"batch_sum_squares"}), _stat("batch_sum_squares")
+    ),
 }
 """Every name :func:`compute` accepts."""
 
@@ -91,9 +92,11 @@ def compute(
         params: Pytree of floating-point tensors.
         X: Inputs (tensor or pytree) with leading batch dimension ``N``.
         y: Targets with leading batch dimension.
-        quantities: Names from :data:`QUANTITIES`: ``grad``, ``batch_grad``,
-            ``batch_l2_grad``, ``sum_grad_squared``, ``variance``, ``sqrt_ggn``,
-            ``diag_ggn``, ``batch_diag_ggn``, ``diag_hessian``, ``batch_diag_hessian``.
+        quantities: Names from :data:`QUANTITIES` (one string is one name): ``grad``,
+            ``batch_grad``, ``batch_l2_grad``, ``sum_grad_squared``, ``variance``,
+            ``sqrt_ggn``, ``diag_ggn``, ``batch_diag_ggn``, ``diag_hessian``,
+            ``batch_diag_hessian``. Kronecker factors (``pf.kfac``, ``pf.kflr``,
+            ``pf.kfra``) and curvature products have their own functions.
         loss: A ``torch.nn`` loss with ``reduction`` ``'mean'`` or ``'sum'``
             (default ``CrossEntropyLoss()``).
         subsampling: Sample indices for the per-sample quantities (``batch_grad``,
@@ -119,16 +122,87 @@ def compute(
         >>> out["batch_grad"]["weight"].shape, out["diag_ggn"]["bias"].shape
         (torch.Size([8, 2, 3]), torch.Size([2]))
     """
-    unknown = set(quantities) - set(QUANTITIES)
-    if unknown:
-        raise ValueError(f"unknown quantities {sorted(unknown)}; choose from {list(QUANTITIES)}.")
+    quantities = _quantity_names(quantities)
     bp = Backprop(model_fn, params, X, y, loss or default_loss(), chunk_size)
     return evaluate(bp, quantities, subsampling, mc_samples, generator)
 
 
-def evaluate(bp: Backprop, quantities: Sequence[str],
-             subsampling: Sequence[int] | Tensor | None = None, mc_samples: int | None = None,
-             generator: torch.Generator | None = None) -> dict[str, Any]:
+def compute_one(
+    quantity: str, model_fn: Callable, params: Any, X: Any, y: Tensor, **options: Any
+) -> Any:
+    """Compute one quantity (see :func:`compute`); the public wrappers call this.
+
+    Args:
+        quantity: A name from :data:`QUANTITIES`.
+        model_fn: As in :func:`compute`.
+        params: As in :func:`compute`.
+        X: As in :func:`compute`.
+        y: As in :func:`compute`.
+        **options: Keyword arguments of :func:`compute`.
+
+    Returns:
+        The quantity, a pytree like ``params``.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> compute_one("grad", fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]))["bias"].shape
+        torch.Size([2])
+    """
+    return compute(model_fn, params, X, y, quantities=(quantity,), **options)[quantity]
+
+
+_OWN_FUNCTIONS = (
+    "kfac",
+    "kflr",
+    "kfra",
+    "ggn_vector_product",
+    "hessian_vector_product",
+    "ggn_block_products",
+    "hessian_block_products",
+    "pch_block_products",
+)
+"""Public functions that :func:`compute` does not cover (their options differ)."""
+
+
+def _quantity_names(quantities: Sequence[str]) -> tuple[str, ...]:
+    """The requested names as a tuple (one string is one name), all known.
+
+    Args:
+        quantities: The ``quantities=`` argument of :func:`compute`.
+
+    Returns:
+        The names, in order.
+
+    Raises:
+        ValueError: for an unknown name; Kronecker factors and products are named
+            with the function that computes them.
+    """
+    names = (quantities,) if isinstance(quantities, str) else tuple(quantities)
+    unknown = [name for name in names if name not in QUANTITIES]
+    if not unknown:
+        return names
+    own = [name for name in unknown if name in _OWN_FUNCTIONS]
+    hint = (
+        (
+            f" {own} are computed by their own functions: call "
+            + ", ".join(f"pf.{name}(...)" for name in own)
+            + " instead."
+        )
+        if own
+        else ""
+    )
+    raise ValueError(
+        f"unknown quantities {unknown}; compute() takes names from {list(QUANTITIES)}.{hint}"
+    )
+
+
+def evaluate(
+    bp: Backprop,
+    quantities: Sequence[str],
+    subsampling: Sequence[int] | Tensor | None = None,
+    mc_samples: int | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, Any]:
     """Compute quantities from an existing batch pass (see :func:`compute`).
 
     Args:
@@ -152,8 +226,10 @@ def evaluate(bp: Backprop, quantities: Sequence[str],
     wanted: dict[str, set[str]] = {}
     for name in quantities:
         wanted.setdefault(QUANTITIES[name].source, set()).update(QUANTITIES[name].stats)
-    stats = {source: _source_statistics(bp, source, needed, index, mc_samples, generator)
-             for source, needed in wanted.items()}
+    stats = {
+        source: _source_statistics(bp, source, needed, index, mc_samples, generator)
+        for source, needed in wanted.items()
+    }
     result: dict[str, Any] = {"loss": bp.loss_value}
     for name in quantities:
         quantity = QUANTITIES[name]
@@ -162,9 +238,14 @@ def evaluate(bp: Backprop, quantities: Sequence[str],
     return result
 
 
-def _source_statistics(bp: Backprop, source: str, stats: set[str], index: slice | Tensor,
-                       mc_samples: int | None, generator: torch.Generator | None
-                       ) -> list[Stats]:
+def _source_statistics(
+    bp: Backprop,
+    source: str,
+    stats: set[str],
+    index: slice | Tensor,
+    mc_samples: int | None,
+    generator: torch.Generator | None,
+) -> list[Stats]:
     """Statistics of every leaf for one cotangent source."""
     if source == "gradient":
         return leaf_statistics(bp.gradient_columns(), stats, index)

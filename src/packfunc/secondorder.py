@@ -11,37 +11,31 @@ gives several quantities in one pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from packfunc.quantities import compute
+from packfunc.quantities import compute_one
+from packfunc.types import Inputs, ModelFn, Params, Samples, shares_arguments
 
 
-def _single(quantity: str, model_fn: Callable, params: Any, X: Any, y: Tensor, **kwargs: Any
-            ) -> Any:
-    return compute(model_fn, params, X, y, quantities=(quantity,), **kwargs)[quantity]
-
-
-def sqrt_ggn(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
-             loss: nn.Module | None = None, mc_samples: int | None = None,
-             generator: torch.Generator | None = None,
-             subsampling: Sequence[int] | Tensor | None = None,
-             chunk_size: int | None = None) -> Any:
+@shares_arguments(
+    "model_fn", "params", "X", "y", "loss", "mc_samples", "generator", "subsampling", "chunk_size"
+)
+def sqrt_ggn(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Tensor,
+    *,
+    loss: nn.Module | None = None,
+    mc_samples: int | None = None,
+    generator: torch.Generator | None = None,
+    subsampling: Samples = None,
+    chunk_size: int | None = None,
+) -> Any:
     """Square root of the GGN, per sample (BackPACK's ``SqrtGGNExact`` / ``SqrtGGNMC``).
-
-    Args:
-        model_fn: ``model_fn(params, X) -> output``.
-        params: Pytree of floating-point tensors.
-        X: Inputs with leading batch dimension ``N``.
-        y: Targets.
-        loss: Loss module (default ``CrossEntropyLoss()``).
-        mc_samples: ``None`` (exact) or the number of Monte-Carlo samples.
-        generator: Random generator for the samples.
-        subsampling: Only these samples (default: all).
-        chunk_size: Samples per chunk where columns are materialized.
 
     Returns:
         Pytree like ``params``; leaf ``V [K, N, *p]`` with
@@ -53,24 +47,33 @@ def sqrt_ggn(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
         >>> V["weight"].shape
         torch.Size([4, 5, 4, 3])
     """
-    return _single("sqrt_ggn", model_fn, params, X, y, loss=loss, mc_samples=mc_samples,
-                   generator=generator, subsampling=subsampling, chunk_size=chunk_size)
+    return compute_one(
+        "sqrt_ggn",
+        model_fn,
+        params,
+        X,
+        y,
+        loss=loss,
+        mc_samples=mc_samples,
+        generator=generator,
+        subsampling=subsampling,
+        chunk_size=chunk_size,
+    )
 
 
-def diag_ggn(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
-             loss: nn.Module | None = None, mc_samples: int | None = None,
-             generator: torch.Generator | None = None, chunk_size: int | None = None) -> Any:
+@shares_arguments("model_fn", "params", "X", "y", "loss", "mc_samples", "generator", "chunk_size")
+def diag_ggn(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Tensor,
+    *,
+    loss: nn.Module | None = None,
+    mc_samples: int | None = None,
+    generator: torch.Generator | None = None,
+    chunk_size: int | None = None,
+) -> Any:
     """Diagonal of the GGN (BackPACK's ``DiagGGNExact`` / ``DiagGGNMC``).
-
-    Args:
-        model_fn: ``model_fn(params, X) -> output``.
-        params: Pytree of floating-point tensors.
-        X: Inputs with leading batch dimension ``N``.
-        y: Targets.
-        loss: Loss module (default ``CrossEntropyLoss()``).
-        mc_samples: ``None`` (exact) or the number of Monte-Carlo samples.
-        generator: Random generator for the samples.
-        chunk_size: Samples per chunk where columns are materialized.
 
     Returns:
         Pytree like ``params``; leaf ``diag(GGN)`` shaped like the parameter.
@@ -81,27 +84,35 @@ def diag_ggn(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
         >>> d["weight"].shape
         torch.Size([4, 3])
     """
-    return _single("diag_ggn", model_fn, params, X, y, loss=loss, mc_samples=mc_samples,
-                   generator=generator, chunk_size=chunk_size)
+    return compute_one(
+        "diag_ggn",
+        model_fn,
+        params,
+        X,
+        y,
+        loss=loss,
+        mc_samples=mc_samples,
+        generator=generator,
+        chunk_size=chunk_size,
+    )
 
 
-def batch_diag_ggn(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
-                   loss: nn.Module | None = None, mc_samples: int | None = None,
-                   generator: torch.Generator | None = None,
-                   subsampling: Sequence[int] | Tensor | None = None,
-                   chunk_size: int | None = None) -> Any:
+@shares_arguments(
+    "model_fn", "params", "X", "y", "loss", "mc_samples", "generator", "subsampling", "chunk_size"
+)
+def batch_diag_ggn(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Tensor,
+    *,
+    loss: nn.Module | None = None,
+    mc_samples: int | None = None,
+    generator: torch.Generator | None = None,
+    subsampling: Samples = None,
+    chunk_size: int | None = None,
+) -> Any:
     """Per-sample diagonals of the GGN (BackPACK's ``BatchDiagGGNExact`` / ``BatchDiagGGNMC``).
-
-    Args:
-        model_fn: ``model_fn(params, X) -> output``.
-        params: Pytree of floating-point tensors.
-        X: Inputs with leading batch dimension ``N``.
-        y: Targets.
-        loss: Loss module (default ``CrossEntropyLoss()``).
-        mc_samples: ``None`` (exact) or the number of Monte-Carlo samples.
-        generator: Random generator for the samples.
-        subsampling: Only these samples (default: all).
-        chunk_size: Samples per chunk where columns are materialized.
 
     Returns:
         Pytree like ``params``; leaf ``[N, *p]`` whose sum over samples is ``diag_ggn``.
@@ -112,21 +123,31 @@ def batch_diag_ggn(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
         >>> d["bias"].shape
         torch.Size([5, 4])
     """
-    return _single("batch_diag_ggn", model_fn, params, X, y, loss=loss, mc_samples=mc_samples,
-                   generator=generator, subsampling=subsampling, chunk_size=chunk_size)
+    return compute_one(
+        "batch_diag_ggn",
+        model_fn,
+        params,
+        X,
+        y,
+        loss=loss,
+        mc_samples=mc_samples,
+        generator=generator,
+        subsampling=subsampling,
+        chunk_size=chunk_size,
+    )
 
 
-def diag_hessian(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
-                 loss: nn.Module | None = None, chunk_size: int | None = None) -> Any:
+@shares_arguments("model_fn", "params", "X", "y", "loss", "chunk_size")
+def diag_hessian(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Tensor,
+    *,
+    loss: nn.Module | None = None,
+    chunk_size: int | None = None,
+) -> Any:
     """Diagonal of the loss Hessian w.r.t. the parameters (BackPACK's ``DiagHessian``).
-
-    Args:
-        model_fn: ``model_fn(params, X) -> output``.
-        params: Pytree of floating-point tensors.
-        X: Inputs with leading batch dimension ``N``.
-        y: Targets.
-        loss: Loss module (default ``CrossEntropyLoss()``).
-        chunk_size: Samples per chunk where columns are materialized.
 
     Returns:
         Pytree like ``params``; leaf ``diag(∇²L)`` shaped like the parameter.
@@ -137,23 +158,21 @@ def diag_hessian(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
         >>> h["weight"].shape
         torch.Size([4, 3])
     """
-    return _single("diag_hessian", model_fn, params, X, y, loss=loss, chunk_size=chunk_size)
+    return compute_one("diag_hessian", model_fn, params, X, y, loss=loss, chunk_size=chunk_size)
 
 
-def batch_diag_hessian(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
-                       loss: nn.Module | None = None,
-                       subsampling: Sequence[int] | Tensor | None = None,
-                       chunk_size: int | None = None) -> Any:
+@shares_arguments("model_fn", "params", "X", "y", "loss", "subsampling", "chunk_size")
+def batch_diag_hessian(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Tensor,
+    *,
+    loss: nn.Module | None = None,
+    subsampling: Samples = None,
+    chunk_size: int | None = None,
+) -> Any:
     """Per-sample diagonals of the loss Hessian (BackPACK's ``BatchDiagHessian``).
-
-    Args:
-        model_fn: ``model_fn(params, X) -> output``.
-        params: Pytree of floating-point tensors.
-        X: Inputs with leading batch dimension ``N``.
-        y: Targets.
-        loss: Loss module (default ``CrossEntropyLoss()``).
-        subsampling: Only these samples (default: all).
-        chunk_size: Samples per chunk where columns are materialized.
 
     Returns:
         Pytree like ``params``; leaf ``[N, *p]`` whose sum over samples is ``diag_hessian``.
@@ -164,5 +183,13 @@ def batch_diag_hessian(model_fn: Callable, params: Any, X: Any, y: Tensor, *,
         >>> h["bias"].shape
         torch.Size([5, 4])
     """
-    return _single("batch_diag_hessian", model_fn, params, X, y, loss=loss,
-                   subsampling=subsampling, chunk_size=chunk_size)
+    return compute_one(
+        "batch_diag_hessian",
+        model_fn,
+        params,
+        X,
+        y,
+        loss=loss,
+        subsampling=subsampling,
+        chunk_size=chunk_size,
+    )

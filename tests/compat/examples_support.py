@@ -96,9 +96,19 @@ def locate_sdist() -> Path:
     if cached.exists():
         return cached
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-               "--no-binary", ":all:", f"backpack-for-pytorch=={BACKPACK_VERSION}",
-               "-d", str(CACHE_DIR)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        f"backpack-for-pytorch=={BACKPACK_VERSION}",
+        "-d",
+        str(CACHE_DIR),
+    ]
     try:
         subprocess.run(command, check=True, capture_output=True, timeout=300)
     except (subprocess.SubprocessError, OSError) as error:
@@ -199,7 +209,10 @@ def load_one_batch_mnist(
 
 
 def autograd_diag_ggn_exact(
-    X: Tensor, y: Tensor, model: nn.Module, loss_function: nn.Module,
+    X: Tensor,
+    y: Tensor,
+    model: nn.Module,
+    loss_function: nn.Module,
     idx: Iterable[int] | Tensor | None = None,
 ) -> Tensor:
     """Entries ``idx`` of the GGN diagonal (flattened parameters), with plain autograd.
@@ -215,8 +228,9 @@ def autograd_diag_ggn_exact(
     (output_grad,) = torch.autograd.grad(loss, outputs, create_graph=True)
     # Jᵀu as a function of a dummy u: differentiating it w.r.t. u gives J v
     dummy = torch.zeros_like(outputs, requires_grad=True)
-    vjps = torch.autograd.grad(outputs, params, grad_outputs=dummy, create_graph=True,
-                               allow_unused=True)
+    vjps = torch.autograd.grad(
+        outputs, params, grad_outputs=dummy, create_graph=True, allow_unused=True
+    )
     indices = range(sum(sizes)) if idx is None else [int(d) for d in idx]
     entries = []
     for d in indices:
@@ -224,10 +238,10 @@ def autograd_diag_ggn_exact(
         e_d[d] = 1.0
         e_d_list = [v.view_as(p) for v, p in zip(e_d.split(sizes), params)]
         used = [(vjp, v) for vjp, v in zip(vjps, e_d_list) if vjp is not None]
-        (jvp,) = torch.autograd.grad([u for u, _ in used], dummy,
-                                     grad_outputs=[v for _, v in used], retain_graph=True)
-        (hjvp,) = torch.autograd.grad(output_grad, outputs, grad_outputs=jvp,
-                                      retain_graph=True)
+        (jvp,) = torch.autograd.grad(
+            [u for u, _ in used], dummy, grad_outputs=[v for _, v in used], retain_graph=True
+        )
+        (hjvp,) = torch.autograd.grad(output_grad, outputs, grad_outputs=jvp, retain_graph=True)
         entries.append((jvp * hjvp).sum().detach())
     return torch.stack(entries)
 
@@ -235,8 +249,12 @@ def autograd_diag_ggn_exact(
 def make_examples_module(package: str) -> types.ModuleType:
     """A module to inject as ``<package>.utils.examples``."""
     module = types.ModuleType(f"{package}.utils.examples", __doc__)
-    for function in (load_mnist_dataset, get_mnist_dataloader, load_one_batch_mnist,
-                     autograd_diag_ggn_exact):
+    for function in (
+        load_mnist_dataset,
+        get_mnist_dataloader,
+        load_one_batch_mnist,
+        autograd_diag_ggn_exact,
+    ):
         setattr(module, function.__name__, function)
     return module
 
@@ -257,45 +275,75 @@ EXAMPLES: tuple[Example, ...] = (
     # example_first_order_resnet.py only points to example_resnet_all_in_one.py, where
     # its content moved; run the latter up to its torchvision section (resnet18 and the
     # converter), which needs torchvision.
-    Example("first_order_resnet", "use_cases/example_resnet_all_in_one.py", (
-        (r"^from torchvision\.models import resnet18\n", ""),
-        (r"^# %%\n# Any ResNet with BackPACK's converter\n(?s:.*)", ""),
-    )),
+    Example(
+        "first_order_resnet",
+        "use_cases/example_resnet_all_in_one.py",
+        (
+            (r"^from torchvision\.models import resnet18\n", ""),
+            (r"^# %%\n# Any ResNet with BackPACK's converter\n(?s:.*)", ""),
+        ),
+    ),
     Example("first_order_resnet_stub", "use_cases/example_first_order_resnet.py"),
     Example("extension_hook", "use_cases/example_extension_hook.py", prints_checks=True),
-    Example("retain_graph", "use_cases/example_retain_graph.py", (
-        # 8 x 8 instead of 32 x 32 images: output dimension 192, still divisible by
-        # every number of chunks
-        (r"^(batch_size, channels, spatial_dims = 5, 3,) \(32, 32\)$", r"\1 (8, 8)"),
-    ), requires=("memory_profiler",)),
-    Example("gradient_of_variance", "use_cases/example_gradient_of_variance.py",
-            prints_checks=True),
+    Example(
+        "retain_graph",
+        "use_cases/example_retain_graph.py",
+        (
+            # 8 x 8 instead of 32 x 32 images: output dimension 192, still divisible by
+            # every number of chunks
+            (r"^(batch_size, channels, spatial_dims = 5, 3,) \(32, 32\)$", r"\1 (8, 8)"),
+        ),
+        requires=("memory_profiler",),
+    ),
+    Example(
+        "gradient_of_variance", "use_cases/example_gradient_of_variance.py", prints_checks=True
+    ),
     Example("subsampling", "use_cases/example_subsampling.py"),
-    Example("batched_jacobians", "use_cases/example_batched_jacobians.py",
-            requires=("matplotlib",)),
-    Example("cg_newton", "use_cases/example_cg_newton.py", (
-        _const("BATCH_SIZE", "64", "16"),
-        _const("MAX_ITER", "50", "0"),  # each training loop stops after MAX_ITER + 2 steps
-        _const("CG_MAX_ITER", "20", "1"),  # CG stops after CG_MAX_ITER + 1 products
-    ), requires=("matplotlib",)),
-    Example("diag_ggn_optimizer", "use_cases/example_diag_ggn_optimizer.py", (
-        _const("MAX_ITER", "200", "2"),
-    ), requires=("matplotlib",)),
-    Example("differential_privacy", "use_cases/example_differential_privacy.py", (
-        _const("MAX_ITER", "200", "2"),
-    ), requires=("matplotlib",)),
+    Example(
+        "batched_jacobians", "use_cases/example_batched_jacobians.py", requires=("matplotlib",)
+    ),
+    Example(
+        "cg_newton",
+        "use_cases/example_cg_newton.py",
+        (
+            _const("BATCH_SIZE", "64", "16"),
+            _const("MAX_ITER", "50", "0"),  # each training loop stops after MAX_ITER + 2 steps
+            _const("CG_MAX_ITER", "20", "1"),  # CG stops after CG_MAX_ITER + 1 products
+        ),
+        requires=("matplotlib",),
+    ),
+    Example(
+        "diag_ggn_optimizer",
+        "use_cases/example_diag_ggn_optimizer.py",
+        (_const("MAX_ITER", "200", "2"),),
+        requires=("matplotlib",),
+    ),
+    Example(
+        "differential_privacy",
+        "use_cases/example_differential_privacy.py",
+        (_const("MAX_ITER", "200", "2"),),
+        requires=("matplotlib",),
+    ),
     Example("rnn", "use_cases/example_rnn.py", requires=("tabulate",)),  # print_tabular
     # needs BackPACK's internal backpack.core.derivatives.convnd (not a public path)
-    Example("save_memory_convolutions", "use_cases/example_save_memory_convolutions.py", (
-        (r"load_one_batch_mnist\(batch_size=64\)", "load_one_batch_mnist(batch_size=8)"),
-    ), requires=("memory_profiler",)),
-    Example("trace_estimation", "use_cases/example_trace_estimation.py", (
-        (r"\bV=1000\b", "V=20"),  # Hutchinson samples
-        _const("V", "1000", "20"),
-        _const("V_steps", "30", "3"),  # points on the convergence plot ...
-        (r"logspace\(1, 3, ", "logspace(1, 2, "),  # ... from 10 to 100 samples
-        _const("num_curves", "15", "2"),
-    ), requires=("matplotlib",)),
+    Example(
+        "save_memory_convolutions",
+        "use_cases/example_save_memory_convolutions.py",
+        ((r"load_one_batch_mnist\(batch_size=64\)", "load_one_batch_mnist(batch_size=8)"),),
+        requires=("memory_profiler",),
+    ),
+    Example(
+        "trace_estimation",
+        "use_cases/example_trace_estimation.py",
+        (
+            (r"\bV=1000\b", "V=20"),  # Hutchinson samples
+            _const("V", "1000", "20"),
+            _const("V_steps", "30", "3"),  # points on the convergence plot ...
+            (r"logspace\(1, 3, ", "logspace(1, 2, "),  # ... from 10 to 100 samples
+            _const("num_curves", "15", "2"),
+        ),
+        requires=("matplotlib",),
+    ),
     # example_resnet_all_in_one.py in full needs torchvision (never installed here).
 )
 

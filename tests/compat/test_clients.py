@@ -31,8 +31,11 @@ pytest.importorskip("laplace")
 pytest.importorskip("cockpit")
 
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:Full backward hook is firing", "ignore:pkg_resources is deprecated",
-    "ignore:Using backward\\(\\) with create_graph=True", "ignore::DeprecationWarning")
+    "ignore:Full backward hook is firing",
+    "ignore:pkg_resources is deprecated",
+    "ignore:Using backward\\(\\) with create_graph=True",
+    "ignore::DeprecationWarning",
+)
 
 ROOTS = ("backpack", "laplace", "cockpit")
 N = 20
@@ -108,8 +111,9 @@ def _as_float64(value: Any) -> torch.Tensor:
     return torch.as_tensor(np.asarray(value, dtype=np.float64))
 
 
-def _assert_close(ours: Any, theirs: Any, rtol: float = 1e-7, atol: float = 1e-9,
-                  path: str = "result") -> None:
+def _assert_close(
+    ours: Any, theirs: Any, rtol: float = 1e-7, atol: float = 1e-9, path: str = "result"
+) -> None:
     """Compare nested results (tensors, arrays, numbers, tuples, lists, dicts)."""
     if isinstance(theirs, dict):
         assert ours.keys() == theirs.keys(), path
@@ -120,53 +124,77 @@ def _assert_close(ours: Any, theirs: Any, rtol: float = 1e-7, atol: float = 1e-9
         for i, (a, b) in enumerate(zip(ours, theirs)):
             _assert_close(a, b, rtol, atol, f"{path}[{i}]")
     else:
-        torch.testing.assert_close(_as_float64(ours), _as_float64(theirs), rtol=rtol, atol=atol,
-                                   msg=lambda m: f"{path}: {m}")
+        torch.testing.assert_close(
+            _as_float64(ours),
+            _as_float64(theirs),
+            rtol=rtol,
+            atol=atol,
+            msg=lambda m: f"{path}: {m}",
+        )
 
 
 # laplace-torch ------------------------------------------------------------------------------
+
 
 def _problem(likelihood: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     outputs = 3 if likelihood == "classification" else 2
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, outputs)).double()
     X = torch.randn(N, 4, dtype=torch.float64)
-    y = (torch.randint(0, 3, (N,)) if likelihood == "classification"
-         else torch.randn(N, 2, dtype=torch.float64))
+    y = (
+        torch.randint(0, 3, (N,))
+        if likelihood == "classification"
+        else torch.randn(N, 2, dtype=torch.float64)
+    )
     return model, X, y
 
 
-def _fit(clients: _Clients, likelihood: str, subset: str, structure: str,
-         backend: str) -> dict[str, Any]:
+def _fit(
+    clients: _Clients, likelihood: str, subset: str, structure: str, backend: str
+) -> dict[str, Any]:
     """Fit a Laplace approximation; return its precision, evidence and GLM predictive."""
     model, X, y = _problem(likelihood)
     with clients.active():
         la = clients["laplace"].Laplace(
-            model, likelihood, subset_of_weights=subset, hessian_structure=structure,
-            backend=getattr(clients["laplace.curvature"], backend))
+            model,
+            likelihood,
+            subset_of_weights=subset,
+            hessian_structure=structure,
+            backend=getattr(clients["laplace.curvature"], backend),
+        )
         la.fit(DataLoader(TensorDataset(X, y), batch_size=N // 2))
         precision = la.posterior_precision
         if not isinstance(precision, torch.Tensor):  # Kronecker-factored
             precision = precision.to_matrix()
         prior = torch.tensor(0.7, dtype=torch.float64)
-        evidence = (la.log_marginal_likelihood(prior) if likelihood == "classification"
-                    else la.log_marginal_likelihood(prior, torch.tensor(1.3, dtype=torch.float64)))
-        return {"precision": precision, "evidence": evidence,
-                "predictive": la(X[:5], pred_type="glm")}
+        evidence = (
+            la.log_marginal_likelihood(prior)
+            if likelihood == "classification"
+            else la.log_marginal_likelihood(prior, torch.tensor(1.3, dtype=torch.float64))
+        )
+        return {
+            "precision": precision,
+            "evidence": evidence,
+            "predictive": la(X[:5], pred_type="glm"),
+        }
 
 
-FITS = [(likelihood, subset, structure, backend)
-        for likelihood in ("classification", "regression")
-        for subset in ("all", "last_layer")
-        for structure in ("diag", "kron", "full")
-        for backend in ("BackPackGGN", "BackPackEF")
-        if not (structure == "kron" and backend == "BackPackEF")]  # laplace: unavailable
+FITS = [
+    (likelihood, subset, structure, backend)
+    for likelihood in ("classification", "regression")
+    for subset in ("all", "last_layer")
+    for structure in ("diag", "kron", "full")
+    for backend in ("BackPackGGN", "BackPackEF")
+    if not (structure == "kron" and backend == "BackPackEF")
+]  # laplace: unavailable
 
 
-@pytest.mark.parametrize(("likelihood", "subset", "structure", "backend"), FITS,
-                         ids=["-".join(fit) for fit in FITS])
-def test_laplace_fit_matches_backpack(shim: _Clients, real: _Clients, likelihood: str,
-                                      subset: str, structure: str, backend: str):
+@pytest.mark.parametrize(
+    ("likelihood", "subset", "structure", "backend"), FITS, ids=["-".join(fit) for fit in FITS]
+)
+def test_laplace_fit_matches_backpack(
+    shim: _Clients, real: _Clients, likelihood: str, subset: str, structure: str, backend: str
+):
     ours = _fit(shim, likelihood, subset, structure, backend)
     theirs = _fit(real, likelihood, subset, structure, backend)
     _assert_close(ours, theirs)
@@ -203,8 +231,20 @@ def test_laplace_jacobians_are_differentiable(shim: _Clients):
 
 # cockpit ------------------------------------------------------------------------------------
 
-QUANTITIES = ("Loss", "GradNorm", "HessMaxEV", "HessTrace", "TICDiag", "TICTrace", "NormTest",
-              "InnerTest", "OrthoTest", "MeanGSNR", "GradHist1d", "Alpha")
+QUANTITIES = (
+    "Loss",
+    "GradNorm",
+    "HessMaxEV",
+    "HessTrace",
+    "TICDiag",
+    "TICTrace",
+    "NormTest",
+    "InnerTest",
+    "OrthoTest",
+    "MeanGSNR",
+    "GradHist1d",
+    "Alpha",
+)
 STEPS = 2
 
 
@@ -226,17 +266,22 @@ def _track(clients: _Clients) -> dict[int, dict[str, Any]]:
         bp, cockpit = clients["backpack"], clients["cockpit"]
         model, lossfunc = bp.extend(model), bp.extend(nn.CrossEntropyLoss())
         # tracked at step 0; Alpha also needs the step after it
-        quantities = [getattr(clients["cockpit.quantities"], name)(track_schedule=_first_step)
-                      for name in QUANTITIES]
+        quantities = [
+            getattr(clients["cockpit.quantities"], name)(track_schedule=_first_step)
+            for name in QUANTITIES
+        ]
         cp = cockpit.Cockpit(list(model.parameters()), quantities=quantities)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for step, (X, y) in enumerate(batches):
             optimizer.zero_grad()
             outputs = model(X)
             loss = lossfunc(outputs, y)
-            info = {"batch_size": len(X), "loss": loss, "optimizer": optimizer,
-                    "individual_losses": nn.functional.cross_entropy(outputs, y,
-                                                                     reduction="none")}
+            info = {
+                "batch_size": len(X),
+                "loss": loss,
+                "optimizer": optimizer,
+                "individual_losses": nn.functional.cross_entropy(outputs, y, reduction="none"),
+            }
             with cp(step, info=info):
                 loss.backward(create_graph=cp.create_graph(step))
             optimizer.step()
@@ -259,8 +304,13 @@ def test_cockpit_curvature_matches_autograd(shim: _Clients):
 
     H = hessian(loss)(params)
     blocks = [H[name][name].reshape(p.numel(), p.numel()) for name, p in params.items()]
-    full = torch.cat([torch.cat([H[a][b].reshape(params[a].numel(), params[b].numel())
-                                 for b in params], 1) for a in params], 0)
+    full = torch.cat(
+        [
+            torch.cat([H[a][b].reshape(params[a].numel(), params[b].numel()) for b in params], 1)
+            for a in params
+        ],
+        0,
+    )
     grad = torch.func.grad(loss)(params)
     _assert_close(ours["HessTrace"], [block.trace() for block in blocks], rtol=1e-4, atol=1e-6)
     # scipy's eigsh on cockpit's float32 Hessian-vector products: about 1e-3 relative
@@ -288,9 +338,11 @@ def test_batch_grad_with_create_graph_matches_autograd(shim: _Clients):
         torch.testing.assert_close(p.grad_batch, expected[name])
         assert p.grad_batch.requires_grad, name
     W = {name: torch.randn_like(g) for name, g in expected.items()}
-    ours = torch.autograd.grad(sum((p.grad_batch * W[n]).sum() for n, p in params.items()),
-                               list(params.values()))
-    theirs = torch.autograd.grad(sum((expected[n] * W[n]).sum() for n in params),
-                                 list(params.values()))
+    ours = torch.autograd.grad(
+        sum((p.grad_batch * W[n]).sum() for n, p in params.items()), list(params.values())
+    )
+    theirs = torch.autograd.grad(
+        sum((expected[n] * W[n]).sum() for n in params), list(params.values())
+    )
     for name, a, b in zip(params, ours, theirs):
         torch.testing.assert_close(a, b, msg=name)

@@ -75,8 +75,13 @@ def one_thread() -> Iterator[None]:
 @pytest.mark.parametrize("package", PACKAGES)
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda example: example.name)
 def test_docs_example_runs(
-    example: Example, package: str, sdist: Path, quiet_matplotlib: None, one_thread: None,
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    example: Example,
+    package: str,
+    sdist: Path,
+    quiet_matplotlib: None,
+    one_thread: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     pytest.importorskip(package)
     for module in example.requires:
@@ -90,6 +95,7 @@ def test_docs_example_runs(
     exec(code, {"__name__": "__main__"})  # a fresh namespace, as runpy would give
 
     printed = capsys.readouterr().out
-    failed = [line for line in printed.splitlines()
-              if example.prints_checks and FAILED_CHECK.search(line)]
+    failed = [
+        line for line in printed.splitlines() if example.prints_checks and FAILED_CHECK.search(line)
+    ]
     assert not failed, f"{example.path} reports failed checks:\n" + "\n".join(failed)

@@ -15,29 +15,34 @@ from packfunc.compat import extensions as ours
 from packfunc.compat.custom_module.slicing import Slicing
 from tests.cases import run_backward_with
 
-pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing",
-                                        "ignore:Using backward\\(\\) with create_graph=True")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Full backward hook is firing", "ignore:Using backward\\(\\) with create_graph=True"
+)
 
 
 def _data(n: int = 5, d: int = 3, classes: int = 2):
     torch.manual_seed(0)
-    return (torch.randn(n, d, dtype=torch.float64),
-            torch.randint(0, classes, (n,)))
+    return (torch.randn(n, d, dtype=torch.float64), torch.randint(0, classes, (n,)))
 
 
 def _per_sample_grads(model: nn.Module, loss: nn.Module, X, y) -> list[torch.Tensor]:
     """Autograd oracle: sample n's gradient of the reduced loss."""
     scale = 1.0 / len(X) if loss.reduction == "mean" else 1.0
     single = type(loss)(reduction="sum")
-    rows = [torch.autograd.grad(single(model(X[n:n + 1]), y[n:n + 1]) * scale,
-                                list(model.parameters())) for n in range(len(X))]
+    rows = [
+        torch.autograd.grad(
+            single(model(X[n : n + 1]), y[n : n + 1]) * scale, list(model.parameters())
+        )
+        for n in range(len(X))
+    ]
     return [torch.stack(column) for column in zip(*rows)]
 
 
 def _mlp(inplace: bool = False) -> nn.Module:
     torch.manual_seed(1)
-    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=inplace), nn.Linear(4, 4),
-                         nn.Sigmoid(), nn.Linear(4, 2)).double()
+    return nn.Sequential(
+        nn.Linear(3, 4), nn.ReLU(inplace=inplace), nn.Linear(4, 4), nn.Sigmoid(), nn.Linear(4, 2)
+    ).double()
 
 
 def _functional_diag_ggn(model: nn.Module, loss: nn.Module, X, y) -> dict:
@@ -104,8 +109,11 @@ def test_second_loss_on_the_same_output_is_not_used(reduction):
 
 def test_two_extended_losses_in_one_backward_are_refused_for_second_order():
     X, y = _data()
-    model, first, second = extend(_mlp()), extend(nn.CrossEntropyLoss()), extend(
-        nn.CrossEntropyLoss(reduction="sum"))
+    model, first, second = (
+        extend(_mlp()),
+        extend(nn.CrossEntropyLoss()),
+        extend(nn.CrossEntropyLoss(reduction="sum")),
+    )
     output = model(X)
     with backpack(ours.DiagGGNExact()), pytest.raises(ValueError, match="2 extended losses"):
         (first(output, y) + second(output, y)).backward()
@@ -124,8 +132,9 @@ def test_loss_on_a_reshaped_output_matches_backpack(extension):
         loss.backward()
     bp = pytest.importorskip("backpack")
     theirs = pytest.importorskip("backpack.extensions")
-    reference = run_backward_with(bp, [getattr(theirs, extension)()], _mlp(),
-                                  nn.CrossEntropyLoss(), X, y)
+    reference = run_backward_with(
+        bp, [getattr(theirs, extension)()], _mlp(), nn.CrossEntropyLoss(), X, y
+    )
     field = getattr(ours, extension)().savefield
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(getattr(p, field), getattr(q, field))
@@ -144,8 +153,13 @@ def test_sequence_loss_on_flattened_positions_is_exact(reduction):
     with backpack(ours.DiagGGNExact(), ours.BatchGrad()):
         loss.backward()
     fn, params = pf.functional(model)
-    canonical = pf.diag_ggn(lambda p, x: fn(p, x).transpose(1, 2), params, X, y,
-                            loss=nn.CrossEntropyLoss(reduction=reduction))
+    canonical = pf.diag_ggn(
+        lambda p, x: fn(p, x).transpose(1, 2),
+        params,
+        X,
+        y,
+        loss=nn.CrossEntropyLoss(reduction=reduction),
+    )
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.diag_ggn_exact, canonical[name])
         torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
@@ -202,15 +216,15 @@ def test_curvature_products_take_a_single_matrix_and_run_inside_the_context():
 
 def test_extension_hook_visits_each_computing_module_once():
     X, y = _data()
-    model = extend(nn.Sequential(nn.Sequential(nn.Linear(3, 4), nn.ReLU()), nn.Linear(4, 2))
-                   .double())
+    model = extend(
+        nn.Sequential(nn.Sequential(nn.Linear(3, 4), nn.ReLU()), nn.Linear(4, 2)).double()
+    )
     lossfunc = extend(nn.CrossEntropyLoss())
     visited: list[nn.Module] = []
     loss = lossfunc(model(X), y)
     with backpack(ours.BatchGrad(), extension_hook=visited.append):
         loss.backward()
-    assert [type(m).__name__ for m in visited] == ["CrossEntropyLoss", "Linear", "ReLU",
-                                                    "Linear"]
+    assert [type(m).__name__ for m in visited] == ["CrossEntropyLoss", "Linear", "ReLU", "Linear"]
 
 
 def test_inputs_and_outputs_are_stored_as_backpack_stores_them():

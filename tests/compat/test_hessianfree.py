@@ -36,8 +36,7 @@ LOSSES = {
 
 
 def _backpack(module: str):
-    """Import ``backpack.<module>`` or skip the test."""
-    pytest.importorskip("backpack")
+    """Import ``backpack.<module>`` (tests calling this use the ``backpack_oracle`` fixture)."""
     return importlib.import_module(f"backpack.{module}")
 
 
@@ -174,7 +173,7 @@ def test_vjp_single_tensor_input_and_tuple_outputs(problem: Problem) -> None:
     result = L_op((problem.output, problem.loss), bias, (w_out, w_loss))
     assert_tuple_like(result, (bias,))
     full = problem.jac().T @ w_out.reshape(-1) + w_loss * problem.grad()
-    torch.testing.assert_close(result[0], full[-bias.numel():], **TOL)
+    torch.testing.assert_close(result[0], full[-bias.numel() :], **TOL)
 
 
 def test_hvp_matches_dense_hessian(problem: Problem) -> None:
@@ -238,7 +237,7 @@ def test_ggnvp_only_trainable_parameters() -> None:
     ggn = problem.ggn()
     keep = torch.ones(ggn.shape[0], dtype=torch.bool)
     start = problem.params[0].numel()
-    keep[start:start + problem.params[1].numel()] = False
+    keep[start : start + problem.params[1].numel()] = False
     torch.testing.assert_close(flat(result), ggn[keep][:, keep] @ flat(v), **TOL)
 
 
@@ -280,8 +279,9 @@ def test_hvp_of_linear_function_is_zero() -> None:
     # BackPACK raises here (the gradient carries no graph); the Hessian is zero.
     a = torch.randn(3, dtype=torch.float64, requires_grad=True)
     b = torch.randn(2, dtype=torch.float64, requires_grad=True)
-    ha, hb = hessian_vector_product((2 * a).sum() + (b**2).sum(), (a, b),
-                                    (torch.ones_like(a), torch.ones_like(b)))
+    ha, hb = hessian_vector_product(
+        (2 * a).sum() + (b**2).sum(), (a, b), (torch.ones_like(a), torch.ones_like(b))
+    )
     torch.testing.assert_close(ha, torch.zeros_like(a))
     torch.testing.assert_close(hb, 2 * torch.ones_like(b))
     (only,) = hessian_vector_product((2 * a).sum(), a, torch.ones_like(a))
@@ -320,8 +320,9 @@ def test_detach_false_keeps_graph() -> None:
         assert not fn(x**3, x, v)[0].requires_grad
 
 
-@pytest.mark.parametrize("fn", [R_op, L_op, jacobian_vector_product,
-                                transposed_jacobian_vector_product])
+@pytest.mark.parametrize(
+    "fn", [R_op, L_op, jacobian_vector_product, transposed_jacobian_vector_product]
+)
 def test_retain_graph(fn) -> None:
     x = torch.randn(3, dtype=torch.float64, requires_grad=True)
     y = x.exp()
@@ -344,10 +345,11 @@ def _compare(ours, theirs) -> None:
         torch.testing.assert_close(a, b, **TOL)
 
 
-@pytest.mark.backpack
 @pytest.mark.parametrize("detach", [True, False])
 @pytest.mark.parametrize("single", [False, True])
-def test_rop_lop_match_backpack(problem: Problem, detach: bool, single: bool) -> None:
+def test_rop_lop_match_backpack(
+    problem: Problem, detach: bool, single: bool, backpack_oracle
+) -> None:
     rop = _backpack("hessianfree.rop")
     lop = _backpack("hessianfree.lop")
     xs = problem.params[0] if single else tuple(problem.params)
@@ -355,46 +357,61 @@ def test_rop_lop_match_backpack(problem: Problem, detach: bool, single: bool) ->
     w = torch.randn_like(problem.output)
     out = problem.output
     _compare(R_op(out, xs, v, detach=detach), rop.R_op(out, xs, v, detach=detach))
-    _compare(jacobian_vector_product(out, xs, v, detach=detach),
-             rop.jacobian_vector_product(out, xs, v, detach=detach))
-    _compare(R_op((out, problem.loss), xs, v, detach=detach),
-             rop.R_op((out, problem.loss), xs, v, detach=detach))
+    _compare(
+        jacobian_vector_product(out, xs, v, detach=detach),
+        rop.jacobian_vector_product(out, xs, v, detach=detach),
+    )
+    _compare(
+        R_op((out, problem.loss), xs, v, detach=detach),
+        rop.R_op((out, problem.loss), xs, v, detach=detach),
+    )
     _compare(L_op(out, xs, w, detach=detach), lop.L_op(out, xs, w, detach=detach))
-    _compare(transposed_jacobian_vector_product(out, xs, w, detach=detach),
-             lop.transposed_jacobian_vector_product(out, xs, w, detach=detach))
+    _compare(
+        transposed_jacobian_vector_product(out, xs, w, detach=detach),
+        lop.transposed_jacobian_vector_product(out, xs, w, detach=detach),
+    )
     ws = (w, torch.tensor(2.0, dtype=torch.float64))
-    _compare(L_op((out, problem.loss), xs, ws, detach=detach),
-             lop.L_op((out, problem.loss), xs, ws, detach=detach))
+    _compare(
+        L_op((out, problem.loss), xs, ws, detach=detach),
+        lop.L_op((out, problem.loss), xs, ws, detach=detach),
+    )
 
 
-@pytest.mark.backpack
-def test_hvp_matches_backpack(problem: Problem) -> None:
+def test_hvp_matches_backpack(problem: Problem, backpack_oracle) -> None:
     hvp = _backpack("hessianfree.hvp")
     _, v = rand_like_params(problem)
-    _compare(hessian_vector_product(problem.loss, problem.params, v),
-             hvp.hessian_vector_product(problem.loss, problem.params, v))
+    _compare(
+        hessian_vector_product(problem.loss, problem.params, v),
+        hvp.hessian_vector_product(problem.loss, problem.params, v),
+    )
     grads = torch.autograd.grad(problem.loss, problem.params, create_graph=True)
-    _compare(hessian_vector_product(problem.loss, problem.params, v, grad_params=grads),
-             hvp.hessian_vector_product(problem.loss, problem.params, v, grad_params=grads))
+    _compare(
+        hessian_vector_product(problem.loss, problem.params, v, grad_params=grads),
+        hvp.hessian_vector_product(problem.loss, problem.params, v, grad_params=grads),
+    )
     weight = problem.params[0]
-    _compare(hessian_vector_product(problem.loss, weight, v[0]),
-             hvp.hessian_vector_product(problem.loss, weight, v[0]))
+    _compare(
+        hessian_vector_product(problem.loss, weight, v[0]),
+        hvp.hessian_vector_product(problem.loss, weight, v[0]),
+    )
 
 
-@pytest.mark.backpack
-def test_ggnvp_matches_backpack(problem: Problem) -> None:
+def test_ggnvp_matches_backpack(problem: Problem, backpack_oracle) -> None:
     ggnvp = _backpack("hessianfree.ggnvp")
     _, v = rand_like_params(problem)
     args = (problem.loss, problem.output)
-    _compare(ggn_vector_product(*args, problem.model, v),
-             ggnvp.ggn_vector_product(*args, problem.model, v))
+    _compare(
+        ggn_vector_product(*args, problem.model, v),
+        ggnvp.ggn_vector_product(*args, problem.model, v),
+    )
     sub, v_sub = problem.params[1:3], v[1:3]
-    _compare(ggn_vector_product_from_plist(*args, sub, v_sub),
-             ggnvp.ggn_vector_product_from_plist(*args, sub, v_sub))
+    _compare(
+        ggn_vector_product_from_plist(*args, sub, v_sub),
+        ggnvp.ggn_vector_product_from_plist(*args, sub, v_sub),
+    )
 
 
-@pytest.mark.backpack
-def test_unused_inputs_match_backpack() -> None:
+def test_unused_inputs_match_backpack(backpack_oracle) -> None:
     rop = _backpack("hessianfree.rop")
     lop = _backpack("hessianfree.lop")
     hvp = _backpack("hessianfree.hvp")
@@ -406,8 +423,9 @@ def test_unused_inputs_match_backpack() -> None:
     _compare(R_op(y, (a, b), (va, vb)), rop.R_op(y, (a, b), (va, vb)))
     _compare(L_op(y, (a, b), va), lop.L_op(y, (a, b), va))
     f = (a**3).sum()
-    _compare(hessian_vector_product(f, (a, b), (va, vb)),
-             hvp.hessian_vector_product(f, (a, b), (va, vb)))
+    _compare(
+        hessian_vector_product(f, (a, b), (va, vb)), hvp.hessian_vector_product(f, (a, b), (va, vb))
+    )
 
 
 # ------------------------------------------------------------------ parameter vectors
@@ -448,8 +466,7 @@ def test_vector_to_parameter_list_errors() -> None:
             vector_to_parameter_list(torch.zeros(size), params)
 
 
-@pytest.mark.backpack
-def test_vector_to_parameter_list_matches_backpack() -> None:
+def test_vector_to_parameter_list_matches_backpack(backpack_oracle) -> None:
     convert = _backpack("utils.convert_parameters")
     problem = make_problem("ce_mean")
     vec = torch.randn(problem.theta().numel(), dtype=torch.float64, requires_grad=True)

@@ -64,20 +64,22 @@ def test_custom_modules_compute_what_their_plain_code_does():
     linear = nn.Linear(4, 4)
     parallel = Parallel(nn.Identity(), linear, merge_module=SumModule())
     torch.testing.assert_close(parallel(x), x + linear(x))
-    assert [name for name, _ in parallel.named_parameters()] == ["branch.1.weight",
-                                                                 "branch.1.bias"]
+    assert [name for name, _ in parallel.named_parameters()] == ["branch.1.weight", "branch.1.bias"]
     torch.testing.assert_close(ScaleModule(2.5)(x), 2.5 * x)
     torch.testing.assert_close(Slicing((slice(None), 1))(x), x[:, 1])
-    torch.testing.assert_close(Pad((1, 2), mode="constant", value=3.0)(x),
-                               nn.functional.pad(x, (1, 2), value=3.0))
+    torch.testing.assert_close(
+        Pad((1, 2), mode="constant", value=3.0)(x), nn.functional.pad(x, (1, 2), value=3.0)
+    )
     torch.testing.assert_close(Permute(0, 2, 1)(x), x.transpose(1, 2))
     torch.testing.assert_close(Permute(2, 1, init_transpose=True)(x), x.transpose(1, 2))
     output, _ = nn.LSTM(4, 5, batch_first=True)(x)
     assert ReduceTuple(index=0)((output, None)) is output
 
 
-@pytest.mark.parametrize("make", [lambda: ScaleModule(2), lambda: Permute(1, 0),
-                                  lambda: Permute(0, 2, init_transpose=True)])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: ScaleModule(2), lambda: Permute(1, 0), lambda: Permute(0, 2, init_transpose=True)],
+)
 def test_custom_modules_refuse_what_backpack_refuses(make):
     with pytest.raises(ValueError):
         make()
@@ -91,14 +93,25 @@ def test_sum_module_refuses_mismatched_inputs():
 def test_backpack_tracer_keeps_custom_modules_whole():
     model = nn.Sequential(nn.Linear(3, 3), ScaleModule(2.0), Permute(0, 1))
     ops = [(node.op, node.target) for node in BackpackTracer().trace(model).nodes]
-    assert ops == [("placeholder", "input"), ("call_module", "0"), ("call_module", "1"),
-                   ("call_module", "2"), ("output", "output")]
+    assert ops == [
+        ("placeholder", "input"),
+        ("call_module", "0"),
+        ("call_module", "1"),
+        ("call_module", "2"),
+        ("output", "output"),
+    ]
 
 
 def test_second_order_extensions_through_a_residual_parallel():
     torch.manual_seed(0)
-    model = extend(nn.Sequential(nn.Linear(3, 4), Parallel(nn.Identity(), nn.Sequential(
-        nn.Linear(4, 4), nn.Tanh())), ScaleModule(0.5), nn.Linear(4, 2)))
+    model = extend(
+        nn.Sequential(
+            nn.Linear(3, 4),
+            Parallel(nn.Identity(), nn.Sequential(nn.Linear(4, 4), nn.Tanh())),
+            ScaleModule(0.5),
+            nn.Linear(4, 2),
+        )
+    )
     lossfunc = extend(nn.CrossEntropyLoss())
     X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
     with backpack(DiagGGNExact()):

@@ -24,28 +24,36 @@ from packfunc.compat.extensions.module_extension import ModuleExtension
 from packfunc.compat.extensions.secondorder.diag_ggn import DiagGGNExact
 from packfunc.compat.hessianfree.ggnvp import ggn_vector_product
 from packfunc.compat.utils.convert_parameters import vector_to_parameter_list
-from tests.cases import CASE_IDS, CASES, run_backward_with
-
-bp = pytest.importorskip("backpack")
-einsum = pytest.importorskip("einops").einsum
-theirs = pytest.importorskip("backpack.extensions")
+from tests.cases import make_problem, run_backward_with
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 
-DETERMINISTIC = ["BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance", "DiagGGNExact",
-                 "BatchDiagGGNExact", "DiagHessian", "BatchDiagHessian", "SqrtGGNExact", "KFLR",
-                 "KFRA"]
+DETERMINISTIC = [
+    "BatchGrad",
+    "BatchL2Grad",
+    "SumGradSquared",
+    "Variance",
+    "DiagGGNExact",
+    "BatchDiagGGNExact",
+    "DiagHessian",
+    "BatchDiagHessian",
+    "SqrtGGNExact",
+    "KFLR",
+    "KFRA",
+]
 MONTE_CARLO = ["DiagGGNMC", "BatchDiagGGNMC", "SqrtGGNMC", "KFAC"]
 
 
 def _mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Sigmoid(),
-                         nn.Linear(6, 3)).double()
+    return nn.Sequential(
+        nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Sigmoid(), nn.Linear(6, 3)
+    ).double()
 
 
 def _cnn() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(2, 3, 2, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Flatten(), nn.Linear(12, 3)).double()
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 2, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(12, 3)
+    ).double()
 
 
 def _data(model_name: str, n: int = 5):
@@ -69,14 +77,15 @@ def _assert_same(a, b, what):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("model_name", ["mlp", "cnn"])
-def test_all_extensions_side_by_side_with_backpack(model_name, reduction):
+def test_all_extensions_side_by_side_with_backpack(model_name, reduction, backpack_oracle):
+    theirs = backpack_oracle.extensions
     torch.manual_seed(0)
     model = _mlp() if model_name == "mlp" else _cnn()
     lossfunc = nn.CrossEntropyLoss(reduction=reduction)
     X, y = _data(model_name)
     names = DETERMINISTIC + MONTE_CARLO
     mine = _run(pf.compat, [getattr(ours, n)() for n in names], model, lossfunc, X, y)
-    ref = _run(bp, [getattr(theirs, n)() for n in names], model, lossfunc, X, y)
+    ref = _run(backpack_oracle, [getattr(theirs, n)() for n in names], model, lossfunc, X, y)
     for (name, p), (_, q) in zip(mine.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad)
         for ext in names:
@@ -93,14 +102,15 @@ def test_monte_carlo_extensions_have_the_right_statistics():
     torch.manual_seed(0)
     model, lossfunc = _mlp(), nn.CrossEntropyLoss()
     X, y = _data("mlp", 4)
-    mine = _run(pf.compat, [ours.DiagGGNMC(mc_samples=20_000), ours.DiagGGNExact()], model,
-                lossfunc, X, y)
+    mine = _run(
+        pf.compat, [ours.DiagGGNMC(mc_samples=20_000), ours.DiagGGNExact()], model, lossfunc, X, y
+    )
     for p in mine.parameters():
         error = (p.diag_ggn_mc - p.diag_ggn_exact).abs().max() / p.diag_ggn_exact.abs().max()
         assert error < 0.05
 
 
-def test_intro_example_mlp_with_kfac():
+def test_intro_example_mlp_with_kfac(backpack_oracle):
     torch.manual_seed(0)
     X, y = torch.randn(16, 784), torch.randint(0, 10, (16,))
     model = nn.Sequential(nn.Linear(784, 64), nn.ReLU(), nn.Linear(64, 10))
@@ -115,9 +125,22 @@ def test_intro_example_mlp_with_kfac():
         if param.dim() == 2:
             expected.append((param.shape[1], param.shape[1]))
         assert [tuple(f.shape) for f in param.kfac] == expected
-    reference = _run(bp, [theirs.KFAC()], nn.Sequential(*copy.deepcopy(list(model))),
-                     nn.CrossEntropyLoss(), X, y)
+    reference = _run(
+        backpack_oracle,
+        [backpack_oracle.extensions.KFAC()],
+        nn.Sequential(*copy.deepcopy(list(model))),
+        nn.CrossEntropyLoss(),
+        X,
+        y,
+    )
     torch.testing.assert_close(model[0].weight.kfac[1], reference[0].weight.kfac[1])
+
+
+def einsum(*operands_and_pattern):
+    """``einops.einsum``, as BackPACK's tutorial writes it (imported when the tutorial runs)."""
+    import einops
+
+    return einops.einsum(*operands_and_pattern)
 
 
 class ScaleModule(nn.Module):
@@ -153,6 +176,7 @@ class ScaleModuleDiagGGNExact(ModuleExtension):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_custom_module_tutorial(reduction):
+    pytest.importorskip("einops")
     torch.manual_seed(0)
     inputs, targets = torch.randn(10, 4), torch.randint(0, 2, (10,))
     lossfunc = nn.CrossEntropyLoss(reduction=reduction)
@@ -190,8 +214,7 @@ def test_custom_module_tutorial(reduction):
     for d in range(dim):
         e_d = vector_to_parameter_list(torch.eye(dim)[d], params)
         diagonal[d] = parameters_to_vector(ggn_vector_product(loss, outputs, my_module, e_d))[d]
-    torch.testing.assert_close(parameters_to_vector([p.diag_ggn_exact for p in params]),
-                               diagonal)
+    torch.testing.assert_close(parameters_to_vector([p.diag_ggn_exact for p in params]), diagonal)
 
 
 def test_fields_are_reset_by_each_backward_and_grad_accumulates():
@@ -217,11 +240,13 @@ def test_first_order_works_without_extending_the_loss_and_with_any_loss():
         loss.backward()
     model_fn, params = pf.functional(model)
     for n in range(X.shape[0]):
+
         def term(p, n=n):
             rows = list(model_fn(params, X).detach().unbind(0))
-            rows[n] = model_fn(p, X[n:n + 1])[0]
+            rows[n] = model_fn(p, X[n : n + 1])[0]
             out = torch.stack(rows)
             return nn.functional.cross_entropy(out, y) + 0.1 * out.square().mean()
+
         expected = torch.func.grad(term)(params)
         torch.testing.assert_close(model[2].weight.grad_batch[n], expected["2.weight"])
 
@@ -292,6 +317,7 @@ def test_disable_stores_nothing_and_cannot_run_extensions():
     assert not hasattr(model[0].weight, "grad_batch")
 
 
+@pytest.mark.slow
 def test_a_training_loop_does_not_keep_activations_alive():
     torch.manual_seed(0)
     model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
@@ -316,14 +342,13 @@ def test_debug_prints_what_runs(capsys):
     assert "extended Linear" in printed and "BatchGrad on Sequential" in printed
 
 
-@pytest.mark.parametrize("case_name", ["residual", "shared_layer", "custom_module"])
-def test_second_order_beyond_backpack(case_name):
-    case = CASES[CASE_IDS.index(case_name)]
-    torch.manual_seed(0)
-    model = case.build().double()
-    X, y = case.inputs(4).double(), torch.randint(0, case.classes, (4,))
-    functional = pf.compute(*pf.functional(model), X, y, quantities=("diag_ggn", "diag_hessian",
-                                                                     "batch_grad"))
+@pytest.mark.parametrize("case", ["residual", "shared_layer", "custom_module"], indirect=True)
+def test_second_order_beyond_backpack(case):
+    problem = make_problem(case, n=4)
+    model, X, y = problem.model, problem.X, problem.y
+    functional = pf.compute(
+        *pf.functional(model), X, y, quantities=("diag_ggn", "diag_hessian", "batch_grad")
+    )
     model, lossfunc = extend(model), extend(nn.CrossEntropyLoss())
     with backpack(ours.DiagGGNExact(), ours.DiagHessian(), ours.BatchGrad()):
         lossfunc(model(X), y).backward()
@@ -361,12 +386,10 @@ def test_the_users_own_forward_pass_is_reused(monkeypatch):
     assert model[0].weight.grad_batch.shape == (5, 6, 4)
 
 
-@pytest.mark.parametrize("case_name", ["lstm", "transformer", "batchnorm_eval"])
-def test_models_whose_forward_cannot_be_reused_still_work(case_name):
-    case = CASES[CASE_IDS.index(case_name)]
-    torch.manual_seed(0)
-    model = case.build().double()
-    X, y = case.inputs(3).double(), torch.randint(0, case.classes, (3,))
+@pytest.mark.parametrize("case", ["lstm", "transformer", "batchnorm_eval"], indirect=True)
+def test_models_whose_forward_cannot_be_reused_still_work(case):
+    problem = make_problem(case, n=3)
+    model, X, y = problem.model, problem.X, problem.y
     expected = pf.batch_grad(*pf.functional(model), X, y)
     model, lossfunc = extend(model), extend(nn.CrossEntropyLoss())
     with backpack(ours.BatchGrad()):

@@ -31,8 +31,11 @@ def test_expected_sandwich_equals_average_of_dense_per_sample_sandwiches(name, n
     d_out = link.output[0].numel()
     root = torch.randn(d_out, d_out, dtype=torch.float64)
     H = root @ root.T
-    expected = sum(
-        J.T @ H @ J
-        for J in (jacobian(link.apply, x[i:i + 1]).reshape(d_out, -1) for i in range(n))
-    ) / n
+    expected = (
+        sum(
+            J.T @ H @ J
+            for J in (jacobian(link.apply, x[i : i + 1]).reshape(d_out, -1) for i in range(n))
+        )
+        / n
+    )
     torch.testing.assert_close(expected_jacobian_sandwich(link, H), expected)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.cases import CASE_IDS, CASES
+from tests.cases import make_problem
 from torch import nn
 
 import packfunc as pf
@@ -56,8 +56,9 @@ def test_explicit_chunk_size_is_used(monkeypatch):
     X, y = torch.randn(7, 6, dtype=torch.float64), torch.randint(0, 3, (7,))
     seen: list[int] = []
     original = generic.column_grads
-    monkeypatch.setattr(generic, "column_grads",
-                        lambda *a: seen.append(index_length(a[-1])) or original(*a))
+    monkeypatch.setattr(
+        generic, "column_grads", lambda *a: seen.append(index_length(a[-1])) or original(*a)
+    )
     pf.batch_grad(model_fn, params, X, y, chunk_size=3)
     assert seen == [3, 3, 1]
 
@@ -82,15 +83,22 @@ def test_large_outputs_are_ordinary_tensors():
     assert is_plain(like) and not is_plain(torch.zeros(1, requires_grad=True))
 
 
-@pytest.mark.parametrize("case_name", ["mlp", "embedding"])
-def test_moments_of_closed_form_layers_never_materialize(monkeypatch, case_name):
+@pytest.mark.parametrize("case", ["mlp", "embedding"], indirect=True)
+def test_moments_of_closed_form_layers_never_materialize(monkeypatch, case):
     def refuse(*args):
         raise AssertionError("materialized per-sample gradients")
 
     monkeypatch.setattr(ColumnGradients, "batch_grad", refuse)
     monkeypatch.setattr(generic, "column_grads", refuse)
-    case = CASES[CASE_IDS.index(case_name)]
-    model_fn, params = pf.functional(case.build())
-    X = case.inputs(6)
-    pf.compute(model_fn, params, X, torch.randint(0, 2, (6,)),
-                   quantities=("grad", "batch_l2_grad", "sum_grad_squared", "variance"))
+    problem = make_problem(case, n=6)
+    result = pf.compute(
+        *problem.functional(),
+        problem.X,
+        problem.y,
+        quantities=("grad", "batch_l2_grad", "sum_grad_squared", "variance"),
+    )
+    grads = torch.autograd.grad(
+        problem.loss(problem.model(problem.X), problem.y), list(problem.model.parameters())
+    )
+    for (name, _), g in zip(problem.model.named_parameters(), grads):
+        torch.testing.assert_close(result["grad"][name], g)

@@ -30,11 +30,12 @@ def _aliased(name: str) -> bool:
 class _BackpackFinder(MetaPathFinder, Loader):
     """Finds ``backpack[.<sub>]`` as the module ``packfunc.compat[.<sub>]``."""
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None,
-                  target: ModuleType | None = None) -> ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
         if not _aliased(fullname):
             return None
-        spec = importlib.util.find_spec(TARGET + fullname[len(ALIASED):])
+        spec = importlib.util.find_spec(TARGET + fullname[len(ALIASED) :])
         if spec is None:
             return None
         return ModuleSpec(fullname, self, is_package=spec.submodule_search_locations is not None)
@@ -46,7 +47,7 @@ class _BackpackFinder(MetaPathFinder, Loader):
         # the import system returns what sys.modules holds after exec_module, so the
         # importer gets packfunc's module itself, with its own __name__ and __spec__
         name = module.__name__
-        sys.modules[name] = importlib.import_module(TARGET + name[len(ALIASED):])
+        sys.modules[name] = importlib.import_module(TARGET + name[len(ALIASED) :])
 
 
 _FINDER = _BackpackFinder()
@@ -128,7 +129,8 @@ def alias_backpack(shadow: bool = False) -> BackpackAlias:
         raise RuntimeError(
             f"the real BackPACK is already imported ({', '.join(real[:3])}); call "
             "packfunc.compat.alias_backpack() before anything imports backpack, or pass "
-            "shadow=True to hide it while the alias is active.")
+            "shadow=True to hide it while the alias is active."
+        )
     _shadowed.update((name, sys.modules.pop(name)) for name in real)
     if not _users:
         sys.meta_path.insert(0, _FINDER)

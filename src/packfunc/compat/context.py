@@ -56,16 +56,23 @@ class backpack:  # noqa: N801 (BackPACK's name)
         ...     pass
     """
 
-    def __init__(self, *exts: BackpropExtension,
-                 extension_hook: Callable[[nn.Module], None] | None = None,
-                 debug: bool = False, retain_graph: bool = False):
+    def __init__(
+        self,
+        *exts: BackpropExtension,
+        extension_hook: Callable[[nn.Module], None] | None = None,
+        debug: bool = False,
+        retain_graph: bool = False,
+    ):
         for ext in exts:
             if isinstance(ext, type) and issubclass(ext, BackpropExtension):
-                raise ValueError(f"pass an instance, {ext.__name__}(), not the class "
-                                 f"{ext.__name__}.")
+                raise ValueError(
+                    f"pass an instance, {ext.__name__}(), not the class {ext.__name__}."
+                )
             if not isinstance(ext, BackpropExtension):
-                raise ValueError(f"{ext!r} is not a packfunc.compat extension; pass instances "
-                                 "from packfunc.compat.extensions.")
+                raise ValueError(
+                    f"{ext!r} is not a packfunc.compat extension; pass instances "
+                    "from packfunc.compat.extensions."
+                )
         fields = [ext.savefield for ext in exts]
         duplicates = sorted({f for f in fields if fields.count(f) > 1})
         if duplicates:
@@ -74,8 +81,10 @@ class backpack:  # noqa: N801 (BackPACK's name)
 
     def __enter__(self) -> backpack:
         if _DISABLED:
-            raise RuntimeError("backpack(...) cannot run inside disable(): forward passes there "
-                               "record nothing. Leave the disable() block first.")
+            raise RuntimeError(
+                "backpack(...) cannot run inside disable(): forward passes there "
+                "record nothing. Leave the disable() block first."
+            )
         _ACTIVE.append(self.context)
         return self
 
@@ -113,5 +122,6 @@ class disable:  # noqa: N801 (BackPACK's name)
             True
         """
         return not _DISABLED
+
 
 from packfunc.compat._ctx import CTX  # noqa: E402, F401 (BackPACK imports it from here)

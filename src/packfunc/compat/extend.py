@@ -19,6 +19,7 @@ so second-order extensions use the loss actually being differentiated.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -31,12 +32,17 @@ from torch import Tensor, nn
 from torch.nn.modules.loss import _Loss
 
 from packfunc.compat import context
-from packfunc.compat.layout import RECORD_KEY, SampleLayout, find_layout
+from packfunc.compat.layout import RECORD_KEY, SampleLayout, find_layout, node_metadata
 from packfunc.compat.run import NO_OP_MODULES, forget_inputs_and_outputs, run_extensions
 from packfunc.engine.taps import ForwardRecorder
 
 _depth: list[int] = [0]
 _recorders: list[ForwardRecorder | None] = []
+_serials = itertools.count()
+_LATEST = "_packfunc_latest_forward"
+"""Attribute of an extended model: the serial of its latest recorded forward pass."""
+_RUN = "_packfunc_extensions_ran"
+"""Attribute of an extended model: ``(graph task, serial)`` of the last extensions run."""
 
 
 @dataclass
@@ -72,6 +78,7 @@ class ForwardRecord:
         losses: Extended losses applied to its output.
         consumers: Records of extended modules that took its output as their only input
             (weak references, with the layout of that input).
+        serial: Numbers the forward passes: the model's latest one has the highest.
     """
 
     model: nn.Module
@@ -82,6 +89,7 @@ class ForwardRecord:
     output_shape: torch.Size
     losses: list[LossCall] = field(default_factory=list)
     consumers: list[tuple[weakref.ref, SampleLayout]] = field(default_factory=list)
+    serial: int = field(default_factory=lambda: next(_serials))
 
 
 def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) -> nn.Module:
@@ -107,13 +115,13 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
     """
     if isinstance(module, _Loss):
         if not getattr(module, "_packfunc_extended", False):
-            module._packfunc_extended = True
+            setattr(module, "_packfunc_extended", True)  # noqa: B010 (not a declared attribute)
             module.register_forward_hook(_loss_forward)
         return module
     for sub in module.modules():
         if getattr(sub, "_packfunc_extended", False):
             continue
-        sub._packfunc_extended = True
+        setattr(sub, "_packfunc_extended", True)  # noqa: B010 (not a declared attribute)
         sub.register_forward_pre_hook(_enter, with_kwargs=True)
         sub.register_forward_hook(_exit, with_kwargs=True, always_call=True)
         if debug:
@@ -130,7 +138,9 @@ def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if _depth[0] == 1:  # the outermost extended module: watch the whole pass
         recorder = None
         if _recording():
-            recorder = ForwardRecorder(optree.tree_leaves(dict(module.named_parameters())))
+            # leaves in packfunc's own order (optree sorts dict keys), as the plan numbers them
+            parameters: dict[str, Tensor] = dict(module.named_parameters())
+            recorder = ForwardRecorder(optree.tree_leaves(parameters))  # type: ignore[arg-type]
             recorder.__enter__()
         _recorders.append(recorder)
 
@@ -149,8 +159,9 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         return
     recorder.release(output)
     record = ForwardRecord(module, args, kwargs, recorder, output, output.shape)
+    module.__dict__[_LATEST] = record.serial
     _link_to_producer(record)
-    output.grad_fn.metadata[RECORD_KEY] = record
+    node_metadata(output.grad_fn)[RECORD_KEY] = record
     output.grad_fn.register_prehook(partial(_on_backward, record))
 
 
@@ -208,9 +219,47 @@ def _on_backward(record: ForwardRecord, grad_outputs: tuple[Tensor, ...]) -> Non
     if ctx is None or not ctx.extensions:  # a plain backward: drop what was stored
         forget_inputs_and_outputs(record, None)
         return
-    route = _route_to_loss(record, torch._C._current_graph_task_id())
+    task = torch._C._current_graph_task_id()
+    _refuse_mixed_forwards(record, ctx, task)
+    route = _route_to_loss(record, task)
     with context.disable():  # packfunc's own passes must not record or trigger
         run_extensions(ctx, record, grad_outputs[0], route)
+
+
+def _refuse_mixed_forwards(record: ForwardRecord, ctx: context.Context, task: int) -> None:
+    """Refuse what one record per module cannot answer when a model ran several times.
+
+    BackPACK keeps one forward pass per module (``module.input0``/``output`` are the
+    last one's). Backpropagating the latest forward's output, or an earlier one's
+    with the built-in extensions, is answered from that forward's own record. Two
+    forward passes in one backward pass would each write every result (the last
+    write would win), and an earlier pass with ``extension_hook`` or custom module
+    extensions would show them the later pass's ``input0``/``output``: both refused.
+
+    Raises:
+        ValueError: naming what to do instead.
+    """
+    model = record.model
+    ran = model.__dict__.get(_RUN)
+    model.__dict__[_RUN] = (task, record.serial)
+    name = type(model).__name__
+    if ran is not None and ran[0] == task and ran[1] != record.serial:
+        raise ValueError(
+            f"this backward pass goes through two forward passes of the same extended {name}; "
+            "BackPACK's extensions keep one forward pass per module, so per-sample results of "
+            "both cannot be stored. Call backward on each forward's loss separately, or run "
+            "the model once on the concatenated inputs."
+        )
+    hooked = ctx.extension_hook is not None or any(
+        getattr(ext, "module_extensions", None) for ext in ctx.extensions
+    )
+    if hooked and model.__dict__.get(_LATEST, record.serial) != record.serial:
+        raise ValueError(
+            f"this backward pass goes through an earlier forward pass of the extended {name} "
+            "than its latest one: module.input0/output hold the latest forward, which "
+            "extension_hook and custom module extensions would read. Backpropagate right "
+            "after each forward (or backpropagate the latest forward's output)."
+        )
 
 
 @dataclass(frozen=True)
@@ -233,22 +282,28 @@ def _route_to_loss(record: ForwardRecord, task: int) -> LossRoute:
     """Find the extended loss the running backward goes through, from ``record``'s output."""
     routes = _routes(record, task, ())
     if len(routes) > 1:
-        return LossRoute(error=f"the backward pass goes through {len(routes)} extended losses "
-                               "applied to this model's output; second-order extensions need "
-                               "exactly one (call backward on each loss separately).")
+        return LossRoute(
+            error=f"the backward pass goes through {len(routes)} extended losses "
+            "applied to this model's output; second-order extensions need "
+            "exactly one (call backward on each loss separately)."
+        )
     if not routes:
         return LossRoute()
     route = routes[0]
     if route.loss is not None and route.loss.modified:
-        warnings.warn(f"The output of {route.loss.module} seems to have been modified. "
-                      "Second-order extensions use the loss function's own curvature; call "
-                      "backward() on the output of the extended loss module itself.",
-                      UserWarning, stacklevel=2)
+        warnings.warn(
+            f"The output of {route.loss.module} seems to have been modified. "
+            "Second-order extensions use the loss function's own curvature; call "
+            "backward() on the output of the extended loss module itself.",
+            UserWarning,
+            stacklevel=2,
+        )
     return route
 
 
-def _routes(record: ForwardRecord, task: int,
-            stages: tuple[tuple[ForwardRecord, SampleLayout], ...]) -> list[LossRoute]:
+def _routes(
+    record: ForwardRecord, task: int, stages: tuple[tuple[ForwardRecord, SampleLayout], ...]
+) -> list[LossRoute]:
     found = [LossRoute(stages, call) for call in record.losses if call.task == task]
     for ref, layout in record.consumers:
         consumer = ref()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -23,7 +23,8 @@ RECORD_KEY = "packfunc_record"
 
 _SHAPE_ONLY = re.compile(
     r"(View|UnsafeView|ReshapeAlias|Permute|Transpose|T|Squeeze|Unsqueeze|Clone|Alias)"
-    r"Backward\d*")
+    r"Backward\d*"
+)
 
 
 @dataclass(frozen=True)
@@ -85,16 +86,34 @@ class SampleLayout:
         """
         if self.row_order is not None:
             y = y[self.row_order]
-        return self._blocks(y.reshape(y.shape[0] // self.positions, -1), class_dim,
-                            row_shape=tuple(y.shape[1:]))
+        return self._blocks(
+            y.reshape(y.shape[0] // self.positions, -1), class_dim, row_shape=tuple(y.shape[1:])
+        )
 
-    def _blocks(self, flat: Tensor, class_dim: bool,
-                row_shape: tuple[int, ...] | None = None) -> Tensor:
+    def _blocks(
+        self, flat: Tensor, class_dim: bool, row_shape: tuple[int, ...] | None = None
+    ) -> Tensor:
         n, shape = flat.shape[0], self.row_shape if row_shape is None else row_shape
         if self.positions == 1:
             return flat.view(n, *shape)
         blocks = flat.view(n, self.positions, *shape)
         return blocks.movedim(2, 1) if class_dim and len(shape) else blocks
+
+
+def node_metadata(node: Any) -> dict[str, Any]:
+    """The metadata dict of an autograd node (where a recorded pass is kept).
+
+    Args:
+        node: An autograd node (a tensor's ``grad_fn``).
+
+    Returns:
+        Its ``metadata`` dict.
+
+    Example:
+        >>> node_metadata((torch.zeros(1, requires_grad=True) * 2).grad_fn)
+        {}
+    """
+    return cast(dict[str, Any], node.metadata)
 
 
 def find_layout(tensor: Tensor) -> tuple[Any, SampleLayout] | None:
@@ -117,14 +136,14 @@ def find_layout(tensor: Tensor) -> tuple[Any, SampleLayout] | None:
         True
     """
     node, chain = tensor.grad_fn, []
-    while node is not None and RECORD_KEY not in node.metadata:
+    while node is not None and RECORD_KEY not in node_metadata(node):
         if not _SHAPE_ONLY.fullmatch(type(node).__name__):
             return None
         chain.append(node)
         node = _single_input(node)
     if node is None:
         return None
-    record = node.metadata[RECORD_KEY]
+    record = node_metadata(node)[RECORD_KEY]
     output_shape = record.output_shape
     if not chain:
         return record, SampleLayout(None, 1, tuple(output_shape[1:]), None)
@@ -136,8 +155,7 @@ def _single_input(node: Any) -> Any:
     return inputs[0] if len(inputs) == 1 else None
 
 
-def _layout(chain: list[Any], shape: tuple[int, ...], output_shape: torch.Size
-            ) -> SampleLayout:
+def _layout(chain: list[Any], shape: tuple[int, ...], output_shape: torch.Size) -> SampleLayout:
     """The per-sample layout of the chain's result, from its backward functions.
 
     The backward of a rearrangement moves every element back to where it came
@@ -153,22 +171,33 @@ def _layout(chain: list[Any], shape: tuple[int, ...], output_shape: torch.Size
     rows = shape[0] if shape else 1
     owner = (source // per_sample).view(rows, -1)
     if not bool((owner == owner[:, :1]).all()):
-        raise ValueError("the loss input mixes samples within one row; apply the loss to the "
-                         "model output with the samples along dim 0.")
+        raise ValueError(
+            "the loss input mixes samples within one row; apply the loss to the "
+            "model output with the samples along dim 0."
+        )
     row_sample = owner[:, 0]
     positions = rows // n
-    if positions * n != rows or not bool((torch.bincount(row_sample, minlength=n)
-                                          == positions).all()):
-        raise ValueError("the loss input gives the samples different numbers of rows; "
-                         "packfunc needs the same rearrangement for every sample.")
+    if positions * n != rows or not bool(
+        (torch.bincount(row_sample, minlength=n) == positions).all()
+    ):
+        raise ValueError(
+            "the loss input gives the samples different numbers of rows; "
+            "packfunc needs the same rearrangement for every sample."
+        )
     row_order = torch.argsort(row_sample, stable=True)
     blocks = source.view(rows, -1)[row_order].view(n, -1)
     offsets = torch.arange(n).unsqueeze(1) * per_sample
     gather = blocks[0]
     if not bool((blocks - offsets == gather).all()):
-        raise ValueError("the loss input rearranges the samples differently; packfunc needs "
-                         "the same rearrangement for every sample.")
+        raise ValueError(
+            "the loss input rearranges the samples differently; packfunc needs "
+            "the same rearrangement for every sample."
+        )
     in_order = bool((gather == torch.arange(per_sample)).all())
     rows_in_order = bool((row_order == torch.arange(rows)).all())
-    return SampleLayout(None if in_order else gather, positions, tuple(shape[1:]),
-                        None if rows_in_order else row_order)
+    return SampleLayout(
+        None if in_order else gather,
+        positions,
+        tuple(shape[1:]),
+        None if rows_in_order else row_order,
+    )

@@ -28,17 +28,23 @@ if TYPE_CHECKING:
     from packfunc.compat.context import Context
     from packfunc.compat.extend import ForwardRecord, LossRoute
 
-NO_OP_MODULES: tuple[type[nn.Module], ...] = (nn.Sequential, nn.ModuleList, nn.ModuleDict,
-                                               torch.fx.GraphModule)
+NO_OP_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Sequential,
+    nn.ModuleList,
+    nn.ModuleDict,
+    torch.fx.GraphModule,
+)
 """Containers that compute nothing themselves: no stored IO, no ``extension_hook`` call."""
 
-KRONECKER = {"kfac": pf.kfac, "kflr": pf.kflr, "kfra": pf.kfra}
-BLOCKS = {"ggn": pf.ggn_block_products, "hessian": pf.hessian_block_products,
-          "pch": pf.pch_block_products}
+KRONECKER: dict[str, Callable[..., Any]] = {"kfac": pf.kfac, "kflr": pf.kflr, "kfra": pf.kfra}
+BLOCKS: dict[str, Callable[..., Any]] = {
+    "ggn": pf.ggn_block_products,
+    "hessian": pf.hessian_block_products,
+    "pch": pf.pch_block_products,
+}
 
 
-def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor,
-                   route: LossRoute) -> None:
+def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route: LossRoute) -> None:
     """Compute every extension of ``ctx`` for ``record`` and store the results.
 
     Inside ``backward(create_graph=True)`` (gradients enabled in the hook) the
@@ -56,8 +62,10 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor,
     """
     model = record.model
     if record.kwargs:
-        raise ValueError("packfunc.compat passes the model's positional inputs only; call the "
-                         "extended model without keyword arguments.")
+        raise ValueError(
+            "packfunc.compat passes the model's positional inputs only; call the "
+            "extended model without keyword arguments."
+        )
     X = record.args[0] if len(record.args) == 1 else record.args
     differentiable = torch.is_grad_enabled()
     model_fn, params = pf.functional(model)
@@ -68,8 +76,9 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor,
         if ctx.debug:
             print(f"[packfunc.compat] {type(ext).__name__} on {type(model).__name__}: {job.name}")
         if job.second_order:
-            fn, loss, y, watched = _second_order_problem(ext, job, record, route, model_fn,
-                                                         differentiable)
+            fn, loss, y, watched = _second_order_problem(
+                ext, job, record, route, model_fn, differentiable
+            )
         else:
             fn, loss, y = model_fn, GivenGradient(gradient), gradient
             watched = partial(_watched, record, None, differentiable)
@@ -77,8 +86,9 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor,
             passes[job.second_order] = Backprop(fn, params, X, y, loss, watched=watched)
         with torch.set_grad_enabled(differentiable):
             if job.kind == "quantity":
-                results[ext.savefield] = evaluate(passes[job.second_order], (job.name,),
-                                                  **dict(job.options))[job.name]
+                results[ext.savefield] = evaluate(
+                    passes[job.second_order], (job.name,), **dict(job.options)
+                )[job.name]
             else:
                 results[ext.savefield] = _compute(job, fn, params, X, y, loss)
         results[ext.savefield].update(_module_extensions(ext, job, record, route, gradient))
@@ -93,9 +103,14 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor,
         forget_inputs_and_outputs(record, route.loss.module if route.loss else None)
 
 
-def _second_order_problem(ext: BackpropExtension, job: Job, record: ForwardRecord,
-                          route: LossRoute, model_fn: Callable, differentiable: bool
-                          ) -> tuple[Callable, nn.Module, Any, Callable | None]:
+def _second_order_problem(
+    ext: BackpropExtension,
+    job: Job,
+    record: ForwardRecord,
+    route: LossRoute,
+    model_fn: Callable,
+    differentiable: bool,
+) -> tuple[Callable, nn.Module, Any, Callable | None]:
     """``(model_fn, loss, targets, watched)`` for the loss this backward pass goes through.
 
     The model function ends where the loss starts: extended modules the output
@@ -110,7 +125,8 @@ def _second_order_problem(ext: BackpropExtension, job: Job, record: ForwardRecor
         raise ValueError(
             f"{type(ext).__name__} needs the loss function: extend it (lossfunc = "
             "extend(lossfunc)), apply it to the model's output (or a reshape of it, or the "
-            "output of further extended modules) and call backward on the loss itself.")
+            "output of further extended modules) and call backward on the loss itself."
+        )
     class_dim = isinstance(call.module, CLASS_LOSSES)
     y = call.layout.target(call.target, class_dim and call.target.is_floating_point())
     fn = _composed(model_fn, route.stages)
@@ -120,8 +136,9 @@ def _second_order_problem(ext: BackpropExtension, job: Job, record: ForwardRecor
 
     watched = None
     if not route.stages:
-        watched = partial(_watched, record, partial(call.layout.output, class_dim=class_dim),
-                          differentiable)
+        watched = partial(
+            _watched, record, partial(call.layout.output, class_dim=class_dim), differentiable
+        )
     return ends_at_loss, call.module, y, watched
 
 
@@ -129,56 +146,84 @@ def _composed(model_fn: Callable, stages: tuple) -> Callable:
     """``model_fn`` followed by each stage's module (its parameters held fixed)."""
     for consumer, layout in stages:
         later_fn, later_params = pf.functional(consumer.model)
-        model_fn = partial(_then, model_fn, later_fn, later_params, layout,
-                           consumer.args[0].shape[1:])
+        model_fn = partial(
+            _then, model_fn, later_fn, later_params, layout, consumer.args[0].shape[1:]
+        )
     return model_fn
 
 
-def _then(first: Callable, later_fn: Callable, later_params: dict[str, Tensor],
-          layout: SampleLayout, input_tail: torch.Size, params: Any, X: Any) -> Tensor:
+def _then(
+    first: Callable,
+    later_fn: Callable,
+    later_params: dict[str, Tensor],
+    layout: SampleLayout,
+    input_tail: torch.Size,
+    params: Any,
+    X: Any,
+) -> Tensor:
     out = layout.output(first(params, X))
     return later_fn(later_params, out.reshape(out.shape[0], *input_tail))
 
 
-def _watched(record: ForwardRecord, adapt: Callable | None, differentiable: bool,
-             plan: TapPlan, loss: nn.Module, y: Any, n: int) -> TapRecord | None:
+def _watched(
+    record: ForwardRecord,
+    adapt: Callable | None,
+    differentiable: bool,
+    plan: TapPlan,
+    loss: nn.Module,
+    y: Any,
+    n: int,
+) -> TapRecord | None:
     """The batch pass from the user's own forward, if its recording fits."""
     output = record.output
     if output is None:
         return None
-    return record.recorder.record(plan, output, loss, y, n, adapt=adapt,
-                                  differentiable=differentiable)
+    return record.recorder.record(
+        plan, output, loss, y, n, adapt=adapt, differentiable=differentiable
+    )
 
 
-def _compute(job: Job, model_fn: Callable, params: dict[str, Tensor], X: Any, y: Any,
-             loss: nn.Module) -> dict[str, Any]:
+def _compute(
+    job: Job, model_fn: Callable, params: dict[str, Tensor], X: Any, y: Any, loss: nn.Module
+) -> dict[str, Any]:
     """Run a Kronecker or block-product job with the functional API, by parameter name."""
     options = dict(job.options)
     if job.kind == "kronecker":
         return KRONECKER[job.name](model_fn, params, X, y, loss=loss, **options)
     product = BLOCKS[job.name]
-    return {name: partial(_block_product, product, name, model_fn, params, X, y, loss, options)
-            for name in params}
+    return {
+        name: partial(_block_product, product, name, model_fn, params, X, y, loss, options)
+        for name in params
+    }
 
 
-def _block_product(product: Callable, name: str, model_fn: Callable, params: dict[str, Tensor],
-                   X: Any, y: Any, loss: nn.Module, options: dict, mat: Tensor) -> Tensor:
+def _block_product(
+    product: Callable,
+    name: str,
+    model_fn: Callable,
+    params: dict[str, Tensor],
+    X: Any,
+    y: Any,
+    loss: nn.Module,
+    options: dict,
+    mat: Tensor,
+) -> Tensor:
     """``block(name) @ mat`` for ``mat`` of shape ``[V, *param.shape]`` or ``param.shape``."""
     single = mat.shape == params[name].shape
-    mats = {key: (mat.unsqueeze(0) if single else mat) if key == name else None
-            for key in params}
+    mats = {key: (mat.unsqueeze(0) if single else mat) if key == name else None for key in params}
     with context.disable():  # may run inside ``with backpack(...)``: record nothing
         result = product(model_fn, params, X, y, mats, loss=loss, **options)[name]
     return result.squeeze(0) if single else result
 
 
-def _module_extensions(ext: BackpropExtension, job: Job, record: ForwardRecord,
-                       route: LossRoute, gradient: Tensor) -> dict[str, Any]:
+def _module_extensions(
+    ext: BackpropExtension, job: Job, record: ForwardRecord, route: LossRoute, gradient: Tensor
+) -> dict[str, Any]:
     """Results of the module extensions registered on ``ext``, by parameter name."""
     if not ext.module_extensions or job.kind != "quantity":
         return {}
     found: dict[str, Any] = {}
-    output = record.output
+    output = _live_output(record)
     backproped = None
     for prefix, module in record.model.named_modules():
         extension = ext.module_extensions.get(type(module))
@@ -200,18 +245,30 @@ def _backproped(job: Job, record: ForwardRecord, route: LossRoute, target: Tenso
     """Square-root columns of the GGN w.r.t. ``target``, ``[K, *target.shape]``."""
     call = route.loss
     if call is None or route.stages:
-        raise ValueError("module extensions of second-order extensions need the extended loss "
-                         "applied to the extended model's output (or a reshape of it).")
+        raise ValueError(
+            "module extensions of second-order extensions need the extended loss "
+            "applied to the extended model's output (or a reshape of it)."
+        )
     class_dim = isinstance(call.module, CLASS_LOSSES)
     with torch.enable_grad():
-        output = call.layout.output(record.output, class_dim)
+        output = call.layout.output(_live_output(record), class_dim)
     y = call.layout.target(call.target, class_dim and call.target.is_floating_point())
     options = dict(job.options)
-    roots = hessian_factors(call.module, output.detach(), y,
-                            mc_samples=options.get("mc_samples"))
-    (columns,) = torch.autograd.grad(output, target, roots.all(), retain_graph=True,
-                                     is_grads_batched=True)
+    roots = hessian_factors(call.module, output.detach(), y, mc_samples=options.get("mc_samples"))
+    (columns,) = torch.autograd.grad(
+        output, target, roots.all(), retain_graph=True, is_grads_batched=True
+    )
     return columns
+
+
+def _live_output(record: ForwardRecord) -> Tensor:
+    """The recorded output, still part of its graph."""
+    if record.output is None:
+        raise RuntimeError(
+            "the extended model's output was released after an earlier backward "
+            "pass; pass retain_graph=True to backpack(...) to reuse it."
+        )
+    return record.output
 
 
 def _backward_order(record: ForwardRecord, route: LossRoute) -> list[nn.Module]:
@@ -219,8 +276,9 @@ def _backward_order(record: ForwardRecord, route: LossRoute) -> list[nn.Module]:
 
     Containers (``Sequential`` ...) are left out, as BackPACK does.
     """
-    modules = [m for m in reversed(list(record.model.modules()))
-               if not isinstance(m, NO_OP_MODULES)]
+    modules = [
+        m for m in reversed(list(record.model.modules())) if not isinstance(m, NO_OP_MODULES)
+    ]
     return ([route.loss.module] if route.loss and not route.stages else []) + modules
 
 
@@ -234,4 +292,3 @@ def forget_inputs_and_outputs(record: ForwardRecord, loss: nn.Module | None) -> 
     record.output = None
     for module in [*record.model.modules(), *([loss] if loss is not None else [])]:
         memory_cleanup(module)
-

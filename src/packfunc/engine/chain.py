@@ -21,19 +21,40 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import grad, jvp, vjp, vmap
+from torch.func import grad, vmap
 
+from packfunc.engine.autodiff import jvp, vjp
 from packfunc.engine.memory import DEFAULT_BUDGET, chunks, is_plain, new_output
 from packfunc.engine.ops import OpSignature, TapCall, make_call
 from packfunc.engine.persample import Backprop
 from packfunc.engine.taps import FunctionalMode, LeafIndex, is_metadata_query
 from packfunc.losses import hessian_factors
 
-ELEMENTWISE = frozenset({
-    torch.relu, F.relu, torch.tanh, torch.sigmoid, F.elu, F.leaky_relu, F.gelu, F.silu,
-    F.softplus, F.selu, F.celu, F.hardtanh, F.relu6, F.logsigmoid, F.hardswish, F.mish,
-    torch.exp, Tensor.relu, Tensor.tanh, Tensor.sigmoid, F.dropout,
-})
+ELEMENTWISE = frozenset(
+    {
+        torch.relu,
+        F.relu,
+        torch.tanh,
+        torch.sigmoid,
+        F.elu,
+        F.leaky_relu,
+        F.gelu,
+        F.silu,
+        F.softplus,
+        F.selu,
+        F.celu,
+        F.hardtanh,
+        F.relu6,
+        F.logsigmoid,
+        F.hardswish,
+        F.mish,
+        torch.exp,
+        Tensor.relu,
+        Tensor.tanh,
+        Tensor.sigmoid,
+        F.dropout,
+    }
+)
 """Ops known to act elementwise: their Jacobian is diagonal."""
 
 RESHAPES = frozenset({Tensor.view, Tensor.reshape, torch.reshape, torch.flatten, Tensor.flatten})
@@ -83,13 +104,17 @@ class NotSequentialError(ValueError):
 
 
 class _ChainMode(FunctionalMode):
+    leaf_of: LeafIndex
+
     def __init__(self, leaf_of: LeafIndex, start: Tensor):
         super().__init__()
-        self.leaf_of, self.current, self.links = leaf_of, start, []
+        self.leaf_of, self.current = leaf_of, start
+        self.links: list[Link] = []
         self.seen: set[int] = set()
 
-    def _tapped(self, func: Callable, sig: OpSignature, bound: dict[str, Any],
-                run: Callable[[], Tensor]) -> Tensor:
+    def _tapped(
+        self, func: Callable, sig: OpSignature, bound: dict[str, Any], run: Callable[[], Tensor]
+    ) -> Tensor:
         call = make_call(sig, bound, self.leaf_of)
         return self._follow(func, (), bound, run, call)
 
@@ -98,8 +123,14 @@ class _ChainMode(FunctionalMode):
             return func(*args, **kwargs)
         return self._follow(func, args, kwargs, lambda: func(*args, **kwargs), None)
 
-    def _follow(self, func: Callable, args: tuple, kwargs: dict, run: Callable[[], Any],
-                call: TapCall | None) -> Any:
+    def _follow(
+        self,
+        func: Callable,
+        args: tuple,
+        kwargs: dict,
+        run: Callable[[], Any],
+        call: TapCall | None,
+    ) -> Any:
         arguments = list(args) + list(kwargs.values())
         positions = [i for i, a in enumerate(arguments) if a is self.current]
         stale = [a for a in arguments if isinstance(a, Tensor) and id(a) in self.seen]
@@ -189,7 +220,8 @@ def expected_jacobian_sandwich(link: Link, H: Tensor) -> Tensor:
         positions = link.output[0].numel() // weight.shape[0]
         blocks = H.view(positions, weight.shape[0], positions, weight.shape[0])
         return torch.einsum("oi,xoyp,pj->xiyj", weight, blocks, weight).reshape(
-            positions * weight.shape[1], -1)
+            positions * weight.shape[1], -1
+        )
     if link.call is not None or link.func in SAMPLE_INDEPENDENT:
         return _sandwich(link.apply, link.input[:1], H)
     selection = _selection(link) if link.func in PIECEWISE_LINEAR else None
@@ -197,7 +229,7 @@ def expected_jacobian_sandwich(link: Link, H: Tensor) -> Tensor:
         return _selection_sandwich(*selection, H, link.input[0].numel())
     total = _sandwich(link.apply, link.input[:1], H)
     for sample in range(1, n):  # one sample at a time: each term is [D_in, D_in]
-        total = total + _sandwich(link.apply, link.input[sample:sample + 1], H)
+        total = total + _sandwich(link.apply, link.input[sample : sample + 1], H)
     return total / n
 
 
@@ -220,8 +252,10 @@ def _selection(link: Link) -> tuple[Tensor, Tensor] | None:
     n = x.shape[0]
     index = torch.arange(x[0].numel(), dtype=x.dtype, device=x.device).expand(n, -1)
     try:
-        slope, first, second = (jvp(link.apply, (x,), (t.reshape(x.shape),))[1].reshape(n, -1)
-                                for t in (torch.ones_like(index), index, index.square()))
+        slope, first, second = (
+            jvp(link.apply, (x,), (t.reshape(x.shape),))[1].reshape(n, -1)
+            for t in (torch.ones_like(index), index, index.square())
+        )
     except RuntimeError:  # the op does not take a float64 copy of its input
         return None
     source = torch.where(slope != 0, first / slope.where(slope != 0, 1), 0).round()
@@ -256,13 +290,11 @@ def _selection_sandwich(source: Tensor, slope: Tensor, H: Tensor, d_in: int) -> 
     if not torch.equal(owner[source[picked]], outputs[picked]):  # shared inputs
         total = H.new_zeros(d_in, d_in)
         for src, s in zip(source, slope):
-            total.index_put_((src[:, None], src[None, :]), H * torch.outer(s, s),
-                             accumulate=True)
+            total.index_put_((src[:, None], src[None, :]), H * torch.outer(s, s), accumulate=True)
         return total / n
     M = H.new_zeros(n, d_in).scatter_add_(1, source, slope)
     owner = owner.clamp_min(0)  # inputs nobody picks have zero rows and columns in MᵀM
-    return _masked_gram(M, lambda rows: H.index_select(0, owner[rows]).index_select(1, owner),
-                        H)
+    return _masked_gram(M, lambda rows: H.index_select(0, owner[rows]).index_select(1, owner), H)
 
 
 def _masked_gram(M: Tensor, factor: Callable[[slice], Tensor], H: Tensor) -> Tensor:
@@ -291,23 +323,47 @@ def _sandwich(apply: Callable[[Tensor], Tensor], x: Tensor, H: Tensor) -> Tensor
 
     def pull(rows: Tensor) -> Tensor:
         slices = chunks(rows.shape[0], max(1, DEFAULT_BUDGET // x.numel()))
-        return torch.cat([vmap(lambda row: pullback(row.view(out.shape))[0].reshape(-1))(
-            rows[s]) for s in slices])
+        return torch.cat(
+            [
+                vmap(lambda row: pullback(row.view(out.shape))[0].reshape(-1))(rows[s])
+                for s in slices
+            ]
+        )
 
     return pull(pull(H).T)  # Jᵀ (H J)
 
 
-PIECEWISE_LINEAR = frozenset({
-    F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d,
-    F.adaptive_max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d,
-    F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.pad, F.dropout,
-})
+PIECEWISE_LINEAR = frozenset(
+    {
+        F.max_pool1d,
+        F.max_pool2d,
+        F.max_pool3d,
+        F.adaptive_max_pool1d,
+        F.adaptive_max_pool2d,
+        F.adaptive_max_pool3d,
+        F.avg_pool1d,
+        F.avg_pool2d,
+        F.avg_pool3d,
+        F.adaptive_avg_pool1d,
+        F.adaptive_avg_pool2d,
+        F.adaptive_avg_pool3d,
+        F.pad,
+        F.dropout,
+    }
+)
 """Ops whose second derivative vanishes almost everywhere: no curvature of their own."""
 
-SAMPLE_INDEPENDENT = frozenset({
-    F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
-    F.adaptive_avg_pool3d, F.pad,
-})
+SAMPLE_INDEPENDENT = frozenset(
+    {
+        F.avg_pool1d,
+        F.avg_pool2d,
+        F.avg_pool3d,
+        F.adaptive_avg_pool1d,
+        F.adaptive_avg_pool2d,
+        F.adaptive_avg_pool3d,
+        F.pad,
+    }
+)
 """Affine ops whose Jacobian is the same at every sample: one sandwich serves the batch."""
 
 
@@ -332,20 +388,27 @@ def pch_block_product(bp: Backprop, leaf: int, mats: Tensor, modify: str) -> Ten
         ValueError: for a nonlinearity that is neither elementwise nor piecewise linear.
     """
     links = trace_chain(bp.model_fn, bp.params, bp.leaves, bp.X)
-    owners = [i for i, link in enumerate(links)
-              if link.call and any(j == leaf for _, j in link.call.leaves)]
+    owners = [
+        i
+        for i, link in enumerate(links)
+        if link.call and any(j == leaf for _, j in link.call.leaves)
+    ]
     if len(owners) != 1:
         raise NotSequentialError(
             f"{bp.names[leaf]} is not the weight or bias of exactly one linear or convolution "
-            "layer of the chain; the PCH block product is defined for such parameters.")
+            "layer of the chain; the PCH block product is defined for such parameters."
+        )
     start = owners[0]
-    role = next(r for r, j in links[start].call.leaves if j == leaf)
-    downstream = links[start + 1:]
+    owner = links[start].call
+    assert owner is not None  # an owner is a layer call
+    role = next(r for r, j in owner.leaves if j == leaf)
+    downstream = links[start + 1 :]
     for link in downstream:
         if not _passes_recursions(link):
             raise ValueError(
                 f"{getattr(link.func, '__name__', link.func)} is not elementwise; the "
-                "positive-curvature Hessian only modifies elementwise nonlinearities.")
+                "positive-curvature Hessian only modifies elementwise nonlinearities."
+            )
     curvature = _modified_curvature(bp, downstream, modify)
     loss_hessian = loss_hessian_product(bp.loss, bp.record.output, bp.y)
 
@@ -389,7 +452,11 @@ def loss_hessian_product(loss: nn.Module, output: Tensor, y: Any) -> Callable[[T
         >>> product(torch.ones(2, 3))[0]
         tensor([0.3333, 0.3333, 0.3333])
     """
-    _, pullback = vjp(grad(lambda out: loss(out, y)), output)
+
+    def loss_of(out: Tensor) -> Tensor:
+        return loss(out, y)
+
+    _, pullback = vjp(grad(loss_of), output)
     return lambda t: pullback(t)[0]
 
 
@@ -413,13 +480,15 @@ def _modified_curvature(bp: Backprop, links: list[Link], modify: str) -> list[Te
     return found[::-1]
 
 
-RESIDUAL_MODIFICATIONS = {"none": lambda r: r, "clip": lambda r: r.clamp_min(0),
-                          "abs": lambda r: r.abs()}
+RESIDUAL_MODIFICATIONS = {
+    "none": lambda r: r,
+    "clip": lambda r: r.clamp_min(0),
+    "abs": lambda r: r.abs(),
+}
 """How the Hessian variants treat the activations' residual curvature: keep, clip, abs."""
 
 
-def summed_residual_curvature(bp: Backprop, links: list[Link], modify: str
-                              ) -> list[Tensor | None]:
+def summed_residual_curvature(bp: Backprop, links: list[Link], modify: str) -> list[Tensor | None]:
     """``mod(Σ_n δ_n ⊙ φ''_n)`` at the input of each elementwise link of the whole chain.
 
     The diagonal that the Hessian variants of KFRA add to the batch-averaged curvature
@@ -442,10 +511,13 @@ def summed_residual_curvature(bp: Backprop, links: list[Link], modify: str
             raise ValueError(
                 f"{getattr(link.func, '__name__', link.func)} is neither a layer, elementwise, a "
                 "reshape nor piecewise linear; the residual curvature the Hessian variants add "
-                "is only defined (diagonal) for elementwise nonlinearities.")
+                "is only defined (diagonal) for elementwise nonlinearities."
+            )
     per_sample = _modified_curvature(bp, links, "none")
-    return [None if r is None else RESIDUAL_MODIFICATIONS[modify](r.sum(0).reshape(-1))
-            for r in per_sample]
+    return [
+        None if r is None else RESIDUAL_MODIFICATIONS[modify](r.sum(0).reshape(-1))
+        for r in per_sample
+    ]
 
 
 def layer_output_curvature(bp: Backprop, sites: list[int]) -> dict[int, Tensor] | None:
@@ -474,22 +546,24 @@ def layer_output_curvature(bp: Backprop, sites: list[int]) -> dict[int, Tensor] 
     except NotSequentialError:
         return None
     layers = [i for i, link in enumerate(links) if link.call is not None]
-    if [links[i].call.leaves for i in layers] != [site.call.leaves for site in bp.plan.sites]:
+    called = [link.call.leaves for link in links if link.call is not None]
+    if called != [site.call.leaves for site in bp.plan.sites]:
         return None
     wanted = {layers[k]: k for k in sites}
     start = min(wanted)
     if not all(_passes_recursions(link) for link in links[start:]):
         return None
-    residual = _modified_curvature(bp, links[start + 1:], "none")
+    residual = _modified_curvature(bp, links[start + 1 :], "none")
     roots = hessian_factors(bp.loss, bp.record.output, bp.y).all()
     columns, signs, diagonal = roots, roots.new_ones(roots.shape[0]), None
     found: dict[int, Tensor] = {}
     for i in range(len(links) - 1, start - 1, -1):
         link = links[i]
         if i in wanted:
-            squares = (signs.view(-1, 1, 1) * columns.reshape(*columns.shape[:2], -1).square())
-            found[wanted[i]] = squares.sum(0) + (0 if diagonal is None
-                                                 else diagonal.reshape(bp.n, -1))
+            squares = signs.view(-1, 1, 1) * columns.reshape(*columns.shape[:2], -1).square()
+            found[wanted[i]] = squares.sum(0) + (
+                0 if diagonal is None else diagonal.reshape(bp.n, -1)
+            )
         if i == start:
             break
         if link.func in ELEMENTWISE:
@@ -502,8 +576,10 @@ def layer_output_curvature(bp: Backprop, sites: list[int]) -> dict[int, Tensor] 
             columns = columns.reshape(columns.shape[0], *link.input.shape)
             diagonal = None if diagonal is None else diagonal.reshape(link.input.shape)
         else:
-            last_pullback = all(other.func in ELEMENTWISE or other.func in RESHAPES
-                                for other in links[start + 1:i])
+            last_pullback = all(
+                other.func in ELEMENTWISE or other.func in RESHAPES
+                for other in links[start + 1 : i]
+            )
             if diagonal is not None and last_pullback and _is_matrix_product(link):
                 # only the diagonal at the first site is left to find: diag(Wᵀ diag(d) W)
                 diagonal = diagonal @ link.kwargs["weight"].square()
@@ -521,8 +597,12 @@ def layer_output_curvature(bp: Backprop, sites: list[int]) -> dict[int, Tensor] 
 
 def _passes_recursions(link: Link) -> bool:
     """Whether the chain recursions handle the op (layers, elementwise, reshapes, pooling)."""
-    return bool(link.call or link.func in ELEMENTWISE or link.func in RESHAPES
-                or link.func in PIECEWISE_LINEAR)
+    return bool(
+        link.call
+        or link.func in ELEMENTWISE
+        or link.func in RESHAPES
+        or link.func in PIECEWISE_LINEAR
+    )
 
 
 def _is_matrix_product(link: Link) -> bool:

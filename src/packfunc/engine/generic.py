@@ -15,9 +15,10 @@ from typing import Any
 
 import optree
 from torch import Tensor
-from torch.func import vjp, vmap
+from torch.func import vmap
 
-from packfunc.engine.taps import functional_mode
+from packfunc.engine.autodiff import vjp
+from packfunc.engine.taps import functional_mode, twice_differentiable
 from packfunc.functional import select_samples
 
 
@@ -66,5 +67,10 @@ def column_grads(
         return vmap(lambda c: pullback(c.unsqueeze(0))[0])(columns)
 
     xs = select_samples(X, index)
-    per_sample = vmap(one_sample, in_dims=(0, 1), randomness="different")(xs, cotangents[:, index])
+    # attention's math kernel has batching rules; the fused CPU kernels would run in a
+    # loop over samples (and PyTorch warns about it on every call)
+    with twice_differentiable():
+        per_sample = vmap(one_sample, in_dims=(0, 1), randomness="different")(
+            xs, cotangents[:, index]
+        )
     return [g.transpose(0, 1) for g in per_sample]

@@ -22,13 +22,15 @@ as TorchScript decompositions.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import optree
 import torch
 from torch import Tensor
-from torch.func import grad, vjp, vmap
+from torch.func import grad, vmap
 
+from packfunc.engine.autodiff import vjp
 from packfunc.engine.chain import layer_output_curvature
 from packfunc.engine.memory import DEFAULT_BUDGET, chunks, index_length
 from packfunc.engine.persample import Backprop
@@ -72,14 +74,18 @@ def _diagonals(bp: Backprop, stats: set[str], index: slice | Tensor) -> list[Sta
     for k in bp.record.inputs:
         for _, leaf in bp.plan.sites[k].call.leaves:
             sites_of.setdefault(leaf, []).append(k)
-    by_site = {leaf: ks[0] for leaf, ks in sites_of.items()
-               if leaf not in bp.generic and len(ks) == 1 and _single_position_linear(bp, ks[0])}
+    by_site = {
+        leaf: ks[0]
+        for leaf, ks in sites_of.items()
+        if leaf not in bp.generic and len(ks) == 1 and _single_position_linear(bp, ks[0])
+    }
     others = sorted((set(sites_of) | set(bp.generic)) - set(by_site))
     result = [_zeros(leaf, stats, index) for leaf in bp.leaves]
     if by_site:
         sites = sorted(set(by_site.values()))
-        unit_curvature = (layer_output_curvature(bp, sites)
-                          or _layer_output_curvature_by_hvp(bp, sites))
+        unit_curvature = layer_output_curvature(bp, sites) or _layer_output_curvature_by_hvp(
+            bp, sites
+        )
         for leaf, k in by_site.items():
             role = dict((i, r) for r, i in bp.plan.sites[k].call.leaves)[leaf]
             result[leaf] = _site_stats(bp, k, role, unit_curvature[k], stats, index)
@@ -96,12 +102,17 @@ def _single_position_linear(bp: Backprop, k: int) -> bool:
 
 
 def _zeros(param: Tensor, stats: set[str], index: slice | Tensor) -> Stats:
-    return {stat: param.new_zeros((index_length(index), *param.shape))
-            if stat == "batch_sum_squares" else torch.zeros_like(param) for stat in stats}
+    return {
+        stat: param.new_zeros((index_length(index), *param.shape))
+        if stat == "batch_sum_squares"
+        else torch.zeros_like(param)
+        for stat in stats
+    }
 
 
-def _site_stats(bp: Backprop, k: int, role: str, curvature: Tensor, stats: set[str],
-                index: slice | Tensor) -> Stats:
+def _site_stats(
+    bp: Backprop, k: int, role: str, curvature: Tensor, stats: set[str], index: slice | Tensor
+) -> Stats:
     """Hessian diagonal of a linear weight or bias from ``d = diag(∂²L/∂z²)``, ``[N, O]``."""
     x = bp.record.inputs[k]
     square = x.reshape(x.shape[0], -1).square() if role == "weight" else None
@@ -124,22 +135,22 @@ def _layer_output_curvature_by_hvp(bp: Backprop, sites: list[int]) -> dict[int, 
     found = {}
     for k in sites:
         probe = zero_probes(bp.plan, [k], bp.n)[k]
-        _, pullback = vjp(grad(lambda p, k=k: bp.loss(forward({k: p})[0], bp.y)), probe)
+        _, pullback = vjp(grad(partial(_loss_at_site, bp, forward, k)), probe)
         width = probe.shape[1]
         units_at_once = max(1, DEFAULT_BUDGET // max(bp.n * width, 1))
         parts = []
         for units in chunks(width, units_at_once):
             picked = torch.arange(units.start, units.stop, device=probe.device)
-            onehot = (picked.unsqueeze(1) == torch.arange(width, device=probe.device))
-            (products,) = vmap(pullback)(onehot.to(probe.dtype).unsqueeze(1).expand(
-                -1, bp.n, -1))
+            onehot = picked.unsqueeze(1) == torch.arange(width, device=probe.device)
+            (products,) = vmap(pullback)(onehot.to(probe.dtype).unsqueeze(1).expand(-1, bp.n, -1))
             parts.append(products[torch.arange(len(picked)), :, picked].T)  # [N, units]
         found[k] = torch.cat(parts, dim=1)
     return found
 
 
-def _parameter_curvature(bp: Backprop, wanted: list[int], stats: set[str],
-                         index: slice | Tensor) -> list[Stats]:
+def _parameter_curvature(
+    bp: Backprop, wanted: list[int], stats: set[str], index: slice | Tensor
+) -> list[Stats]:
     """Diagonal of ``∇²φ`` w.r.t. the ``wanted`` leaves by one-hot Hessian-vector products."""
     chosen = [bp.leaves[i] for i in wanted]
     sizes = [p.numel() for p in chosen]
@@ -151,6 +162,7 @@ def _parameter_curvature(bp: Backprop, wanted: list[int], stats: set[str],
         for found, d, p in zip(results, diag, chosen):
             found["sum_grad_squared"] = d.view(p.shape)
     if "batch_sum_squares" in stats:
+
         def one_sample(x: Any, cotangent: Tensor) -> list[Tensor]:
             x = optree.tree_map(lambda t: t.unsqueeze(0), x)
             return _hvp_diagonal(phi, chosen, offsets, x, cotangent.unsqueeze(0))
@@ -176,17 +188,32 @@ def _linearized(bp: Backprop, wanted: list[int]) -> Callable[[list[Tensor], Any,
     return phi
 
 
-def _hvp_diagonal(phi: Callable, chosen: list[Tensor], offsets: list[int], X: Any,
-                  cotangent: Tensor) -> list[Tensor]:
+def _hvp_diagonal(
+    phi: Callable, chosen: list[Tensor], offsets: list[int], X: Any, cotangent: Tensor
+) -> list[Tensor]:
     """Diagonal of ``∇²φ`` w.r.t. ``chosen`` (flattened per leaf), from one-hot products."""
     total = offsets[-1]
     diagonal = [p.new_zeros(p.numel()) for p in chosen]
-    _, pullback = vjp(grad(lambda c: phi(c, X, cotangent)), chosen)
+    _, pullback = vjp(grad(partial(_with_inputs, phi, X, cotangent)), chosen)
     for entries in chunks(total, max(1, DEFAULT_BUDGET // max(total, 1))):
         units = torch.arange(entries.start, entries.stop, device=chosen[0].device)
-        picks = [(units.unsqueeze(1) == start + torch.arange(p.numel(), device=units.device)
-                  ).to(p.dtype) for start, p in zip(offsets, chosen)]
+        picks = [
+            (units.unsqueeze(1) == start + torch.arange(p.numel(), device=units.device)).to(p.dtype)
+            for start, p in zip(offsets, chosen)
+        ]
         (products,) = vmap(pullback)([pick.view(-1, *p.shape) for pick, p in zip(picks, chosen)])
-        diagonal = [d + (h.reshape(h.shape[0], -1) * pick).sum(0)
-                    for d, h, pick in zip(diagonal, products, picks)]
+        diagonal = [
+            d + (h.reshape(h.shape[0], -1) * pick).sum(0)
+            for d, h, pick in zip(diagonal, products, picks)
+        ]
     return diagonal
+
+
+def _loss_at_site(bp: Backprop, forward: Callable, k: int, probe: Tensor) -> Tensor:
+    """The loss as a function of the probe added to site ``k``'s output."""
+    return bp.loss(forward({k: probe})[0], bp.y)
+
+
+def _with_inputs(phi: Callable, X: Any, cotangent: Tensor, chosen: list[Tensor]) -> Tensor:
+    """``phi`` as a function of the chosen leaves alone."""
+    return phi(chosen, X, cotangent)

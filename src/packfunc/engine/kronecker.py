@@ -45,8 +45,9 @@ class Factors:
     unsupported: dict[int, str]
 
 
-def sqrt_factors(bp: Backprop, approx: str, mc_samples: int | None,
-                 generator: torch.Generator | None) -> Factors:
+def sqrt_factors(
+    bp: Backprop, approx: str, mc_samples: int | None, generator: torch.Generator | None
+) -> Factors:
     """KFLR (``mc_samples=None``) or KFAC factors from square-root columns.
 
     Args:
@@ -65,8 +66,9 @@ def sqrt_factors(bp: Backprop, approx: str, mc_samples: int | None,
         >>> [f.shape for f in sqrt_factors(bp, "backpack", None, None).per_leaf[1]]
         [torch.Size([2, 2]), torch.Size([3, 3])]
     """
-    roots = hessian_factors(bp.loss, bp.record.output, bp.y, mc_samples=mc_samples,
-                            generator=generator)
+    roots = hessian_factors(
+        bp.loss, bp.record.output, bp.y, mc_samples=mc_samples, generator=generator
+    )
     length = chunk_length(roots.count, bp.n * bp.column_width(), None)
     outputs: dict[int, Tensor] = {}
     terms: dict[int, Term] = {}
@@ -106,15 +108,24 @@ def _raw_layout(bp: Backprop, leaf: int, term: Term, pulled: dict[int, Tensor]) 
     The canonical term serves where the rule has no layout of its own; several calls
     of the layer concatenate their positions (``None`` if they cannot).
     """
-    sites = [k for k in bp.record.inputs
-             if any(j == leaf for _, j in bp.plan.sites[k].call.leaves)]
-    layouts = [term.rule.kronecker_layout(bp.record.inputs[k], pulled[k], bp.plan.sites[k].call,
-                                          bp.leaves[leaf]) for k in sites]
-    if any(layout is None for layout in layouts):
+    sites = [k for k in bp.record.inputs if any(j == leaf for _, j in bp.plan.sites[k].call.leaves)]
+    layouts = [
+        term.rule.kronecker_layout(
+            bp.record.inputs[k], pulled[k], bp.plan.sites[k].call, bp.leaves[leaf]
+        )
+        for k in sites
+    ]
+    present = [layout for layout in layouts if layout is not None]
+    if len(present) != len(layouts):
         return term
     calls = [bp.plan.sites[k].call for k in sites]
-    merged = layouts[0] if len(layouts) == 1 else term.rule.merge(
-        [x for x, _ in layouts], [g for _, g in layouts], [call.options for call in calls])
+    merged = (
+        present[0]
+        if len(present) == 1
+        else term.rule.merge(
+            [x for x, _ in present], [g for _, g in present], [call.options for call in calls]
+        )
+    )
     return None if merged is None else Term(term.rule, *merged, term.call)
 
 
@@ -169,8 +180,9 @@ def kfra_factors(bp: Backprop, curvature: str = "ggn") -> Factors:
     """
     links = trace_chain(bp.model_fn, bp.params, bp.leaves, bp.X)
     modify = CURVATURES[curvature]
-    residuals = ([None] * len(links) if modify is None
-                 else summed_residual_curvature(bp, links, modify))
+    residuals = (
+        [None] * len(links) if modify is None else summed_residual_curvature(bp, links, modify)
+    )
     roots = hessian_factors(bp.loss, bp.record.output, bp.y).all()
     roots = roots.reshape(-1, bp.record.output[0].numel())  # one row per (column, sample)
     H = roots.T @ roots  # Σ_n H_n, the loss Hessian summed over samples: [D, D]
@@ -192,8 +204,11 @@ def kfra_factors(bp: Backprop, curvature: str = "ggn") -> Factors:
                 output = _channel_block(H, link)
                 pair = (link.input, link.output.unsqueeze(0), call, bp.leaves[leaf])
                 x, _ = rule.kronecker_layout(*pair) or rule.canonical(*pair)
-                per_leaf[leaf] = ([output] if rule.kronecker(call) == 1
-                                  else [output, rule.input_factor(x, "backpack")])
+                per_leaf[leaf] = (
+                    [output]
+                    if rule.kronecker(call) == 1
+                    else [output, rule.input_factor(x, "backpack")]
+                )
             remaining -= 1
         if not remaining:  # nothing upstream needs H
             break
@@ -206,12 +221,18 @@ def kfra_factors(bp: Backprop, curvature: str = "ggn") -> Factors:
 def _channel_block(H: Tensor, link: Link) -> Tensor:
     """Sum ``H`` over positions: ``[C, C]`` for the output channels of a layer."""
     output = link.output
-    if link.call.family == "conv":
+    if link.call is not None and link.call.family == "conv":
         channels, positions = output.shape[1], output[0, 0].numel()
         return H.view(channels, positions, channels, positions).sum((1, 3))
     channels, positions = output.shape[-1], output[0].numel() // output.shape[-1]
     return H.view(positions, channels, positions, channels).sum((0, 2))
 
 
-__all__ = ["APPROXIMATIONS", "CURVATURES", "Factors", "NotSequentialError", "kfra_factors",
-           "sqrt_factors"]
+__all__ = [
+    "APPROXIMATIONS",
+    "CURVATURES",
+    "Factors",
+    "NotSequentialError",
+    "kfra_factors",
+    "sqrt_factors",
+]

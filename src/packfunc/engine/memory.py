@@ -83,8 +83,10 @@ def split_index(index: slice | Tensor, length: int) -> list[slice | Tensor]:
     """
     if isinstance(index, Tensor):
         return list(index.split(length))
-    return [slice(s.start + index.start, s.stop + index.start)
-            for s in chunks(index.stop - index.start, length)]
+    return [
+        slice(s.start + index.start, s.stop + index.start)
+        for s in chunks(index.stop - index.start, length)
+    ]
 
 
 def index_length(index: slice | Tensor) -> int:
@@ -141,8 +143,10 @@ def new_output(shape: tuple[int, ...], like: Tensor) -> Tensor:
     """
     count = math.prod(shape)
     nbytes = count * like.element_size()
-    if like.device.type != "cpu" or nbytes < _HUGE_PAGE_MIN_BYTES or not hasattr(
-        mmap, "MADV_HUGEPAGE"
+    if (
+        like.device.type != "cpu"
+        or nbytes < _HUGE_PAGE_MIN_BYTES
+        or not hasattr(mmap, "MADV_HUGEPAGE")
     ):
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -47,8 +47,15 @@ class OpSignature:
 
 _CONV = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _CONV_T = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
-_EMBEDDING = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
-              "sparse")
+_EMBEDDING = (
+    "input",
+    "weight",
+    "padding_idx",
+    "max_norm",
+    "norm_type",
+    "scale_grad_by_freq",
+    "sparse",
+)
 
 SIGNATURES: dict[Callable, OpSignature] = {
     F.linear: OpSignature("linear", ("input", "weight", "bias"), (None,)),
@@ -100,8 +107,9 @@ class TapCall:
         return dict(self.options)[name]
 
 
-def make_call(sig: OpSignature, bound: dict[str, Any], leaf_of: Callable[[Any], int | None]
-              ) -> TapCall:
+def make_call(
+    sig: OpSignature, bound: dict[str, Any], leaf_of: Callable[[Any], int | None]
+) -> TapCall:
     """Describe a tapped call by family, parameter leaves and options.
 
     Args:

@@ -23,7 +23,12 @@ from packfunc.engine.memory import chunk_length, index_length, is_plain, new_out
 from packfunc.engine.ops import TapCall
 from packfunc.engine.rules import RULES, Rule
 from packfunc.engine.taps import TapPlan, TapRecord, discover, record
-from packfunc.functional import batch_size, flatten_params, select_samples
+from packfunc.functional import (
+    batch_size,
+    check_model_arguments,
+    flatten_params,
+    select_samples,
+)
 from packfunc.losses import check_loss
 
 _VMAPPED_COLUMNS = 32
@@ -51,8 +56,7 @@ def _merge(terms: list[Term]) -> list[Term]:
     rule = terms[0].rule
     if len(terms) == 1 or any(t.rule is not rule for t in terms):
         return terms
-    merged = rule.merge([t.x for t in terms], [t.g for t in terms],
-                        [t.call.options for t in terms])
+    merged = rule.merge([t.x for t in terms], [t.g for t in terms], [t.call.options for t in terms])
     return terms if merged is None else [Term(rule, *merged, terms[0].call)]
 
 
@@ -79,10 +83,17 @@ class Backprop:
         torch.Size([1, 4, 2, 3])
     """
 
-    def __init__(self, model_fn: Callable, params: Any, X: Any, y: Tensor, loss: nn.Module,
-                 chunk_size: int | None = None,
-                 watched: Callable[[TapPlan, nn.Module, Any, int], TapRecord | None] | None
-                 = None):
+    def __init__(
+        self,
+        model_fn: Callable,
+        params: Any,
+        X: Any,
+        y: Tensor,
+        loss: nn.Module,
+        chunk_size: int | None = None,
+        watched: Callable[[TapPlan, nn.Module, Any, int], TapRecord | None] | None = None,
+    ):
+        check_model_arguments(model_fn, params)
         check_loss(loss)
         chunk_length(1, 1, chunk_size)  # validates chunk_size before any work
         self.leaves, self.treespec, self.names = flatten_params(params)
@@ -91,8 +102,7 @@ class Backprop:
         self.chunk_size = chunk_size
         self.plan = discover(model_fn, params, self.leaves, select_samples(X, slice(0, 1)))
         reused = watched(self.plan, loss, y, self.n) if watched else None
-        self.record = reused or record(model_fn, params, self.leaves, self.plan, X, y, loss,
-                                       self.n)
+        self.record = reused or record(model_fn, params, self.leaves, self.plan, X, y, loss, self.n)
         failed = {leaf for k in self.record.failed for _, leaf in self.plan.sites[k].call.leaves}
         self.generic = sorted(self.plan.uncovered | failed)
         self._convolutional = any(site.call.family == "conv" for site in self.plan.sites)
@@ -176,7 +186,7 @@ class ColumnGradients:
         if not terms:
             return _zeros_of(param, stat, index_length(index))
         if stat == "grad":
-            return sum(t.rule.grad(t.x[:, index], t.g[:, index], t.call, param) for t in terms)
+            return _total([t.rule.grad(t.x[:, index], t.g[:, index], t.call, param) for t in terms])
         if len(terms) != 1:
             return None
         (t,) = terms
@@ -197,10 +207,9 @@ class ColumnGradients:
         if not terms:
             return param.new_zeros((self.columns, index_length(index), *param.shape))
         grads = [t.rule.batch_grad(t.x[:, index], t.g[:, index], t.call, param) for t in terms]
-        return grads[0] if len(grads) == 1 else sum(grads)
+        return _total(grads)
 
-    def iter_batch_grads(self, wanted: list[int], index: slice | Tensor
-                         ) -> Iterator[list[Tensor]]:
+    def iter_batch_grads(self, wanted: list[int], index: slice | Tensor) -> Iterator[list[Tensor]]:
         """Yield column gradients ``[K, chunk, *p]`` of ``wanted`` leaves for chunks of ``index``.
 
         Generic leaves come from one shared vmap pass per chunk; the others from
@@ -217,8 +226,15 @@ class ColumnGradients:
         length = chunk_length(index_length(index), numel, self.bp.chunk_size)
         for chunk in split_index(index, length):
             if wanted and wanted[0] in self.bp.generic:
-                yield generic.column_grads(self.bp.model_fn, self.bp.leaves, self.bp.treespec,
-                                           wanted, self.bp.X, self.cotangents, chunk)
+                yield generic.column_grads(
+                    self.bp.model_fn,
+                    self.bp.leaves,
+                    self.bp.treespec,
+                    wanted,
+                    self.bp.X,
+                    self.cotangents,
+                    chunk,
+                )
             else:
                 yield [self.batch_grad(i, chunk) for i in wanted]
 
@@ -237,3 +253,11 @@ def _zeros_of(param: Tensor, stat: str, n: int) -> Tensor:
     if stat == "batch_sum_squares":
         return param.new_zeros((n, *param.shape))
     return torch.zeros_like(param)
+
+
+def _total(tensors: list[Tensor]) -> Tensor:
+    """The sum of one or more tensors (the first itself if alone)."""
+    total = tensors[0]
+    for tensor in tensors[1:]:
+        total = total + tensor
+    return total

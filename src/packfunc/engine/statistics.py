@@ -29,8 +29,9 @@ _SQUARES_AT_ONCE = 2**20
 """Elements squared per temporary: small enough for the allocator to reuse its memory."""
 
 
-def leaf_statistics(columns: ColumnGradients, stats: set[str], index: slice | Tensor
-                    ) -> list[dict[str, Tensor]]:
+def leaf_statistics(
+    columns: ColumnGradients, stats: set[str], index: slice | Tensor
+) -> list[dict[str, Tensor]]:
     """Return, per leaf, the statistics in ``stats``.
 
     The gradient is summed from materialized column gradients when the squared
@@ -73,8 +74,9 @@ def leaf_statistics(columns: ColumnGradients, stats: set[str], index: slice | Te
     return per_leaf
 
 
-def _materialized(columns: ColumnGradients, group: list[int], stats: set[str],
-                  index: slice | Tensor) -> list[dict[str, Tensor]]:
+def _materialized(
+    columns: ColumnGradients, group: list[int], stats: set[str], index: slice | Tensor
+) -> list[dict[str, Tensor]]:
     """Reduce materialized column gradients of ``group`` to ``stats``.
 
     Per-sample statistics cover ``index``; the others the whole batch. One
@@ -102,8 +104,7 @@ def _reduce(parts: Iterable[list[Tensor]], stats: set[str]) -> list[dict[str, Te
                 found[stat].append(_statistic(stat, per_sample))
     if collected is None:
         raise ValueError("the batch is empty; pass at least one sample.")
-    return [{stat: _combine(stat, values) for stat, values in found.items()}
-            for found in collected]
+    return [{stat: _combine(stat, values) for stat, values in found.items()} for found in collected]
 
 
 def _statistic(stat: str, columns: Tensor) -> Tensor:
@@ -119,7 +120,10 @@ def _statistic(stat: str, columns: Tensor) -> Tensor:
         return columns.square().sum(0)
     flat = columns.reshape(-1, *columns.shape[2:])
     length = max(1, _SQUARES_AT_ONCE // max(flat[0].numel(), 1))
-    return sum(flat[s].square().sum(0) for s in chunks(flat.shape[0], length))
+    total = torch.zeros_like(flat[0])
+    for s in chunks(flat.shape[0], length):
+        total = total + flat[s].square().sum(0)
+    return total
 
 
 def _combine(stat: str, values: list[Tensor]) -> Tensor:
@@ -133,9 +137,13 @@ def _combine(stat: str, values: list[Tensor]) -> Tensor:
     return sum(values[1:], values[0])
 
 
-def ggn_statistics(bp: Backprop, stats: set[str], index: slice | Tensor,
-                   mc_samples: int | None = None, generator: torch.Generator | None = None
-                   ) -> list[dict[str, Tensor]]:
+def ggn_statistics(
+    bp: Backprop,
+    stats: set[str],
+    index: slice | Tensor,
+    mc_samples: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[dict[str, Tensor]]:
     """Statistics of the columns of the GGN's square root, ``J_nᵀ S_n``, per leaf.
 
     The loss Hessian's square-root columns are pulled back in slices small
@@ -158,11 +166,14 @@ def ggn_statistics(bp: Backprop, stats: set[str], index: slice | Tensor,
         >>> ggn_statistics(bp, {"batch_grad"}, slice(0, 4))[1]["batch_grad"].shape
         torch.Size([2, 4, 2, 3])
     """
-    factors = hessian_factors(bp.loss, bp.record.output, bp.y, mc_samples=mc_samples,
-                              generator=generator)
+    factors = hessian_factors(
+        bp.loss, bp.record.output, bp.y, mc_samples=mc_samples, generator=generator
+    )
     length = chunk_length(factors.count, bp.n * bp.column_width(), None)
-    parts = [leaf_statistics(bp.columns(factors.make(s)), stats, index)
-             for s in chunks(factors.count, length)]
+    parts = [
+        leaf_statistics(bp.columns(factors.make(s)), stats, index)
+        for s in chunks(factors.count, length)
+    ]
     return [_join_columns([part[leaf] for part in parts]) for leaf in range(len(bp.leaves))]
 
 
@@ -175,4 +186,3 @@ def _join_columns(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
         values = [part[stat] for part in parts]
         joined[stat] = torch.cat(values) if stat == "batch_grad" else sum(values[1:], values[0])
     return joined
-

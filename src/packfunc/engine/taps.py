@@ -22,6 +22,8 @@ at every tapped call: its size must be 1 there and ``N`` in the batch pass.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,25 +33,55 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.func import vjp, vmap
+from torch.func import vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
+from packfunc.engine.autodiff import vjp, vjp_with_aux
 from packfunc.engine.memory import is_plain
 from packfunc.engine.ops import ROLES, SIGNATURES, OpSignature, TapCall, make_call
 from packfunc.engine.recurrent import RECURRENT_OPS, run_recurrent
 from packfunc.losses import check_loss_inputs
 
-_METADATA_METHODS = frozenset({
-    Tensor.size, Tensor.dim, Tensor.numel, Tensor.__len__, Tensor.is_floating_point,
-    Tensor.is_complex, Tensor.element_size, Tensor.stride, Tensor.is_contiguous,
-    Tensor.get_device, Tensor.data_ptr, Tensor.nelement, Tensor.ndimension,
-})
-_METADATA_ATTRIBUTES = frozenset({
-    "shape", "dtype", "device", "ndim", "is_nested", "requires_grad", "layout", "is_cuda",
-    "is_cpu", "is_sparse", "is_quantized", "is_meta", "is_mkldnn", "names", "is_leaf",
-    "grad_fn", "itemsize", "nbytes",
-})
+_METADATA_METHODS = frozenset(
+    {
+        Tensor.size,
+        Tensor.dim,
+        Tensor.numel,
+        Tensor.__len__,
+        Tensor.is_floating_point,
+        Tensor.is_complex,
+        Tensor.element_size,
+        Tensor.stride,
+        Tensor.is_contiguous,
+        Tensor.get_device,
+        Tensor.data_ptr,
+        Tensor.nelement,
+        Tensor.ndimension,
+    }
+)
+_METADATA_ATTRIBUTES = frozenset(
+    {
+        "shape",
+        "dtype",
+        "device",
+        "ndim",
+        "is_nested",
+        "requires_grad",
+        "layout",
+        "is_cuda",
+        "is_cpu",
+        "is_sparse",
+        "is_quantized",
+        "is_meta",
+        "is_mkldnn",
+        "names",
+        "is_leaf",
+        "grad_fn",
+        "itemsize",
+        "nbytes",
+    }
+)
 
 
 def is_metadata_query(func: Callable) -> bool:
@@ -91,7 +123,8 @@ class LeafIndex:
             Indices of the leaves among them (duplicated leaves included).
         """
         found: set[int] = set()
-        for value in optree.tree_leaves(values, none_is_leaf=True):
+        leaves: list[Any] = optree.tree_leaves(values, none_is_leaf=True)  # type: ignore[arg-type]
+        for value in leaves:
             if isinstance(value, Tensor):
                 found.update(self._positions.get(id(value), ()))
         return found
@@ -116,8 +149,9 @@ class FunctionalMode(TorchFunctionMode):
         super().__init__()
         self.batch_statistics = batch_statistics
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
-                           ) -> Any:
+    def __torch_function__(
+        self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func in RECURRENT_OPS:
             with self:
@@ -133,16 +167,16 @@ class FunctionalMode(TorchFunctionMode):
                 return self._tapped(func, sig, bound, lambda: func(*args, **kwargs))
         return self._other(func, args, kwargs)
 
-    def _tapped(self, func: Callable, sig: OpSignature, bound: dict[str, Any],
-                run: Callable[[], Tensor]) -> Tensor:
+    def _tapped(
+        self, func: Callable, sig: OpSignature, bound: dict[str, Any], run: Callable[[], Tensor]
+    ) -> Tensor:
         return run()
 
     def _other(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         return func(*args, **kwargs)
 
 
-def _batch_norm_arguments(args: tuple, kwargs: dict, batch_statistics: bool
-                          ) -> tuple[tuple, dict]:
+def _batch_norm_arguments(args: tuple, kwargs: dict, batch_statistics: bool) -> tuple[tuple, dict]:
     """``F.batch_norm``'s arguments; in training mode refused, or without running statistics.
 
     Without running statistics, training-mode BatchNorm normalizes with the batch's
@@ -168,8 +202,12 @@ def _counts_batches(func: Callable, args: tuple) -> bool:
     averages); a pure function must not, and inside a ``torch.func`` transform it
     cannot mutate a captured tensor.
     """
-    return (func is Tensor.add_ and isinstance(args[0], Tensor) and args[0].dim() == 0
-            and args[0].dtype == torch.long)
+    return (
+        func is Tensor.add_
+        and isinstance(args[0], Tensor)
+        and args[0].dim() == 0
+        and args[0].dtype == torch.long
+    )
 
 
 def functional_mode(batch_statistics: bool = False) -> TorchFunctionMode:
@@ -237,18 +275,77 @@ class TapPlan:
     def active(self) -> list[int]:
         """Return the indices of sites that have at least one covered leaf."""
         covered = self.covered()
-        return [k for k, site in enumerate(self.sites)
-                if any(leaf in covered for _, leaf in site.call.leaves)]
+        return [
+            k
+            for k, site in enumerate(self.sites)
+            if any(leaf in covered for _, leaf in site.call.leaves)
+        ]
+
+
+_DROPOUT_FUNCTIONS = frozenset(
+    {
+        F.dropout,
+        F.dropout1d,
+        F.dropout2d,
+        F.dropout3d,
+        F.alpha_dropout,
+        F.feature_alpha_dropout,
+    }
+)
+_DROPOUT_BUILTINS = frozenset(
+    {
+        torch.dropout,
+        torch.alpha_dropout,
+        torch.feature_dropout,
+        torch.feature_alpha_dropout,
+    }
+)
+
+
+def dropout_rate(func: Callable, args: tuple, kwargs: dict) -> float:
+    """Return the drop probability of a call that drops activations at random, else 0.
+
+    Dropout functions in training mode, ``torch.dropout`` and its variants, attention
+    with ``dropout_p > 0`` (``F.scaled_dot_product_attention``, and
+    ``F.multi_head_attention_forward`` in training mode).
+
+    Args:
+        func: The function called.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
+
+    Returns:
+        The probability ``p`` (``0.0`` when the call is deterministic).
+
+    Example:
+        >>> dropout_rate(F.dropout, (torch.ones(2), 0.3), {}), dropout_rate(F.relu, (), {})
+        (0.3, 0.0)
+    """
+    if func in _DROPOUT_FUNCTIONS or func is F.multi_head_attention_forward:
+        bound = inspect.signature(func).bind(*args, **kwargs)
+        bound.apply_defaults()
+        p = bound.arguments["p" if func in _DROPOUT_FUNCTIONS else "dropout_p"]
+        return float(p) if bound.arguments["training"] else 0.0
+    if func in _DROPOUT_BUILTINS:
+        named = dict(zip(("input", "p", "train"), args)) | kwargs
+        return float(named["p"]) if named.get("train") else 0.0
+    if func is F.scaled_dot_product_attention:
+        return float(kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0))
+    return 0.0
 
 
 class _DiscoveryMode(FunctionalMode):
+    leaf_of: LeafIndex
+
     def __init__(self, leaf_of: LeafIndex):
         super().__init__()
         self.leaf_of = leaf_of
         self.plan = TapPlan(uncovered=set(leaf_of.duplicated))
+        self.dropout = 0.0
 
-    def _tapped(self, func: Callable, sig: OpSignature, bound: dict[str, Any],
-                run: Callable[[], Tensor]) -> Tensor:
+    def _tapped(
+        self, func: Callable, sig: OpSignature, bound: dict[str, Any], run: Callable[[], Tensor]
+    ) -> Tensor:
         _refuse_coupled_embedding(sig, bound)
         out = run()
         call = make_call(sig, bound, self.leaf_of)
@@ -263,6 +360,7 @@ class _DiscoveryMode(FunctionalMode):
     def _other(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         if not is_metadata_query(func):
             self.plan.uncovered |= self.leaf_of.used_in(args, kwargs)
+            self.dropout = max(self.dropout, dropout_rate(func, args, kwargs))
         return func(*args, **kwargs)
 
 
@@ -307,14 +405,26 @@ def discover(model_fn: Callable, params: Any, leaves: list[Tensor], X_first: Any
             f"model_fn returned {shape} for a batch of one sample; it must return a tensor "
             "whose leading dimension is the batch dimension."
         )
+    if mode.dropout:
+        warnings.warn(
+            f"model_fn applies dropout (p={mode.dropout:g}) in training mode: every call draws "
+            "new random masks, so two calls give different results and curvature is that of "
+            "one random subnetwork. Call model.eval() first (or set the dropout p=0), unless "
+            "the randomness is intended.",
+            UserWarning,
+            stacklevel=2,
+        )
     return mode.plan
 
 
 class _RecordMode(FunctionalMode):
     """Adds probes to tapped outputs (``torch.func``), or marks them for autograd."""
 
-    def __init__(self, leaf_of: LeafIndex, plan: TapPlan, probes: dict[int, Tensor],
-                 mark: bool = False):
+    leaf_of: LeafIndex
+
+    def __init__(
+        self, leaf_of: LeafIndex, plan: TapPlan, probes: dict[int, Tensor], mark: bool = False
+    ):
         super().__init__()
         self.leaf_of, self.plan, self.probes, self.mark = leaf_of, plan, probes, mark
         self.inputs: dict[int, Tensor] = {}
@@ -322,8 +432,9 @@ class _RecordMode(FunctionalMode):
         self.failed: set[int] = set()
         self.count = 0
 
-    def _tapped(self, func: Callable, sig: OpSignature, bound: dict[str, Any],
-                run: Callable[[], Tensor]) -> Tensor:
+    def _tapped(
+        self, func: Callable, sig: OpSignature, bound: dict[str, Any], run: Callable[[], Tensor]
+    ) -> Tensor:
         k, self.count = self.count, self.count + 1
         call = make_call(sig, bound, self.leaf_of)
         if k >= len(self.plan.sites) or self.plan.sites[k].call.leaves != call.leaves:
@@ -363,13 +474,22 @@ def zero_probes(plan: TapPlan, sites: list[int], n: int) -> dict[int, Tensor]:
         >>> zero_probes(plan, [0], 5)[0].shape
         torch.Size([5, 2])
     """
-    return {k: torch.zeros((), dtype=plan.sites[k].dtype, device=plan.sites[k].device).expand(
-        n, *plan.sites[k].tail) for k in sites}
+    return {
+        k: torch.zeros((), dtype=plan.sites[k].dtype, device=plan.sites[k].device).expand(
+            n, *plan.sites[k].tail
+        )
+        for k in sites
+    }
 
 
-def probed_forward(model_fn: Callable, params: Any, leaves: list[Tensor], plan: TapPlan,
-                   X: Any, failed: set[int] | None = None
-                   ) -> Callable[[dict[int, Tensor]], tuple[Tensor, dict[int, Tensor]]]:
+def probed_forward(
+    model_fn: Callable,
+    params: Any,
+    leaves: list[Tensor],
+    plan: TapPlan,
+    X: Any,
+    failed: set[int] | None = None,
+) -> Callable[[dict[int, Tensor]], tuple[Tensor, dict[int, Tensor]]]:
     """Return ``probes -> (output, inputs)``: the model with probes added to tapped outputs.
 
     Args:
@@ -430,8 +550,16 @@ class TapRecord:
     pullback_columns: Callable[[Tensor], dict[int, Tensor]]
 
 
-def record(model_fn: Callable, params: Any, leaves: list[Tensor], plan: TapPlan, X: Any,
-           y: Tensor, loss: nn.Module, n: int) -> TapRecord:
+def record(
+    model_fn: Callable,
+    params: Any,
+    leaves: list[Tensor],
+    plan: TapPlan,
+    X: Any,
+    y: Tensor,
+    loss: nn.Module,
+    n: int,
+) -> TapRecord:
     """Run the batch pass: one forward, one vector-Jacobian product of the loss.
 
     Outside ``torch.func`` transforms, with nothing requiring gradients, plain
@@ -471,7 +599,7 @@ def record(model_fn: Callable, params: Any, leaves: list[Tensor], plan: TapPlan,
         return output, inputs
 
     probes = zero_probes(plan, plan.active(), n)
-    output, probe_pullback, inputs = vjp(output_of_probes, probes, has_aux=True)
+    output, probe_pullback, inputs = vjp_with_aux(output_of_probes, probes)
     value, loss_pullback = vjp(lambda out: loss(out, y), output)
     (output_cotangent,) = loss_pullback(torch.ones_like(value))
 
@@ -482,8 +610,16 @@ def record(model_fn: Callable, params: Any, leaves: list[Tensor], plan: TapPlan,
     return TapRecord(value, output, output_cotangent, inputs, failed, pullback, vmap(pullback))
 
 
-def _record_with_autograd(model_fn: Callable, params: Any, leaves: list[Tensor], plan: TapPlan,
-                          X: Any, y: Tensor, loss: nn.Module, n: int) -> TapRecord:
+def _record_with_autograd(
+    model_fn: Callable,
+    params: Any,
+    leaves: list[Tensor],
+    plan: TapPlan,
+    X: Any,
+    y: Tensor,
+    loss: nn.Module,
+    n: int,
+) -> TapRecord:
     """:func:`record` with plain autograd: tapped outputs are marked as requiring grad."""
     mode = _RecordMode(LeafIndex(leaves), plan, zero_probes(plan, plan.active(), n), mark=True)
     with torch.enable_grad():
@@ -496,10 +632,16 @@ def _record_with_autograd(model_fn: Callable, params: Any, leaves: list[Tensor],
     return _autograd_record(output, mode.inputs, mode.outputs, shapes, mode.failed, loss, y)
 
 
-def _autograd_record(output: Tensor, inputs: dict[int, Tensor],
-                     outputs: dict[int, GradientEdge], shapes: dict[int, tuple[int, ...]],
-                     failed: set[int], loss: nn.Module, y: Any,
-                     differentiable: bool = False) -> TapRecord:
+def _autograd_record(
+    output: Tensor,
+    inputs: dict[int, Tensor],
+    outputs: dict[int, GradientEdge],
+    shapes: dict[int, tuple[int, ...]],
+    failed: set[int],
+    loss: nn.Module,
+    y: Any,
+    differentiable: bool = False,
+) -> TapRecord:
     """A :class:`TapRecord` whose pullbacks run backward through an existing autograd graph.
 
     The recorded calls' outputs are given as gradient edges (their autograd nodes),
@@ -509,26 +651,48 @@ def _autograd_record(output: Tensor, inputs: dict[int, Tensor],
     """
     with torch.enable_grad():
         value = loss(output, y)
-        (output_cotangent,) = torch.autograd.grad(value, output, retain_graph=True,
-                                                  create_graph=differentiable)
+        (output_cotangent,) = torch.autograd.grad(
+            value, output, retain_graph=True, create_graph=differentiable
+        )
     sites, edges = list(outputs), list(outputs.values())
 
     def gradients(cotangent: Tensor, batched: bool) -> dict[int, Tensor]:
         if not edges:
             return {}
-        found = torch.autograd.grad(output, edges, cotangent, retain_graph=True,
-                                    create_graph=differentiable, allow_unused=True,
-                                    is_grads_batched=batched)
-        return {k: g if g is not None else cotangent.new_zeros(
-                    (*cotangent.shape[:batched], *shapes[k]))
-                for k, g in zip(sites, found)}
+        found = torch.autograd.grad(
+            output,
+            edges,
+            cotangent,
+            retain_graph=True,
+            create_graph=differentiable,
+            allow_unused=True,
+            is_grads_batched=batched,
+        )
+        return {
+            k: g if g is not None else cotangent.new_zeros((*cotangent.shape[:batched], *shapes[k]))
+            for k, g in zip(sites, found)
+        }
 
     if differentiable:
-        return TapRecord(value, output, output_cotangent, dict(inputs), failed,
-                         lambda c: gradients(c, False), lambda c: gradients(c, True))
+        return TapRecord(
+            value,
+            output,
+            output_cotangent,
+            dict(inputs),
+            failed,
+            lambda c: gradients(c, False),
+            lambda c: gradients(c, True),
+        )
     values = {k: x.detach() for k, x in inputs.items()}  # values only: nothing to track
-    return TapRecord(value.detach(), output.detach(), output_cotangent, values, failed,
-                     lambda c: gradients(c, False), lambda c: gradients(c, True))
+    return TapRecord(
+        value.detach(),
+        output.detach(),
+        output_cotangent,
+        values,
+        failed,
+        lambda c: gradients(c, False),
+        lambda c: gradients(c, True),
+    )
 
 
 class ForwardRecorder(TorchFunctionMode):
@@ -557,16 +721,18 @@ class ForwardRecorder(TorchFunctionMode):
         self.calls: list[WatchedCall] = []
         self.usable = True
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (),
-                           kwargs: Any = None) -> Any:
+    def __torch_function__(
+        self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         sig = SIGNATURES.get(func)
         if sig is not None:
             bound = sig.bind(args, kwargs)
             if any(self.leaf_of(bound.get(role)) is not None for role in ROLES):
-                self.calls.append(WatchedCall.of(make_call(sig, bound, self.leaf_of),
-                                                 bound["input"], out))
+                self.calls.append(
+                    WatchedCall.of(make_call(sig, bound, self.leaf_of), bound["input"], out)
+                )
         elif func in RECURRENT_OPS:
             self.usable = False  # packfunc's own pass decomposes them: the calls differ
         return out
@@ -586,9 +752,16 @@ class ForwardRecorder(TorchFunctionMode):
                 self.usable &= output._version == call.output_version
                 call.output = call.edge = None
 
-    def record(self, plan: TapPlan, output: Tensor, loss: nn.Module, y: Any, n: int,
-               adapt: Callable[[Tensor], Tensor] | None = None, differentiable: bool = False
-               ) -> TapRecord | None:
+    def record(
+        self,
+        plan: TapPlan,
+        output: Tensor,
+        loss: nn.Module,
+        y: Any,
+        n: int,
+        adapt: Callable[[Tensor], Tensor] | None = None,
+        differentiable: bool = False,
+    ) -> TapRecord | None:
         """The batch pass's record, from the watched forward; ``None`` if it does not fit.
 
         Args:
@@ -605,8 +778,11 @@ class ForwardRecorder(TorchFunctionMode):
             when the watched calls differ from the plan's.
         """
         calls = [call.call.leaves for call in self.calls]
-        if (not self.usable or calls != [site.call.leaves for site in plan.sites]
-                or any(call.input._version != call.input_version for call in self.calls)):
+        if (
+            not self.usable
+            or calls != [site.call.leaves for site in plan.sites]
+            or any(call.input._version != call.input_version for call in self.calls)
+        ):
             return None
         with torch.enable_grad():
             final = output if adapt is None else adapt(output)
@@ -614,11 +790,9 @@ class ForwardRecorder(TorchFunctionMode):
         inputs, edges, shapes, failed = {}, {}, {}, set()
         for k in plan.active():
             call = self.calls[k]
-            released = call.output is None
-            out = output if released else call.output
-            edge = get_gradient_edge(output) if released else call.edge
-            if (edge is None or out.shape != (n, *plan.sites[k].tail)
-                    or call.input.shape[0] != n):
+            out = output if call.output is None else call.output
+            edge = get_gradient_edge(output) if call.output is None else call.edge
+            if edge is None or out.shape != (n, *plan.sites[k].tail) or call.input.shape[0] != n:
                 failed.add(k)
             else:
                 inputs[k], shapes[k], edges[k] = call.input, tuple(out.shape), edge

@@ -17,10 +17,13 @@ class _Branch(nn.Module):
 
     def __init__(self, *args: OrderedDict[str, nn.Module] | nn.Module):
         super().__init__()
-        named = args[0].items() if len(args) == 1 and isinstance(args[0], OrderedDict) else (
-            (str(i), module) for i, module in enumerate(args))
-        for name, module in named:
-            self.add_module(name, module)
+        first = args[0] if len(args) == 1 else None
+        if isinstance(first, OrderedDict):
+            for name, module in first.items():
+                self.add_module(name, module)
+            return
+        for i, child in enumerate(args):
+            self.add_module(str(i), child)  # type: ignore[arg-type]
 
     def forward(self, input: Tensor) -> tuple[Tensor, ...]:
         """Return each child's output on ``input``."""
@@ -51,8 +54,9 @@ class SumModule(nn.Module):
         if not all(isinstance(x, Tensor) for x in input):
             raise AssertionError(f"SumModule sums tensors, got {[type(x) for x in input]}.")
         if len({x.shape for x in input}) > 1:
-            raise AssertionError(f"SumModule's inputs differ in shape: "
-                                 f"{[tuple(x.shape) for x in input]}.")
+            raise AssertionError(
+                f"SumModule's inputs differ in shape: {[tuple(x.shape) for x in input]}."
+            )
         return sum(input[1:], input[0])
 
 
@@ -75,8 +79,9 @@ class Parallel(nn.Module):
         True
     """
 
-    def __init__(self, *args: OrderedDict[str, nn.Module] | nn.Module,
-                 merge_module: nn.Module | None = None):
+    def __init__(
+        self, *args: OrderedDict[str, nn.Module] | nn.Module, merge_module: nn.Module | None = None
+    ):
         super().__init__()
         self.branch = _Branch(*args)
         self.merge = SumModule() if merge_module is None else merge_module

@@ -18,7 +18,23 @@ from packfunc.compat.extensions.secondorder import (
 )
 
 __all__ = [
-    "GGNMP", "HMP", "PCHMP", "BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance", "HBP",
-    "KFAC", "KFLR", "KFRA", "BatchDiagGGNExact", "BatchDiagGGNMC", "BatchDiagHessian",
-    "DiagGGNExact", "DiagGGNMC", "DiagHessian", "SqrtGGNExact", "SqrtGGNMC",
+    "GGNMP",
+    "HMP",
+    "PCHMP",
+    "BatchGrad",
+    "BatchL2Grad",
+    "SumGradSquared",
+    "Variance",
+    "HBP",
+    "KFAC",
+    "KFLR",
+    "KFRA",
+    "BatchDiagGGNExact",
+    "BatchDiagGGNMC",
+    "BatchDiagHessian",
+    "DiagGGNExact",
+    "DiagGGNMC",
+    "DiagHessian",
+    "SqrtGGNExact",
+    "SqrtGGNMC",
 ]

@@ -38,8 +38,9 @@ class BackpropExtension:
     subsampling: list[int] | None = None
     module_extensions: dict[type, Any] = field(default_factory=dict, repr=False)
 
-    def set_module_extension(self, module: type[nn.Module], extension: Any,
-                             overwrite: bool = False) -> None:
+    def set_module_extension(
+        self, module: type[nn.Module], extension: Any, overwrite: bool = False
+    ) -> None:
         """Use ``extension`` for modules of class ``module`` instead of packfunc's own rules.
 
         Args:
@@ -56,8 +57,10 @@ class BackpropExtension:
             >>> ext.set_module_extension(torch.nn.Linear, object())
         """
         if module in self.module_extensions and not overwrite:
-            raise ValueError(f"{module.__name__} already has an extension for {self.savefield}; "
-                             "pass overwrite=True to replace it.")
+            raise ValueError(
+                f"{module.__name__} already has an extension for {self.savefield}; "
+                "pass overwrite=True to replace it."
+            )
         self.module_extensions[module] = extension
 
     def get_subsampling(self) -> list[int] | None:

@@ -32,8 +32,9 @@ class Rule:
     kronecker_factors: int = 0
     """Number of Kronecker factors of the parameter's curvature block (0: no Kronecker rule)."""
 
-    def merge(self, xs: list[Tensor], gs: list[Tensor], options: list[tuple]
-              ) -> tuple[Tensor, Tensor] | None:
+    def merge(
+        self, xs: list[Tensor], gs: list[Tensor], options: list[tuple]
+    ) -> tuple[Tensor, Tensor] | None:
         """One canonical term for several calls of a layer, or ``None`` if they must add up.
 
         Args:
@@ -57,13 +58,15 @@ class Rule:
         """Number of Kronecker factors this rule gives for ``call`` (0: none)."""
         return self.kronecker_factors
 
-    def canonical(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
-                  ) -> tuple[Tensor, Tensor]:
+    def canonical(
+        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """Bring ``(x [N, ...], g [K, N, ...])`` into the layout the other methods expect."""
         return x, g
 
-    def kronecker_layout(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
-                         ) -> tuple[Tensor, Tensor] | None:
+    def kronecker_layout(
+        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+    ) -> tuple[Tensor, Tensor] | None:
         """The pair :meth:`input_factor` and :meth:`output_factor` read, if not the canonical one.
 
         Args:
@@ -85,13 +88,13 @@ class Rule:
         """``Σ_{k,n} batch_grad[k, n]``."""
         return self.batch_grad(x, g, call, param).sum((0, 1))
 
-    def sum_grad_squared(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
-                         ) -> Tensor | None:
+    def sum_grad_squared(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor | None:
         """``Σ_{k,n} batch_grad[k, n]²`` in closed form, or ``None``."""
         return None
 
-    def batch_sum_squares(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
-                          ) -> Tensor | None:
+    def batch_sum_squares(
+        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+    ) -> Tensor | None:
         """``Σ_k batch_grad[k, n]²`` per sample, ``[n, *param.shape]``, or ``None``."""
         return None
 

@@ -36,8 +36,14 @@ def _padding_pairs(call: TapCall, kernel: list[int], dilation: list[int]) -> lis
     return [(p, p) for p in _per_dim(padding, len(kernel))]
 
 
-def unfold(x: Tensor, kernel: list[int], stride: list[int], dilation: list[int],
-           padding: list[tuple[int, int]], positions: list[int] | None = None) -> Tensor:
+def unfold(
+    x: Tensor,
+    kernel: list[int],
+    stride: list[int],
+    dilation: list[int],
+    padding: list[tuple[int, int]],
+    positions: list[int] | None = None,
+) -> Tensor:
     """Unfold ``x: [N, C, *S]`` into ``[N, C·K, L]``: every kernel window as a column.
 
     Args:
@@ -59,13 +65,18 @@ def unfold(x: Tensor, kernel: list[int], stride: list[int], dilation: list[int],
         x = F.pad(x, [side for pair in reversed(padding) for side in pair])
     n, channels, *size = x.shape
     if positions is None:
-        positions = [(s - d * (k - 1) - 1) // st + 1
-                     for s, k, st, d in zip(size, kernel, stride, dilation)]
+        positions = [
+            (s - d * (k - 1) - 1) // st + 1 for s, k, st, d in zip(size, kernel, stride, dilation)
+        ]
     sample_stride, channel_stride, *space = x.stride()
     windows = x.as_strided(
         (n, channels, *kernel, *positions),
-        (sample_stride, channel_stride, *[s * d for s, d in zip(space, dilation)],
-         *[s * st for s, st in zip(space, stride)]),
+        (
+            sample_stride,
+            channel_stride,
+            *[s * d for s, d in zip(space, dilation)],
+            *[s * st for s, st in zip(space, stride)],
+        ),
     )
     return windows.reshape(n, channels * math.prod(kernel), math.prod(positions))
 
@@ -98,17 +109,25 @@ def unfold_transposed(x: Tensor, kernel: list[int], call: TapCall) -> Tensor:
     dims, channels, entries = len(kernel), x.shape[1], math.prod(kernel)
     onehot = torch.eye(entries, dtype=x.dtype, device=x.device).view(1, entries, *kernel)
     convolution = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[dims - 1]
-    unfolded = convolution(x, onehot.expand(channels, *onehot.shape[1:]), None,
-                           call.option("stride"), call.option("padding"),
-                           call.option("output_padding"), channels, call.option("dilation"))
+    unfolded = convolution(
+        x,
+        onehot.expand(channels, *onehot.shape[1:]),
+        None,
+        call.option("stride"),
+        call.option("padding"),
+        call.option("output_padding"),
+        channels,
+        call.option("dilation"),
+    )
     return unfolded.flatten(2)
 
 
 class ConvWeight(ProductWeight):
     """Weight of ``torch.convNd`` / ``torch.conv_transposeNd``."""
 
-    def canonical(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
-                  ) -> tuple[Tensor, Tensor]:
+    def canonical(
+        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """Unfold the op's input (or, transposed, its cotangent) and group the channels."""
         kernel = list(param.shape[2:])
         dims = len(kernel)
@@ -118,14 +137,21 @@ class ConvWeight(ProductWeight):
         g = g.reshape(columns * n, *g.shape[2:])
         source, target = (g, x) if call.transposed else (x, g)
         # a transposed op's output_padding adds trailing positions no input position reaches
-        windows = unfold(source, kernel, stride, dilation, _padding_pairs(call, kernel, dilation),
-                         positions=list(target.shape[2:]))
+        windows = unfold(
+            source,
+            kernel,
+            stride,
+            dilation,
+            _padding_pairs(call, kernel, dilation),
+            positions=list(target.shape[2:]),
+        )
         unfolded = windows.view(-1, n, groups, windows.shape[1] // groups, windows.shape[-1])
         other = target.reshape(-1, n, groups, target.shape[1] // groups, windows.shape[-1])
         return unfolded, other
 
-    def kronecker_layout(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
-                         ) -> tuple[Tensor, Tensor] | None:
+    def kronecker_layout(
+        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+    ) -> tuple[Tensor, Tensor] | None:
         """Transposed: the input unfolded per output position, and the output cotangent.
 
         The factors then approximate the curvature of the kernel with its channel axes
@@ -136,5 +162,7 @@ class ConvWeight(ProductWeight):
             return None
         groups, n, columns = call.option("groups"), x.shape[0], g.shape[0]
         unfolded = unfold_transposed(x, list(param.shape[2:]), call)
-        return (unfolded.view(1, n, groups, unfolded.shape[1] // groups, unfolded.shape[-1]),
-                g.reshape(columns, n, groups, g.shape[2] // groups, -1))
+        return (
+            unfolded.view(1, n, groups, unfolded.shape[1] // groups, unfolded.shape[-1]),
+            g.reshape(columns, n, groups, g.shape[2] // groups, -1),
+        )

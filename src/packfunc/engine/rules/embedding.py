@@ -20,8 +20,9 @@ class EmbeddingWeight(Rule):
 
     merge_dim = 2
 
-    def canonical(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
-                  ) -> tuple[Tensor, Tensor]:
+    def canonical(
+        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """Flatten positions; zero the cotangents at ``padding_idx``."""
         n, columns, width = x.shape[0], g.shape[0], g.shape[-1]
         x, g = x.reshape(1, n, -1), g.reshape(columns, n, -1, width)
@@ -44,8 +45,9 @@ class EmbeddingWeight(Rule):
 
     def grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """Scatter-add all cotangents into one weight."""
-        return g.new_zeros(param.shape).index_add(0, x.reshape(-1),
-                                                   g.sum(0).reshape(-1, g.shape[-1]))
+        return g.new_zeros(param.shape).index_add(
+            0, x.reshape(-1), g.sum(0).reshape(-1, g.shape[-1])
+        )
 
     def sum_grad_squared(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """Squared per-key sums, scattered into rows."""
@@ -78,6 +80,7 @@ def _keys(x: Tensor, columns: int, rows: int) -> Tensor:
 def _key_sums(x: Tensor, g: Tensor, rows: int) -> tuple[Tensor, Tensor]:
     """Distinct (column, sample, row) keys and the sums of their cotangents."""
     unique, inverse = torch.unique(_keys(x, g.shape[0], rows), return_inverse=True)
-    sums = g.new_zeros(unique.shape[0], g.shape[-1]).index_add(0, inverse,
-                                                                g.reshape(-1, g.shape[-1]))
+    sums = g.new_zeros(unique.shape[0], g.shape[-1]).index_add(
+        0, inverse, g.reshape(-1, g.shape[-1])
+    )
     return unique, sums

@@ -13,8 +13,9 @@ from packfunc.engine.rules.product import ProductWeight
 class LinearWeight(ProductWeight):
     """Weight of ``F.linear``: one group, positions are the dims between samples and features."""
 
-    def canonical(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
-                  ) -> tuple[Tensor, Tensor]:
+    def canonical(
+        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """``x: [N, ..., in] -> [1, N, 1, in, L]``, ``g: [K, N, ..., out] -> [K, N, 1, out, L]``."""
         n, columns = x.shape[0], g.shape[0]
         u = x.reshape(1, n, 1, -1, x.shape[-1]).transpose(-1, -2)
@@ -27,8 +28,9 @@ class Bias(Rule):
     def __init__(self, channel_dim: int):
         self.channel_dim = channel_dim
 
-    def canonical(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
-                  ) -> tuple[Tensor, Tensor]:
+    def canonical(
+        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """Sum ``g [K, N, ...]`` over every dim but columns, samples and channels.
 
         ``x`` is not needed; it gets the column dim that canonical inputs share.
@@ -39,8 +41,9 @@ class Bias(Rule):
 
     kronecker_factors = 1
 
-    def merge(self, xs: list[Tensor], gs: list[Tensor], options: list[tuple]
-              ) -> tuple[Tensor, Tensor] | None:
+    def merge(
+        self, xs: list[Tensor], gs: list[Tensor], options: list[tuple]
+    ) -> tuple[Tensor, Tensor] | None:
         """Several calls add their (position-summed) cotangents: the bias gradient's sum."""
         if len({g.shape for g in gs}) != 1:
             return None

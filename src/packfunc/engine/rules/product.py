@@ -50,15 +50,15 @@ class ProductWeight(Rule):
         """``Σ_{k,n,l} v u_lᵀ`` per group; the column dim is summed on its side first."""
         return _contract_samples(_column_sum(g), _column_sum(x)).reshape(param.shape)
 
-    def sum_grad_squared(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
-                         ) -> Tensor | None:
+    def sum_grad_squared(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor | None:
         """``Σ_n (Σ_k v_kn²)(Σ_k u_kn²)ᵀ`` when every sample has one position."""
         if x.shape[-1] != 1:
             return None
         return _contract_samples(*_summed_squares(x, g)).reshape(param.shape)
 
-    def batch_sum_squares(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
-                          ) -> Tensor | None:
+    def batch_sum_squares(
+        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+    ) -> Tensor | None:
         """``(Σ_k v_kn²)(Σ_k u_kn²)ᵀ`` per sample when every sample has one position."""
         if x.shape[-1] != 1:
             return None
@@ -80,7 +80,6 @@ class ProductWeight(Rule):
         gram_g = g[0].transpose(-1, -2) @ g[0]
         gram_u = x[0].transpose(-1, -2) @ x[0]
         return (gram_g * gram_u).sum((1, 2, 3))
-
 
     def output_factor(self, g: Tensor, approx: str) -> Tensor:
         """``Σ_{k,n} s sᵀ`` over all output channels, ``s`` the position-summed cotangent.

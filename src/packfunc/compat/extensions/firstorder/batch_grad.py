@@ -21,5 +21,6 @@ class BatchGrad(BackpropExtension):
 
     def job(self) -> Job:
         """Per-sample gradients, from the backward pass's own output gradient."""
-        return Job("quantity", "batch_grad", (("subsampling", self.subsampling),),
-                   second_order=False)
+        return Job(
+            "quantity", "batch_grad", (("subsampling", self.subsampling),), second_order=False
+        )

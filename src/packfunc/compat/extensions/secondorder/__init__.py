@@ -11,6 +11,16 @@ from packfunc.compat.extensions.secondorder.hbp import HBP, KFAC, KFLR, KFRA
 from packfunc.compat.extensions.secondorder.sqrt_ggn import SqrtGGNExact, SqrtGGNMC
 
 __all__ = [
-    "HBP", "KFAC", "KFLR", "KFRA", "BatchDiagGGNExact", "BatchDiagGGNMC", "BatchDiagHessian",
-    "DiagGGNExact", "DiagGGNMC", "DiagHessian", "SqrtGGNExact", "SqrtGGNMC",
+    "HBP",
+    "KFAC",
+    "KFLR",
+    "KFRA",
+    "BatchDiagGGNExact",
+    "BatchDiagGGNMC",
+    "BatchDiagHessian",
+    "DiagGGNExact",
+    "DiagGGNMC",
+    "DiagHessian",
+    "SqrtGGNExact",
+    "SqrtGGNMC",
 ]

@@ -37,18 +37,29 @@ class HBP(BackpropExtension):
         (('curvature', 'hessian'),)
     """
 
-    def __init__(self, curv_type: str, loss_hessian_strategy: str, backprop_strategy: str,
-                 ea_strategy: str, savefield: str = "hbp"):
+    def __init__(
+        self,
+        curv_type: str,
+        loss_hessian_strategy: str,
+        backprop_strategy: str,
+        ea_strategy: str,
+        savefield: str = "hbp",
+    ):
         super().__init__(savefield=savefield)
-        method = {("exact", "sqrt"): "kflr", ("sampling", "sqrt"): "kfac",
-                  ("sum", "average"): "kfra"}.get((loss_hessian_strategy, backprop_strategy))
-        description = (f"HBP({curv_type!r}, {loss_hessian_strategy!r}, {backprop_strategy!r}, "
-                       f"{ea_strategy!r})")
+        method = {
+            ("exact", "sqrt"): "kflr",
+            ("sampling", "sqrt"): "kfac",
+            ("sum", "average"): "kfra",
+        }.get((loss_hessian_strategy, backprop_strategy))
+        description = (
+            f"HBP({curv_type!r}, {loss_hessian_strategy!r}, {backprop_strategy!r}, {ea_strategy!r})"
+        )
         if ea_strategy != BOTEV_MARTENS or method is None or curv_type not in CURVATURES:
             raise NotImplementedError(
                 f"{description} is not available; packfunc provides KFAC (sampling, sqrt), "
                 f"KFLR (exact, sqrt) and KFRA (sum, average) with {BOTEV_MARTENS!r}, and "
-                f"curv_type one of {tuple(CURVATURES)}.")
+                f"curv_type one of {tuple(CURVATURES)}."
+            )
         if curv_type != "ggn" and method != "kfra":
             raise NotImplementedError(
                 f"{description}: the square-root strategy propagates columns whose outer "
@@ -56,7 +67,8 @@ class HBP(BackpropExtension):
                 f"residual curvature of {curv_type!r} (BackPACK 1.7.1 drops that term silently "
                 "and returns the GGN factors). Use curv_type='ggn' for KFLR/KFAC, or "
                 f"HBP({curv_type!r}, 'sum', 'average', ...) for the Kronecker-factored "
-                "curvature with residual terms.")
+                "curvature with residual terms."
+            )
         self.method, self.mc_samples, self.curv_type = method, 1, curv_type
 
     def get_num_mc_samples(self) -> int:

@@ -46,5 +46,8 @@ class SqrtGGNMC(BackpropExtension):
 
     def job(self) -> Job:
         """The sampled square root."""
-        return Job("quantity", "sqrt_ggn", (("subsampling", self.subsampling),
-                                            ("mc_samples", self.mc_samples)))
+        return Job(
+            "quantity",
+            "sqrt_ggn",
+            (("subsampling", self.subsampling), ("mc_samples", self.mc_samples)),
+        )

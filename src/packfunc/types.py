@@ -1,0 +1,103 @@
+"""Type aliases of the public API, and the one description of its shared arguments.
+
+The public functions take the same leading arguments and many of the same
+options. Their types are named here once, and :func:`shares_arguments` writes
+their ``Args:`` descriptions into each function's docstring from
+:data:`ARGUMENTS`, so an option is described in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar
+
+from torch import Tensor
+
+PyTree = Any
+"""A pytree of tensors (nested dicts, lists, tuples; see ``optree``)."""
+
+Params = PyTree
+"""The parameters: a pytree of floating-point tensors, e.g. ``dict(name -> tensor)``."""
+
+Inputs = Any
+"""Model inputs: a tensor or a pytree of tensors, each with the batch dimension first."""
+
+ModelFn = Callable[[Params, Inputs], Tensor]
+"""``model_fn(params, X) -> output`` with the batch dimension first."""
+
+Samples = Sequence[int] | Tensor | None
+"""Sample indices (``None``: every sample)."""
+
+KfacApprox = Literal["backpack", "expand", "reduce"]
+"""How positions (sequence entries, pixels, repeated calls) enter Kronecker factors."""
+
+OnUnsupported = Literal["raise", "skip"]
+"""What Kronecker functions do with parameters that have no Kronecker rule."""
+
+Curvature = Literal["ggn", "hessian", "pch-clip", "pch-abs"]
+"""The curvature KFRA propagates: the GGN, the Hessian, or a positive-curvature Hessian."""
+
+Modify = Literal["clip", "abs"]
+"""How a positive-curvature Hessian treats negative curvature: set to zero, or flip."""
+
+ARGUMENTS: dict[str, str] = {
+    "model_fn": "``model_fn(params, X) -> output``, batch dimension first (e.g. from "
+    ":func:`packfunc.functional`).",
+    "params": "Pytree of floating-point tensors (e.g. the dict from :func:`packfunc.functional`).",
+    "X": "Inputs (tensor or pytree of tensors) with leading batch dimension ``N``.",
+    "y": "Targets with leading batch dimension ``N``.",
+    "loss": "A ``torch.nn`` loss module; its ``reduction`` sets the scaling (default "
+    "``CrossEntropyLoss()``).",
+    "subsampling": "Compute the per-sample results of these samples only (scaling unchanged; "
+    "default: all).",
+    "mc_samples": "``None`` for the exact loss Hessian, else the number of Monte-Carlo samples "
+    "drawn from the model's predictive distribution.",
+    "generator": "Random generator for the Monte-Carlo samples (on the outputs' device).",
+    "chunk_size": "Samples per chunk where per-sample tensors are materialized (default: "
+    "automatic, within a memory budget).",
+    "kfac_approx": "``'backpack'``, ``'expand'`` or ``'reduce'``: how positions enter the "
+    "factors (see :mod:`packfunc.kronecker`).",
+    "on_unsupported": "``'raise'`` for parameters without a Kronecker rule, or ``'skip'`` "
+    "(``None`` for those).",
+}
+"""The description of every argument shared by several public functions."""
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def shares_arguments(*names: str) -> Callable[[F], F]:
+    """Write the shared descriptions of ``names`` as the ``Args:`` section of a docstring.
+
+    The docstring's own ``Args:`` lines (arguments only that function has) follow
+    the shared ones; without an ``Args:`` section it is inserted before ``Returns:``.
+
+    Args:
+        *names: Keys of :data:`ARGUMENTS`, in signature order.
+
+    Returns:
+        A decorator that rewrites the function's docstring and returns the function.
+
+    Example:
+        >>> @shares_arguments("X")
+        ... def first(X):
+        ...     '''Return the first sample.
+        ...
+        ...     Returns:
+        ...         ``X[0]``.
+        ...     '''
+        ...     return X[0]
+        >>> "Inputs (tensor" in first.__doc__
+        True
+    """
+    lines = "".join(f"        {name}: {ARGUMENTS[name]}\n" for name in names)
+
+    def decorate(function: F) -> F:
+        doc = function.__doc__ or ""
+        if "    Args:\n" in doc:
+            doc = doc.replace("    Args:\n", "    Args:\n" + lines, 1)
+        else:
+            doc = doc.replace("    Returns:\n", "    Args:\n" + lines + "\n    Returns:\n", 1)
+        function.__doc__ = doc
+        return function
+
+    return decorate

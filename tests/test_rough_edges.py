@@ -1,0 +1,191 @@
+"""Rough edges a new user hit (issue 10): each fails or warns with a message naming the fix."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import packfunc as pf
+from packfunc.compat import backpack, extend
+from packfunc.compat.extensions import BatchGrad, DiagGGNExact
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+_DATA = torch.Generator().manual_seed(0)
+X, Y = torch.randn(5, 3, generator=_DATA), torch.randint(0, 2, (5,), generator=_DATA)
+
+
+def test_functional_params_do_not_require_grad_and_the_documented_fix_works():
+    model_fn, params = pf.functional(_model())
+    assert not any(p.requires_grad for p in params.values())  # the engine's fast path
+    assert "requires_grad_()" in pf.functional.__doc__
+    leaves = {k: p.requires_grad_() for k, p in params.items()}
+    (g,) = torch.autograd.grad(
+        nn.functional.cross_entropy(model_fn(leaves, X), Y), leaves["2.bias"]
+    )
+    expected = pf.batch_grad(model_fn, params, X, Y)["2.bias"].sum(0)
+    torch.testing.assert_close(g, expected)
+
+
+def test_int32_class_targets_name_the_fix():
+    model_fn, params = pf.functional(_model())
+    with pytest.raises(ValueError, match=r"torch\.int64.*y\.long\(\)"):
+        pf.batch_grad(model_fn, params, X, Y.int())
+
+
+def test_compute_takes_one_string_as_one_quantity():
+    model_fn, params = pf.functional(_model())
+    out = pf.compute(model_fn, params, X, Y, quantities="grad")
+    torch.testing.assert_close(
+        out["grad"]["0.weight"], pf.batch_grad(model_fn, params, X, Y)["0.weight"].sum(0)
+    )
+
+
+@pytest.mark.parametrize("name", ["kfac", "kflr", "kfra"])
+def test_compute_names_the_function_for_kronecker_factors(name):
+    model_fn, params = pf.functional(_model())
+    with pytest.raises(ValueError, match=rf"pf\.{name}\(\.\.\.\)"):
+        pf.compute(model_fn, params, X, Y, quantities=("grad", name))
+
+
+_FUNCTIONS = [
+    lambda fn, p: pf.batch_grad(fn, p, X, Y),
+    lambda fn, p: pf.diag_ggn(fn, p, X, Y),
+    lambda fn, p: pf.compute(fn, p, X, Y, quantities=("variance",)),
+    lambda fn, p: pf.kfac(fn, p, X, Y),
+    lambda fn, p: pf.kfra(fn, p, X, Y),
+    lambda fn, p: pf.ggn_vector_product(fn, p, X, Y, p),
+    lambda fn, p: pf.hessian_block_products(fn, p, X, Y, p),
+    lambda fn, p: pf.pch_block_products(fn, p, X, Y, p),
+]
+
+
+@pytest.mark.parametrize("call", _FUNCTIONS)
+def test_passing_the_module_as_model_fn_names_the_fix(call):
+    model = _model()
+    _, params = pf.functional(model)
+    with pytest.raises(TypeError, match=r"use model_fn, params = pf\.functional\(model\)"):
+        call(model, params)
+
+
+@pytest.mark.parametrize("call", _FUNCTIONS)
+def test_passing_a_parameter_list_names_the_fix(call):
+    model = _model()
+    model_fn, _ = pf.functional(model)
+    with pytest.raises(TypeError, match=r"use model_fn, params = pf\.functional\(model\)"):
+        call(model_fn, list(model.parameters()))
+
+
+def test_passing_the_parameter_generator_names_the_fix():
+    model = _model()
+    model_fn, _ = pf.functional(model)
+    with pytest.raises(TypeError, match=r"pf\.functional\(model\)"):
+        pf.batch_grad(model_fn, model.parameters(), X, Y)
+    with pytest.raises(TypeError, match=r"pf\.functional\(model\)"):
+        pf.batch_grad(lambda p, X: X, model.parameters(), X, Y)
+
+
+def test_hand_written_model_fn_may_take_a_list():
+    model_fn, params = pf.functional(_model())
+    names = list(params)
+
+    def listed(p: list[torch.Tensor], X: torch.Tensor) -> torch.Tensor:
+        return model_fn(dict(zip(names, p)), X)
+
+    g = pf.batch_grad(listed, list(params.values()), X, Y)
+    torch.testing.assert_close(g[0], pf.batch_grad(model_fn, params, X, Y)["0.weight"])
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2)),
+        nn.Sequential(nn.Linear(3, 4), nn.AlphaDropout(0.2), nn.Linear(4, 2)),
+    ],
+)
+def test_active_dropout_warns_and_names_model_eval(model):
+    model_fn, params = pf.functional(model.train())
+    with pytest.warns(UserWarning, match=r"dropout.*model\.eval\(\)"):
+        pf.diag_ggn(model_fn, params, X, Y)
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pf.diag_ggn(model_fn, params, X, Y)
+
+
+def test_dropout_with_p_zero_does_not_warn():
+    model_fn, params = pf.functional(
+        nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.0), nn.Linear(4, 2)).train()
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pf.batch_grad(model_fn, params, X, Y)
+
+
+def test_empty_batch_is_refused_clearly():
+    model_fn, params = pf.functional(_model())
+    with pytest.raises(ValueError, match="empty batch"):
+        pf.batch_grad(model_fn, params, X[:0], Y[:0])
+
+
+def _reference_batch_grad(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    model_fn, params = pf.functional(model)
+    return pf.batch_grad(model_fn, params, X, y)["0.weight"]
+
+
+def test_shim_second_forward_backpropagated_is_right():
+    model, lossfunc = extend(_model()), extend(nn.CrossEntropyLoss())
+    X2, Y2 = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    model(X)
+    out2 = model(X2)
+    torch.testing.assert_close(model[0].input0, X2)  # as in BackPACK: the last forward's
+    with backpack(BatchGrad(), DiagGGNExact()):
+        lossfunc(out2, Y2).backward()
+    torch.testing.assert_close(model[0].weight.grad_batch, _reference_batch_grad(model, X2, Y2))
+
+
+def test_shim_first_forward_backpropagated_is_right():
+    model, lossfunc = extend(_model()), extend(nn.CrossEntropyLoss())
+    out1 = model(X)
+    model(torch.randn(6, 3))
+    with backpack(BatchGrad()):
+        lossfunc(out1, Y).backward()
+    torch.testing.assert_close(model[0].weight.grad_batch, _reference_batch_grad(model, X, Y))
+
+
+def test_shim_two_forwards_in_one_backward_are_refused():
+    model, lossfunc = extend(_model()), extend(nn.CrossEntropyLoss())
+    out1, out2 = model(X), model(X[:4])
+    with backpack(BatchGrad()), pytest.raises(ValueError, match="two forward passes"):
+        (lossfunc(out1, Y) + lossfunc(out2, Y[:4])).backward()
+
+
+def test_shim_hook_after_an_earlier_forward_is_refused():
+    model, lossfunc = extend(_model()), extend(nn.CrossEntropyLoss())
+    out1 = model(X)
+    model(X[:4])
+    with (
+        backpack(BatchGrad(), extension_hook=lambda module: None),
+        pytest.raises(ValueError, match="latest forward"),
+    ):
+        lossfunc(out1, Y).backward()
+
+
+@pytest.mark.filterwarnings("error::UserWarning")
+def test_vmapped_attention_does_not_warn():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0, batch_first=True)
+    model_fn, params = pf.functional(layer)
+    X3, y3 = torch.randn(3, 4, 8), torch.randint(0, 8, (3,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pf.batch_grad(lambda p, x: model_fn(p, x).mean(1), params, X3, y3)
+        pf.diag_ggn(lambda p, x: model_fn(p, x).mean(1), params, X3, y3)
+    assert not [w for w in caught if "performance drop" in str(w.message)]
