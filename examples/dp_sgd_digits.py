@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -21,9 +21,9 @@ import torch
 from torch import Tensor, nn
 
 import packfunc as pf
+from packfunc.types import ModelFn
 
 Params = dict[str, Tensor]
-ModelFn = Callable[[Params, Tensor], Tensor]
 
 
 @dataclass(frozen=True)

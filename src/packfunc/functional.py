@@ -11,8 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-ModelFn = Callable[[Any, Any], Tensor]
-"""A pure model: ``model_fn(params, X) -> output`` with ``params`` a pytree of tensors."""
+from packfunc.types import ModelFn
 
 _MODULES: weakref.WeakKeyDictionary[Callable, nn.Module] = weakref.WeakKeyDictionary()
 """The module behind each ``model_fn`` that :func:`functional` returned."""
