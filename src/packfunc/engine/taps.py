@@ -26,6 +26,7 @@ import inspect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import optree
@@ -164,11 +165,11 @@ class FunctionalMode(TorchFunctionMode):
         if sig is not None and self.leaf_of is not None:
             bound = sig.bind(args, kwargs)
             if any(self.leaf_of(bound.get(role)) is not None for role in ROLES):
-                return self._tapped(func, sig, bound, lambda: func(*args, **kwargs))
+                return self._tapped(func, sig, bound, partial(_call_replacing, func, args, kwargs))
         return self._other(func, args, kwargs)
 
     def _tapped(
-        self, func: Callable, sig: OpSignature, bound: dict[str, Any], run: Callable[[], Tensor]
+        self, func: Callable, sig: OpSignature, bound: dict[str, Any], run: Callable[..., Tensor]
     ) -> Tensor:
         return run()
 
@@ -344,7 +345,7 @@ class _DiscoveryMode(FunctionalMode):
         self.dropout = 0.0
 
     def _tapped(
-        self, func: Callable, sig: OpSignature, bound: dict[str, Any], run: Callable[[], Tensor]
+        self, func: Callable, sig: OpSignature, bound: dict[str, Any], run: Callable[..., Tensor]
     ) -> Tensor:
         _refuse_coupled_embedding(sig, bound)
         out = run()
@@ -362,6 +363,17 @@ class _DiscoveryMode(FunctionalMode):
             self.plan.uncovered |= self.leaf_of.used_in(args, kwargs)
             self.dropout = max(self.dropout, dropout_rate(func, args, kwargs))
         return func(*args, **kwargs)
+
+
+def _call_replacing(
+    func: Callable, args: tuple, kwargs: dict, old: Any = None, new: Any = None
+) -> Tensor:
+    """``func(*args, **kwargs)``, with the argument that is ``old`` (by identity) set to ``new``."""
+    if old is None:
+        return func(*args, **kwargs)
+    args = tuple(new if a is old else a for a in args)
+    kwargs = {key: new if v is old else v for key, v in kwargs.items()}
+    return func(*args, **kwargs)
 
 
 def _refuse_coupled_embedding(sig: OpSignature, bound: dict[str, Any]) -> None:
@@ -433,7 +445,7 @@ class _RecordMode(FunctionalMode):
         self.count = 0
 
     def _tapped(
-        self, func: Callable, sig: OpSignature, bound: dict[str, Any], run: Callable[[], Tensor]
+        self, func: Callable, sig: OpSignature, bound: dict[str, Any], run: Callable[..., Tensor]
     ) -> Tensor:
         k, self.count = self.count, self.count + 1
         call = make_call(sig, bound, self.leaf_of)
@@ -442,16 +454,21 @@ class _RecordMode(FunctionalMode):
                 "model_fn called its layers in a different order for one sample than for the "
                 "batch; packfunc needs the same sequence of layer calls for any batch size."
             )
-        out = run()
         probe = self.probes.get(k)
         if probe is None:
-            return out
+            return run()
+        if self.mark and not any(isinstance(v, Tensor) and v.requires_grad for v in bound.values()):
+            # the output would be a leaf, which an in-place op after the call (ReLU(inplace=True))
+            # may not modify: compute it from a fresh leaf alias of a parameter instead
+            weight = bound[call.leaves[0][0]]
+            out = run(weight, weight.detach().requires_grad_())
+        else:
+            out = run()
         if out.shape != probe.shape or bound["input"].shape[0] != probe.shape[0]:
             self.failed.add(k)
             return out
         self.inputs[k] = bound["input"]
         if self.mark:  # autograd: the output itself is differentiated
-            out = out if out.requires_grad else out.requires_grad_()
             self.outputs[k] = get_gradient_edge(out)  # still right if out is changed in place
             return out
         return out + probe
