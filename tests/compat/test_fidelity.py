@@ -3,7 +3,9 @@ autograd and, where BackPACK computes the case, BackPACK itself."""
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -253,3 +255,25 @@ def test_modified_loss_output_warns():
     with backpack(ours.DiagGGNExact()), warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         loss.backward()
+
+
+def test_forward_passes_without_backward_keep_one_graph_alive():
+    """Like BackPACK's ``module.output``: only the latest forward's output stays referenced."""
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    X, y = _data()
+    alive = []
+    for _ in range(4):
+        output = model(X)
+        lossfunc(output.view(-1, 2), y)
+        alive.append(weakref.ref(output))
+        del output
+    gc.collect()
+    assert [ref() is not None for ref in alive] == [False, False, False, True]
+    loss = lossfunc(model(X), y)  # an earlier forward is still answered right
+    earlier = model(X)
+    with backpack(ours.BatchGrad()):
+        loss.backward()
+    expected = _per_sample_grads(_mlp(), nn.CrossEntropyLoss(), X, y)
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad_batch, g)
+    del earlier

@@ -40,7 +40,12 @@ _depth: list[int] = [0]
 _recorders: list[ForwardRecorder | None] = []
 _serials = itertools.count()
 _LATEST = "_packfunc_latest_forward"
-"""Attribute of an extended model: the serial of its latest recorded forward pass."""
+"""Attribute of an extended model: its latest recorded forward pass.
+
+Only that one keeps its output (and with it its autograd graph) alive: a model run
+without a backward pass (validation with gradients enabled) holds one graph, as
+BackPACK's ``module.output`` does; an earlier pass backpropagated later is
+answered by packfunc's own forward pass on its recorded inputs."""
 _RUN = "_packfunc_extensions_ran"
 """Attribute of an extended model: ``(graph task, serial)`` of the last extensions run."""
 
@@ -159,7 +164,10 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         return
     recorder.release(output)
     record = ForwardRecord(module, args, kwargs, recorder, output, output.shape)
-    module.__dict__[_LATEST] = record.serial
+    previous = module.__dict__.get(_LATEST)
+    if previous is not None:
+        previous.output = None
+    module.__dict__[_LATEST] = record
     _link_to_producer(record)
     node_metadata(output.grad_fn)[RECORD_KEY] = record
     output.grad_fn.register_prehook(partial(_on_backward, record))
@@ -253,7 +261,7 @@ def _refuse_mixed_forwards(record: ForwardRecord, ctx: context.Context, task: in
     hooked = ctx.extension_hook is not None or any(
         getattr(ext, "module_extensions", None) for ext in ctx.extensions
     )
-    if hooked and model.__dict__.get(_LATEST, record.serial) != record.serial:
+    if hooked and model.__dict__.get(_LATEST, record) is not record:
         raise ValueError(
             f"this backward pass goes through an earlier forward pass of the extended {name} "
             "than its latest one: module.input0/output hold the latest forward, which "
