@@ -164,13 +164,18 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         return
     recorder.release(output)
     record = ForwardRecord(module, args, kwargs, recorder, output, output.shape)
-    previous = module.__dict__.get(_LATEST)
+    previous = module.__dict__.get(_LATEST, _no_record)()
     if previous is not None:
         previous.output = None
-    module.__dict__[_LATEST] = record
+    module.__dict__[_LATEST] = weakref.ref(record)  # weak: deepcopy of the model works
     _link_to_producer(record)
     node_metadata(output.grad_fn)[RECORD_KEY] = record
     output.grad_fn.register_prehook(partial(_on_backward, record))
+
+
+def _no_record() -> None:
+    """Stands in for a weak reference to a model's latest record before its first forward."""
+    return None
 
 
 def _store_io(module: nn.Module, args: tuple, output: Any) -> None:
@@ -261,7 +266,7 @@ def _refuse_mixed_forwards(record: ForwardRecord, ctx: context.Context, task: in
     hooked = ctx.extension_hook is not None or any(
         getattr(ext, "module_extensions", None) for ext in ctx.extensions
     )
-    if hooked and model.__dict__.get(_LATEST, record) is not record:
+    if hooked and model.__dict__.get(_LATEST, _no_record)() not in (None, record):
         raise ValueError(
             f"this backward pass goes through an earlier forward pass of the extended {name} "
             "than its latest one: module.input0/output hold the latest forward, which "
