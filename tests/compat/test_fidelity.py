@@ -277,3 +277,21 @@ def test_forward_passes_without_backward_keep_one_graph_alive():
     for p, g in zip(model.parameters(), expected):
         torch.testing.assert_close(p.grad_batch, g)
     del earlier
+
+
+def test_time_major_rows_are_regrouped_by_sample():
+    """``[N, T, C]`` logits with time-major rows (a transpose before the reshape)."""
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 5)).double())
+    X, y = torch.randn(4, 6, 3, dtype=torch.float64), torch.randint(0, 5, (4, 6))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    f = model(X)
+    loss = lossfunc(f.transpose(0, 1).reshape(-1, 5), y.transpose(0, 1).reshape(-1))
+    with backpack(ours.DiagGGNExact()):
+        loss.backward()
+    fn, params = pf.functional(model)
+    canonical = pf.diag_ggn(
+        lambda p, x: fn(p, x).transpose(1, 2), params, X, y, loss=nn.CrossEntropyLoss()
+    )
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, canonical[name])

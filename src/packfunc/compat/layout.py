@@ -21,6 +21,8 @@ from torch import Tensor
 RECORD_KEY = "packfunc_record"
 """Key of the recorded forward pass in the metadata of its output's autograd node."""
 
+_REORDERS = re.compile(r"(Permute|Transpose|T)Backward\d*")
+"""Shape-only ops that change the order of the elements."""
 _SHAPE_ONLY = re.compile(
     r"(View|UnsafeView|ReshapeAlias|Permute|Transpose|T|Squeeze|Unsqueeze|Clone|Alias)"
     r"Backward\d*"
@@ -147,7 +149,27 @@ def find_layout(tensor: Tensor) -> tuple[Any, SampleLayout] | None:
     output_shape = record.output_shape
     if not chain:
         return record, SampleLayout(None, 1, tuple(output_shape[1:]), None)
+    if not any(_REORDERS.fullmatch(type(node).__name__) for node in chain):
+        return record, _layout_in_order(tuple(tensor.shape), output_shape)
     return record, _layout(chain, tuple(tensor.shape), output_shape)
+
+
+def _layout_in_order(shape: tuple[int, ...], output_shape: torch.Size) -> SampleLayout:
+    """The layout of a reshape that keeps the element order (views, squeezes, clones).
+
+    Every element stays in place, so rows own samples in order; no element numbers
+    need pulling back (the output may be large: ``[N, T, vocabulary]``).
+    """
+    n, per_sample = output_shape[0], int(output_shape[1:].numel())
+    rows = shape[0] if shape else 1
+    row_numel = int(torch.Size(shape[1:]).numel())
+    positions = rows // n
+    if positions * n != rows or positions * row_numel != per_sample:
+        raise ValueError(
+            "the loss input's rows straddle samples; apply the loss to the model output "
+            "with the samples along dim 0."
+        )
+    return SampleLayout(None, positions, tuple(shape[1:]), None)
 
 
 def _single_input(node: Any) -> Any:
