@@ -316,7 +316,7 @@ def _diagonal_factors(root: Tensor) -> HessianFactors:
 def _elementwise_curvature(loss: nn.Module, output: Tensor, target: Tensor) -> Tensor:
     """Diagonal of the reduced loss's Hessian w.r.t. the output, ``[N, ...]``."""
     if isinstance(loss, nn.MSELoss):
-        return torch.full_like(output, 2.0 / output.numel() if loss.reduction == "mean" else 2.0)
+        return torch.full_like(output, 2.0 / float(_mean_divisor(loss, output.numel())))
     if isinstance(loss, nn.BCEWithLogitsLoss):
         probs = torch.sigmoid(output)
         weight = torch.ones_like(output)

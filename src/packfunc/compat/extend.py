@@ -35,6 +35,7 @@ from packfunc.compat import context
 from packfunc.compat.layout import RECORD_KEY, SampleLayout, find_layout, node_metadata
 from packfunc.compat.run import NO_OP_MODULES, forget_inputs_and_outputs, run_extensions
 from packfunc.engine.taps import ForwardRecorder
+from packfunc.losses import CLASS_LOSSES
 
 _depth: list[int] = [0]
 _recorders: list[ForwardRecorder | None] = []
@@ -67,6 +68,15 @@ class LossCall:
     layout: SampleLayout
     task: int = -1
     modified: bool = False
+
+    def output(self, out: Tensor) -> Tensor:
+        """The loss input in packfunc's per-sample form, from a model output ``out``."""
+        return self.layout.output(out, isinstance(self.module, CLASS_LOSSES))
+
+    def targets(self) -> Any:
+        """The targets in the per-sample form of :meth:`output`."""
+        probabilities = isinstance(self.module, CLASS_LOSSES) and self.target.is_floating_point()
+        return self.layout.target(self.target, probabilities)
 
 
 @dataclass(eq=False)

@@ -21,7 +21,7 @@ from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
 from packfunc.compat.layout import SampleLayout
 from packfunc.engine.persample import Backprop
 from packfunc.engine.taps import TapPlan, TapRecord
-from packfunc.losses import CLASS_LOSSES, GivenGradient, hessian_factors
+from packfunc.losses import GivenGradient, hessian_factors
 from packfunc.quantities import evaluate
 
 if TYPE_CHECKING:
@@ -127,19 +127,15 @@ def _second_order_problem(
             "extend(lossfunc)), apply it to the model's output (or a reshape of it, or the "
             "output of further extended modules) and call backward on the loss itself."
         )
-    class_dim = isinstance(call.module, CLASS_LOSSES)
-    y = call.layout.target(call.target, class_dim and call.target.is_floating_point())
     fn = _composed(model_fn, route.stages)
 
     def ends_at_loss(params: Any, X: Any) -> Tensor:
-        return call.layout.output(fn(params, X), class_dim)
+        return call.output(fn(params, X))
 
     watched = None
     if not route.stages:
-        watched = partial(
-            _watched, record, partial(call.layout.output, class_dim=class_dim), differentiable
-        )
-    return ends_at_loss, call.module, y, watched
+        watched = partial(_watched, record, call.output, differentiable)
+    return ends_at_loss, call.module, call.targets(), watched
 
 
 def _composed(model_fn: Callable, stages: tuple) -> Callable:
@@ -249,10 +245,9 @@ def _backproped(job: Job, record: ForwardRecord, route: LossRoute, target: Tenso
             "module extensions of second-order extensions need the extended loss "
             "applied to the extended model's output (or a reshape of it)."
         )
-    class_dim = isinstance(call.module, CLASS_LOSSES)
     with torch.enable_grad():
-        output = call.layout.output(_live_output(record), class_dim)
-    y = call.layout.target(call.target, class_dim and call.target.is_floating_point())
+        output = call.output(_live_output(record))
+    y = call.targets()
     options = dict(job.options)
     roots = hessian_factors(call.module, output.detach(), y, mc_samples=options.get("mc_samples"))
     (columns,) = torch.autograd.grad(
