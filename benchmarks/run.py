@@ -5,14 +5,18 @@ Usage (from the repository root)::
     python benchmarks/run.py              # up to 20 repeats per cell (5 at least)
     python benchmarks/run.py --quick      # 5 repeats
     python benchmarks/run.py --only cnn   # rows whose "problem quantity" contains "cnn"
+    python benchmarks/run.py --problems LM,ResNet-GN --quick
+    python benchmarks/run.py --device cuda
 
 Rows are ``problem x quantity``; each cell is the median wall-clock time of
 the full forward + backward (+ reduction) that produces the quantity from
 ``X, y``; a row's contenders are timed in interleaved rounds, and slow rows
 get fewer rounds (``--budget`` seconds per row, at least 5) so that the full
 run stays within a few minutes. The last column checks (untimed, once per row) that packfunc's
-result matches BackPACK's. Extend via ``QUANTITIES`` here and the builders
-in ``peers.py``.
+result matches the row's reference (BackPACK where it runs, else ``vmap(grad)``,
+the brute-force Hessian diagonal or curvlinops; see ``REFERENCES`` in
+``peers.py``); a mismatch is printed as a ``MISMATCH`` line and makes the exit
+status 1. Extend via ``QUANTITIES`` here and the builders in ``peers.py``.
 """
 
 from __future__ import annotations
@@ -22,29 +26,52 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 
 import torch
+from torch import Tensor
 
-from peers import BUILDERS, REFERENCE, SHIM, SUBJECT, UNCHECKED, Closure, Result, build_all
+from peers import (
+    BUILDERS,
+    NOT_PEERS,
+    PLAIN,
+    REFERENCES,
+    SHAPES_ONLY,
+    SHIM,
+    SUBJECT,
+    UNCHECKED,
+    Closure,
+    Result,
+    build_all,
+)
 from problems import PROBLEMS, Problem
-from timing import agrees, cpu_model, time_interleaved
+from timing import agrees, cpu_model, discrepancy, time_interleaved
 
 THREADS = 2
+
+Sync = Callable[[], None]
+"""Waits for queued device work (``torch.cuda.synchronize``; a no-op on CPU)."""
 
 FIRST_ORDER = ["grad", "batch_grad", "batch_l2_grad", "sum_grad_squared", "variance"]
 GGN = ["diag_ggn", "diag_ggn_mc", "batch_diag_ggn", "batch_diag_ggn_mc"]
 KRONECKER = ["kfac", "kflr"]
+MODERN = ["batch_grad", "batch_l2_grad", "diag_ggn_mc", "kfac"]
 QUANTITIES = {
     "MLP": FIRST_ORDER + GGN + KRONECKER + ["kfra"],
     "CNN": FIRST_ORDER + GGN + KRONECKER,
     "tanh MLP": ["diag_hessian"],
+    "LM": MODERN,
+    "ResNet-GN": MODERN,
+    "ResNet-BN": MODERN,
+    "LSTM": ["kfac"],
+    "ResNet-BN 5k": ["diag_hessian"],
 }
 """Quantities per problem, in table order; ``grad`` is the plain-backward reference row,
 ``*_mc`` rows and ``kfac`` draw one Monte-Carlo sample (their check compares shapes only)."""
 
-LABELS = {"grad": "grad (ref: loss.backward)"}
+LABELS = {"grad": "grad (ref: loss.backward)", "kfac": "kfac (Linear/Conv2d)"}
 """Display names for quantities whose key is not self-explanatory."""
 
 DISTRIBUTIONS = {
@@ -69,7 +96,11 @@ class Row:
     quantity: str
     contenders: dict[str, Closure]
     notes: dict[str, str] = field(default_factory=dict)
-    """Why a registered contender has no closure (``n/a``, not installed)."""
+    """Why a registered contender has no closure (``n/a``, not installed, refused)."""
+    max_repeats: int | None = None
+    """A cap on the timed repeats (expensive problems)."""
+    expand: bool = False
+    """Kronecker rows in curvlinops' ``"expand"`` convention: input factors compared by value."""
 
     @property
     def key(self) -> str:
@@ -85,20 +116,56 @@ class Outcome:
     repeats: int = 0
     errors: dict[str, str] = field(default_factory=dict)
     matches: bool | None = None
+    reference: str | None = None
+    mismatch: str = ""
+    """How packfunc's result differs from the reference (empty when it matches)."""
     peer_mismatches: list[str] = field(default_factory=list)
 
 
-def registry(problems: list[Problem], quantities: dict[str, list[str]]) -> list[Row]:
+def registry(
+    problems: list[Problem], quantities: dict[str, list[str]], only: str = ""
+) -> list[Row]:
+    """The rows whose ``"problem quantity"`` contains ``only`` (case-insensitive), built."""
     rows = []
     for problem in problems:
         for quantity in quantities[problem.name]:
+            if only.lower() not in f"{problem.name} {quantity}".lower():
+                continue
             closures, notes = build_all(problem, quantity)
-            rows.append(Row(problem.name, quantity, closures, notes))
+            expand = problem.kfac_approx == "expand"
+            rows.append(Row(problem.name, quantity, closures, notes, problem.max_repeats, expand))
     return rows
 
 
-def measure(row: Row, repeats: int, warmup: int, budget_s: float | None) -> Outcome:
-    """Check once (untimed, also the first warm-up), then time the contenders of ``row``."""
+def input_factors(factors: dict[str, list[Tensor]]) -> dict[str, Tensor]:
+    """The input (``B``, second) factor of each weight's ``[A, B]`` Kronecker factors."""
+    return {name: pair[1] for name, pair in factors.items() if len(pair) == 2}
+
+
+def compare(row: Row, name: str, result: Result, reference_name: str, reference: Result) -> str:
+    """How contender ``name``'s result differs from the reference's; ``""`` if it agrees.
+
+    Monte-Carlo rows and results in curvlinops' conventions are compared by shape;
+    Kronecker rows in the ``"expand"`` convention also compare their (deterministic)
+    input factors with curvlinops' by value.
+    """
+    pair = {name, reference_name}
+    shapes_only = stochastic(row.quantity) or bool(pair & SHAPES_ONLY)
+    if not agrees(result, reference, shapes_only=shapes_only):
+        return discrepancy(result, reference)
+    if row.expand and row.quantity in KRONECKER and pair & SHAPES_ONLY:
+        inputs, expected = input_factors(result), input_factors(reference)
+        if not agrees(inputs, expected):
+            return "input factors: " + discrepancy(inputs, expected)
+    return ""
+
+
+def check(row: Row, sync: Sync) -> Outcome:
+    """Run every contender of ``row`` once (untimed) and compare it with the reference.
+
+    Returns:
+        The outcome without timings: errors, the reference, packfunc's match.
+    """
     outcome = Outcome()
     results: dict[str, Result] = {}
     for name, closure in row.contenders.items():
@@ -106,19 +173,27 @@ def measure(row: Row, repeats: int, warmup: int, budget_s: float | None) -> Outc
             results[name] = closure()
         except Exception as error:  # a contender failing must not stop the table
             outcome.errors[name] = f"{type(error).__name__}: {error}"
-    reference = results.get(REFERENCE)
-    if reference is not None:
+    sync()
+    outcome.reference = next((name for name in REFERENCES if name in results), None)
+    if outcome.reference is not None:
         for name, result in results.items():
-            if name == REFERENCE or name in UNCHECKED:
+            if name == outcome.reference or name in UNCHECKED:
                 continue
-            ok = agrees(result, reference, shapes_only=stochastic(row.quantity))
+            difference = compare(row, name, result, outcome.reference, results[outcome.reference])
             if name == SUBJECT:
-                outcome.matches = ok
-            elif not ok:
-                outcome.peer_mismatches.append(name)
-    del results, reference
+                outcome.matches, outcome.mismatch = not difference, difference
+            elif difference:
+                outcome.peer_mismatches.append(f"{name}: {difference}")
+    return outcome
+
+
+def measure(row: Row, repeats: int, warmup: int, budget_s: float | None, sync: Sync) -> Outcome:
+    """Check once (untimed, also the first warm-up), then time the contenders of ``row``."""
+    outcome = check(row, sync)
+    if row.max_repeats is not None:
+        repeats, warmup = min(repeats, row.max_repeats), 1
     working = {name: fn for name, fn in row.contenders.items() if name not in outcome.errors}
-    timed = time_interleaved(working, repeats, max(warmup - 1, 0), budget_s)
+    timed = time_interleaved(working, repeats, max(warmup - 1, 0), budget_s, sync=sync)
     outcome.ms = {name: ms for name, (ms, _) in timed.items()}
     outcome.repeats = max((n for _, n in timed.values()), default=0)
     return outcome
@@ -132,8 +207,8 @@ def table(rows: list[Row], outcomes: list[Outcome]) -> list[str]:
         + [
             "best peer",
             f"ratio ({SUBJECT} / best peer)",
-            f"{SHIM} / {REFERENCE}",
-            f"{SUBJECT} = {REFERENCE}",
+            f"{SHIM} / BackPACK",
+            f"{SUBJECT} = reference",
         ]
     )
     lines = [
@@ -147,18 +222,19 @@ def table(rows: list[Row], outcomes: list[Outcome]) -> list[str]:
                 cells.append(f"{outcome.ms[name]:.2f}")
             else:
                 cells.append("error" if name in outcome.errors else "—")
-        peers = {name: ms for name, ms in outcome.ms.items() if name not in (SUBJECT, SHIM)}
+        peers = {name: ms for name, ms in outcome.ms.items() if name not in NOT_PEERS}
         best = min(peers, key=peers.__getitem__) if peers else None
         cells.append(best or "—")
         if best is not None and SUBJECT in outcome.ms:
             cells.append(f"{outcome.ms[SUBJECT] / peers[best]:.2f}×")
         else:
             cells.append("—")
-        if SHIM in outcome.ms and REFERENCE in outcome.ms:
-            cells.append(f"{outcome.ms[SHIM] / outcome.ms[REFERENCE]:.2f}×")
+        if SHIM in outcome.ms and "BackPACK" in outcome.ms:
+            cells.append(f"{outcome.ms[SHIM] / outcome.ms['BackPACK']:.2f}×")
         else:
             cells.append("—")
-        cells.append({True: "✓", False: "✗", None: "—"}[outcome.matches])
+        mark = {True: "✓", False: "✗ MISMATCH", None: "—"}[outcome.matches]
+        cells.append(f"{mark} ({outcome.reference})" if outcome.matches is not None else mark)
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -173,6 +249,33 @@ def versions() -> str:
     return ", ".join(found)
 
 
+def select(problems: str) -> list[Problem]:
+    """The problems named in a comma-separated list (case-insensitive); all for ``""``."""
+    made = [make() for make in PROBLEMS]
+    if not problems:
+        return made
+    wanted = {name.strip().lower() for name in problems.split(",") if name.strip()}
+    unknown = wanted - {problem.name.lower() for problem in made}
+    if unknown:
+        known = ", ".join(problem.name for problem in made)
+        raise SystemExit(f"unknown problem(s) {sorted(unknown)}; choose from: {known}")
+    return [problem for problem in made if problem.name.lower() in wanted]
+
+
+def synchronizer(device: torch.device) -> Sync:
+    """``torch.cuda.synchronize`` for a CUDA device, else a no-op."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def hardware(device: torch.device) -> str:
+    """The device the run is timed on, in words."""
+    if device.type == "cuda":
+        return f"GPU: {torch.cuda.get_device_name(device)}"
+    return f"CPU: {cpu_model()}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 repeats instead of 20")
@@ -182,6 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SUBSTRING",
         help="only rows whose 'problem quantity' contains this (case-insensitive)",
     )
+    parser.add_argument(
+        "--problems",
+        default="",
+        metavar="NAMES",
+        help="comma-separated problem names, e.g. 'LM,ResNet-GN' (default: all)",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="override the repeat count")
     parser.add_argument(
         "--budget",
@@ -190,28 +299,30 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help="timed seconds per row before repeats are cut (default 10)",
     )
+    parser.add_argument("--device", default="cpu", help="'cpu' (default) or 'cuda'")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
     repeats = args.repeats or (5 if args.quick else 20)
     warmup = 2
     budget_s = None if args.quick or args.repeats else args.budget
+    sync = synchronizer(device)
 
     torch.set_num_threads(THREADS)
     caught: dict[str, int] = {}
     start, load = time.perf_counter(), os.getloadavg()
     with warnings.catch_warnings(record=True) as records:
         warnings.simplefilter("always")
-        rows = [
-            row
-            for row in registry([make() for make in PROBLEMS], QUANTITIES)
-            if args.only.lower() in row.key.lower()
-        ]
+        problems = [problem.to(device) for problem in select(args.problems)]
+        rows = registry(problems, QUANTITIES, args.only)
         if not rows:
             print(f"no row matches --only {args.only!r}", file=sys.stderr)
             return 2
         outcomes = []
         for row in rows:
             print(f"timing {row.key} ...", file=sys.stderr, flush=True)
-            outcomes.append(measure(row, repeats, warmup, budget_s))
+            outcomes.append(measure(row, repeats, warmup, budget_s, sync))
     for record in records:
         message = str(record.message).split(". ")[0]
         text = f"{record.category.__name__}: {message} ({record.filename}:{record.lineno})"
@@ -220,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = sorted({outcome.repeats for outcome in outcomes})
     span = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {cpu_model()}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {hardware(device)}; "
         f"{versions()}; float32, CrossEntropyLoss(mean); median of {span} interleaved "
         f"repeats after {warmup} warm-up runs; load average at start {load[0]:.1f}, "
         f"at end {os.getloadavg()[0]:.1f}"
@@ -230,24 +341,40 @@ def main(argv: list[str] | None = None) -> int:
     print()
     if any(row.quantity == "grad" for row in rows):
         print(
-            f"Reference rows ({LABELS['grad']}): {REFERENCE} column = plain "
+            f"Reference rows ({LABELS['grad']}): BackPACK and {PLAIN} columns = plain "
             "`loss.backward()` on an unextended model; vmap(grad) = `torch.func.grad` of the "
             f"mean loss; {SUBJECT} = `compute(quantities=('grad',))`."
         )
+    if any(row.expand and row.quantity in KRONECKER for row in rows):
+        print(
+            "Kronecker rows checked against curvlinops (same 'expand' convention): the "
+            "deterministic input factors B by value, the Monte-Carlo gradient factors A by shape."
+        )
+    mismatches = []
     for row, outcome in zip(rows, outcomes):
+        if outcome.matches is False:
+            mismatches.append(
+                f"!! MISMATCH {row.key}: {SUBJECT} disagrees with {outcome.reference}: "
+                f"{outcome.mismatch}"
+            )
+        if outcome.matches is None and SUBJECT in row.contenders:
+            print(f"- {row.key}: {SUBJECT} unchecked (no reference ran)")
         if outcome.repeats < repeats:
-            print(f"- {row.key}: {outcome.repeats} repeats (time budget)")
+            print(f"- {row.key}: {outcome.repeats} repeats (time budget or problem cap)")
         for name, error in outcome.errors.items():
             print(f"- {row.key}: {name} failed: {error}")
-        for name in outcome.peer_mismatches:
-            print(f"- {row.key}: {name} disagrees with {REFERENCE}")
+        for text in outcome.peer_mismatches:
+            print(f"- {row.key}: disagrees with {outcome.reference}: {text}")
         for name, note in row.notes.items():
             if note != "n/a":
                 print(f"- {row.key}: {name} {note}")
     for text, count in caught.items():
         print(f"- warning ×{count}: {text}")
+    for line in mismatches:
+        print(line)
+        print(line, file=sys.stderr)
     print(f"\n(total {time.perf_counter() - start:.0f} s)")
-    return 0
+    return 1 if mismatches else 0
 
 
 if __name__ == "__main__":

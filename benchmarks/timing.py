@@ -18,6 +18,7 @@ def time_interleaved(
     warmup: int,
     budget_s: float | None = None,
     min_repeats: int = 5,
+    sync: Callable[[], None] = lambda: None,
 ) -> dict[str, tuple[float, int]]:
     """Median wall-clock time of each closure in milliseconds, and the repeats used.
 
@@ -26,7 +27,8 @@ def time_interleaved(
     alike. Long-lived objects are frozen out of the garbage collector first, so
     the ``gc.collect()`` before each call is cheap. With ``budget_s``, the number
     of rounds is cut so that the timed rounds take about ``budget_s`` seconds,
-    but never below ``min_repeats``.
+    but never below ``min_repeats``. ``sync`` waits for queued device work
+    (``torch.cuda.synchronize``) before a clock is read.
     """
     names = list(closures)
     if not names:
@@ -38,6 +40,7 @@ def time_interleaved(
         start = time.perf_counter()
         for name in names:
             closures[name]()
+        sync()
         round_s = time.perf_counter() - start
     if budget_s is not None and round_s > 0:
         repeats = max(min(repeats, int(budget_s / round_s)), min(min_repeats, repeats))
@@ -45,12 +48,63 @@ def time_interleaved(
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             gc.collect()
+            sync()
             start = time.perf_counter()
             result = closures[name]()
+            sync()
             times[name].append(time.perf_counter() - start)
             del result
     gc.unfreeze()
     return {name: (1e3 * statistics.median(ts), len(ts)) for name, ts in times.items()}
+
+
+def _pairs(result: dict[str, Any], reference: dict[str, Any]) -> list[tuple[str, Tensor, Tensor]]:
+    """``(name, value, reference)`` for every tensor two results share (lists: per factor)."""
+    pairs = []
+    for name, ref in reference.items():
+        value = result.get(name)
+        if isinstance(ref, (list, tuple)) and isinstance(value, (list, tuple)):
+            pairs += [(f"{name}[{i}]", v, r) for i, (v, r) in enumerate(zip(value, ref))]
+        elif isinstance(ref, Tensor) and isinstance(value, Tensor):
+            pairs.append((name, value, ref))
+    return pairs
+
+
+def discrepancy(result: dict[str, Any], reference: dict[str, Any]) -> str:
+    """Describe how ``result`` differs from ``reference``: keys, shapes, worst relative error.
+
+    Args:
+        result: ``{param name: tensor or list of tensors}``.
+        reference: The same layout, the expected values.
+
+    Returns:
+        One line, e.g. ``"missing ['b']; 0.weight: max |diff| 0.5 (0.25 of max |ref|)"``.
+
+    Example:
+        >>> discrepancy({"w": torch.ones(2)}, {"w": torch.zeros(2), "b": torch.ones(1)})
+        "missing ['b']; w: max |diff| 1 (1 of max |ref|)"
+    """
+    parts = []
+    missing = [name for name in reference if name not in result]
+    extra = [name for name in result if name not in reference]
+    if missing:
+        parts.append(f"missing {missing[:3]}" + (" …" if len(missing) > 3 else ""))
+    if extra:
+        parts.append(f"unexpected {extra[:3]}" + (" …" if len(extra) > 3 else ""))
+    worst: tuple[float, str] | None = None
+    for name, value, ref in _pairs(result, reference):
+        if value.shape != ref.shape:
+            parts.append(f"{name}: shape {tuple(value.shape)} != {tuple(ref.shape)}")
+            continue
+        diff = (value.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
+        scale = ref.abs().max().item() if ref.numel() else 0.0
+        relative = diff / scale if scale > 0 else diff
+        text = f"{name}: max |diff| {diff:.3g} ({relative:.3g} of max |ref|)"
+        if worst is None or relative > worst[0]:
+            worst = (relative, text)
+    if worst is not None and worst[0] > 0:
+        parts.append(worst[1])
+    return "; ".join(parts) or "no difference found"
 
 
 def agrees(

@@ -128,6 +128,73 @@ class TransformerBlock(nn.Module):
         return self.head(x.mean(1))
 
 
+class NormsAndScales(nn.Module):
+    """InstanceNorm and RMSNorm affine parameters, a learned temperature and a free bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, 3)
+        self.instance = nn.InstanceNorm1d(3, affine=True)
+        self.rms = nn.RMSNorm(9)
+        self.head = nn.Linear(9, 2)
+        self.log_temperature = nn.Parameter(torch.tensor(0.3))
+        self.shift = nn.Parameter(torch.randn(2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.rms(self.instance(self.conv(x)).flatten(1))
+        return self.head(h) / self.log_temperature.exp() + self.shift
+
+
+class VisionTransformer(nn.Module):
+    """Class token copied over the batch, a sliced positional embedding, a pre-norm encoder."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.embed = nn.Linear(3, width)
+        self.cls = nn.Parameter(torch.randn(1, 1, width))
+        self.pos = nn.Parameter(torch.randn(10, width) / 2)
+        self.encoder = nn.TransformerEncoderLayer(
+            width, 2, 16, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.cat([self.cls.expand(x.shape[0], -1, -1), self.embed(x)], dim=1)
+        h = self.encoder(h + self.pos[: x.shape[1] + 1])
+        return self.head(self.norm(h[:, 0]))
+
+
+class MaskedAttention(nn.Module):
+    """Sequence-first attention with causal and padding masks and key/value biases, then
+    hand-written attention (``F.scaled_dot_product_attention``) on a raw query matrix."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(6, width, padding_idx=0)
+        self.attn = nn.MultiheadAttention(width, 2, add_bias_kv=True)
+        self.query = nn.Parameter(torch.randn(width, width) / width**0.5)
+        self.key = nn.Linear(width, width, bias=False)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed(tokens)
+        length = tokens.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool).triu(1)
+        seq = h.transpose(0, 1)
+        a, _ = self.attn(seq, seq, seq, attn_mask=causal, key_padding_mask=tokens == 0)
+        h = h + a.transpose(0, 1)
+        q, k = (h @ self.query).unsqueeze(1), self.key(h).unsqueeze(1)
+        h = nn.functional.scaled_dot_product_attention(q, k, h.unsqueeze(1), is_causal=True)
+        return self.head(h.squeeze(1).mean(1))
+
+
+def _padded_tokens(n: int) -> Tensor:
+    tokens = torch.randint(1, 6, (n, 5))
+    tokens[::2, -1] = 0  # padding at the end of every other sequence
+    return tokens
+
+
 @dataclass
 class Case:
     """A model with an input generator; ``slow`` marks cases whose dense oracles are heavy."""
@@ -258,6 +325,9 @@ CASES: dict[str, Case] = {
             classes=3,
             slow=True,
         ),
+        Case("norms_and_scales", NormsAndScales, _randn(2, 5)),
+        Case("vision_transformer", VisionTransformer, _randn(4, 3), classes=3, slow=True),
+        Case("masked_attention", MaskedAttention, _padded_tokens, classes=3, slow=True),
         Case(
             "spatial_output",
             lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1)),
@@ -433,7 +503,7 @@ def moments(batch: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
     return {
         "batch_grad": batch,
         "grad": {k: v.sum(0) for k, v in batch.items()},
-        "batch_l2_grad": {k: v.flatten(1).square().sum(1) for k, v in batch.items()},
+        "batch_l2_grad": {k: v.reshape(len(v), -1).square().sum(1) for k, v in batch.items()},
         "sum_grad_squared": {k: v.square().sum(0) for k, v in batch.items()},
         "variance": {k: v.square().mean(0) - v.mean(0).square() for k, v in batch.items()},
     }
@@ -542,3 +612,29 @@ def _unextended_copy(module: nn.Module) -> nn.Module:
                 ]:
                     del hooks[key]
     return module
+
+
+# ----------------------------------------------------------------------------- datasets
+
+DATASET_LOSSES = ["cross_entropy", "mse"]
+
+
+def make_dataset(loss_name: str, reduction: str, n: int = 11, seed: int = 0) -> Problem:
+    """A float64 three-class Tanh MLP and ``n`` samples for whole-dataset tests.
+
+    ``"cross_entropy"``: class weights, and targets that hit ``ignore_index``
+    (so the mean normalizer is ``Σ weight[y]`` over the rest); ``"mse"``: plain MSE.
+    """
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    X = torch.randn(n, 3, dtype=torch.float64)
+    if loss_name == "cross_entropy":
+        y = torch.randint(0, 3, (n,))
+        y[::4] = -1
+        weight = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)
+        return Problem(
+            model, nn.CrossEntropyLoss(weight, ignore_index=-1, reduction=reduction), X, y
+        )
+    return Problem(
+        model, nn.MSELoss(reduction=reduction), X, torch.randn(n, 3, dtype=torch.float64)
+    )

@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+from packfunc import kron, optim
+from packfunc.ekfac import ekfac
+from packfunc.estimators import hutchinson_diagonal, hutchinson_trace, hutchpp_trace
+from packfunc.explain import explain
 from packfunc.firstorder import batch_grad, batch_l2_grad, sum_grad_squared, variance
 from packfunc.functional import functional
 from packfunc.kronecker import kfac, kflr, kfra
@@ -35,14 +39,21 @@ __all__ = [
     "compute",
     "diag_ggn",
     "diag_hessian",
+    "explain",
+    "ekfac",
     "functional",
     "ggn_block_products",
     "ggn_vector_product",
     "hessian_block_products",
     "hessian_vector_product",
+    "hutchinson_diagonal",
+    "hutchinson_trace",
+    "hutchpp_trace",
     "kfac",
     "kflr",
     "kfra",
+    "kron",
+    "optim",
     "pch_block_products",
     "sqrt_ggn",
     "sum_grad_squared",

@@ -8,24 +8,42 @@ gives several quantities in one pass.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
+from packfunc.data import BatchToXY, over_data
+from packfunc.distributed import ProcessGroup
 from packfunc.quantities import compute_one
-from packfunc.types import Inputs, ModelFn, Params, Samples, shares_arguments
+from packfunc.types import (
+    DATA_ARGUMENTS,
+    Inputs,
+    ModelFn,
+    Params,
+    Samples,
+    Targets,
+    shares_arguments,
+)
 
 
-@shares_arguments("model_fn", "params", "X", "y", "loss", "subsampling", "chunk_size")
+@over_data("batch_grad")
+@shares_arguments(
+    "model_fn", "params", "X", "y", "loss", "subsampling", "chunk_size", *DATA_ARGUMENTS
+)
 def batch_grad(
     model_fn: ModelFn,
     params: Params,
-    X: Inputs,
-    y: Tensor,
+    X: Inputs = None,
+    y: Targets = None,
     *,
     loss: nn.Module | None = None,
     subsampling: Samples = None,
     chunk_size: int | None = None,
+    data: Iterable[Any] | None = None,
+    batch_to_xy: BatchToXY | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
 ) -> Any:
     """Per-sample gradients (BackPACK's ``BatchGrad``, ``grad_batch``).
 
@@ -51,16 +69,23 @@ def batch_grad(
     )
 
 
-@shares_arguments("model_fn", "params", "X", "y", "loss", "subsampling", "chunk_size")
+@over_data("batch_l2_grad")
+@shares_arguments(
+    "model_fn", "params", "X", "y", "loss", "subsampling", "chunk_size", *DATA_ARGUMENTS
+)
 def batch_l2_grad(
     model_fn: ModelFn,
     params: Params,
-    X: Inputs,
-    y: Tensor,
+    X: Inputs = None,
+    y: Targets = None,
     *,
     loss: nn.Module | None = None,
     subsampling: Samples = None,
     chunk_size: int | None = None,
+    data: Iterable[Any] | None = None,
+    batch_to_xy: BatchToXY | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
 ) -> Any:
     """Squared L2 norm of each per-sample gradient, per leaf (BackPACK's ``BatchL2Grad``).
 
@@ -85,15 +110,20 @@ def batch_l2_grad(
     )
 
 
-@shares_arguments("model_fn", "params", "X", "y", "loss", "chunk_size")
+@over_data("sum_grad_squared")
+@shares_arguments("model_fn", "params", "X", "y", "loss", "chunk_size", *DATA_ARGUMENTS)
 def sum_grad_squared(
     model_fn: ModelFn,
     params: Params,
-    X: Inputs,
-    y: Tensor,
+    X: Inputs = None,
+    y: Targets = None,
     *,
     loss: nn.Module | None = None,
     chunk_size: int | None = None,
+    data: Iterable[Any] | None = None,
+    batch_to_xy: BatchToXY | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
 ) -> Any:
     """Sum over samples of squared per-sample gradients (BackPACK's ``SumGradSquared``).
 
@@ -109,15 +139,20 @@ def sum_grad_squared(
     return compute_one("sum_grad_squared", model_fn, params, X, y, loss=loss, chunk_size=chunk_size)
 
 
-@shares_arguments("model_fn", "params", "X", "y", "loss", "chunk_size")
+@over_data("variance")
+@shares_arguments("model_fn", "params", "X", "y", "loss", "chunk_size", *DATA_ARGUMENTS)
 def variance(
     model_fn: ModelFn,
     params: Params,
-    X: Inputs,
-    y: Tensor,
+    X: Inputs = None,
+    y: Targets = None,
     *,
     loss: nn.Module | None = None,
     chunk_size: int | None = None,
+    data: Iterable[Any] | None = None,
+    batch_to_xy: BatchToXY | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
 ) -> Any:
     """Variance of the per-sample gradients over the batch (BackPACK's ``Variance``).
 

@@ -29,13 +29,15 @@ layer, an embedding, tied weights) raise a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import optree
 import torch
 from torch import Tensor, nn
 
+from packfunc.data import BatchToXY, over_data
+from packfunc.distributed import ProcessGroup
 from packfunc.engine.kronecker import (
     APPROXIMATIONS,
     CURVATURES,
@@ -46,30 +48,45 @@ from packfunc.engine.kronecker import (
 from packfunc.engine.persample import Backprop
 from packfunc.losses import default_loss
 from packfunc.types import (
+    DATA_ARGUMENTS,
     Curvature,
     Inputs,
     KfacApprox,
     ModelFn,
     OnUnsupported,
     Params,
+    Targets,
     shares_arguments,
 )
 
 
+@over_data("kfac")
 @shares_arguments(
-    "model_fn", "params", "X", "y", "loss", "generator", "kfac_approx", "on_unsupported"
+    "model_fn",
+    "params",
+    "X",
+    "y",
+    "loss",
+    "generator",
+    "kfac_approx",
+    "on_unsupported",
+    *DATA_ARGUMENTS,
 )
 def kfac(
     model_fn: ModelFn,
     params: Params,
-    X: Inputs,
-    y: Tensor,
+    X: Inputs = None,
+    y: Targets = None,
     *,
     loss: nn.Module | None = None,
     mc_samples: int = 1,
     generator: torch.Generator | None = None,
     kfac_approx: KfacApprox = "backpack",
     on_unsupported: OnUnsupported = "raise",
+    data: Iterable[Any] | None = None,
+    batch_to_xy: BatchToXY | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
 ) -> Any:
     """KFAC: Kronecker factors from Monte-Carlo square-root columns (BackPACK's ``KFAC``).
 
@@ -96,16 +113,23 @@ def kfac(
     )
 
 
-@shares_arguments("model_fn", "params", "X", "y", "loss", "kfac_approx", "on_unsupported")
+@over_data("kflr")
+@shares_arguments(
+    "model_fn", "params", "X", "y", "loss", "kfac_approx", "on_unsupported", *DATA_ARGUMENTS
+)
 def kflr(
     model_fn: ModelFn,
     params: Params,
-    X: Inputs,
-    y: Tensor,
+    X: Inputs = None,
+    y: Targets = None,
     *,
     loss: nn.Module | None = None,
     kfac_approx: KfacApprox = "backpack",
     on_unsupported: OnUnsupported = "raise",
+    data: Iterable[Any] | None = None,
+    batch_to_xy: BatchToXY | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
 ) -> Any:
     """KFLR: Kronecker factors from the exact square-root columns (BackPACK's ``KFLR``).
 
@@ -129,16 +153,21 @@ def kflr(
     )
 
 
-@shares_arguments("y", "loss")
+@over_data("kfra")
+@shares_arguments("y", "loss", *DATA_ARGUMENTS)
 def kfra(
     model_fn: ModelFn,
     params: Params,
-    X: Tensor,
-    y: Tensor,
+    X: Inputs = None,
+    y: Targets = None,
     *,
     loss: nn.Module | None = None,
     curvature: Curvature = "ggn",
     on_unsupported: OnUnsupported = "raise",
+    data: Iterable[Any] | None = None,
+    batch_to_xy: BatchToXY | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
 ) -> Any:
     """KFRA: Kronecker factors from the batch-averaged GGN of a sequential model.
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,55 +32,19 @@ ELEMENTWISE_LOSSES = (
 SUPPORTED_LOSSES = CLASS_LOSSES + ELEMENTWISE_LOSSES
 
 
-class GivenGradient(nn.Module):
-    """A linear stand-in loss ``⟨G, f⟩`` whose gradient w.r.t. the output is ``G``.
+class OutputGradientLoss(nn.Module):
+    """A loss known only by its gradient w.r.t. the output, ``G``: first order only.
 
-    First-order quantities only need the loss gradient w.r.t. the output; the
-    BackPACK shim uses this when that gradient comes from the user's own
-    backward pass (any loss, extended or not). It has no curvature.
+    Subclasses return a scalar whose gradient w.r.t. ``output`` is :attr:`gradient`
+    (e.g. ``⟨G, output⟩``) and keep ``reduction = "sum"``: the per-sample scaling is
+    already in ``G``. They pass :func:`check_loss`; curvature is refused for them.
 
-    Args:
+    Attributes:
         gradient: ``∂L/∂f`` for the whole batch.
-
-    Example:
-        >>> GivenGradient(torch.ones(2, 3))(torch.ones(2, 3), None)
-        tensor(6.)
     """
 
     reduction = "sum"
-
-    def __init__(self, gradient: Tensor):
-        super().__init__()
-        self.gradient = gradient
-
-    def forward(self, output: Tensor, target: object) -> Tensor:
-        """Return ``⟨G, output⟩``; its gradient w.r.t. ``output`` is ``G`` itself.
-
-        ``G`` may depend on ``output`` through an autograd graph (a backward pass with
-        ``create_graph=True``); that dependence is not differentiated.
-        """
-        return _InnerProduct.apply(output, self.gradient)
-
-
-class _InnerProduct(torch.autograd.Function):
-    """``⟨f, G⟩`` whose derivative w.r.t. ``f`` is ``G``, keeping ``G``'s own graph."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(output: Tensor, gradient: Tensor) -> Tensor:
-        return (output * gradient.detach()).sum()
-
-    @staticmethod
-    def setup_context(
-        ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Tensor, Tensor], output: Tensor
-    ) -> None:
-        ctx.save_for_backward(inputs[1])
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        (gradient,) = ctx.saved_tensors
-        return grad * gradient, None
+    gradient: Tensor
 
 
 def default_loss() -> nn.Module:
@@ -110,7 +73,7 @@ def check_loss(loss: nn.Module) -> None:
     Example:
         >>> check_loss(torch.nn.MSELoss(reduction="sum"))
     """
-    if not isinstance(loss, (*SUPPORTED_LOSSES, GivenGradient)):
+    if not isinstance(loss, (*SUPPORTED_LOSSES, OutputGradientLoss)):
         names = ", ".join(cls.__name__ for cls in SUPPORTED_LOSSES)
         raise TypeError(
             f"loss={type(loss).__name__} is not supported; pass one of the torch.nn losses "
@@ -143,7 +106,7 @@ def check_loss_inputs(loss: nn.Module, output: Tensor, target: Tensor, n: int) -
     name = type(loss).__name__
     if not isinstance(output, Tensor):
         raise TypeError(f"model_fn must return a tensor for {name}; got {type(output).__name__}.")
-    if isinstance(loss, GivenGradient):
+    if isinstance(loss, OutputGradientLoss):
         if output.shape != loss.gradient.shape:
             raise ValueError(
                 f"the model output {tuple(output.shape)} does not match the "
@@ -259,7 +222,7 @@ def hessian_factors(
     """
     if mc_samples is not None and (not isinstance(mc_samples, int) or mc_samples < 1):
         raise ValueError(f"mc_samples must be a positive integer or None; got {mc_samples!r}.")
-    if isinstance(loss, GivenGradient):
+    if isinstance(loss, OutputGradientLoss):
         raise ValueError(
             "second-order quantities need the loss function and targets; extend the loss "
             "module (lossfunc = extend(lossfunc)) and apply it to the model's output."
@@ -343,6 +306,38 @@ def _elementwise_curvature(loss: nn.Module, output: Tensor, target: Tensor) -> T
 
 def _mean_divisor(loss: nn.Module, count: float | Tensor) -> float | Tensor:
     return count if loss.reduction == "mean" else 1.0
+
+
+def mean_normalizer(loss: nn.Module, target: Tensor) -> Tensor:
+    """The divisor ``Z`` of ``reduction='mean'``: ``loss(f, y) = Σ_n ℓ_n / Z``.
+
+    ``Z`` depends on the targets only, so a dataset's is the sum over its batches:
+    the number of target elements for elementwise losses, the number of positions
+    for class-probability targets, and ``Σ weight[y]`` over targets that are not
+    ``ignore_index`` for class indices (their count without ``weight``).
+
+    Args:
+        loss: A supported loss module (any reduction).
+        target: Targets of one batch.
+
+    Returns:
+        ``Z`` as a float64 scalar tensor on the targets' device.
+
+    Example:
+        >>> ce = torch.nn.CrossEntropyLoss(weight=torch.tensor([1.0, 3.0]), ignore_index=-1)
+        >>> mean_normalizer(ce, torch.tensor([0, 1, -1]))
+        tensor(4., dtype=torch.float64)
+    """
+    if not isinstance(loss, CLASS_LOSSES):
+        return torch.tensor(float(target.numel()), dtype=torch.float64, device=target.device)
+    if target.is_floating_point():  # class probabilities [N, C, d...]: one term per position
+        positions = target.numel() // target.shape[1]
+        return torch.tensor(float(positions), dtype=torch.float64, device=target.device)
+    valid = target != loss.ignore_index
+    if loss.weight is None:
+        return valid.sum().to(torch.float64)
+    classes = loss.weight.shape[0]
+    return (loss.weight[target.clamp(0, classes - 1)] * valid).sum().to(torch.float64)
 
 
 def _cross_entropy_factors(

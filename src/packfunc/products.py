@@ -13,31 +13,46 @@ BackPACK's, it is defined for sequential models.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import optree
 from torch import Tensor, nn
 from torch.func import grad, vmap
 
+from packfunc.data import BatchToXY, over_data
+from packfunc.distributed import ProcessGroup
 from packfunc.engine.autodiff import jvp, vjp
 from packfunc.engine.chain import loss_hessian_product, pch_block_product
+from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.engine.persample import Backprop
-from packfunc.engine.taps import functional_mode, twice_differentiable
 from packfunc.functional import check_model_arguments, flatten_params
 from packfunc.losses import check_loss, check_loss_inputs, default_loss, hessian_factors
-from packfunc.types import Inputs, ModelFn, Modify, Params, shares_arguments
+from packfunc.types import (
+    DATA_ARGUMENTS,
+    Inputs,
+    ModelFn,
+    Modify,
+    Params,
+    Targets,
+    shares_arguments,
+)
 
 
-@shares_arguments("model_fn", "params", "X", "y")
+@over_data("ggn_vector_product", required=("v",))
+@shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
 def ggn_vector_product(
     model_fn: ModelFn,
     params: Params,
-    X: Inputs,
-    y: Tensor,
-    v: Any,
+    X: Inputs = None,
+    y: Targets = None,
+    v: Any = None,
     *,
     loss: nn.Module | None = None,
+    data: Iterable[Any] | None = None,
+    batch_to_xy: BatchToXY | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
 ) -> Any:
     """Multiply the GGN of the reduced loss with ``v`` (BackPACK's ``ggn_vector_product``).
 
@@ -60,15 +75,20 @@ def ggn_vector_product(
     return _first_column(_ggn_products(forward, params, _stacked(v), loss, y))
 
 
-@shares_arguments("model_fn", "params", "X", "y")
+@over_data("hessian_vector_product", required=("v",))
+@shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
 def hessian_vector_product(
     model_fn: ModelFn,
     params: Params,
-    X: Inputs,
-    y: Tensor,
-    v: Any,
+    X: Inputs = None,
+    y: Targets = None,
+    v: Any = None,
     *,
     loss: nn.Module | None = None,
+    data: Iterable[Any] | None = None,
+    batch_to_xy: BatchToXY | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
 ) -> Any:
     """Multiply the Hessian of the reduced loss w.r.t. the parameters with ``v``.
 
@@ -91,15 +111,20 @@ def hessian_vector_product(
     return _first_column(_hessian_products(forward, params, _stacked(v), loss, y))
 
 
-@shares_arguments("model_fn", "params", "X", "y")
+@over_data("ggn_block_products", required=("mats",))
+@shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
 def ggn_block_products(
     model_fn: ModelFn,
     params: Params,
-    X: Inputs,
-    y: Tensor,
-    mats: Any,
+    X: Inputs = None,
+    y: Targets = None,
+    mats: Any = None,
     *,
     loss: nn.Module | None = None,
+    data: Iterable[Any] | None = None,
+    batch_to_xy: BatchToXY | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
 ) -> Any:
     """Multiply each parameter's GGN block with a stack of matrices (BackPACK's ``GGNMP``).
 
@@ -123,15 +148,20 @@ def ggn_block_products(
     )
 
 
-@shares_arguments("model_fn", "params", "X", "y")
+@over_data("hessian_block_products", required=("mats",))
+@shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
 def hessian_block_products(
     model_fn: ModelFn,
     params: Params,
-    X: Inputs,
-    y: Tensor,
-    mats: Any,
+    X: Inputs = None,
+    y: Targets = None,
+    mats: Any = None,
     *,
     loss: nn.Module | None = None,
+    data: Iterable[Any] | None = None,
+    batch_to_xy: BatchToXY | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
 ) -> Any:
     """Multiply each parameter's Hessian block with a stack of matrices (BackPACK's ``HMP``).
 
@@ -159,16 +189,21 @@ def hessian_block_products(
     )
 
 
-@shares_arguments("model_fn", "params", "X", "y")
+@over_data("pch_block_products", required=("mats",))
+@shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
 def pch_block_products(
     model_fn: ModelFn,
     params: Params,
-    X: Inputs,
-    y: Tensor,
-    mats: Any,
+    X: Inputs = None,
+    y: Targets = None,
+    mats: Any = None,
     *,
     loss: nn.Module | None = None,
     modify: Modify = "clip",
+    data: Iterable[Any] | None = None,
+    batch_to_xy: BatchToXY | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
 ) -> Any:
     """Multiply each parameter's positive-curvature Hessian block with matrices (``PCHMP``).
 

@@ -8,7 +8,7 @@ Hessian diagonals come from ``engine/hessian.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,11 +16,14 @@ import optree
 import torch
 from torch import Tensor, nn
 
+from packfunc.data import BatchToXY, over_data
+from packfunc.distributed import ProcessGroup
 from packfunc.engine import hessian
 from packfunc.engine.persample import Backprop
 from packfunc.engine.statistics import ggn_statistics, leaf_statistics
 from packfunc.functional import as_index
 from packfunc.losses import default_loss
+from packfunc.types import Targets
 
 Stats = dict[str, Tensor]
 
@@ -69,11 +72,12 @@ SECOND_ORDER = ("sqrt_ggn", "diag_ggn", "batch_diag_ggn", "diag_hessian", "batch
 """The second-order quantities."""
 
 
+@over_data("compute")
 def compute(
     model_fn: Callable,
     params: Any,
-    X: Any,
-    y: Tensor,
+    X: Any = None,
+    y: Targets = None,
     *,
     quantities: Sequence[str],
     loss: nn.Module | None = None,
@@ -81,6 +85,10 @@ def compute(
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
     chunk_size: int | None = None,
+    data: Iterable[Any] | None = None,
+    batch_to_xy: BatchToXY | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """Compute several quantities in one pass over the model.
 
@@ -106,6 +114,12 @@ def compute(
         generator: Random generator for the Monte-Carlo samples.
         chunk_size: Samples per chunk when per-sample tensors must be
             materialized (``None``: automatic, bounded memory).
+        data: An iterable of ``(X, y)`` batches in place of ``X, y`` (aggregate
+            quantities only; see :mod:`packfunc.data`).
+        batch_to_xy: Function from one item of ``data`` to ``(X, y)``.
+        progress: Show a tqdm progress bar over the batches.
+        process_group: A ``torch.distributed`` group to combine the ranks' shards
+            (see :mod:`packfunc.distributed`).
 
     Returns:
         A dict with ``"loss"`` (the reduced loss) and one pytree shaped like

@@ -11,29 +11,54 @@ gives several quantities in one pass.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
+from packfunc.data import BatchToXY, over_data
+from packfunc.distributed import ProcessGroup
 from packfunc.quantities import compute_one
-from packfunc.types import Inputs, ModelFn, Params, Samples, shares_arguments
+from packfunc.types import (
+    DATA_ARGUMENTS,
+    Inputs,
+    ModelFn,
+    Params,
+    Samples,
+    Targets,
+    shares_arguments,
+)
 
 
+@over_data("sqrt_ggn")
 @shares_arguments(
-    "model_fn", "params", "X", "y", "loss", "mc_samples", "generator", "subsampling", "chunk_size"
+    "model_fn",
+    "params",
+    "X",
+    "y",
+    "loss",
+    "mc_samples",
+    "generator",
+    "subsampling",
+    "chunk_size",
+    *DATA_ARGUMENTS,
 )
 def sqrt_ggn(
     model_fn: ModelFn,
     params: Params,
-    X: Inputs,
-    y: Tensor,
+    X: Inputs = None,
+    y: Targets = None,
     *,
     loss: nn.Module | None = None,
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
     subsampling: Samples = None,
     chunk_size: int | None = None,
+    data: Iterable[Any] | None = None,
+    batch_to_xy: BatchToXY | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
 ) -> Any:
     """Square root of the GGN, per sample (BackPACK's ``SqrtGGNExact`` / ``SqrtGGNMC``).
 
@@ -61,17 +86,24 @@ def sqrt_ggn(
     )
 
 
-@shares_arguments("model_fn", "params", "X", "y", "loss", "mc_samples", "generator", "chunk_size")
+@over_data("diag_ggn")
+@shares_arguments(
+    "model_fn", "params", "X", "y", "loss", "mc_samples", "generator", "chunk_size", *DATA_ARGUMENTS
+)
 def diag_ggn(
     model_fn: ModelFn,
     params: Params,
-    X: Inputs,
-    y: Tensor,
+    X: Inputs = None,
+    y: Targets = None,
     *,
     loss: nn.Module | None = None,
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
     chunk_size: int | None = None,
+    data: Iterable[Any] | None = None,
+    batch_to_xy: BatchToXY | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
 ) -> Any:
     """Diagonal of the GGN (BackPACK's ``DiagGGNExact`` / ``DiagGGNMC``).
 
@@ -97,20 +129,34 @@ def diag_ggn(
     )
 
 
+@over_data("batch_diag_ggn")
 @shares_arguments(
-    "model_fn", "params", "X", "y", "loss", "mc_samples", "generator", "subsampling", "chunk_size"
+    "model_fn",
+    "params",
+    "X",
+    "y",
+    "loss",
+    "mc_samples",
+    "generator",
+    "subsampling",
+    "chunk_size",
+    *DATA_ARGUMENTS,
 )
 def batch_diag_ggn(
     model_fn: ModelFn,
     params: Params,
-    X: Inputs,
-    y: Tensor,
+    X: Inputs = None,
+    y: Targets = None,
     *,
     loss: nn.Module | None = None,
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
     subsampling: Samples = None,
     chunk_size: int | None = None,
+    data: Iterable[Any] | None = None,
+    batch_to_xy: BatchToXY | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
 ) -> Any:
     """Per-sample diagonals of the GGN (BackPACK's ``BatchDiagGGNExact`` / ``BatchDiagGGNMC``).
 
@@ -137,15 +183,20 @@ def batch_diag_ggn(
     )
 
 
-@shares_arguments("model_fn", "params", "X", "y", "loss", "chunk_size")
+@over_data("diag_hessian")
+@shares_arguments("model_fn", "params", "X", "y", "loss", "chunk_size", *DATA_ARGUMENTS)
 def diag_hessian(
     model_fn: ModelFn,
     params: Params,
-    X: Inputs,
-    y: Tensor,
+    X: Inputs = None,
+    y: Targets = None,
     *,
     loss: nn.Module | None = None,
     chunk_size: int | None = None,
+    data: Iterable[Any] | None = None,
+    batch_to_xy: BatchToXY | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
 ) -> Any:
     """Diagonal of the loss Hessian w.r.t. the parameters (BackPACK's ``DiagHessian``).
 
@@ -161,16 +212,23 @@ def diag_hessian(
     return compute_one("diag_hessian", model_fn, params, X, y, loss=loss, chunk_size=chunk_size)
 
 
-@shares_arguments("model_fn", "params", "X", "y", "loss", "subsampling", "chunk_size")
+@over_data("batch_diag_hessian")
+@shares_arguments(
+    "model_fn", "params", "X", "y", "loss", "subsampling", "chunk_size", *DATA_ARGUMENTS
+)
 def batch_diag_hessian(
     model_fn: ModelFn,
     params: Params,
-    X: Inputs,
-    y: Tensor,
+    X: Inputs = None,
+    y: Targets = None,
     *,
     loss: nn.Module | None = None,
     subsampling: Samples = None,
     chunk_size: int | None = None,
+    data: Iterable[Any] | None = None,
+    batch_to_xy: BatchToXY | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
 ) -> Any:
     """Per-sample diagonals of the loss Hessian (BackPACK's ``BatchDiagHessian``).
 

@@ -22,6 +22,9 @@ Params = PyTree
 Inputs = Any
 """Model inputs: a tensor or a pytree of tensors, each with the batch dimension first."""
 
+Targets = Any
+"""Targets: a tensor with the batch dimension first (``None`` where ``data=`` gives them)."""
+
 ModelFn = Callable[[Params, Inputs], Tensor]
 """``model_fn(params, X) -> output`` with the batch dimension first."""
 
@@ -59,8 +62,21 @@ ARGUMENTS: dict[str, str] = {
     "factors (see :mod:`packfunc.kronecker`).",
     "on_unsupported": "``'raise'`` for parameters without a Kronecker rule, or ``'skip'`` "
     "(``None`` for those).",
+    "data": "An iterable of ``(X, y)`` batches (e.g. a ``DataLoader``) in place of ``X, y``: "
+    "the result is that of one batch holding every sample, for the dataset's reduced loss "
+    "(per-sample quantities yield one result per batch; see :mod:`packfunc.data`).",
+    "batch_to_xy": "Function from one item of ``data`` to ``(X, y)`` (default: the item is an "
+    "``(X, y)`` pair), e.g. ``lambda b: (b['input_ids'], b['labels'])``.",
+    "progress": "Show a tqdm progress bar over the batches (needs ``tqdm``).",
+    "process_group": "A ``torch.distributed`` group (e.g. ``torch.distributed.group.WORLD``): "
+    "each rank passes its shard, every rank gets the result over all shards (per-sample "
+    "quantities: its own shard's, scaled for all shards; default ``None``: this process only; "
+    "see :mod:`packfunc.distributed`).",
 }
 """The description of every argument shared by several public functions."""
+
+DATA_ARGUMENTS = ("data", "batch_to_xy", "progress", "process_group")
+"""The arguments of every quantity over a dataset or several processes (:mod:`packfunc.data`)."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -23,12 +23,13 @@ from packfunc.engine.persample import ColumnGradients
 def _raw_parameter_model():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
-    model_fn, params = pf.functional(model)
+    _, params = pf.functional(model)
 
-    def squared(p, X):  # weight used squared: no rule applies, the generic path runs
-        return model_fn({**p, "0.weight": p["0.weight"] ** 2}, X)
+    def time_major(p, X):  # the first weight meets the samples along dim 1: whole-model path
+        hidden = torch.tanh((p["0.weight"] @ X.T).T + p["0.bias"])
+        return nn.functional.linear(hidden, p["2.weight"], p["2.bias"])
 
-    return squared, params
+    return time_major, params
 
 
 def test_automatic_chunks_respect_the_budget(monkeypatch):

@@ -18,6 +18,15 @@ Libraries that ``import backpack`` themselves run on the shim after
 from packfunc.compat._stored_io import memory_cleanup
 from packfunc.compat.alias import BackpackAlias, alias_backpack
 from packfunc.compat.context import backpack, disable
+from packfunc.compat.distributed import all_reduce_extensions
 from packfunc.compat.extend import extend
 
-__all__ = ["BackpackAlias", "alias_backpack", "backpack", "disable", "extend", "memory_cleanup"]
+__all__ = [
+    "BackpackAlias",
+    "alias_backpack",
+    "all_reduce_extensions",
+    "backpack",
+    "disable",
+    "extend",
+    "memory_cleanup",
+]

@@ -3,7 +3,7 @@
 Every extended module stores its inputs and output (``module.input0``,
 ``module.output``, as BackPACK does: only while gradients are enabled and
 recording is not disabled). The outermost extended module of a forward pass
-watches that pass (:class:`~packfunc.engine.taps.ForwardRecorder`: the input and
+watches that pass (:class:`~packfunc.compat.watch.ForwardRecorder`: the input and
 output of each linear, convolution and embedding call) and registers, on its
 output's autograd node, a hook that runs the active extensions when the backward
 pass reaches that output. The hook gets the gradient of whatever loss is being
@@ -34,7 +34,8 @@ from torch.nn.modules.loss import _Loss
 from packfunc.compat import context
 from packfunc.compat.layout import RECORD_KEY, SampleLayout, find_layout, node_metadata
 from packfunc.compat.run import NO_OP_MODULES, forget_inputs_and_outputs, run_extensions
-from packfunc.engine.taps import ForwardRecorder
+from packfunc.compat.watch import ForwardRecorder
+from packfunc.engine.modes import FunctionalMode
 from packfunc.losses import CLASS_LOSSES
 
 _depth: list[int] = [0]
@@ -145,7 +146,10 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
 
 
 def _recording() -> bool:
-    return context.recording() and torch.is_grad_enabled()
+    """Inside ``backpack(...)`` with grad on, and not inside one of packfunc's own passes."""
+    modes = torch.overrides._get_current_function_mode_stack()
+    own_pass = any(isinstance(mode, FunctionalMode) for mode in modes)
+    return context.recording() and torch.is_grad_enabled() and not own_pass
 
 
 def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -155,7 +159,8 @@ def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if _recording():
             # leaves in packfunc's own order (optree sorts dict keys), as the plan numbers them
             parameters: dict[str, Tensor] = dict(module.named_parameters())
-            recorder = ForwardRecorder(optree.tree_leaves(parameters))  # type: ignore[arg-type]
+            leaves: list[Tensor] = optree.tree_leaves(parameters)  # type: ignore[arg-type]
+            recorder = ForwardRecorder(leaves, (args, kwargs))
             recorder.__enter__()
         _recorders.append(recorder)
 

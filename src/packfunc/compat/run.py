@@ -18,10 +18,12 @@ import packfunc as pf
 from packfunc.compat import context
 from packfunc.compat._stored_io import memory_cleanup
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
+from packfunc.compat.given_gradient import GivenGradient
 from packfunc.compat.layout import SampleLayout
+from packfunc.engine.batch_pass import BatchRecord
+from packfunc.engine.discovery import Plan
 from packfunc.engine.persample import Backprop
-from packfunc.engine.taps import TapPlan, TapRecord
-from packfunc.losses import GivenGradient, hessian_factors
+from packfunc.losses import hessian_factors
 from packfunc.quantities import evaluate
 
 if TYPE_CHECKING:
@@ -165,17 +167,18 @@ def _watched(
     record: ForwardRecord,
     adapt: Callable | None,
     differentiable: bool,
-    plan: TapPlan,
+    plan: Plan,
+    leaves: list[Tensor],
     loss: nn.Module,
     y: Any,
     n: int,
-) -> TapRecord | None:
+) -> BatchRecord | None:
     """The batch pass from the user's own forward, if its recording fits."""
     output = record.output
     if output is None:
         return None
     return record.recorder.record(
-        plan, output, loss, y, n, adapt=adapt, differentiable=differentiable
+        plan, leaves, output, loss, y, n, adapt=adapt, differentiable=differentiable
     )
 
 

@@ -25,9 +25,9 @@ from torch.func import grad, vmap
 
 from packfunc.engine.autodiff import jvp, vjp
 from packfunc.engine.memory import DEFAULT_BUDGET, chunks, is_plain, new_output
+from packfunc.engine.modes import FunctionalMode, LeafIndex, is_metadata_query
 from packfunc.engine.ops import OpSignature, TapCall, make_call
 from packfunc.engine.persample import Backprop
-from packfunc.engine.taps import FunctionalMode, LeafIndex, is_metadata_query
 from packfunc.losses import hessian_factors
 
 ELEMENTWISE = frozenset(
@@ -547,9 +547,10 @@ def layer_output_curvature(bp: Backprop, sites: list[int]) -> dict[int, Tensor] 
         return None
     layers = [i for i, link in enumerate(links) if link.call is not None]
     called = [link.call.leaves for link in links if link.call is not None]
-    if called != [site.call.leaves for site in bp.plan.sites]:
+    tapped = [k for k, site in enumerate(bp.plan.sites) if site.call.family != "local"]
+    if called != [bp.plan.sites[k].call.leaves for k in tapped]:
         return None
-    wanted = {layers[k]: k for k in sites}
+    wanted = {layers[tapped.index(k)]: k for k in sites}
     start = min(wanted)
     if not all(_passes_recursions(link) for link in links[start:]):
         return None

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.func import vmap
 
 from packfunc.engine.autodiff import vjp
-from packfunc.engine.taps import functional_mode, twice_differentiable
+from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.functional import select_samples
 
 

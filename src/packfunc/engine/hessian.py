@@ -1,18 +1,27 @@
 """Hessian diagonals of the reduced loss, summed or per sample.
 
-For a linear layer used once, ``z = W x + b`` with ``x`` not depending on
-``W``, so ``∂²L/∂W² = Σ_n (x_n x_nᵀ) ⊗ ∂²L/∂z_n²`` and the diagonal needs only
-``d_n = diag(∂²L/∂z_n²)``: one Hessian-vector product per output unit of the
-layer, for all samples at once (the Hessian w.r.t. ``z`` is block-diagonal
-over samples).
+The Hessian splits as ``Jᵀ H_f J + ∇²φ``: ``H_f`` is the loss Hessian w.r.t.
+the output and ``φ(θ) = ⟨G, f(θ)⟩`` the model linearized in the loss gradient
+``G`` (held fixed). The first term is the GGN (its diagonal comes from the
+square-root columns, ``engine/statistics.py``), the second the *residual*
+curvature of activations, attention and every other nonlinearity. Each leaf
+takes the first of three paths that applies:
 
-Every other parameter splits the Hessian as ``Jᵀ H_f J + ∇²φ``: ``H_f`` is the
-loss Hessian w.r.t. the output and ``φ(θ) = ⟨G, f(θ)⟩`` the model linearized in
-the loss gradient ``G`` (held fixed). The first term is the GGN (its diagonal
-comes from the square-root columns, ``engine/statistics.py``), the second the
-*residual* curvature of activations, attention and every other nonlinearity,
-from exact Hessian-vector products with one-hot tangents — per sample with
-``φ_n = ⟨G_n, f(x_n, θ)⟩``.
+1. The model is piecewise affine along the leaf's coordinates (ReLU networks,
+   residual connections, pooling, BatchNorm in evaluation mode, each layer
+   used once; ``engine/piecewise.py`` checks the autograd graph): the residual
+   diagonal vanishes and the Hessian diagonal is the GGN diagonal.
+2. A linear layer used once: ``z = W x + b`` with ``x`` not depending on
+   ``W``, so ``∂²L/∂W² = Σ_n (x_n x_nᵀ) ⊗ ∂²L/∂z_n²`` and the diagonal needs only
+   ``d_n = diag(∂²L/∂z_n²)``: BackPACK's backward recursion for chains
+   (``engine/chain.py``), else one Hessian-vector product per output unit of
+   the layer, for all samples at once (the Hessian w.r.t. ``z`` is
+   block-diagonal over samples).
+3. Every other leaf: GGN diagonal plus the residual diagonal from exact
+   Hessian-vector products of ``φ`` with one-hot tangents — per sample with
+   ``φ_n = ⟨G_n, f(x_n, θ)⟩``. When only the summed diagonal is wanted, the
+   one-hot products are taken of the loss itself, which gives the whole
+   diagonal of these leaves without the GGN pass.
 
 Hessian-vector products are reverse-over-reverse: in torch 2.13 that is ~25 %
 faster than forward-over-reverse, whose rules for e.g. ``tanh_backward`` run
@@ -31,16 +40,13 @@ from torch import Tensor
 from torch.func import grad, vmap
 
 from packfunc.engine.autodiff import vjp
+from packfunc.engine.batch_pass import probed_forward, zero_probes
 from packfunc.engine.chain import layer_output_curvature
 from packfunc.engine.memory import DEFAULT_BUDGET, chunks, index_length
+from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.engine.persample import Backprop
+from packfunc.engine.piecewise import piecewise_affine_leaves
 from packfunc.engine.statistics import ggn_statistics
-from packfunc.engine.taps import (
-    functional_mode,
-    probed_forward,
-    twice_differentiable,
-    zero_probes,
-)
 from packfunc.functional import select_samples
 
 Stats = dict[str, Tensor]
@@ -69,17 +75,28 @@ def diagonals(bp: Backprop, stats: set[str], index: slice | Tensor) -> list[Stat
 
 
 def _diagonals(bp: Backprop, stats: set[str], index: slice | Tensor) -> list[Stats]:
-    """Per leaf: from layer-output curvature where possible, else GGN plus residual."""
+    """Per leaf, the first that applies.
+
+    * The model is piecewise affine in the leaf: the GGN diagonal.
+    * A linear layer used once: from the curvature of the layer's output.
+    * Otherwise GGN plus residual; for the summed diagonal alone, the loss's own
+      one-hot Hessian-vector products instead (no GGN pass for these leaves).
+    """
     sites_of: dict[int, list[int]] = {}
     for k in bp.record.inputs:
         for _, leaf in bp.plan.sites[k].call.leaves:
             sites_of.setdefault(leaf, []).append(k)
+    used = set(sites_of) | set(bp.generic)
+    flat = used & piecewise_affine_leaves(bp.model_fn, bp.leaves, bp.treespec, bp.X)
     by_site = {
         leaf: ks[0]
         for leaf, ks in sites_of.items()
-        if leaf not in bp.generic and len(ks) == 1 and _single_position_linear(bp, ks[0])
+        if leaf not in bp.generic
+        and leaf not in flat
+        and len(ks) == 1
+        and _single_position_linear(bp, ks[0])
     }
-    others = sorted((set(sites_of) | set(bp.generic)) - set(by_site))
+    others = sorted(used - set(by_site) - flat)
     result = [_zeros(leaf, stats, index) for leaf in bp.leaves]
     if by_site:
         sites = sorted(set(by_site.values()))
@@ -89,16 +106,24 @@ def _diagonals(bp: Backprop, stats: set[str], index: slice | Tensor) -> list[Sta
         for leaf, k in by_site.items():
             role = dict((i, r) for r, i in bp.plan.sites[k].call.leaves)[leaf]
             result[leaf] = _site_stats(bp, k, role, unit_curvature[k], stats, index)
-    if others:
+    loss_products = stats == {"sum_grad_squared"}
+    if flat or (others and not loss_products):
         ggn = ggn_statistics(bp, stats, index)
-        for leaf, found in zip(others, _parameter_curvature(bp, others, stats, index)):
-            result[leaf] = {stat: ggn[leaf][stat] + found[stat] for stat in stats}
+        for leaf in flat:
+            result[leaf] = {stat: ggn[leaf][stat] for stat in stats}
+        if others and not loss_products:
+            for leaf, found in zip(others, _parameter_curvature(bp, others, stats, index)):
+                result[leaf] = {stat: ggn[leaf][stat] + found[stat] for stat in stats}
+    if others and loss_products:
+        for leaf, found in zip(others, _loss_curvature(bp, others)):
+            result[leaf] = found
     return result
 
 
 def _single_position_linear(bp: Backprop, k: int) -> bool:
     site = bp.plan.sites[k]
-    return site.call.family == "linear" and len(site.tail) == 1
+    recorded = isinstance(bp.record.inputs.get(k), Tensor)
+    return recorded and site.call.family == "linear" and len(site.tail) == 1
 
 
 def _zeros(param: Tensor, stats: set[str], index: slice | Tensor) -> Stats:
@@ -115,6 +140,7 @@ def _site_stats(
 ) -> Stats:
     """Hessian diagonal of a linear weight or bias from ``d = diag(∂²L/∂z²)``, ``[N, O]``."""
     x = bp.record.inputs[k]
+    assert isinstance(x, Tensor), "_single_position_linear admits sites with recorded tensors"
     square = x.reshape(x.shape[0], -1).square() if role == "weight" else None
     found: Stats = {}
     if "sum_grad_squared" in stats:
@@ -148,24 +174,39 @@ def _layer_output_curvature_by_hvp(bp: Backprop, sites: list[int]) -> dict[int, 
     return found
 
 
+def _loss_curvature(bp: Backprop, wanted: list[int]) -> list[Stats]:
+    """Diagonal of the loss Hessian w.r.t. the ``wanted`` leaves by its own one-hot products."""
+    chosen = [bp.leaves[i] for i in wanted]
+
+    def loss_of(leaves: list[Tensor]) -> Tensor:
+        return bp.loss(_with_leaves(bp, wanted, leaves, bp.X), bp.y)
+
+    diagonal = _hvp_diagonal(loss_of, chosen, _tangents_at_once(bp))
+    return [{"sum_grad_squared": d.view(p.shape)} for d, p in zip(diagonal, chosen)]
+
+
 def _parameter_curvature(
     bp: Backprop, wanted: list[int], stats: set[str], index: slice | Tensor
 ) -> list[Stats]:
     """Diagonal of ``∇²φ`` w.r.t. the ``wanted`` leaves by one-hot Hessian-vector products."""
     chosen = [bp.leaves[i] for i in wanted]
-    sizes = [p.numel() for p in chosen]
-    offsets = [0, *torch.tensor(sizes).cumsum(0).tolist()]
-    phi = _linearized(bp, wanted)
+
+    def phi(X: Any, cotangent: Tensor, leaves: list[Tensor]) -> Tensor:
+        """``⟨G, f⟩``: the model linearized in the output cotangent ``G``."""
+        return (_with_leaves(bp, wanted, leaves, X) * cotangent).sum()
+
     results: list[Stats] = [{} for _ in wanted]
     if "sum_grad_squared" in stats:
-        diag = _hvp_diagonal(phi, chosen, offsets, bp.X, bp.record.output_cotangent)
+        at_once = _tangents_at_once(bp)
+        diag = _hvp_diagonal(partial(phi, bp.X, bp.record.output_cotangent), chosen, at_once)
         for found, d, p in zip(results, diag, chosen):
             found["sum_grad_squared"] = d.view(p.shape)
     if "batch_sum_squares" in stats:
+        at_once = _tangents_at_once(bp, index_length(index))
 
         def one_sample(x: Any, cotangent: Tensor) -> list[Tensor]:
             x = optree.tree_map(lambda t: t.unsqueeze(0), x)
-            return _hvp_diagonal(phi, chosen, offsets, x, cotangent.unsqueeze(0))
+            return _hvp_diagonal(partial(phi, x, cotangent.unsqueeze(0)), chosen, at_once)
 
         xs = select_samples(bp.X, index)
         per_sample = vmap(one_sample)(xs, bp.record.output_cotangent[index])
@@ -174,28 +215,39 @@ def _parameter_curvature(
     return results
 
 
-def _linearized(bp: Backprop, wanted: list[int]) -> Callable[[list[Tensor], Any, Tensor], Tensor]:
-    """``φ(chosen leaves, X, G) = ⟨G, model_fn(params, X)⟩`` as a function of some leaves."""
+def _with_leaves(bp: Backprop, wanted: list[int], chosen: list[Tensor], X: Any) -> Tensor:
+    """The model output at ``X`` with the ``wanted`` leaves replaced by ``chosen``."""
+    current = list(bp.leaves)
+    for i, leaf in zip(wanted, chosen):
+        current[i] = leaf
+    with functional_mode():
+        return bp.model_fn(optree.tree_unflatten(bp.treespec, current), X)
 
-    def phi(chosen: list[Tensor], X: Any, cotangent: Tensor) -> Tensor:
-        current = list(bp.leaves)
-        for i, leaf in zip(wanted, chosen):
-            current[i] = leaf
-        with functional_mode():
-            output = bp.model_fn(optree.tree_unflatten(bp.treespec, current), X)
-        return (output * cotangent).sum()
 
-    return phi
+def _tangents_at_once(bp: Backprop, samples: int | None = None) -> int:
+    """One-hot tangents per vmapped Hessian-vector product, within the memory budget.
+
+    Each tangent carries its own copy of the activations of ``samples`` samples
+    (default: the batch), which the recorded calls' widths measure.
+    """
+    return max(1, DEFAULT_BUDGET // max((samples or bp.n) * bp.column_width(), 1))
 
 
 def _hvp_diagonal(
-    phi: Callable, chosen: list[Tensor], offsets: list[int], X: Any, cotangent: Tensor
+    scalar: Callable[[list[Tensor]], Tensor], chosen: list[Tensor], at_once: int
 ) -> list[Tensor]:
-    """Diagonal of ``∇²φ`` w.r.t. ``chosen`` (flattened per leaf), from one-hot products."""
+    """Diagonal of the Hessian of ``scalar`` w.r.t. ``chosen`` (flattened per leaf).
+
+    One-hot tangents, ``at_once`` at a time (fewer if their ``[at_once, total]``
+    products would exceed the memory budget), are pushed through
+    reverse-over-reverse Hessian-vector products.
+    """
+    sizes = [p.numel() for p in chosen]
+    offsets = [0, *torch.tensor(sizes).cumsum(0).tolist()]
     total = offsets[-1]
     diagonal = [p.new_zeros(p.numel()) for p in chosen]
-    _, pullback = vjp(grad(partial(_with_inputs, phi, X, cotangent)), chosen)
-    for entries in chunks(total, max(1, DEFAULT_BUDGET // max(total, 1))):
+    _, pullback = vjp(grad(scalar), chosen)
+    for entries in chunks(total, min(at_once, max(1, DEFAULT_BUDGET // max(total, 1)))):
         units = torch.arange(entries.start, entries.stop, device=chosen[0].device)
         picks = [
             (units.unsqueeze(1) == start + torch.arange(p.numel(), device=units.device)).to(p.dtype)
@@ -212,8 +264,3 @@ def _hvp_diagonal(
 def _loss_at_site(bp: Backprop, forward: Callable, k: int, probe: Tensor) -> Tensor:
     """The loss as a function of the probe added to site ``k``'s output."""
     return bp.loss(forward({k: probe})[0], bp.y)
-
-
-def _with_inputs(phi: Callable, X: Any, cotangent: Tensor, chosen: list[Tensor]) -> Tensor:
-    """``phi`` as a function of the chosen leaves alone."""
-    return phi(chosen, X, cotangent)

@@ -13,6 +13,7 @@ factors are those of its kernel with the channel axes swapped.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -25,6 +26,7 @@ from packfunc.engine.chain import (
     trace_chain,
 )
 from packfunc.engine.memory import chunk_length, chunks
+from packfunc.engine.ops import TapCall
 from packfunc.engine.persample import Backprop, Term
 from packfunc.engine.rules import RULES
 from packfunc.losses import hessian_factors
@@ -111,7 +113,7 @@ def _raw_layout(bp: Backprop, leaf: int, term: Term, pulled: dict[int, Tensor]) 
     sites = [k for k in bp.record.inputs if any(j == leaf for _, j in bp.plan.sites[k].call.leaves)]
     layouts = [
         term.rule.kronecker_layout(
-            bp.record.inputs[k], pulled[k], bp.plan.sites[k].call, bp.leaves[leaf]
+            cast(Tensor, bp.record.inputs[k]), pulled[k], bp.plan.sites[k].call, bp.leaves[leaf]
         )
         for k in sites
     ]
@@ -139,6 +141,9 @@ def _unsupported(bp: Backprop) -> dict[int, str]:
     """Leaves no rule covers, with the reason."""
     used = {leaf for site in bp.plan.sites for _, leaf in site.call.leaves}
     reasons = {leaf: "used outside a linear or convolution layer" for leaf in bp.generic}
+    for site in bp.plan.sites:
+        for _, leaf in site.call.leaves if site.call.family == "local" else ():
+            reasons.setdefault(leaf, _no_rule(site.call))
     for leaf in range(len(bp.leaves)):
         if leaf not in used and leaf not in reasons:
             reasons[leaf] = "not used by a linear or convolution layer"
@@ -148,7 +153,15 @@ def _unsupported(bp: Backprop) -> dict[int, str]:
 def _reason(terms: list[Term]) -> str:
     if len(terms) != 1:
         return "used by layers of different kinds (e.g. tied weights)"
-    return f"an {terms[0].call.family} (no Kronecker rule)"
+    return _no_rule(terms[0].call)
+
+
+def _no_rule(call: TapCall) -> str:
+    """Why a call's parameters have no Kronecker factors."""
+    if call.family == "local":
+        func = call.option("func")
+        return f"used by {getattr(func, '__name__', repr(func))} (no Kronecker rule)"
+    return f"an {call.family} (no Kronecker rule)"
 
 
 def kfra_factors(bp: Backprop, curvature: str = "ggn") -> Factors:

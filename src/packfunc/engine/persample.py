@@ -13,21 +13,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from packfunc.engine import generic
+from packfunc.engine.batch_pass import BatchRecord, PlanMismatch, record
+from packfunc.engine.discovery import Plan, cached_discover, forget_plan
 from packfunc.engine.memory import chunk_length, index_length, is_plain, new_output, split_index
 from packfunc.engine.ops import TapCall
-from packfunc.engine.rules import RULES, Rule
-from packfunc.engine.taps import TapPlan, TapRecord, discover, record
+from packfunc.engine.rules import Rule, rule_for
 from packfunc.functional import (
     batch_size,
     check_model_arguments,
     flatten_params,
-    select_samples,
 )
 from packfunc.losses import check_loss
 
@@ -72,8 +72,8 @@ class Backprop:
         chunk_size: Samples per chunk when column gradients are materialized
             (``None``: automatic).
         watched: Builds the batch pass's record from a forward pass that already ran
-            (the shim's watched forward): ``watched(plan, loss, y, n)`` returns a
-            :class:`~packfunc.engine.taps.TapRecord`, or ``None`` if it cannot.
+            (the shim's watched forward): ``watched(plan, leaves, loss, y, n)`` returns a
+            :class:`~packfunc.engine.batch_pass.BatchRecord`, or ``None`` if it cannot.
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
@@ -91,7 +91,8 @@ class Backprop:
         y: Tensor,
         loss: nn.Module,
         chunk_size: int | None = None,
-        watched: Callable[[TapPlan, nn.Module, Any, int], TapRecord | None] | None = None,
+        watched: Callable[[Plan, list[Tensor], nn.Module, Any, int], BatchRecord | None]
+        | None = None,
     ):
         check_model_arguments(model_fn, params)
         check_loss(loss)
@@ -100,12 +101,28 @@ class Backprop:
         self.n = batch_size(X)
         self.model_fn, self.params, self.X, self.y, self.loss = model_fn, params, X, y, loss
         self.chunk_size = chunk_size
-        self.plan = discover(model_fn, params, self.leaves, select_samples(X, slice(0, 1)))
-        reused = watched(self.plan, loss, y, self.n) if watched else None
-        self.record = reused or record(model_fn, params, self.leaves, self.plan, X, y, loss, self.n)
+        self.plan, cached = cached_discover(model_fn, params, self.leaves, X)
+        try:
+            self.record = self._batch_pass(watched)
+        except PlanMismatch:
+            if not cached:
+                raise
+            forget_plan(model_fn)  # the code took another path: discover it again
+            self.plan, _ = cached_discover(model_fn, params, self.leaves, X)
+            self.record = self._batch_pass(watched)
         failed = {leaf for k in self.record.failed for _, leaf in self.plan.sites[k].call.leaves}
         self.generic = sorted(self.plan.uncovered | failed)
         self._convolutional = any(site.call.family == "conv" for site in self.plan.sites)
+
+    def _batch_pass(
+        self,
+        watched: Callable[[Plan, list[Tensor], nn.Module, Any, int], BatchRecord | None] | None,
+    ) -> BatchRecord:
+        """The record of the watched forward if it fits the plan, else of packfunc's own pass."""
+        reused = watched(self.plan, self.leaves, self.loss, self.y, self.n) if watched else None
+        return reused or record(
+            self.model_fn, self.params, self.leaves, self.plan, self.X, self.y, self.loss, self.n
+        )
 
     @property
     def loss_value(self) -> Tensor:
@@ -164,8 +181,9 @@ class ColumnGradients:
             for role, leaf in call.leaves:
                 if leaf in self.bp.generic:
                     continue
-                rule = RULES[(call.family, role)]
-                cx, cg = rule.canonical(x, sites[k], call, self.bp.leaves[leaf])
+                rule = rule_for(call, role)
+                # a local site's rule receives the recorded call (LocalInputs) as its input
+                cx, cg = rule.canonical(cast(Tensor, x), sites[k], call, self.bp.leaves[leaf])
                 by_leaf.setdefault(leaf, []).append(Term(rule, cx, cg, call))
         return {leaf: _merge(terms) for leaf, terms in by_leaf.items()}
 

@@ -1,0 +1,372 @@
+"""Scaling study: time and peak memory per sample vs batch size, and time vs gloo ranks.
+
+For each problem (MLP, CNN, LM of ``problems.py``), quantity and batch size
+(8 … 1024), every contender of ``peers.py`` that offers the quantity (packfunc,
+vmap(grad), opacus, BackPACK, curvlinops) runs in a fresh process: one untimed
+call warms up, a second gives the peak memory (CUDA: ``max_memory_allocated`` above
+what was allocated before; CPU: growth of the resident set, sampled every ms), then
+``--repeats`` timed calls give the median time. Both are reported per sample.
+The rank study times one whole-dataset quantity (``pf.diag_ggn(..., data=loader,
+process_group=WORLD)``) on a fixed dataset split over 1 and 2 gloo ranks on this
+machine (its cores shared between the ranks).
+
+Writes ``<out>.md`` (tables), ``<out>.csv`` (one row per cell) and ``<out>.png``::
+
+    python benchmarks/scaling.py              # the full study (tens of minutes)
+    python benchmarks/scaling.py --quick --out /tmp/scaling   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict, dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+
+from peers import BUILDERS, Unavailable, Unsupported
+from problems import Problem, cnn, lm, mlp
+from timing import time_interleaved
+
+FACTORIES: dict[str, Callable[[int], Problem]] = {"MLP": mlp, "CNN": cnn, "LM": lm}
+"""Problem name -> factory of a problem with batch size ``n``."""
+
+CONTENDERS = ("packfunc", "vmap(grad)", "opacus", "BackPACK", "curvlinops")
+BATCH_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
+QUICK_BATCH_SIZES = (8, 16)
+QUANTITIES = ("batch_grad", "kfac")
+MIB = 2**20
+
+
+@dataclass
+class Cell:
+    """One contender on one problem, quantity and batch size (``None``: did not run)."""
+
+    problem: str
+    quantity: str
+    n: int
+    contender: str
+    ms_per_sample: float | None = None
+    mib_per_sample: float | None = None
+    note: str = ""
+
+
+def measure_cell(
+    problem: str,
+    quantity: str,
+    n: int,
+    contender: str,
+    device: str,
+    repeats: int,
+    threads: int,
+    memory: bool = True,
+) -> Cell:
+    """Time and peak memory (or only one of them) of one contender, in a fresh process.
+
+    Args:
+        problem: A key of :data:`FACTORIES`.
+        quantity: A quantity name of ``peers.py``.
+        n: Batch size.
+        contender: A key of ``peers.BUILDERS``.
+        device: ``"cpu"`` or ``"cuda"``.
+        repeats: Timed calls (their median is reported).
+        threads: ``torch.set_num_threads``.
+        memory: Measure the peak memory (``repeats=0``: only that).
+
+    Returns:
+        The :class:`Cell`.
+    """
+    torch.set_num_threads(threads)
+    cell = Cell(problem, quantity, n, contender)
+    try:
+        closure = BUILDERS[contender](FACTORIES[problem](n).to(device), quantity)
+    except (Unavailable, Unsupported) as error:
+        cell.note = f"{type(error).__name__}: {error}"[:80]
+        return cell
+    if closure is None:
+        cell.note = "n/a"
+        return cell
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    try:
+        closure()  # warm-up: one-time allocations and lazy imports are not counted
+        sync()
+        if memory:
+            peak = _cuda_peak(closure) if cuda else _rss_peak(closure)
+            cell.mib_per_sample = max(peak, 0) / MIB / n
+        if repeats:
+            timed = time_interleaved({contender: closure}, repeats, warmup=0, sync=sync)
+            cell.ms_per_sample = timed[contender][0] / n
+    except Exception as error:  # e.g. out of memory: the cell stays empty
+        cell.note = f"{type(error).__name__}: {str(error).splitlines()[0]}"[:80]
+    return cell
+
+
+def _cuda_peak(closure: Callable[[], object]) -> int:
+    """Bytes allocated on the GPU at the peak of one call, above what was allocated before."""
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    closure()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def _rss_peak(closure: Callable[[], object], interval_s: float = 1e-3) -> int:
+    """Peak growth of the resident set during one call (sampled every ``interval_s``)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def resident() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * page
+
+    before, peak, done = resident(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], resident())
+            time.sleep(interval_s)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        closure()
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak[0], resident()) - before
+
+
+def batch_size_study(
+    problems: list[str],
+    quantities: list[str],
+    sizes: tuple[int, ...],
+    contenders: list[str],
+    device: str,
+    repeats: int,
+    threads: int,
+) -> list[Cell]:
+    """Every cell, each in fresh spawned processes (CPU: one for memory, one for time)."""
+    cells = []
+    for problem in problems:
+        for quantity in quantities:
+            for n in sizes:
+                for contender in contenders:
+                    args = (problem, quantity, n, contender, device)
+                    if device.startswith("cuda"):
+                        cell = _in_fresh_process((*args, repeats, threads, True), {})
+                    else:  # a separate process whose freed memory returns to the system
+                        sized = _in_fresh_process((*args, 0, threads, True), SMALL_MMAP)
+                        cell = _in_fresh_process((*args, repeats, threads, False), {})
+                        cell.mib_per_sample, cell.note = sized.mib_per_sample, sized.note
+                    print(_line(cell), flush=True)
+                    cells.append(cell)
+    return cells
+
+
+SMALL_MMAP = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+"""glibc: allocations from 64 KiB on are mapped and unmapped (not cached), so the
+resident set of a memory-measuring process follows its tensors."""
+
+
+def _in_fresh_process(args: tuple, environment: dict[str, str]) -> Cell:
+    """:func:`measure_cell` in a new spawned process with ``environment`` added."""
+    saved = {key: os.environ.get(key) for key in environment}
+    os.environ.update(environment)
+    try:
+        with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+            return pool.submit(measure_cell, *args).result()
+    except BrokenProcessPool:  # killed, e.g. by the kernel for memory
+        return Cell(*args[:4], note="process died (memory?)")
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _line(cell: Cell) -> str:
+    head = f"{cell.problem} {cell.quantity} n={cell.n} {cell.contender}:"
+    if cell.ms_per_sample is None or cell.mib_per_sample is None:
+        return f"{head} {cell.note}"
+    return f"{head} {cell.ms_per_sample:.3f} ms/sample, {cell.mib_per_sample:.3f} MiB/sample"
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def _rank_worker(
+    rank: int, ranks: int, init_file: str, out: str, samples: int, repeats: int, threads: int
+) -> None:
+    """Time ``pf.diag_ggn`` over this rank's shard of the MLP dataset (rank 0 writes)."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import packfunc as pf
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks)
+    try:
+        problem = mlp(samples)
+        model_fn, params = pf.functional(problem.model())
+        shard = TensorDataset(problem.X[rank::ranks], problem.y[rank::ranks])
+        loader = DataLoader(shard, batch_size=64)
+        times = []
+        for _ in range(repeats + 1):  # the first call warms up
+            dist.barrier()
+            start = time.perf_counter()
+            pf.diag_ggn(
+                model_fn, params, data=loader, loss=problem.loss(), process_group=dist.group.WORLD
+            )
+            times.append(time.perf_counter() - start)
+        if rank == 0:
+            Path(out).write_text(f"{statistics.median(times[1:])}")
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_study(rank_counts: tuple[int, ...], samples: int, repeats: int, threads: int) -> dict:
+    """Seconds for ``diag_ggn`` over ``samples`` MLP samples, per number of gloo ranks."""
+    seconds = {}
+    for ranks in rank_counts:
+        with tempfile.TemporaryDirectory() as folder:
+            out = os.path.join(folder, "seconds")
+            per_rank = max(1, threads // ranks)
+            args = (ranks, os.path.join(folder, "init"), out, samples, repeats, per_rank)
+            torch.multiprocessing.spawn(_rank_worker, args=args, nprocs=ranks, join=True)
+            seconds[ranks] = float(Path(out).read_text())
+        print(f"diag_ggn over {samples} MLP samples, {ranks} gloo rank(s): {seconds[ranks]:.3f} s")
+    return seconds
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def markdown(cells: list[Cell], seconds: dict, conditions: str) -> str:
+    """Tables: ``ms/sample · MiB/sample`` per contender, one row per (problem, quantity, n)."""
+    contenders = list(dict.fromkeys(cell.contender for cell in cells))
+    lines = [f"Conditions: {conditions}", ""]
+    lines += ["| problem | quantity | N | " + " | ".join(contenders) + " |"]
+    lines += ["|" + "---|" * (3 + len(contenders))]
+    rows: dict[tuple, dict[str, Cell]] = {}
+    for cell in cells:
+        rows.setdefault((cell.problem, cell.quantity, cell.n), {})[cell.contender] = cell
+    for (problem, quantity, n), found in rows.items():
+        entries = [_entry(found.get(name)) for name in contenders]
+        lines.append(f"| {problem} | {quantity} | {n} | " + " | ".join(entries) + " |")
+    lines += [
+        "",
+        "Cells: ms per sample · MiB peak memory per sample (— : not offered or failed).",
+        "",
+    ]
+    if seconds:
+        lines += ["| gloo ranks | diag_ggn over the dataset (s) |", "|---|---|"]
+        lines += [f"| {ranks} | {value:.3f} |" for ranks, value in seconds.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _entry(cell: Cell | None) -> str:
+    if cell is None or cell.ms_per_sample is None or cell.mib_per_sample is None:
+        return "—"
+    return f"{cell.ms_per_sample:.3g} · {cell.mib_per_sample:.3g}"
+
+
+def plot(cells: list[Cell], seconds: dict, path: Path) -> None:
+    """Per (problem, quantity): time and memory per sample vs N; and the rank study."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((cell.problem, cell.quantity) for cell in cells))
+    rows = len(groups) + bool(seconds)
+    figure, axes = plt.subplots(rows, 2, figsize=(10, 3 * rows), squeeze=False)
+    for row, (problem, quantity) in enumerate(groups):
+        for column, (field, label) in enumerate(
+            (("ms_per_sample", "ms / sample"), ("mib_per_sample", "peak MiB / sample"))
+        ):
+            ax = axes[row][column]
+            for contender in dict.fromkeys(cell.contender for cell in cells):
+                points = [
+                    (cell.n, getattr(cell, field))
+                    for cell in cells
+                    if (cell.problem, cell.quantity, cell.contender)
+                    == (problem, quantity, contender)
+                    and getattr(cell, field)
+                ]
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=contender)
+            ax.set(xscale="log", yscale="log", xlabel="batch size N", ylabel=label)
+            ax.set_title(f"{problem}, {quantity}")
+            ax.legend(fontsize="small")
+    if seconds:
+        ax = axes[-1][0]
+        ax.bar([str(r) for r in seconds], list(seconds.values()))
+        ax.set(xlabel="gloo ranks", ylabel="seconds", title="diag_ggn over a fixed MLP dataset")
+        axes[-1][1].axis("off")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="batch sizes 8, 16; 2 repeats")
+    parser.add_argument("--problems", default="MLP,CNN,LM", help=f"from {list(FACTORIES)}")
+    parser.add_argument("--quantities", default=",".join(QUANTITIES))
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--sizes", default="", help="comma-separated batch sizes")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--ranks", default="1,2", help="gloo rank counts ('' to skip)")
+    parser.add_argument("--rank-samples", type=int, default=2048)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--out", default=str(Path(__file__).with_name("scaling")))
+    args = parser.parse_args(argv)
+    problems = [name.strip() for name in args.problems.split(",") if name.strip()]
+    unknown = set(problems) - set(FACTORIES)
+    if unknown:
+        raise SystemExit(f"unknown problems {sorted(unknown)}; choose from {list(FACTORIES)}")
+    sizes = QUICK_BATCH_SIZES if args.quick else BATCH_SIZES
+    if args.sizes:
+        sizes = tuple(int(n) for n in args.sizes.split(","))
+    repeats = 2 if args.quick else args.repeats
+    cells = batch_size_study(
+        problems,
+        args.quantities.split(","),
+        sizes,
+        args.contenders.split(","),
+        args.device,
+        repeats,
+        args.threads,
+    )
+    rank_counts = tuple(int(r) for r in args.ranks.split(",") if r)
+    samples = 256 if args.quick else args.rank_samples
+    seconds = rank_study(rank_counts, samples, repeats, args.threads) if rank_counts else {}
+    conditions = (
+        f"{args.device}, {args.threads} threads, torch {torch.__version__}, median of "
+        f"{repeats} calls, python {sys.version.split()[0]}"
+    )
+    out = Path(args.out)
+    out.with_suffix(".md").write_text(markdown(cells, seconds, conditions))
+    with out.with_suffix(".csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(asdict(cells[0])))
+        writer.writeheader()
+        writer.writerows(asdict(cell) for cell in cells)
+    plot(cells, seconds, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.md')}, .csv and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

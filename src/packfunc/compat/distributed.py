@@ -1,0 +1,107 @@
+"""The shim under ``DistributedDataParallel``: combine the ranks' aggregate BackPACK fields.
+
+``DistributedDataParallel(extend(model))`` needs nothing special: on each rank
+the extensions see that rank's batch, so ``grad_batch``, ``diag_ggn_exact``,
+``kfac`` ... are those of the local batch (as without DDP), while ``.grad`` is
+DDP's average over ranks. After the backward pass,
+:func:`all_reduce_extensions` turns the aggregate fields into those of the global
+batch (every rank's samples together), on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from packfunc.compat.extensions.backprop_extension import BackpropExtension
+from packfunc.distributed import ProcessGroup, sum_over_ranks
+
+PER_SAMPLE_JOBS = frozenset(
+    {"batch_grad", "batch_l2_grad", "sqrt_ggn", "batch_diag_ggn", "batch_diag_hessian"}
+)
+"""Fields with one entry per local sample: left as they are."""
+
+LINEAR_JOBS = frozenset({"diag_ggn", "diag_hessian", "kfac", "kflr"})
+"""Fields linear in the loss (for Kronecker factors: the first, output-side factor)."""
+
+
+def all_reduce_extensions(
+    model: nn.Module,
+    *extensions: BackpropExtension,
+    process_group: ProcessGroup | None = None,
+    reduction: Literal["mean", "sum"] = "mean",
+) -> None:
+    """Make the aggregate fields of ``extensions`` those of the global batch, on every rank.
+
+    Call it on every rank after the backward pass, with the extensions given to
+    ``backpack(...)``. With ``reduction='mean'`` each rank's loss is a mean over its
+    own batch and, as for DDP's ``.grad``, the ranks' batches are assumed equally
+    large (equal normalizers): fields linear in the loss (``diag_ggn_*``,
+    ``diag_h``, the first Kronecker factor) become averages over ranks, exactly
+    like DDP's ``.grad``, and ``sum_grad_squared`` (quadratic) the sum over ranks
+    divided by the number of ranks squared. With ``reduction='sum'`` both are
+    summed. Kronecker input factors (averages over samples) are averaged over
+    ranks. Per-sample fields (``grad_batch`` ...) and curvature-product functions
+    stay per rank. For unequal batches or class-weighted means use the functional
+    API with ``process_group=``, which normalizes globally.
+
+    Args:
+        model: The extended model (or the module inside ``DistributedDataParallel``).
+        *extensions: The extensions whose fields to combine.
+        process_group: The group (default: the default group).
+        reduction: The extended loss's reduction.
+
+    Raises:
+        RuntimeError: if ``torch.distributed`` is not initialized.
+        ValueError: for ``Variance`` and ``KFRA`` (not sums over samples; compute
+            ``variance`` from ``SumGradSquared`` and ``.grad``, use ``KFLR``/``KFAC``),
+            or a bad ``reduction``.
+
+    Example:
+        >>> from packfunc.compat.extensions import DiagGGNExact
+        >>> all_reduce_extensions(torch.nn.Linear(2, 2), DiagGGNExact())  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        RuntimeError: all_reduce_extensions needs torch.distributed: ...
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "all_reduce_extensions needs torch.distributed: call "
+            "torch.distributed.init_process_group(...) on every rank first."
+        )
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum'; got {reduction!r}.")
+    group = process_group if process_group is not None else dist.group.WORLD
+    ranks = dist.get_world_size(group)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    for extension in extensions:
+        job = extension.job()
+        if job.kind not in ("quantity", "kronecker") or job.name in PER_SAMPLE_JOBS:
+            continue
+        if job.name not in LINEAR_JOBS | {"sum_grad_squared"}:
+            raise ValueError(
+                f"{type(extension).__name__} is not a sum over samples, so ranks cannot be "
+                "combined; for Variance extend with SumGradSquared and combine it with .grad, "
+                "for KFRA use KFLR or KFAC."
+            )
+        power = 2 if job.name == "sum_grad_squared" else 1
+        scale = 1 / ranks**power if reduction == "mean" else 1.0
+        for p in parameters:
+            value = getattr(p, extension.savefield, None)
+            if value is not None:
+                setattr(p, extension.savefield, _combined(value, scale, ranks, group))
+
+
+def _combined(
+    value: Tensor | list[Tensor], scale: float, ranks: int, group: ProcessGroup
+) -> Tensor | list[Tensor]:
+    """One field summed over ranks: ``scale ×`` a tensor, or ``[scale × A, B / ranks]``."""
+    summed = sum_over_ranks(value, group)
+    if isinstance(summed, Tensor):
+        return summed * scale
+    return [summed[0] * scale, *(factor / ranks for factor in summed[1:])]
+
+
+__all__ = ["all_reduce_extensions"]

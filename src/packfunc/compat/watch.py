@@ -1,0 +1,316 @@
+"""The shim's forward watcher: packfunc's batch pass, kept from the user's own forward.
+
+An extended model's forward runs inside :class:`ForwardRecorder`, which changes
+nothing and keeps, for every call that consumes parameters, its arguments and
+its output's gradient edge. At backward time the calls are matched, in order,
+with discovery's plan (:attr:`~packfunc.engine.discovery.Plan.uses`): tapped
+calls give their input, local calls their arguments, derivations are rebuilt —
+and the user's graph is pulled back instead of running the model again. Any
+mismatch (a fused op packfunc's pass decomposes, an input changed in place, a
+call the plan classified differently) makes :meth:`ForwardRecorder.record`
+return ``None``, and packfunc's own pass runs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.overrides import TorchFunctionMode
+
+from packfunc.engine.attention import ATTENTION_OPS
+from packfunc.engine.batch_pass import BatchRecord, autograd_record, sample_layout
+from packfunc.engine.discovery import Plan, Recorded, Use
+from packfunc.engine.local import (
+    CallArguments,
+    Derivation,
+    LocalInputs,
+    Source,
+    copies_along_batch,
+    derive,
+)
+from packfunc.engine.modes import LeafIndex, is_metadata_query
+from packfunc.engine.ops import SIGNATURES, make_call
+from packfunc.engine.recurrent import RECURRENT_OPS
+from packfunc.losses import check_loss_inputs
+
+
+@dataclass
+class WatchedCall:
+    """One call of a watched forward pass that consumed parameters (or tensors made of them).
+
+    Attributes:
+        func: The function called.
+        arguments: Its flattened arguments.
+        versions: Version counter of each tensor argument right after the call.
+        output: Its output (``None`` once released, or if not a tensor).
+        output_version: The output's version counter right after the call.
+        edge: The output's gradient edge (``None`` once released, or if it needs no grad).
+        outputs: Every tensor it returned, for derivations (by position; ``None``: one tensor).
+        carries_samples: Whether an argument carried samples (else parameters only).
+    """
+
+    func: Callable
+    arguments: CallArguments
+    versions: tuple[int | None, ...]
+    output: Tensor | None
+    output_version: int
+    edge: GradientEdge | None
+    outputs: list[tuple[int | None, Tensor]]
+    carries_samples: bool
+
+    def unchanged(self) -> bool:
+        """Whether no tensor argument was changed in place since the call."""
+        return all(
+            version is None or value._version == version
+            for value, version in zip(self.arguments.values, self.versions)
+        )
+
+
+class ForwardRecorder(TorchFunctionMode):
+    """Watch someone else's forward pass and keep every call that consumes parameters.
+
+    Unlike packfunc's own modes it changes nothing: recurrent and attention ops
+    stay fused and BatchNorm in training mode runs; the recording is simply
+    unusable when packfunc's pass would run them differently.
+
+    Args:
+        parameters: The model's parameters, in packfunc's leaf order.
+        inputs: The forward's inputs (their dependents carry samples).
+
+    Example:
+        >>> layer = torch.nn.Linear(3, 2)
+        >>> with ForwardRecorder(list(layer.parameters()), torch.ones(4, 3)) as recorder:
+        ...     out = layer(torch.ones(4, 3))
+        >>> len(recorder.calls)
+        1
+    """
+
+    def __init__(self, parameters: list[Tensor], inputs: Any):
+        super().__init__()
+        self.leaf_of = LeafIndex(parameters)
+        self.calls: list[WatchedCall] = []
+        self.usable = True
+        tensors = [t for t in optree.tree_leaves(inputs) if isinstance(t, Tensor)]
+        self.n = tensors[0].shape[0] if tensors and tensors[0].dim() else None
+        self.samples: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary(
+            {id(t): t for t in tensors}
+        )
+        self.made_of_parameters: dict[int, Tensor] = {}
+
+    def __torch_function__(
+        self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if is_metadata_query(func):
+            return out
+        arguments = CallArguments.of(args, kwargs)
+        values = arguments.values
+        touches = any(
+            isinstance(v, Tensor)
+            and (self.leaf_of.contains(v) or self.made_of_parameters.get(id(v)) is v)
+            for v in values
+        )
+        samples = any(self._carries_samples(v) for v in values)
+        if samples:
+            self._mark(out, self.samples)
+        if not touches:
+            return out
+        if func in RECURRENT_OPS or func in ATTENTION_OPS:
+            self.usable = False  # packfunc's own pass decomposes them: the calls differ
+        if not samples and not any(out is v for v in values):
+            self._mark(out, self.made_of_parameters)
+        self.calls.append(_watched(func, arguments, out, samples))
+        return out
+
+    def _carries_samples(self, value: Any) -> bool:
+        """Depends on the inputs, or may be batch-shaped (see discovery's rule)."""
+        if not isinstance(value, Tensor) or self.leaf_of.contains(value):
+            return False
+        if self.made_of_parameters.get(id(value)) is value:
+            return False
+        return self.samples.get(id(value)) is value or value.shape[:1] in ((1,), (self.n,))
+
+    @staticmethod
+    def _mark(out: Any, into: Any) -> None:
+        for tensor in (out,) if isinstance(out, Tensor) else out if isinstance(out, tuple) else ():
+            if isinstance(tensor, Tensor):
+                into[id(tensor)] = tensor
+
+    def release(self, output: Tensor) -> None:
+        """Drop references to the pass's final output (a hook on its graph may hold us).
+
+        The call that produced ``output`` keeps no edge: :meth:`record` takes the
+        output's own. If ``output`` was changed in place after that call, the
+        recording is unusable.
+
+        Args:
+            output: The watched forward's output; :meth:`record` receives it again.
+        """
+        for call in self.calls:
+            if call.output is output:
+                self.usable &= output._version == call.output_version
+                call.output = call.edge = None
+                call.outputs = []
+
+    def record(
+        self,
+        plan: Plan,
+        leaves: list[Tensor],
+        output: Tensor,
+        loss: nn.Module,
+        y: Any,
+        n: int,
+        adapt: Callable[[Tensor], Tensor] | None = None,
+        differentiable: bool = False,
+    ) -> BatchRecord | None:
+        """The batch pass's record, from the watched forward; ``None`` if it does not fit.
+
+        Args:
+            plan: The result of discovery for the same model.
+            leaves: packfunc's parameter leaves (what local calls are differentiated by).
+            output: The watched forward's output (still part of its autograd graph).
+            loss: The loss module.
+            y: The targets.
+            n: The batch size.
+            adapt: Maps the output to the loss input (a shape change), if they differ.
+            differentiable: Keep the results' graphs (``create_graph=True``).
+
+        Returns:
+            A :class:`~packfunc.engine.batch_pass.BatchRecord` pulling back through the watched
+            graph, or ``None`` when the watched calls differ from the plan's.
+        """
+        if not self.usable or len(self.calls) != len(plan.uses):
+            return None
+        matched = _match(self.calls, plan, self.leaf_of, leaves, output, n)
+        if matched is None:
+            return None
+        inputs, edges, shapes, failed = matched
+        with torch.enable_grad():
+            final = output if adapt is None else adapt(output)
+        check_loss_inputs(loss, final, y, n)
+        return autograd_record(final, inputs, edges, shapes, failed, loss, y, differentiable)
+
+
+_Matched = tuple[dict[int, Recorded], dict[int, GradientEdge], dict[int, tuple[int, ...]], set[int]]
+
+
+def _match(
+    calls: list[WatchedCall],
+    plan: Plan,
+    leaf_of: LeafIndex,
+    leaves: list[Tensor],
+    output: Tensor,
+    n: int,
+) -> _Matched | None:
+    """Pair the watched calls with the plan's uses; the record's pieces, or ``None``."""
+    derived: dict[int, tuple[Tensor, Derivation]] = {}
+    inputs: dict[int, Recorded] = {}
+    edges: dict[int, GradientEdge] = {}
+    shapes: dict[int, tuple[int, ...]] = {}
+    failed: set[int] = set()
+    active = set(plan.active())
+    for call, use in zip(calls, plan.uses):
+        if call.func != use.func or call.carries_samples != (use.kind != "derived"):
+            return None
+        if not call.unchanged():
+            return None
+        sources = _sources(call.arguments.values, leaf_of, derived)
+        if use.kind == "derived":
+            _derive(call, sources, derived)
+            continue
+        if use.site is None or use.site not in active:
+            continue
+        k = use.site
+        out = output if call.output is None else call.output
+        edge = get_gradient_edge(output) if call.output is None else call.edge
+        expected = (n, *plan.sites[k].tail)
+        recorded = _recorded(call, use, plan, sources, leaf_of, leaves, n)
+        if edge is None or out.shape != expected or recorded is None:
+            failed.add(k)
+        else:
+            inputs[k], shapes[k], edges[k] = recorded, tuple(out.shape), edge
+    return inputs, edges, shapes, failed
+
+
+def _recorded(
+    call: WatchedCall,
+    use: Use,
+    plan: Plan,
+    sources: dict[int, Source],
+    leaf_of: LeafIndex,
+    leaves: list[Tensor],
+    n: int,
+) -> Recorded | None:
+    """What the batch pass keeps of a tapped or local call (``None``: its layout is off)."""
+    args, kwargs = call.arguments.rebuild(list(call.arguments.values))
+    if use.kind == "tapped":
+        sig = SIGNATURES.get(call.func)
+        if sig is None:
+            return None
+        bound = sig.bind(args, kwargs)
+        site_call = make_call(sig, bound, leaf_of)
+        x = bound["input"]
+        k = use.site
+        assert k is not None
+        if site_call.leaves != plan.sites[k].call.leaves or x.shape[:1] != (n,):
+            return None
+        return x
+    assert use.site is not None
+    layout = sample_layout(plan.sites[use.site].shapes, call.arguments.values, sources, n)
+    if layout is None:
+        return None
+    used = {
+        leaf
+        for source in sources.values()
+        for leaf in ((source,) if isinstance(source, int) else source.leaves)
+    }
+    batched, narrow = layout
+    values = {leaf: leaves[leaf] for leaf in used}
+    return LocalInputs(call.func, call.arguments, sources, batched, narrow, values)
+
+
+def _sources(
+    values: tuple[Any, ...], leaf_of: LeafIndex, derived: dict[int, tuple[Tensor, Derivation]]
+) -> dict[int, Source]:
+    """Flat position -> leaf or derivation of every parameter argument."""
+    sources: dict[int, Source] = {}
+    for position, value in enumerate(values):
+        leaf = leaf_of(value)
+        if leaf is not None:
+            sources[position] = leaf
+        elif isinstance(value, Tensor):
+            found = derived.get(id(value))
+            if found is not None and found[0] is value:
+                sources[position] = found[1]
+    return sources
+
+
+def _derive(
+    call: WatchedCall, sources: dict[int, Source], derived: dict[int, tuple[Tensor, Derivation]]
+) -> None:
+    """Rebuild the derivations of a call on parameters only."""
+    broadcast = copies_along_batch(call.func, call.arguments, call.outputs[0][1])
+    for index, tensor in call.outputs:
+        derivation = derive(call.func, call.arguments, sources, index, broadcast)
+        derived[id(tensor)] = (tensor, derivation)
+
+
+def _watched(func: Callable, arguments: CallArguments, out: Any, samples: bool) -> WatchedCall:
+    """Describe a call right after it ran."""
+    versions = tuple(v._version if isinstance(v, Tensor) else None for v in arguments.values)
+    if isinstance(out, Tensor):
+        outputs: list[tuple[int | None, Tensor]] = [(None, out)]
+    else:
+        outputs = [(i, t) for i, t in enumerate(out) if isinstance(t, Tensor)]
+    tensor = out if isinstance(out, Tensor) else None
+    edge = get_gradient_edge(tensor) if tensor is not None and tensor.requires_grad else None
+    version = tensor._version if tensor is not None else 0
+    return WatchedCall(func, arguments, versions, tensor, version, edge, outputs, samples)

@@ -1,0 +1,478 @@
+"""Whole datasets: every public quantity over an iterable of batches, and over ranks.
+
+``data=`` (any iterable of ``(X, y)`` batches, e.g. a ``DataLoader``) replaces
+``X, y``; the result is what one batch holding every sample would give. Each
+batch is computed with a copy of the loss whose ``reduction`` is ``'sum'``; the
+partial results are summed (over batches, then over the ranks of
+``process_group``) and rescaled once at the end by the dataset's mean normalizer
+``Z`` (:func:`packfunc.losses.mean_normalizer`, accumulated per batch from the
+targets; ``Z = 1`` for ``reduction='sum'``):
+
+* gradient, GGN, Hessian, their diagonals and products, the loss value, a
+  Kronecker ``A`` factor: ``× 1/Z`` (linear in the loss);
+* ``sum_grad_squared``: ``× 1/Z²``; ``variance`` is combined from the summed
+  gradient and ``sum_grad_squared`` with the global sample count ``N``;
+* a Kronecker ``B`` factor (an input covariance averaged over samples): the
+  batches' factors weighted by their sample counts, divided by ``N``;
+* KFRA is refused over more than one batch: its factors are nested batch
+  averages, not sums over samples;
+* Monte-Carlo quantities draw from the same distribution as for one batch (the
+  generator is consumed batch by batch, so the draws differ from one big batch's).
+
+Per-sample quantities (``batch_grad`` ...) over ``data=`` return a generator of
+per-batch results scaled for the whole dataset; with ``reduction='mean'`` a first,
+targets-only pass over ``data`` finds ``Z``, so ``data`` must be re-iterable; over
+ranks, each rank yields its own shard's per-sample results, scaled for all shards.
+Only one batch's intermediate state is alive at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sized
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import optree
+import torch
+from torch import Tensor, nn
+
+from packfunc.distributed import (
+    ProcessGroup,
+    check_group,
+    is_first_rank,
+    sum_counts_over_ranks,
+    sum_over_ranks,
+    world_size,
+)
+from packfunc.losses import check_loss, default_loss, mean_normalizer
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+BatchToXY = Callable[[Any], tuple[Any, Tensor]]
+"""Turns one batch of ``data`` into ``(X, y)`` (e.g. for dict-shaped batches)."""
+
+LOSS_POWER: dict[str, float] = {
+    "loss": 1,
+    "grad": 1,
+    "sum_grad_squared": 2,
+    "diag_ggn": 1,
+    "diag_hessian": 1,
+    "ggn_vector_product": 1,
+    "hessian_vector_product": 1,
+    "ggn_block_products": 1,
+    "hessian_block_products": 1,
+    "pch_block_products": 1,
+    "kfac": 1,
+    "kflr": 1,
+    "batch_grad": 1,
+    "batch_l2_grad": 2,
+    "sqrt_ggn": 0.5,
+    "batch_diag_ggn": 1,
+    "batch_diag_hessian": 1,
+}
+"""How each quantity scales with the loss: ``power`` in ``× (1/Z)**power``."""
+
+PER_SAMPLE = frozenset(
+    {"batch_grad", "batch_l2_grad", "sqrt_ggn", "batch_diag_ggn", "batch_diag_hessian"}
+)
+"""Quantities with one entry per sample: streamed per batch over ``data=``."""
+
+KRONECKER = frozenset({"kfac", "kflr"})
+"""Quantities whose leaves are ``[A]`` or ``[A, B]`` factor lists."""
+
+NOT_ADDITIVE = frozenset({"kfra"})
+"""Quantities that are not sums over samples: one batch on one process only."""
+
+
+COMPUTED = frozenset(
+    {
+        "grad",
+        "batch_grad",
+        "batch_l2_grad",
+        "sum_grad_squared",
+        "variance",
+        "sqrt_ggn",
+        "diag_ggn",
+        "batch_diag_ggn",
+        "diag_hessian",
+        "batch_diag_hessian",
+    }
+)
+"""Quantities :func:`packfunc.compute` makes (the others are their own functions)."""
+
+PerBatch = Callable[[Any, Tensor, nn.Module], dict[str, Any]]
+"""``(X, y, loss) -> {name: value}``: one batch's partial results."""
+
+
+def over_data(quantity: str, required: tuple[str, ...] = ()) -> Callable[[F], F]:
+    """Let a one-batch public function take a dataset, a progress bar and a process group.
+
+    The decorated function keeps computing one batch ``(X, y)``; its signature
+    declares the four keyword arguments (for documentation and typing) but this
+    wrapper consumes them: without any of them the call goes straight through.
+
+    Args:
+        quantity: The quantity's name: ``"compute"``, a name :func:`packfunc.compute`
+            takes, a Kronecker function's or a product's name (says how batches combine).
+        required: Arguments the function needs besides ``X, y`` (e.g. ``"v"``).
+
+    Returns:
+        A decorator.
+
+    Example:
+        >>> @over_data("ggn_vector_product")
+        ... def total_loss(model_fn, params, X=None, y=None, *, loss=None, data=None):
+        ...     return {"w": loss(model_fn(params, X), y)}
+        >>> batches = [(torch.ones(2, 1), torch.zeros(2, 1)), (torch.ones(1, 1), torch.ones(1, 1))]
+        >>> total_loss(lambda p, X: X * p, 2.0, data=batches, loss=torch.nn.MSELoss())["w"]
+        tensor(3.)
+    """
+
+    def decorate(function: F) -> F:
+        @functools.wraps(function)
+        def wrapper(
+            model_fn: Callable,
+            params: Any,
+            X: Any = None,
+            y: Tensor | None = None,
+            *args: Any,
+            data: Iterable[Any] | None = None,
+            batch_to_xy: BatchToXY | None = None,
+            progress: bool = False,
+            process_group: ProcessGroup | None = None,
+            **options: Any,
+        ) -> Any:
+            for name in required[len(args) :]:
+                if options.get(name) is None:
+                    raise TypeError(f"{function.__name__}() needs the argument {name!r}.")
+            if data is None and process_group is None and not progress:
+                if X is None or y is None:
+                    raise TypeError(
+                        f"{function.__name__}() needs the batch X, y, or data= (an iterable "
+                        "of (X, y) batches such as a DataLoader)."
+                    )
+                return function(model_fn, params, X, y, *args, **options)
+            source = DataSource(X, y, data, batch_to_xy, progress, process_group)
+
+            def one_call(X_b: Any, y_b: Tensor, **batch_options: Any) -> Any:
+                return function(model_fn, params, X_b, y_b, *args, **batch_options)
+
+            return _over_dataset(
+                quantity, function.__name__, one_call, model_fn, params, source, options
+            )
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where the samples come from: one batch ``X, y`` or ``data``, on one rank or several."""
+
+    X: Any
+    y: Tensor | None
+    data: Iterable[Any] | None
+    batch_to_xy: BatchToXY | None
+    progress: bool
+    group: ProcessGroup | None
+
+    def batches(self, device: torch.device, name: str) -> Iterator[tuple[Any, Tensor]]:
+        """The ``(X, y)`` batches on ``device`` (with a progress bar if asked for).
+
+        Args:
+            device: Where the parameters live.
+            name: The public function's name, for the progress bar.
+
+        Returns:
+            An iterator over ``(X, y)`` pairs.
+
+        Raises:
+            TypeError: for both ``X, y`` and ``data``, neither, or a ``data`` that is
+                not an iterable of batches.
+        """
+        if self.data is not None and (self.X is not None or self.y is not None):
+            raise TypeError("pass either the batch X, y or data=, not both.")
+        if self.data is None:
+            if self.X is None or self.y is None:
+                raise TypeError("pass the batch X, y (this rank's shard) or data=.")
+            batches: Iterator[tuple[Any, Tensor]] = iter([(self.X, self.y)])
+        else:
+            batches = (_to_device(pair, device) for pair in self.pairs())
+        return self._with_progress(batches, name) if self.progress else batches
+
+    def pairs(self) -> Iterator[tuple[Any, Tensor]]:
+        """``data``'s items as ``(X, y)``, after checking that ``data`` is an iterable."""
+        if isinstance(self.data, Tensor) or not isinstance(self.data, Iterable):
+            raise TypeError(
+                "data= takes an iterable of (X, y) batches (a DataLoader, or [(X, y), ...]); "
+                f"got {type(self.data).__name__}."
+            )
+        return map(self.batch_to_xy or default_batch_to_xy, self.data)
+
+    def targets(self) -> Iterable[Tensor]:
+        """Every batch's targets, for a first pass that reads ``data`` again afterwards.
+
+        Raises:
+            TypeError: if ``data`` is an iterator (it could be read only once).
+        """
+        if self.data is None:
+            assert self.y is not None  # checked by batches()
+            return [self.y]
+        if iter(self.data) is self.data:
+            raise TypeError(
+                "per-sample quantities with reduction='mean' read data= twice (first the "
+                "targets, for the dataset's mean normalizer): pass a re-iterable (a "
+                "DataLoader, a list), not an iterator, or use reduction='sum'."
+            )
+        return (y_b for _, y_b in self.pairs())
+
+    def _with_progress(self, batches: Iterator[Any], name: str) -> Iterator[Any]:
+        """``batches`` in a tqdm bar, shown on the group's first rank."""
+        try:
+            from tqdm.auto import tqdm  # type: ignore[import-untyped]
+        except ImportError as error:
+            raise ImportError(
+                "progress=True needs tqdm: pip install tqdm (or pass progress=False)."
+            ) from error
+        total = len(self.data) if isinstance(self.data, Sized) else None
+        return iter(tqdm(batches, total=total, desc=name, disable=not is_first_rank(self.group)))
+
+
+def default_batch_to_xy(batch: Any) -> tuple[Any, Tensor]:
+    """Split one batch into ``(X, y)``: a pair (tuple or list) is taken as it is.
+
+    Args:
+        batch: One item of ``data``.
+
+    Returns:
+        ``(X, y)``.
+
+    Raises:
+        TypeError: for anything else, naming ``batch_to_xy=`` (dict batches need it).
+
+    Example:
+        >>> default_batch_to_xy((torch.zeros(2, 3), torch.zeros(2)))[1].shape
+        torch.Size([2])
+    """
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    shape = f"a dict with keys {sorted(batch)}" if isinstance(batch, dict) else type(batch).__name__
+    raise TypeError(
+        f"data= must yield (X, y) pairs; got {shape}. Pass batch_to_xy=, a function from "
+        "one batch to (X, y), e.g. batch_to_xy=lambda b: (b['input_ids'], b['labels'])."
+    )
+
+
+def _over_dataset(
+    quantity: str,
+    name: str,
+    one_call: Callable[..., Any],
+    model_fn: Callable,
+    params: Any,
+    source: DataSource,
+    options: dict[str, Any],
+) -> Any:
+    """The quantity over every batch of ``source`` (and every rank of its group)."""
+    check_group(source.group)
+    options = dict(options)
+    loss = options.pop("loss", None) or default_loss()
+    check_loss(loss)
+    if options.get("subsampling") is not None:
+        raise ValueError(
+            "subsampling= selects samples of one batch; with data= or process_group= "
+            "subsample the dataset itself (e.g. a torch.utils.data.Subset)."
+        )
+    device = _device(params)
+    batches = source.batches(device, name)
+    if quantity in NOT_ADDITIVE:
+        return _one_batch_only(
+            batches,
+            source.group,
+            name,
+            lambda X_b, y_b: one_call(X_b, y_b, loss=loss, **options),
+        )
+    names, options = _requested(quantity, options)
+    per_batch = _per_batch(quantity, names, one_call, model_fn, params, options)
+    if quantity in PER_SAMPLE:
+        normalizer = _dataset_normalizer(loss, source, device)
+        stream = _streamed(quantity, batches, per_batch, _sum_reduced(loss), normalizer)
+        return stream if source.data is not None else next(stream)  # X, y: the one result
+    totals, samples, normalizer = _summed(batches, per_batch, loss, source.group, device)
+    scale = 1 / normalizer if loss.reduction == "mean" else 1.0
+    result = {name: _finish(name, totals, scale, samples) for name in names}
+    if quantity != "compute":
+        return result[quantity]
+    return {"loss": totals["loss"] * scale} | result
+
+
+def _device(params: Any) -> torch.device:
+    """Where the parameters live (batches are moved there)."""
+    leaves = optree.tree_leaves(params)
+    return leaves[0].device if leaves and isinstance(leaves[0], Tensor) else torch.device("cpu")
+
+
+def _to_device(pair: Any, device: torch.device) -> tuple[Any, Tensor]:
+    """One ``(X, y)`` batch with every tensor moved to ``device``."""
+    X, y = pair
+    return optree.tree_map(lambda t: t.to(device), X), y.to(device)
+
+
+def _sum_reduced(loss: nn.Module) -> nn.Module:
+    """A shallow copy of ``loss`` with ``reduction='sum'`` (sharing weights and options)."""
+    summed = copy.copy(loss)
+    summed.reduction = "sum"  # type: ignore[assignment]
+    return summed
+
+
+def _requested(quantity: str, options: dict[str, Any]) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """The names to return (``compute``'s ``quantities=``, or one), and the other options."""
+    if quantity != "compute":
+        return (quantity,), options
+    rest = {key: value for key, value in options.items() if key != "quantities"}
+    requested = options["quantities"]
+    names = (requested,) if isinstance(requested, str) else tuple(requested)
+    streamed = [name for name in names if name in PER_SAMPLE]
+    if streamed:
+        raise ValueError(
+            f"compute(data=...) sums over the dataset; the per-sample quantities {streamed} "
+            "have one entry per sample: call their own functions (e.g. pf.batch_grad(..., "
+            "data=...)), which yield one result per batch."
+        )
+    return names, rest
+
+
+def _per_batch(
+    quantity: str,
+    names: tuple[str, ...],
+    one_call: Callable[..., Any],
+    model_fn: Callable,
+    params: Any,
+    options: dict[str, Any],
+) -> PerBatch:
+    """One batch's partial sums: ``compute`` for its quantities (``variance`` from its parts)."""
+    if quantity != "compute" and quantity not in COMPUTED:
+        return lambda X_b, y_b, loss: {quantity: one_call(X_b, y_b, loss=loss, **options)}
+    from packfunc.quantities import compute  # packfunc.quantities uses this module
+
+    parts: list[str] = []
+    for name in names:
+        for part in ("grad", "sum_grad_squared") if name == "variance" else (name,):
+            if part not in parts:
+                parts.append(part)
+    return lambda X_b, y_b, loss: compute(
+        model_fn, params, X_b, y_b, quantities=tuple(parts), loss=loss, **options
+    )
+
+
+def _input_factors_times(factors: Any, weight: float) -> Any:
+    """Kronecker factor lists with each ``B`` (input-side) factor multiplied by ``weight``."""
+    return optree.tree_map(
+        lambda f: f if f is None or len(f) == 1 else [f[0], f[1] * weight],
+        factors,
+        is_leaf=lambda x: x is None or isinstance(x, list),
+        none_is_leaf=True,
+    )
+
+
+def _summed(
+    batches: Iterator[tuple[Any, Tensor]],
+    per_batch: PerBatch,
+    loss: nn.Module,
+    group: ProcessGroup | None,
+    device: torch.device,
+) -> tuple[dict[str, Any], float, float]:
+    """Partial results summed over batches and ranks; sample count ``N`` and normalizer ``Z``.
+
+    Kronecker ``B`` factors enter weighted by their batch's sample count.
+    """
+    summed_loss = _sum_reduced(loss)
+    totals: dict[str, Any] | None = None
+    samples, normalizer = 0, torch.zeros((), dtype=torch.float64, device=device)
+    for X_b, y_b in batches:
+        n = int(y_b.shape[0])
+        part = {
+            name: _input_factors_times(value, n) if name in KRONECKER else value
+            for name, value in per_batch(X_b, y_b, summed_loss).items()
+        }
+        totals = part if totals is None else _added(totals, part)
+        del part  # the next batch's intermediate state replaces this one's
+        samples += n
+        normalizer += mean_normalizer(loss, y_b)  # on the device: no sync per batch
+    samples_all, normalizer_all, empty = sum_counts_over_ranks(
+        [float(samples), float(normalizer), float(totals is None)], group, device
+    )
+    if empty or totals is None:
+        raise ValueError("data= yielded no batch (on at least one rank); pass non-empty shards.")
+    return sum_over_ranks(totals, group), samples_all, normalizer_all
+
+
+def _added(totals: Any, part: Any) -> dict[str, Any]:
+    """The leafwise sum of two dicts of partial results (pytrees)."""
+    return dict(optree.tree_map(torch.add, totals, part))
+
+
+def _finish(name: str, totals: dict[str, Any], scale: float, samples: float) -> Any:
+    """Rescale a summed quantity to the dataset's reduced loss (see the module docstring)."""
+    if name == "variance":
+        return optree.tree_map(
+            lambda sq, g: sq * scale**2 / samples - (g * scale / samples) ** 2,
+            totals["sum_grad_squared"],
+            totals["grad"],
+        )
+    if name in KRONECKER:
+        return optree.tree_map(
+            lambda f: None if f is None else [f[0] * scale, *(b / samples for b in f[1:])],
+            totals[name],
+            is_leaf=lambda x: x is None or isinstance(x, list),
+            none_is_leaf=True,
+        )
+    power = LOSS_POWER[name]
+    return optree.tree_map(lambda t: t * scale**power, totals[name])
+
+
+def _dataset_normalizer(loss: nn.Module, source: DataSource, device: torch.device) -> float:
+    """``Z`` of the whole dataset (over ranks), from a first pass over the targets only."""
+    if loss.reduction == "sum":
+        return 1.0
+    total = sum(float(mean_normalizer(loss, y_b.to(device))) for y_b in source.targets())
+    return sum_counts_over_ranks([total], source.group, device)[0]
+
+
+def _streamed(
+    quantity: str,
+    batches: Iterator[tuple[Any, Tensor]],
+    per_batch: PerBatch,
+    summed_loss: nn.Module,
+    normalizer: float,
+) -> Iterator[Any]:
+    """Each batch's per-sample quantity, scaled by the dataset's normalizer."""
+    scale = (1 / normalizer) ** LOSS_POWER[quantity]
+    for X_b, y_b in batches:
+        value = per_batch(X_b, y_b, summed_loss)[quantity]
+        yield optree.tree_map(lambda t: t * scale, value)
+
+
+def _one_batch_only(
+    batches: Iterator[tuple[Any, Tensor]],
+    group: ProcessGroup | None,
+    name: str,
+    one_batch: Callable[[Any, Tensor], Any],
+) -> Any:
+    """A quantity that is not a sum over samples, for a single batch on a single process."""
+    refusal = (
+        f"{name}() is not a sum over samples (its factors are nested batch averages), so it "
+        "cannot be combined over batches or ranks; pass one batch X, y on one process, or "
+        "use kflr/kfac, which combine."
+    )
+    if world_size(group) > 1:
+        raise ValueError(refusal)
+    first = next(batches, None)
+    if first is None or next(batches, None) is not None:
+        raise ValueError(refusal)
+    return one_batch(*first)
+
+
+__all__ = ["BatchToXY", "DataSource", "default_batch_to_xy", "over_data"]

@@ -1,0 +1,370 @@
+"""Discovery: run the model on one sample and classify every call that consumes parameters.
+
+Inside a :class:`~packfunc.engine.modes.ParameterMode`, every call whose
+arguments include a parameter leaf (by identity) or a tensor made of parameters
+only is one :class:`Use`, in call order:
+
+* ``"tapped"``: a linear-like op of ``engine/ops.py`` with leaves as weight or
+  bias — its rules have closed forms;
+* ``"local"``: any other op that meets the samples with the sample index at
+  dim 0 (a norm layer, ``x + pos``, ``logits / t``, ``x @ W``) — differentiated
+  on its own (``engine/rules/local.py``, ``engine/rules/norm.py``);
+* ``"derived"``: an op on parameters only (``pos[:T]``, ``W.t()``,
+  ``cls.expand(N, 1, D)``), recomputed from the parameters where it is used;
+* ``"other"``: anything else; its parameters take the whole-model path.
+
+Tapped and local calls are the plan's *sites*: the batch pass records their
+inputs and output cotangents. Running on one sample also checks that dim 0 is
+the sample dimension at every site: its size must be 1 here and ``N`` in the
+batch pass. A tensor *carries samples* if it depends on the inputs, or if it is
+any other tensor with a leading dim of one (it may be batch-shaped, like an
+RNN's zero initial state); the batch pass tells for sure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+from packfunc.engine.local import CallArguments, LocalInputs, Source
+from packfunc.engine.modes import (
+    LeafIndex,
+    ParameterMode,
+    dropout_rate,
+    is_metadata_query,
+    leaves_of,
+)
+from packfunc.engine.ops import ROLES, SIGNATURES, OpSignature, TapCall, make_call
+from packfunc.functional import module_of, select_samples
+
+Recorded = Tensor | LocalInputs
+"""What the batch pass keeps of a site: a tapped op's input, or a local call's arguments."""
+
+
+@dataclass
+class Site:
+    """A call seen during discovery whose parameters a rule differentiates on their own.
+
+    Attributes:
+        call: The op family (``"local"`` for any op outside :data:`SIGNATURES`) and leaves.
+        tail: The per-sample shape of its output.
+        dtype: The output's dtype.
+        device: The output's device.
+        shapes: For a local site, the shape of each flat argument (``None``: not a tensor),
+            to tell the batch pass which arguments carry samples.
+    """
+
+    call: TapCall
+    tail: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    shapes: tuple[torch.Size | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class Use:
+    """One call that consumes parameters (directly or through a derivation), in call order.
+
+    Attributes:
+        func: The function called.
+        kind: ``"tapped"`` (a rule of :data:`SIGNATURES`), ``"local"`` (the op's own vjp),
+            ``"derived"`` (parameters only: recomputed where used) or ``"other"`` (its
+            parameters take the whole-model path).
+        site: The site index of a tapped or local call.
+    """
+
+    func: Callable
+    kind: str
+    site: int | None = None
+
+
+@dataclass
+class Plan:
+    """What discovery learned about the model.
+
+    Attributes:
+        sites: Every tapped or local call, in call order.
+        uncovered: Leaves that only the whole-model path can differentiate.
+        uses: Every call that consumes parameters, in call order.
+        reasons: Why each uncovered leaf is uncovered.
+        dropout: The largest dropout probability seen in training mode (0: none).
+    """
+
+    sites: list[Site] = field(default_factory=list)
+    uncovered: set[int] = field(default_factory=set)
+    uses: list[Use] = field(default_factory=list)
+    reasons: dict[int, str] = field(default_factory=dict)
+    dropout: float = 0.0
+
+    def covered(self) -> set[int]:
+        """Return the leaves whose every use is a tapped or local call."""
+        return {leaf for site in self.sites for _, leaf in site.call.leaves} - self.uncovered
+
+    def active(self) -> list[int]:
+        """Return the indices of sites that have at least one covered leaf."""
+        covered = self.covered()
+        return [
+            k
+            for k, site in enumerate(self.sites)
+            if any(leaf in covered for _, leaf in site.call.leaves)
+        ]
+
+    def uncover(self, leaves: set[int], reason: str) -> None:
+        """Send ``leaves`` to the whole-model path, remembering the first reason for each."""
+        self.uncovered |= leaves
+        for leaf in leaves:
+            self.reasons.setdefault(leaf, reason)
+
+
+class _DiscoveryMode(ParameterMode):
+    """Classifies every call that consumes parameters (see :class:`Use`) on one sample.
+
+    A tensor *carries samples* if it depends on the inputs, or if it is any other
+    tensor with a leading dim of one (it may be batch-shaped, like an RNN's zero
+    initial state; the batch pass tells for sure).
+    """
+
+    def __init__(self, leaf_of: LeafIndex, X: Any):
+        super().__init__(leaf_of)
+        self.plan = Plan(uncovered=set(leaf_of.duplicated))
+        self.plan.reasons = dict.fromkeys(leaf_of.duplicated, "the same tensor is two parameters")
+        self.samples: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary(
+            {id(t): t for t in optree.tree_leaves(X) if isinstance(t, Tensor)}
+        )
+        self.dropout = 0.0
+
+    def _carries_samples(self, value: Any, sources: dict[int, Source], position: int) -> bool:
+        if not isinstance(value, Tensor) or position in sources:
+            return False
+        return self.samples.get(id(value)) is value or value.shape[:1] == (1,)
+
+    def _dispatch(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        if is_metadata_query(func):
+            return func(*args, **kwargs)
+        arguments = CallArguments.of(args, kwargs)
+        values = arguments.values
+        sources = self._sources(values) if self._touches_parameters(args, kwargs) else {}
+        if sources is None:  # a leaf that is two parameters: ambiguous
+            out = func(*args, **kwargs)
+            self.plan.uncover(self.leaf_of.used_in(values), "the same tensor is two parameters")
+            self.plan.uses.append(Use(func, "other"))
+            self._mark_samples(out)
+            return out
+        carriers = [p for p, v in enumerate(values) if self._carries_samples(v, sources, p)]
+        if not sources:
+            self.dropout = max(self.dropout, dropout_rate(func, args, kwargs))
+            out = func(*args, **kwargs)
+            if any(self.samples.get(id(values[p])) is values[p] for p in carriers):
+                self._mark_samples(out)
+            return out
+        sig = SIGNATURES.get(func)
+        if sig is not None and carriers and self._tapped_call(sig, args, kwargs, sources):
+            return self._discover_tapped(func, sig, sig.bind(args, kwargs), args, kwargs)
+        out = func(*args, **kwargs)
+        in_place = any(out is v for v in values)
+        if not carriers and not in_place:
+            self._derive(func, arguments, sources, out)
+            self.plan.uses.append(Use(func, "derived"))
+            return out
+        if carriers:
+            self._mark_samples(out)
+        per_sample = all(values[p].shape[:1] == (1,) for p in carriers)
+        if in_place or not (isinstance(out, Tensor) and out.shape[:1] == (1,) and per_sample):
+            name = getattr(func, "__name__", repr(func))
+            reason = (
+                f"changed in place by {name}"
+                if in_place
+                else f"used by {name}, whose tensors do not keep the sample index at dim 0"
+            )
+            self.plan.uncover(leaves_of(sources), reason)
+            self.plan.uses.append(Use(func, "other"))
+            return out
+        leaves = tuple(("local", leaf) for leaf in sorted(leaves_of(sources)))
+        shapes = tuple(v.shape if isinstance(v, Tensor) else None for v in values)
+        call = TapCall("local", leaves, (("func", func),))
+        self.plan.uses.append(Use(func, "local", len(self.plan.sites)))
+        self.plan.sites.append(Site(call, out.shape[1:], out.dtype, out.device, shapes))
+        return out
+
+    def _tapped_call(
+        self, sig: OpSignature, args: tuple, kwargs: dict, sources: dict[int, Source]
+    ) -> bool:
+        """Whether a linear-like op takes parameter leaves as weight or bias, and nowhere else."""
+        bound = sig.bind(args, kwargs)
+        roles = {id(bound.get(role)) for role in ROLES if self.leaf_of(bound.get(role)) is not None}
+        flat = CallArguments.of(args, kwargs).values
+        return bool(roles) and all(
+            isinstance(source, int) and id(flat[p]) in roles for p, source in sources.items()
+        )
+
+    def _discover_tapped(
+        self, func: Callable, sig: OpSignature, bound: dict[str, Any], args: tuple, kwargs: dict
+    ) -> Tensor:
+        _refuse_coupled_embedding(sig, bound)
+        out = func(*args, **kwargs)
+        self._mark_samples(out)
+        call = make_call(sig, bound, self.leaf_of)
+        x = bound["input"]
+        if not (isinstance(x, Tensor) and x.dim() and x.shape[0] == 1 and out.shape[0] == 1):
+            name = getattr(func, "__name__", repr(func))
+            reason = f"used by {name} on tensors whose first dimension is not the sample"
+            self.plan.uncover({leaf for _, leaf in call.leaves}, reason)
+        self.plan.uses.append(Use(func, "tapped", len(self.plan.sites)))
+        self.plan.sites.append(Site(call, out.shape[1:], out.dtype, out.device))
+        return out
+
+    def _mark_samples(self, out: Any) -> None:
+        """Record that the outputs of a call depend on the samples."""
+        outputs = (
+            (out,) if isinstance(out, Tensor) else out if isinstance(out, (list, tuple)) else ()
+        )
+        for tensor in outputs:
+            if isinstance(tensor, Tensor):
+                self.samples[id(tensor)] = tensor
+
+
+def _refuse_coupled_embedding(sig: OpSignature, bound: dict[str, Any]) -> None:
+    if sig.family != "embedding":
+        return
+    if bound["max_norm"] is not None:
+        raise ValueError(
+            "Embedding(max_norm=...) renormalizes the weight in place during the forward pass, "
+            "which a pure function cannot do; drop max_norm or renormalize the weight yourself."
+        )
+    if bound["scale_grad_by_freq"]:
+        raise ValueError(
+            "Embedding(scale_grad_by_freq=True) scales gradients by word counts over the whole "
+            "batch, which couples samples; per-sample gradients are not defined. Set it to False."
+        )
+
+
+def discover(model_fn: Callable, params: Any, leaves: list[Tensor], X_first: Any) -> Plan:
+    """Run the model on one sample and plan which leaves the tapped path covers.
+
+    Args:
+        model_fn: ``model_fn(params, X)``.
+        params: The parameter pytree.
+        leaves: Its flattened leaves (same objects as in ``params``).
+        X_first: The inputs restricted to the first sample (batch size 1).
+
+    Returns:
+        The :class:`Plan`.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> len(discover(fn, p, list(p.values()), torch.zeros(1, 3)).sites)
+        1
+    """
+    mode = _DiscoveryMode(LeafIndex(leaves), X_first)
+    with torch.no_grad(), mode:
+        out = model_fn(params, X_first)
+    if not (isinstance(out, Tensor) and out.dim() and out.shape[0] == 1):
+        shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(
+            f"model_fn returned {shape} for a batch of one sample; it must return a tensor "
+            "whose leading dimension is the batch dimension."
+        )
+    mode.plan.dropout = mode.dropout
+    _warn_about_dropout(mode.plan)
+    return mode.plan
+
+
+_PLANS: weakref.WeakKeyDictionary[Callable, tuple[Hashable, Plan]] = weakref.WeakKeyDictionary()
+"""Per model function, the signature of its latest discovery and the plan found."""
+
+
+def cached_discover(
+    model_fn: Callable, params: Any, leaves: list[Tensor], X: Any
+) -> tuple[Plan, bool]:
+    """The plan of the last discovery for ``model_fn`` with the same signature, else a new one.
+
+    The signature is what a plan depends on besides the code: the parameters'
+    structure, shapes, dtypes and devices, the inputs' structure and per-sample
+    shapes, and (for :func:`packfunc.functional` models) every submodule's training
+    flag. The batch pass checks every call against the plan and raises
+    :class:`~packfunc.engine.batch_pass.PlanMismatch` if the code took another path;
+    callers then discover again. Training loops call the same ``model_fn`` on
+    batches of one shape: they skip discovery's forward of one sample.
+
+    Args:
+        model_fn: ``model_fn(params, X)``.
+        params: The parameter pytree.
+        leaves: Its flattened leaves.
+        X: The batch of inputs.
+
+    Returns:
+        ``(plan, cached)``: whether the plan came from an earlier call.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> [cached_discover(fn, p, list(p.values()), torch.ones(4, 3))[1] for _ in range(2)]
+        [False, True]
+    """
+    key = _signature(model_fn, params, leaves, X)
+    try:
+        entry = _PLANS.get(model_fn)
+    except TypeError:  # not weakly referenceable (e.g. a functools.partial): no cache
+        entry = None
+    if entry is not None and entry[0] == key:
+        _warn_about_dropout(entry[1])
+        return entry[1], True
+    plan = discover(model_fn, params, leaves, select_samples(X, slice(0, 1)))
+    with contextlib.suppress(TypeError):
+        _PLANS[model_fn] = (key, plan)
+    return plan, False
+
+
+def forget_plan(model_fn: Callable) -> None:
+    """Drop the cached plan of ``model_fn`` (its code took another path).
+
+    Args:
+        model_fn: A model function passed to :func:`cached_discover`.
+    """
+    with contextlib.suppress(TypeError):
+        _PLANS.pop(model_fn, None)
+
+
+def _signature(model_fn: Callable, params: Any, leaves: list[Tensor], X: Any) -> Hashable:
+    """What a plan depends on besides ``model_fn``'s code (see :func:`cached_discover`)."""
+    inputs, input_spec = optree.tree_flatten(X)
+    module = module_of(model_fn)
+    return (
+        optree.tree_structure(params),
+        tuple((leaf.shape, leaf.dtype, leaf.device) for leaf in leaves),
+        frozenset(LeafIndex(leaves).duplicated),
+        input_spec,
+        tuple(
+            (x.shape[1:], x.dtype, x.device) if isinstance(x, Tensor) else _hashable(x)
+            for x in inputs
+        ),
+        tuple(m.training for m in module.modules()) if module is not None else (),
+    )
+
+
+def _hashable(value: Any) -> Hashable:
+    """``value`` itself if hashable, else its identity."""
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
+
+
+def _warn_about_dropout(plan: Plan) -> None:
+    if plan.dropout:
+        warnings.warn(
+            f"model_fn applies dropout (p={plan.dropout:g}) in training mode: every call draws "
+            "new random masks, so two calls give different results and curvature is that of "
+            "one random subnetwork. Call model.eval() first (or set the dropout p=0), unless "
+            "the randomness is intended.",
+            UserWarning,
+            stacklevel=4,
+        )

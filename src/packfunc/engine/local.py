@@ -1,0 +1,282 @@
+"""Op-local column gradients: any op that consumes a parameter, differentiated on its own.
+
+A parameter used outside the linear-like ops of ``engine/ops.py`` — a LayerNorm
+or BatchNorm affine weight, a positional embedding added to activations, a
+scalar temperature, a raw matrix in ``x @ W`` — still reaches the loss through
+one op call whose output keeps the sample index at dim 0. The batch pass records
+that call's arguments and the cotangent of its output; a parameter's column
+gradient for sample ``n`` is then the vector-Jacobian product of *that op alone*
+at sample ``n``'s arguments, ``vmap``-ed over samples. The rest of the model is
+never re-run.
+
+A tensor computed from parameters only — ``pos[:T]``, ``W.t()``,
+``log_scale.exp()``, an embedding of ``torch.arange(T)``, ``cls.expand(N, 1, D)``
+— is a *derivation*: it is recomputed from the parameter inside that vjp, so the
+op that finally meets the samples is still the only one differentiated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+BROADCASTS = frozenset({Tensor.expand, Tensor.expand_as, torch.broadcast_to, Tensor.repeat})
+"""Ops that copy a tensor along a dim of size one (e.g. a class token over the batch)."""
+
+
+@dataclass(frozen=True)
+class CallArguments:
+    """A call's positional and keyword arguments, flattened one level (lists of tensors open).
+
+    Attributes:
+        values: Every argument value, the items of list or tuple arguments in place.
+        layout: Per positional argument, then per keyword: ``None`` for a value, the
+            container type and length for a list or tuple.
+        keys: The keyword names, in order.
+    """
+
+    values: tuple[Any, ...]
+    layout: tuple[tuple[type, int] | None, ...]
+    keys: tuple[str, ...]
+
+    @classmethod
+    def of(cls, args: tuple, kwargs: Mapping[str, Any]) -> CallArguments:
+        """Flatten ``(args, kwargs)``.
+
+        Args:
+            args: Positional arguments.
+            kwargs: Keyword arguments.
+
+        Returns:
+            The flattened arguments.
+
+        Example:
+            >>> CallArguments.of((1, [2, 3]), {"a": 4}).values
+            (1, 2, 3, 4)
+        """
+        values: list[Any] = []
+        layout: list[tuple[type, int] | None] = []
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+                layout.append((type(value), len(value)))
+                values.extend(value)
+            else:
+                layout.append(None)
+                values.append(value)
+        return cls(tuple(values), tuple(layout), tuple(kwargs))
+
+    def rebuild(self, values: list[Any] | tuple[Any, ...]) -> tuple[tuple, dict[str, Any]]:
+        """Return ``(args, kwargs)`` with the flattened ``values`` put back in place.
+
+        Args:
+            values: One value per entry of :attr:`values`.
+
+        Returns:
+            Positional and keyword arguments.
+
+        Example:
+            >>> flat = CallArguments.of((1, [2, 3]), {"a": 4})
+            >>> flat.rebuild([5, 6, 7, 8])
+            ((5, [6, 7]), {'a': 8})
+        """
+        rebuilt: list[Any] = []
+        position = 0
+        for entry in self.layout:
+            if entry is None:
+                rebuilt.append(values[position])
+                position += 1
+            else:
+                kind, length = entry
+                items = list(values[position : position + length])
+                rebuilt.append(items if kind is list else tuple(items))
+                position += length
+        split = len(rebuilt) - len(self.keys)
+        return tuple(rebuilt[:split]), dict(zip(self.keys, rebuilt[split:]))
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """A tensor computed from parameters only, as a function of their values.
+
+    Attributes:
+        leaves: The parameter leaves it depends on.
+        compute: Maps leaf index -> value (for every leaf in :attr:`leaves`) to the tensor.
+        broadcast: Whether every row along dim 0 is the same (a size-one dim copied,
+            e.g. ``cls.expand(N, 1, D)``): one sample's share is its first row.
+    """
+
+    leaves: frozenset[int]
+    compute: Callable[[Mapping[int, Tensor]], Tensor]
+    broadcast: bool = False
+
+
+def copies_along_batch(func: Callable, arguments: CallArguments, out: Any) -> bool:
+    """Whether a call copies its input along dim 0 (every row of the output the same).
+
+    ``expand``/``broadcast_to``/``repeat`` of a tensor with fewer dims, or with a
+    leading dim of one — e.g. a class token copied over the batch.
+
+    Args:
+        func: The op.
+        arguments: Its flattened arguments.
+        out: Its output.
+
+    Returns:
+        Whether the output's rows along dim 0 are copies.
+
+    Example:
+        >>> token = torch.zeros(1, 1, 4)
+        >>> copies_along_batch(Tensor.expand, CallArguments.of((token, 3, 1, 4), {}),
+        ...                    token.expand(3, 1, 4))
+        True
+    """
+    first = arguments.values[0] if arguments.values else None
+    if func not in BROADCASTS or not isinstance(first, Tensor) or not isinstance(out, Tensor):
+        return False
+    return first.dim() < out.dim() or first.shape[:1] == (1,)
+
+
+Source = int | Derivation
+"""Where a parameter-valued argument comes from: a leaf index or a derivation."""
+
+
+def derive(
+    func: Callable,
+    arguments: CallArguments,
+    sources: Mapping[int, Source],
+    index: int | None,
+    broadcast: bool,
+) -> Derivation:
+    """The derivation of an output of ``func`` whose parameter arguments are ``sources``.
+
+    Args:
+        func: The op.
+        arguments: Its flattened arguments (other tensors are held as constants).
+        sources: Flat position -> leaf index or derivation, for every parameter argument.
+        index: Which output of a multi-output op, or ``None`` for a single tensor.
+        broadcast: Whether the op copies a size-one dim 0 (see :attr:`Derivation.broadcast`).
+
+    Returns:
+        The :class:`Derivation`.
+
+    Example:
+        >>> w = torch.ones(2, 3)
+        >>> d = derive(Tensor.t, CallArguments.of((w,), {}), {0: 0}, None, False)
+        >>> d.compute({0: w}).shape
+        torch.Size([3, 2])
+    """
+    leaves = frozenset(
+        leaf for s in sources.values() for leaf in ((s,) if isinstance(s, int) else s.leaves)
+    )
+
+    def compute(values: Mapping[int, Tensor]) -> Tensor:
+        args, kwargs = arguments.rebuild(_substituted(arguments, sources, values))
+        out = func(*args, **kwargs)
+        return out if index is None else out[index]
+
+    return Derivation(leaves, compute, broadcast)
+
+
+def _substituted(
+    arguments: CallArguments,
+    sources: Mapping[int, Source],
+    leaf_values: Mapping[int, Tensor],
+    samples: Mapping[int, Tensor] | None = None,
+    narrow: frozenset[int] = frozenset(),
+) -> list[Any]:
+    """The flat argument values with parameters (re)computed from ``leaf_values``."""
+    values = list(arguments.values)
+    for position, source in sources.items():
+        if isinstance(source, int):
+            values[position] = leaf_values[source]
+        else:
+            derived = source.compute(leaf_values)
+            values[position] = derived[:1] if position in narrow else derived
+    for position, sample in (samples or {}).items():
+        values[position] = sample
+    return values
+
+
+@dataclass(frozen=True)
+class LocalInputs:
+    """What the batch pass keeps of one op call that consumes parameters (a *local site*).
+
+    Attributes:
+        func: The op.
+        arguments: Its flattened arguments, as called in the batch pass.
+        sources: Flat position -> leaf index or derivation, for every parameter argument.
+        batched: Flat positions of tensors with one row per sample (dim 0).
+        narrow: Positions of broadcast derivations: a sample sees their first row.
+        leaf_values: The parameter leaves the call depends on, by index.
+    """
+
+    func: Callable
+    arguments: CallArguments
+    sources: Mapping[int, Source]
+    batched: tuple[int, ...]
+    narrow: frozenset[int]
+    leaf_values: Mapping[int, Tensor]
+
+    def __getitem__(self, key: tuple[slice, slice | Tensor]) -> LocalInputs:
+        """Restrict to some samples: ``local[:, index]``, as canonical tensors' dim 1."""
+        index = key[1]
+        values = list(self.arguments.values)
+        for position in self.batched:
+            values[position] = values[position][index]
+        return replace(self, arguments=replace(self.arguments, values=tuple(values)))
+
+    def detach(self) -> LocalInputs:
+        """The same call with its recorded tensors detached from autograd (values only)."""
+        values = tuple(
+            v.detach() if isinstance(v, Tensor) and i not in self.sources else v
+            for i, v in enumerate(self.arguments.values)
+        )
+        return replace(self, arguments=replace(self.arguments, values=values))
+
+    def leaf_of(self, param: Tensor) -> int:
+        """Index of the leaf ``param`` (by identity) among those the call depends on."""
+        for leaf, value in self.leaf_values.items():
+            if value is param:
+                return leaf
+        raise KeyError("the parameter is not used by this call")
+
+    def evaluate(self, leaf: int, value: Tensor, samples: Mapping[int, Tensor] | None) -> Tensor:
+        """The op's output with leaf ``leaf`` set to ``value`` and batched arguments replaced.
+
+        Args:
+            leaf: The leaf to replace.
+            value: Its value.
+            samples: Flat position -> tensor for batched arguments (``None``: as recorded).
+
+        Returns:
+            The output.
+        """
+        leaf_values = {**self.leaf_values, leaf: value}
+        narrow = self.narrow if samples is not None else frozenset()
+        values = _substituted(self.arguments, self.sources, leaf_values, samples, narrow)
+        args, kwargs = self.arguments.rebuild(values)
+        return self.func(*args, **kwargs)
+
+
+def _flatten_local(local: LocalInputs) -> tuple[list[Tensor], tuple[LocalInputs, tuple[int, ...]]]:
+    """The tensors of a recorded call, for ``torch.func`` (which unwraps them from its levels)."""
+    positions = tuple(i for i, v in enumerate(local.arguments.values) if isinstance(v, Tensor))
+    return [local.arguments.values[i] for i in positions], (local, positions)
+
+
+def _unflatten_local(
+    tensors: Iterable[Tensor], context: tuple[LocalInputs, tuple[int, ...]]
+) -> LocalInputs:
+    local, positions = context
+    values = list(local.arguments.values)
+    for position, tensor in zip(positions, tensors):
+        values[position] = tensor
+    return replace(local, arguments=replace(local.arguments, values=tuple(values)))
+
+
+pytree.register_pytree_node(LocalInputs, _flatten_local, _unflatten_local)

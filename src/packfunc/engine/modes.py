@@ -1,0 +1,393 @@
+"""The ``TorchFunctionMode`` packfunc runs models in, and how it follows parameters.
+
+:class:`FunctionalMode` makes a model safe for per-sample computations: recurrent
+ops and attention are replaced by out-of-place, batch-first decompositions
+(``engine/recurrent.py``, ``engine/attention.py``) and BatchNorm in training mode
+is refused. Discovery and the batch pass subclass it (:class:`ParameterMode`)
+to follow parameters: leaves by identity (:class:`LeafIndex`), and tensors
+computed from parameters only (derivations, ``engine/local.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import optree
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+
+from packfunc.engine.attention import ATTENTION_OPS, run_attention, supports_attention
+from packfunc.engine.local import (
+    CallArguments,
+    Derivation,
+    Source,
+    copies_along_batch,
+    derive,
+)
+from packfunc.engine.ops import ROLES, SIGNATURES, OpSignature
+from packfunc.engine.recurrent import RECURRENT_OPS, run_recurrent
+
+_METADATA_METHODS = frozenset(
+    {
+        Tensor.size,
+        Tensor.dim,
+        Tensor.numel,
+        Tensor.__len__,
+        Tensor.is_floating_point,
+        Tensor.is_complex,
+        Tensor.element_size,
+        Tensor.stride,
+        Tensor.is_contiguous,
+        Tensor.get_device,
+        Tensor.data_ptr,
+        Tensor.nelement,
+        Tensor.ndimension,
+    }
+)
+
+
+_METADATA_ATTRIBUTES = frozenset(
+    {
+        "shape",
+        "dtype",
+        "device",
+        "ndim",
+        "is_nested",
+        "requires_grad",
+        "layout",
+        "is_cuda",
+        "is_cpu",
+        "is_sparse",
+        "is_quantized",
+        "is_meta",
+        "is_mkldnn",
+        "names",
+        "is_leaf",
+        "_version",
+        "grad_fn",
+        "itemsize",
+        "nbytes",
+    }
+)
+
+
+def is_metadata_query(func: Callable) -> bool:
+    """Whether ``func`` only reads a tensor's metadata (shape, dtype, ...)."""
+    if func in _METADATA_METHODS:
+        return True
+    descriptor = getattr(func, "__self__", None)
+    return (
+        getattr(descriptor, "__objclass__", None) is torch._C.TensorBase
+        and getattr(descriptor, "__name__", None) in _METADATA_ATTRIBUTES
+    )
+
+
+class LeafIndex:
+    """Find parameter leaves by identity among the arguments of a call.
+
+    A tensor object that appears at two places of the parameter pytree cannot be
+    attributed to one place; such leaves are reported in ``duplicated``.
+    """
+
+    def __init__(self, leaves: list[Tensor]):
+        self.leaves = leaves
+        self._positions: dict[int, list[int]] = {}
+        for i, leaf in enumerate(leaves):
+            self._positions.setdefault(id(leaf), []).append(i)
+        self.duplicated = {i for pos in self._positions.values() if len(pos) > 1 for i in pos}
+
+    def __call__(self, value: Any) -> int | None:
+        """Return the leaf index of ``value`` if it is a (unique) parameter leaf."""
+        positions = self._positions.get(id(value)) if isinstance(value, Tensor) else None
+        return positions[0] if positions and len(positions) == 1 else None
+
+    def leaf(self, index: int) -> Tensor:
+        """The leaf at ``index`` of the flattened pytree."""
+        return self.leaves[index]
+
+    def contains(self, value: Any) -> bool:
+        """Whether ``value`` is (by identity) one of the leaves, duplicated ones included."""
+        return id(value) in self._positions
+
+    def used_in(self, *values: Any) -> set[int]:
+        """Return the leaf indices of every parameter found in the given pytrees.
+
+        Args:
+            *values: Arguments of a call (nested lists, tuples, dicts of tensors).
+
+        Returns:
+            Indices of the leaves among them (duplicated leaves included).
+        """
+        found: set[int] = set()
+        leaves: list[Any] = optree.tree_leaves(values, none_is_leaf=True)  # type: ignore[arg-type]
+        for value in leaves:
+            if isinstance(value, Tensor):
+                found.update(self._positions.get(id(value), ()))
+        return found
+
+
+class FunctionalMode(TorchFunctionMode):
+    """Make a model safe for per-sample computations.
+
+    Recurrent ops are replaced by an out-of-place decomposition (vmap-able,
+    built from ``F.linear``) and BatchNorm in training mode, which mixes the
+    samples of a batch, is refused — or, with ``batch_statistics=True`` (for
+    whole-batch quantities), normalizes with the batch's statistics and leaves
+    the running statistics untouched. Subclasses handle tapped ops.
+
+    Args:
+        batch_statistics: Whether BatchNorm in training mode may run.
+    """
+
+    leaf_of: LeafIndex | None = None
+
+    def __init__(self, batch_statistics: bool = False):
+        super().__init__()
+        self.batch_statistics = batch_statistics
+
+    def __torch_function__(
+        self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in RECURRENT_OPS and self._decomposes_recurrent(args, kwargs):
+            with self:
+                return run_recurrent(func, args, kwargs)
+        if func in ATTENTION_OPS and supports_attention(args, kwargs):
+            with self:
+                return run_attention(args, kwargs)
+        if func is F.batch_norm:
+            args, kwargs = _batch_norm_arguments(args, kwargs, self.batch_statistics)
+        if self.batch_statistics and _counts_batches(func, args):
+            return args[0]  # running statistics stay as they are, and so does their counter
+        return self._dispatch(func, args, kwargs)
+
+    def _decomposes_recurrent(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a recurrent op runs decomposed (always: ``vmap`` cannot batch the fused op)."""
+        return True
+
+    def _dispatch(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run a call that is neither decomposed nor refused: tapped ops go to :meth:`_tapped`."""
+        sig = SIGNATURES.get(func)
+        if sig is not None and self.leaf_of is not None:
+            bound = sig.bind(args, kwargs)
+            if any(self.leaf_of(bound.get(role)) is not None for role in ROLES):
+                return self._tapped(func, sig, bound, partial(call_replacing, func, args, kwargs))
+        return self._other(func, args, kwargs)
+
+    def _tapped(
+        self, func: Callable, sig: OpSignature, bound: dict[str, Any], run: Callable[..., Tensor]
+    ) -> Tensor:
+        return run()
+
+    def _other(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        return func(*args, **kwargs)
+
+
+def _batch_norm_arguments(args: tuple, kwargs: dict, batch_statistics: bool) -> tuple[tuple, dict]:
+    """``F.batch_norm``'s arguments; in training mode refused, or without running statistics.
+
+    Without running statistics, training-mode BatchNorm normalizes with the batch's
+    mean and variance and updates nothing: a pure function of its input.
+    """
+    names = ("input", "running_mean", "running_var", "weight", "bias", "training")
+    bound = dict(zip(names, args)) | kwargs
+    if not bound.get("training", False):
+        return args, kwargs
+    if not batch_statistics:
+        raise ValueError(
+            "BatchNorm in training mode normalizes with batch statistics, which mixes samples: "
+            "per-sample quantities are not defined. Call model.eval() (or use GroupNorm/"
+            "LayerNorm) before computing them."
+        )
+    return (), bound | {"running_mean": None, "running_var": None}
+
+
+def _counts_batches(func: Callable, args: tuple) -> bool:
+    """Whether the call increments an integer counter such as ``num_batches_tracked``.
+
+    ``nn.BatchNorm*`` in training mode counts batches in place (for its running
+    averages); a pure function must not, and inside a ``torch.func`` transform it
+    cannot mutate a captured tensor.
+    """
+    return (
+        func is Tensor.add_
+        and isinstance(args[0], Tensor)
+        and args[0].dim() == 0
+        and args[0].dtype == torch.long
+    )
+
+
+def functional_mode(batch_statistics: bool = False) -> TorchFunctionMode:
+    """Return the mode that runs models for the generic, vmap-based path.
+
+    Args:
+        batch_statistics: Let BatchNorm in training mode normalize with batch statistics
+            (for whole-batch quantities) instead of refusing it; running statistics are
+            never updated.
+
+    Returns:
+        A ``TorchFunctionMode`` that decomposes recurrent ops and refuses BatchNorm
+        in training mode (unless ``batch_statistics``).
+
+    Example:
+        >>> with functional_mode():
+        ...     y = torch.nn.GRU(2, 3)(torch.zeros(4, 1, 2))
+    """
+    return FunctionalMode(batch_statistics)
+
+
+def twice_differentiable() -> contextlib.AbstractContextManager:
+    """Select kernels that support higher-order derivatives.
+
+    Fused attention kernels (e.g. CPU flash attention) have neither forward-mode
+    nor double-backward formulas; inside this context ``scaled_dot_product_attention``
+    uses its math implementation, which has both.
+
+    Returns:
+        A context manager.
+
+    Example:
+        >>> with twice_differentiable():
+        ...     out = F.scaled_dot_product_attention(*torch.ones(3, 1, 2, 4))
+    """
+    return sdpa_kernel([SDPBackend.MATH])
+
+
+_DROPOUT_FUNCTIONS = frozenset(
+    {
+        F.dropout,
+        F.dropout1d,
+        F.dropout2d,
+        F.dropout3d,
+        F.alpha_dropout,
+        F.feature_alpha_dropout,
+    }
+)
+
+
+_DROPOUT_BUILTINS = frozenset(
+    {
+        torch.dropout,
+        torch.alpha_dropout,
+        torch.feature_dropout,
+        torch.feature_alpha_dropout,
+    }
+)
+
+
+def dropout_rate(func: Callable, args: tuple, kwargs: dict) -> float:
+    """Return the drop probability of a call that drops activations at random, else 0.
+
+    Dropout functions in training mode, ``torch.dropout`` and its variants, attention
+    with ``dropout_p > 0`` (``F.scaled_dot_product_attention``, and
+    ``F.multi_head_attention_forward`` in training mode).
+
+    Args:
+        func: The function called.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
+
+    Returns:
+        The probability ``p`` (``0.0`` when the call is deterministic).
+
+    Example:
+        >>> dropout_rate(F.dropout, (torch.ones(2), 0.3), {}), dropout_rate(F.relu, (), {})
+        (0.3, 0.0)
+    """
+    if func in _DROPOUT_FUNCTIONS or func is F.multi_head_attention_forward:
+        bound = inspect.signature(func).bind(*args, **kwargs)
+        bound.apply_defaults()
+        p = bound.arguments["p" if func in _DROPOUT_FUNCTIONS else "dropout_p"]
+        return float(p) if bound.arguments["training"] else 0.0
+    if func in _DROPOUT_BUILTINS:
+        named = dict(zip(("input", "p", "train"), args)) | kwargs
+        return float(named["p"]) if named.get("train") else 0.0
+    if func is F.scaled_dot_product_attention:
+        return float(kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0))
+    return 0.0
+
+
+def call_replacing(
+    func: Callable, args: tuple, kwargs: dict, old: Any = None, new: Any = None
+) -> Tensor:
+    """``func(*args, **kwargs)``, with the argument that is ``old`` (by identity) set to ``new``."""
+    if old is None:
+        return func(*args, **kwargs)
+    args = tuple(new if a is old else a for a in args)
+    kwargs = {key: new if v is old else v for key, v in kwargs.items()}
+    return func(*args, **kwargs)
+
+
+class ParameterMode(FunctionalMode):
+    """Follows parameters through a forward pass: leaves, and tensors derived from them only."""
+
+    leaf_of: LeafIndex
+
+    def __init__(self, leaf_of: LeafIndex):
+        super().__init__()
+        self.leaf_of = leaf_of
+        self.derived: dict[int, tuple[Tensor, Derivation]] = {}  # id -> (tensor kept alive, how)
+        self.uses_seen = 0
+
+    def _sources(self, values: tuple[Any, ...]) -> dict[int, Source] | None:
+        """Flat position -> leaf or derivation of every parameter argument (``None``: ambiguous)."""
+        sources: dict[int, Source] = {}
+        for position, value in enumerate(values):
+            if not isinstance(value, Tensor):
+                continue
+            leaf = self.leaf_of(value)
+            if leaf is not None:
+                sources[position] = leaf
+            elif self.leaf_of.contains(value):
+                return None  # one tensor at two places of the pytree
+            else:
+                found = self.derived.get(id(value))
+                if found is not None and found[0] is value:
+                    sources[position] = found[1]
+        return sources
+
+    def _decomposes_recurrent(self, args: tuple, kwargs: dict) -> bool:
+        """Only when its weights are requested: a frozen RNN runs fused, at a plain RNN's cost.
+
+        (The batch pass differentiates it with autograd or ``torch.func.vjp``, which both
+        handle the fused op; only ``vmap`` over samples needs the decomposition.)
+        """
+        return self._touches_parameters(args, kwargs)
+
+    def _touches_parameters(self, args: tuple, kwargs: dict) -> bool:
+        """A cheap test whether any argument (or list item) is a parameter or derived from one."""
+        for value in (*args, *kwargs.values()):
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            for item in items:
+                if isinstance(item, Tensor) and (
+                    self.leaf_of.contains(item) or id(item) in self.derived
+                ):
+                    return True
+        return False
+
+    def _derive(
+        self, func: Callable, arguments: CallArguments, sources: dict[int, Source], out: Any
+    ) -> None:
+        """Remember the outputs of a call on parameters only as derivations."""
+        broadcast = copies_along_batch(func, arguments, out)
+        outputs = [(None, out)] if isinstance(out, Tensor) else list(enumerate(out))
+        for index, tensor in outputs:
+            if isinstance(tensor, Tensor):
+                derivation = derive(func, arguments, sources, index, broadcast)
+                self.derived[id(tensor)] = (tensor, derivation)
+
+
+def leaves_of(sources: dict[int, Source]) -> set[int]:
+    """Every leaf the parameter arguments depend on."""
+    return {
+        leaf
+        for source in sources.values()
+        for leaf in ((source,) if isinstance(source, int) else source.leaves)
+    }

@@ -1,0 +1,85 @@
+"""Which path each parameter takes: a closed form, its own op's vjp, or the whole model."""
+
+from __future__ import annotations
+
+import optree
+import torch
+
+from packfunc.engine.batch_pass import probed_forward, zero_probes
+from packfunc.engine.discovery import Plan, discover
+from packfunc.engine.ops import TapCall
+from packfunc.engine.rules import rule_for
+from packfunc.engine.rules.local import LOCAL
+from packfunc.functional import batch_size, check_model_arguments, flatten_params, select_samples
+from packfunc.types import Inputs, ModelFn, Params, shares_arguments
+
+_FAMILIES = {
+    "linear": "F.linear",
+    "conv": "convolution",
+    "embedding": "F.embedding",
+}
+
+
+@shares_arguments("model_fn", "params", "X")
+def explain(model_fn: ModelFn, params: Params, X: Inputs) -> Params:
+    """Say, per parameter, how packfunc differentiates it per sample.
+
+    ``"closed form (F.linear)"``: a rule of a linear, convolution or embedding
+    layer, or of a normalization layer's affine parameters; ``"op-local (add)"``:
+    ``vmap`` over samples of the vjp of the one op that consumes it;
+    ``"whole model: <reason>"``: ``vmap`` over samples of the whole model's vjp
+    (slow; the reason names the op that prevents the others);
+    ``"unused"``: the output does not depend on it. Nothing is differentiated:
+    one forward of one sample and one of the batch run.
+
+    Returns:
+        A pytree like ``params`` of strings.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+        >>> fn, p = packfunc.functional(model)
+        >>> explain(fn, p, torch.randn(2, 3))["1.weight"]
+        'closed form (layer_norm)'
+    """
+    check_model_arguments(model_fn, params)
+    leaves, treespec, _ = flatten_params(params)
+    with torch.no_grad():
+        plan = discover(model_fn, params, leaves, select_samples(X, slice(0, 1)))
+        failed: set[int] = set()
+        forward = probed_forward(model_fn, params, leaves, plan, X, failed)
+        forward(zero_probes(plan, plan.active(), batch_size(X)))
+    paths = [_path(plan, failed, leaf) for leaf in range(len(leaves))]
+    return optree.tree_unflatten(treespec, paths)
+
+
+def _path(plan: Plan, failed: set[int], leaf: int) -> str:
+    """The description of one leaf's path."""
+    if leaf in plan.uncovered:
+        return f"whole model: {plan.reasons.get(leaf, 'used outside the ops packfunc follows')}"
+    calls = [(k, site.call) for k, site in enumerate(plan.sites) if (leaf in _leaves(site.call))]
+    if not calls:
+        return "unused"
+    broken = [call for k, call in calls if k in failed]
+    if broken:
+        return (
+            f"whole model: the arguments of {_name(broken[0])} change shape with the batch "
+            "size in a way that does not keep one row per sample"
+        )
+    names = sorted({_name(call) for _, call in calls})
+    kinds = {
+        "op-local" if call.family == "local" and rule_for(call, "local") is LOCAL else "closed form"
+        for _, call in calls
+    }
+    return f"{' and '.join(sorted(kinds))} ({', '.join(names)})"
+
+
+def _leaves(call: TapCall) -> set[int]:
+    return {leaf for _, leaf in call.leaves}
+
+
+def _name(call: TapCall) -> str:
+    """A readable name of the op of a site."""
+    if call.family == "local":
+        func = call.option("func")
+        return getattr(func, "__name__", repr(func))
+    return _FAMILIES.get(call.family, call.family)

@@ -1,0 +1,1 @@
+"""Backends for libraries built on curvature; each submodule imports its library on demand."""

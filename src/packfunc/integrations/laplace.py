@@ -1,0 +1,361 @@
+"""laplace-torch curvature backends on packfunc's functional core.
+
+``Laplace(model, likelihood, ..., backend=PackfuncGGN)`` (or ``PackfuncEF``) fits
+laplace-torch's approximations with packfunc's quantities instead of BackPACK's
+extensions, so they work on models the BackPACK backend refuses (residual
+connections, LayerNorm, attention, shared weights, custom modules):
+
+* ``diag``: :func:`packfunc.diag_ggn` (GGN, exact or Monte-Carlo) or
+  :func:`packfunc.sum_grad_squared` (empirical Fisher);
+* ``kron``: :func:`packfunc.kflr` (or :func:`packfunc.kfac` when ``stochastic``) in
+  laplace's :class:`~laplace.utils.Kron`; a one-dimensional parameter without a
+  Kronecker rule (e.g. a LayerNorm weight) gets its exact block from
+  :func:`packfunc.sqrt_ggn`, as laplace stores biases;
+* ``full``: ``Vᵀ V`` from :func:`packfunc.sqrt_ggn` (GGN) or ``Gᵀ G`` from
+  :func:`packfunc.batch_grad` (empirical Fisher);
+* ``gradients``: :func:`packfunc.batch_grad`; ``jacobians``: per-sample Jacobians
+  ``[N, C, P]`` as the square-root columns of ``MSELoss(reduction="sum")``, whose
+  Hessian ``2 I`` has the root ``√2 I``.
+
+laplace's conventions are kept: its loss (``MSELoss``/``CrossEntropyLoss`` with
+``reduction="sum"``) and ``factor`` (``1/2`` for regression), parameters that do not
+require grad left out, ``last_layer`` (curvature of ``model.last_layer`` on the
+features), ``subnetwork_indices`` (indices into the flattened parameters) and the
+Kronecker factors' rescaling by batch size over data-set size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+try:
+    from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
+    from laplace.utils import Kron
+except ImportError as error:  # pragma: no cover - exercised without laplace installed
+    raise ImportError(
+        "packfunc.integrations.laplace needs laplace-torch: pip install laplace-torch"
+    ) from error
+
+import packfunc as pf
+from packfunc.types import Inputs, ModelFn
+
+
+class PackfuncInterface(CurvatureInterface):
+    """What the GGN and empirical-Fisher backends share: the functional problem and Jacobians."""
+
+    def _problem(
+        self, x: Tensor | MutableMapping[str, Any], keep_graph: bool = False
+    ) -> tuple[ModelFn, dict[str, Tensor], Inputs]:
+        """The curvature's model function, its trainable parameters and the inputs it takes.
+
+        Args:
+            x: laplace's input batch (a tensor, or a dict passed to the model as is).
+            keep_graph: Keep the last-layer features attached to ``x``'s graph.
+
+        Returns:
+            ``(model_fn, params, inputs)``: the whole model on ``x``, or the last layer
+            on the features (``last_layer=True``).
+        """
+        params = {name: p.detach() for name, p in self.params_dict.items()}
+        if self.last_layer:
+            extractor: Any = self.model  # laplace's FeatureExtractor
+            _, features = extractor.forward_with_features(x)
+            model_fn, _ = pf.functional(self._model)
+            return model_fn, params, features if keep_graph else features.detach()
+        model_fn, _ = pf.functional(self.model)
+        return model_fn, params, (x,) if isinstance(x, MutableMapping) else x
+
+    @property
+    def _loss_module(self) -> nn.Module:
+        """The loss laplace set: ``MSELoss`` or ``CrossEntropyLoss``, ``reduction="sum"``."""
+        return cast(nn.Module, self.lossfunc)
+
+    def _flat(self, tree: dict[str, Tensor], leading: int) -> Tensor:
+        """Concatenate a result's leaves in laplace's parameter order, keeping ``leading`` dims.
+
+        Args:
+            tree: A packfunc result, dict name -> ``[*lead, *p.shape]``.
+            leading: How many leading dims to keep.
+
+        Returns:
+            ``[*lead, P]`` restricted to ``subnetwork_indices`` where set.
+        """
+        flat = torch.cat(
+            [tree[name].flatten(start_dim=leading) for name in self.params_dict], dim=-1
+        )
+        return flat if self.subnetwork_indices is None else flat[..., self.subnetwork_indices]
+
+    def jacobians(
+        self, x: Tensor | MutableMapping[str, Any], enable_backprop: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """Per-sample Jacobians of the model output w.r.t. the parameters.
+
+        Args:
+            x: Input batch.
+            enable_backprop: Keep the graph from ``x`` (and the parameters, for ``f``).
+
+        Returns:
+            ``(Js, f)``: Jacobians ``[N, C, P]`` and outputs ``[N, C]``.
+        """
+        model_fn, params, inputs = self._problem(x, keep_graph=enable_backprop)
+        f = self.model(x)
+        n = f.shape[0]
+
+        def rows(p: dict[str, Tensor], X: Inputs) -> Tensor:
+            return model_fn(p, X).reshape(n, -1)
+
+        # MSELoss(sum) has the Hessian 2 I, whose square-root columns are √2 times the
+        # Jacobian rows: V[c, n] = √2 ∂f_c(x_n)/∂θ.
+        roots = pf.sqrt_ggn(
+            rows if f.dim() != 2 else model_fn,
+            params,
+            inputs,
+            torch.zeros_like(f.detach().reshape(n, -1)),
+            loss=torch.nn.MSELoss(reduction="sum"),
+        )
+        Js = self._flat(roots, leading=2).transpose(0, 1) / 2**0.5
+        return (Js, f) if enable_backprop else (Js.detach(), f.detach())
+
+    def gradients(self, x: Tensor | MutableMapping[str, Any], y: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-sample gradients of laplace's (summed) loss.
+
+        Args:
+            x: Input batch.
+            y: Targets.
+
+        Returns:
+            ``(Gs, loss)``: gradients ``[N, P]`` and the loss (without ``factor``).
+        """
+        model_fn, params, inputs = self._problem(x)
+        out = pf.compute(
+            model_fn, params, inputs, y, quantities=("batch_grad",), loss=self._loss_module
+        )
+        return self._flat(out["batch_grad"], leading=1), out["loss"].detach()
+
+    def _loss(
+        self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
+    ) -> Tensor:
+        """The batch's value of laplace's loss (without ``factor``), without a graph."""
+        with torch.no_grad():
+            return self.lossfunc(model_fn(params, inputs), y)
+
+
+class PackfuncGGN(PackfuncInterface, GGNInterface):
+    """laplace-torch's ``GGNInterface`` on packfunc: exact GGN, or Monte-Carlo Fisher.
+
+    Constructor arguments, as laplace's other GGN backends:
+        model: The model (laplace passes a ``FeatureExtractor`` for last-layer Laplace).
+        likelihood: ``"classification"`` or ``"regression"``.
+        last_layer: Curvature of ``model.last_layer`` only.
+        subnetwork_indices: Indices of the flattened parameters to keep.
+        stochastic: Monte-Carlo Fisher (``num_samples`` targets drawn per sample from
+            the model's predictive distribution) instead of the exact GGN.
+        num_samples: Monte-Carlo samples when ``stochastic``.
+
+    Example:
+        >>> from laplace import Laplace
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
+        ...                             torch.nn.Linear(4, 2))
+        >>> data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.randint(0, 2, (8,)))
+        >>> la = Laplace(model, "classification", subset_of_weights="all",
+        ...              hessian_structure="diag", backend=PackfuncGGN)
+        >>> la.fit(torch.utils.data.DataLoader(data, batch_size=4))
+        >>> la.H.shape
+        torch.Size([26])
+    """
+
+    @property
+    def _mc_samples(self) -> int | None:
+        """The ``mc_samples`` packfunc gets: ``None`` (exact GGN) unless ``stochastic``."""
+        return self.num_samples if self.stochastic else None
+
+    def diag(
+        self, x: Tensor | MutableMapping[str, Any], y: Tensor, **kwargs: Any
+    ) -> tuple[Tensor, Tensor]:
+        """The GGN diagonal of the batch's loss, times ``factor``.
+
+        Args:
+            x: Input batch.
+            y: Targets.
+            **kwargs: Ignored (laplace passes ``N``).
+
+        Returns:
+            ``(factor · loss, factor · diag(GGN))`` with the diagonal ``[P]``.
+        """
+        model_fn, params, inputs = self._problem(x)
+        out = pf.compute(
+            model_fn,
+            params,
+            inputs,
+            y,
+            quantities=("diag_ggn",),
+            loss=self._loss_module,
+            mc_samples=self._mc_samples,
+        )
+        return self.factor * out["loss"].detach(), self.factor * self._flat(out["diag_ggn"], 0)
+
+    def full(
+        self, x: Tensor | MutableMapping[str, Any], y: Tensor, **kwargs: Any
+    ) -> tuple[Tensor, Tensor]:
+        """The dense GGN of the batch's loss, ``Vᵀ V`` from its square root, times ``factor``.
+
+        Args:
+            x: Input batch.
+            y: Targets.
+            **kwargs: Ignored (laplace passes ``N``).
+
+        Returns:
+            ``(factor · loss, factor · GGN)`` with the GGN ``[P, P]``.
+        """
+        model_fn, params, inputs = self._problem(x)
+        out = pf.compute(
+            model_fn,
+            params,
+            inputs,
+            y,
+            quantities=("sqrt_ggn",),
+            loss=self._loss_module,
+            mc_samples=self._mc_samples,
+        )
+        roots = self._flat(out["sqrt_ggn"], leading=2).flatten(0, 1)  # [K·N, P]
+        return self.factor * out["loss"].detach(), self.factor * roots.T @ roots
+
+    def kron(
+        self, x: Tensor | MutableMapping[str, Any], y: Tensor, N: int, **kwargs: Any
+    ) -> tuple[Tensor, Kron]:
+        """KFLR (or, when ``stochastic``, KFAC) factors in laplace's ``Kron``, times ``factor``.
+
+        Weights get ``[A (out×out), B (in×in)]`` with ``B`` rescaled by ``len(y) / N``
+        (as laplace's other backends, so that batches add up to the data set);
+        biases and other one-dimensional parameters their exact (or sampled) block.
+
+        Args:
+            x: Input batch.
+            y: Targets.
+            N: Number of data points in the whole data set.
+            **kwargs: Ignored (laplace passes ASDL's options).
+
+        Returns:
+            ``(factor · loss, factor · Kron)``.
+
+        Raises:
+            ValueError: with ``subnetwork_indices``, or for a parameter of two or more
+                dimensions without a Kronecker rule (e.g. an embedding).
+        """
+        if self.subnetwork_indices is not None:
+            raise ValueError(
+                "Kronecker factors of a subnetwork are not defined; use "
+                "hessian_structure='full' or 'diag' with SubnetLaplace."
+            )
+        model_fn, params, inputs = self._problem(x)
+        if self.stochastic:
+            factors = pf.kfac(
+                model_fn,
+                params,
+                inputs,
+                y,
+                loss=self._loss_module,
+                mc_samples=self.num_samples,
+                on_unsupported="skip",
+            )
+        else:
+            factors = pf.kflr(
+                model_fn, params, inputs, y, loss=self._loss_module, on_unsupported="skip"
+            )
+        blocks = self._unsupported_blocks(model_fn, params, inputs, y, factors)
+        scale = len(y) / N
+        kfacs: list[Any] = []
+        for name in params:
+            found = factors[name]
+            if found is None:
+                kfacs.append([blocks[name]])
+            elif len(found) == 2:  # [A, B]: B is a mean over the batch, rescaled to the data
+                kfacs.append([found[0], found[1] * scale])
+            else:
+                kfacs.append(list(found))
+        loss = self._loss(model_fn, params, inputs, y)
+        return self.factor * loss, Kron(kfacs) * self.factor
+
+    def _unsupported_blocks(
+        self,
+        model_fn: ModelFn,
+        params: dict[str, Tensor],
+        inputs: Inputs,
+        y: Tensor,
+        factors: dict[str, Any],
+    ) -> dict[str, Tensor]:
+        """Exact (or sampled) GGN blocks of the one-dimensional parameters without factors."""
+        missing = {name: params[name] for name, found in factors.items() if found is None}
+        if not missing:
+            return {}
+        wide = [f"{name} {tuple(p.shape)}" for name, p in missing.items() if p.dim() != 1]
+        if wide:
+            raise ValueError(
+                f"No Kronecker factors for {', '.join(wide)}: laplace's Kron needs two "
+                "factors for a parameter of two or more dimensions. Use "
+                "hessian_structure='diag' or 'full', or subset_of_weights='last_layer'."
+            )
+        roots = pf.sqrt_ggn(
+            model_fn, missing, inputs, y, loss=self._loss_module, mc_samples=self._mc_samples
+        )
+        columns = {name: roots[name].flatten(0, 1) for name in missing}  # [K·N, p]
+        return {name: v.T @ v for name, v in columns.items()}
+
+
+class PackfuncEF(PackfuncInterface, EFInterface):
+    """laplace-torch's ``EFInterface`` (empirical Fisher) on packfunc's per-sample gradients.
+
+    ``full`` is laplace's own ``Gᵀ G`` over :meth:`gradients`; ``kron`` is not available
+    (as with the BackPACK backend).
+
+    Example:
+        >>> from laplace import Laplace
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
+        ...                             torch.nn.Linear(4, 2))
+        >>> data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.randint(0, 2, (8,)))
+        >>> la = Laplace(model, "classification", subset_of_weights="all",
+        ...              hessian_structure="full", backend=PackfuncEF)
+        >>> la.fit(torch.utils.data.DataLoader(data, batch_size=4))
+        >>> la.H.shape
+        torch.Size([26, 26])
+    """
+
+    def diag(
+        self, x: Tensor | MutableMapping[str, Any], y: Tensor, **kwargs: Any
+    ) -> tuple[Tensor, Tensor]:
+        """The empirical Fisher's diagonal ``Σ_n g_n²`` of the batch, times ``factor``.
+
+        Args:
+            x: Input batch.
+            y: Targets.
+            **kwargs: Ignored (laplace passes ``N``).
+
+        Returns:
+            ``(factor · loss, factor · diag(EF))`` with the diagonal ``[P]``.
+        """
+        model_fn, params, inputs = self._problem(x)
+        out = pf.compute(
+            model_fn, params, inputs, y, quantities=("sum_grad_squared",), loss=self._loss_module
+        )
+        squares = self._flat(out["sum_grad_squared"], leading=0)
+        return self.factor * out["loss"].detach(), self.factor * squares
+
+    def kron(
+        self, x: Tensor | MutableMapping[str, Any], y: Tensor, N: int, **kwargs: Any
+    ) -> tuple[Tensor, Kron]:
+        """Not available: packfunc has no Kronecker-factored empirical Fisher.
+
+        Raises:
+            NotImplementedError: always, naming the alternatives.
+        """
+        raise NotImplementedError(
+            "No Kronecker-factored empirical Fisher in packfunc: use backend=PackfuncGGN "
+            "(KFLR, or KFAC with stochastic=True) or hessian_structure='diag'/'full'."
+        )
+
+
+__all__ = ["PackfuncEF", "PackfuncGGN", "PackfuncInterface"]

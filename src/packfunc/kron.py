@@ -1,0 +1,451 @@
+"""Kronecker algebra as pure functions on the curvature pytrees of kfac, kflr, kfra and ekfac.
+
+A *curvature pytree* is shaped like ``params``; each entry is one of
+
+* a list of Kronecker factors, ``[A, B]`` (``A ⊗ B``, a weight) or ``[A]`` (a bias),
+  as returned by :func:`packfunc.kfac`, :func:`packfunc.kflr` and :func:`packfunc.kfra`;
+* an :class:`Eigen` (``Q diag(λ) Qᵀ`` with ``Q = Q_A ⊗ Q_B``), as returned by
+  :func:`packfunc.ekfac` and :func:`eigh`;
+* ``None`` (a parameter without a Kronecker rule, ``on_unsupported="skip"``): every
+  function here passes it through, so the result has ``None`` there too.
+
+A parameter ``V`` multiplies the entry in the Kronecker layout ``V.reshape(dim A, dim B)``
+(row-major: a linear weight ``[out, in]``, a convolution weight ``[out, in·k…]``). A
+transposed convolution's factors belong to ``weight.transpose(0, 1)`` (one group), so
+apply them to that. All factors are symmetric positive semi-definite; eigenvalues
+below zero (rounding) are clamped to zero. Eigendecompositions are batched: equal-shaped
+factors of all layers are stacked and decomposed by one ``torch.linalg.eigh``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torch import Tensor
+
+
+class Eigen(NamedTuple):
+    """A Kronecker-factored eigendecomposition ``(Q_A ⊗ Q_B) diag(vec λ) (Q_A ⊗ Q_B)ᵀ``.
+
+    Attributes:
+        eigenvectors: ``[Q_A, Q_B]`` (a weight) or ``[Q_A]`` (a bias), orthogonal columns.
+        eigenvalues: ``λ`` shaped ``[dim A, dim B]`` (or ``[dim A]``): ``λ[i, j]`` belongs
+            to the eigenvector ``Q_A[:, i] ⊗ Q_B[:, j]``.
+
+    Example:
+        >>> e = Eigen([torch.eye(2), torch.eye(3)], torch.ones(2, 3))
+        >>> dense(e).shape
+        torch.Size([6, 6])
+    """
+
+    eigenvectors: list[Tensor]
+    eigenvalues: Tensor
+
+
+def is_entry(node: Any) -> bool:
+    """Whether ``node`` is one parameter's entry of a curvature pytree.
+
+    Args:
+        node: A node of a curvature pytree.
+
+    Returns:
+        ``True`` for ``None``, an :class:`Eigen`, or a list of one or two square matrices.
+
+    Example:
+        >>> is_entry([torch.eye(2), torch.eye(3)]), is_entry({"w": None})
+        (True, False)
+    """
+    if node is None or isinstance(node, Eigen):
+        return True
+    return (
+        isinstance(node, list)
+        and len(node) in (1, 2)
+        and all(isinstance(f, Tensor) and f.dim() == 2 and f.shape[0] == f.shape[1] for f in node)
+    )
+
+
+def eigh(curvature: Any) -> Any:
+    """Eigendecompose every entry: factors ``[A, B]`` become ``Eigen([Q_A, Q_B], λ_A λ_Bᵀ)``.
+
+    Args:
+        curvature: A curvature pytree (entries already :class:`Eigen` are kept).
+
+    Returns:
+        The pytree with :class:`Eigen` entries (``None`` kept).
+
+    Example:
+        >>> e = eigh({"w": [torch.eye(2) * 2, torch.eye(3)]})["w"]
+        >>> e.eigenvalues
+        tensor([[2., 2., 2.],
+                [2., 2., 2.]])
+    """
+    entries, spec = _flatten(curvature)
+    factors = [f for entry in entries if isinstance(entry, list) for f in entry]
+    decomposed = iter(batched_eigh(factors))
+    found: list[Any] = []
+    for entry in entries:
+        if not isinstance(entry, list):
+            found.append(entry)
+            continue
+        pairs = [next(decomposed) for _ in entry]
+        values = pairs[0][0] if len(pairs) == 1 else torch.outer(pairs[0][0], pairs[1][0])
+        found.append(Eigen([q for _, q in pairs], values))
+    return spec.unflatten(found)
+
+
+def batched_eigh(matrices: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """``torch.linalg.eigh`` of symmetric matrices, one call per shape, eigenvalues ≥ 0.
+
+    Args:
+        matrices: Symmetric positive semi-definite matrices of any sizes.
+
+    Returns:
+        ``(eigenvalues, eigenvectors)`` per matrix, in order.
+
+    Example:
+        >>> [(values, _)] = batched_eigh([torch.diag(torch.tensor([3.0, -1e-9]))])
+        >>> values
+        tensor([0., 3.])
+    """
+    found: list[tuple[Tensor, Tensor]] = [None] * len(matrices)  # type: ignore[list-item]
+    for indices in _by_shape(matrices).values():
+        values, vectors = torch.linalg.eigh(torch.stack([matrices[i] for i in indices]))
+        for i, v, q in zip(indices, values.clamp_min(0).unbind(0), vectors.unbind(0)):
+            found[i] = (v, q)
+    return found
+
+
+def power(curvature: Any, exponent: float, damping: float = 0.0) -> Any:
+    """``(C + damping·I)^exponent`` of every entry, exactly, via its Kronecker eigenbasis.
+
+    Args:
+        curvature: A curvature pytree.
+        exponent: The power, e.g. ``-1`` (inverse) or ``-0.5`` (inverse square root).
+        damping: Added to every eigenvalue; must be positive for a negative exponent.
+
+    Returns:
+        The pytree with :class:`Eigen` entries.
+
+    Raises:
+        ValueError: for a negative exponent without positive damping.
+
+    Example:
+        >>> power({"b": [torch.eye(2) * 3]}, -1, damping=1.0)["b"].eigenvalues
+        tensor([0.2500, 0.2500])
+    """
+    if exponent < 0 and not damping > 0:
+        raise ValueError(
+            f"a negative power of a positive semi-definite matrix needs damping > 0; got "
+            f"damping={damping!r}. Pass e.g. damping=1e-3."
+        )
+    entries, spec = _flatten(eigh(curvature))
+    found = [
+        None if e is None else Eigen(e.eigenvectors, (e.eigenvalues + damping).pow(exponent))
+        for e in entries
+    ]
+    return spec.unflatten(found)
+
+
+def inverse(curvature: Any, damping: float) -> Any:
+    """The exactly damped inverse ``(A ⊗ B + damping·I)⁻¹`` of every entry (eigenbasis).
+
+    Args:
+        curvature: A curvature pytree.
+        damping: Positive damping.
+
+    Returns:
+        The pytree with :class:`Eigen` entries.
+
+    Example:
+        >>> inverse({"b": [torch.eye(2)]}, 1.0)["b"].eigenvalues
+        tensor([0.5000, 0.5000])
+    """
+    return power(curvature, -1.0, damping)
+
+
+def inverse_sqrt(curvature: Any, damping: float) -> Any:
+    """The damped inverse square root ``(A ⊗ B + damping·I)^(-1/2)`` of every entry.
+
+    Args:
+        curvature: A curvature pytree.
+        damping: Positive damping.
+
+    Returns:
+        The pytree with :class:`Eigen` entries.
+
+    Example:
+        >>> inverse_sqrt({"b": [torch.eye(2) * 3]}, 1.0)["b"].eigenvalues
+        tensor([0.5000, 0.5000])
+    """
+    return power(curvature, -0.5, damping)
+
+
+def factor_damped_power(curvature: Any, damping: float, exponent: float = -1.0) -> Any:
+    """π-damped factor powers ``[(A + π√d·I)^e, (B + √d/π·I)^e]`` (Martens & Grosse, 2015).
+
+    ``π = √((tr A / dim A) / (tr B / dim B))``; a bias ``[A]`` gets ``[(A + d·I)^e]``. For
+    ``e = -1`` the product approximates ``(A ⊗ B + d·I)⁻¹`` at the cost of two factor
+    inverses (Cholesky; other powers by ``eigh``). Use :func:`inverse` for the exact damped
+    inverse.
+
+    Args:
+        curvature: A curvature pytree of factor lists (not :class:`Eigen`).
+        damping: Positive damping ``d``.
+        exponent: The power ``e`` of each damped factor.
+
+    Returns:
+        The pytree of damped factor powers.
+
+    Raises:
+        ValueError: for non-positive damping.
+        TypeError: for :class:`Eigen` entries (EKFAC's eigenvalues do not factor).
+
+    Example:
+        >>> [Ai, Bi] = factor_damped_power({"w": [torch.eye(2), torch.eye(2)]}, 1.0)["w"]
+        >>> Ai.diagonal()
+        tensor([0.5000, 0.5000])
+    """
+    if not damping > 0:
+        raise ValueError(f"π-damping needs damping > 0; got damping={damping!r}.")
+    entries, spec = _flatten(curvature)
+    if any(isinstance(e, Eigen) for e in entries):
+        raise TypeError(
+            "factor_damped_power needs Kronecker factors [A, B]; an Eigen entry (ekfac) has "
+            "eigenvalues that do not factor. Use inverse(curvature, damping) instead."
+        )
+    shifted: list[Tensor] = []
+    for entry in entries:
+        if entry is None:
+            continue
+        if len(entry) == 1:
+            shifted.append(_add_identity(entry[0], torch.tensor(damping, dtype=entry[0].dtype)))
+            continue
+        A, B = entry
+        mean_a, mean_b = A.trace() / A.shape[0], B.trace() / B.shape[0]
+        pi = (mean_a / mean_b).sqrt() if bool(mean_a > 0) and bool(mean_b > 0) else A.new_ones(())
+        shifted += [
+            _add_identity(A, pi * math.sqrt(damping)),
+            _add_identity(B, math.sqrt(damping) / pi),
+        ]
+    powered = iter(
+        _batched_inverse(shifted) if exponent == -1 else _batched_power(shifted, exponent)
+    )
+    found = [None if e is None else [next(powered) for _ in e] for e in entries]
+    return spec.unflatten(found)
+
+
+def matvec(curvature: Any, vector: Any) -> Any:
+    """Multiply every entry with the matching leaf of a params-shaped pytree.
+
+    ``[A, B]`` applied to ``V`` is ``A V Bᵀ`` (``V`` as ``[dim A, dim B]``); an
+    :class:`Eigen` is ``Q_A ((Q_Aᵀ V Q_B) ⊙ λ) Q_Bᵀ``.
+
+    Args:
+        curvature: A curvature pytree.
+        vector: A pytree like ``params`` (e.g. a gradient).
+
+    Returns:
+        A pytree like ``vector`` (``None`` where the curvature entry is ``None``).
+
+    Raises:
+        ValueError: if a leaf's size does not match its entry.
+
+    Example:
+        >>> matvec({"w": [torch.eye(2) * 2, torch.eye(3)]}, {"w": torch.ones(2, 3)})["w"]
+        tensor([[2., 2., 2.],
+                [2., 2., 2.]])
+    """
+    entries, spec = _flatten(curvature)
+    leaves = spec.flatten_up_to(vector)
+    return spec.unflatten([_apply(e, v) for e, v in zip(entries, leaves)])
+
+
+def logdet(curvature: Any, damping: float = 0.0) -> Any:
+    """``log det(C + damping·I)`` of every entry (one scalar each).
+
+    Undamped factors use ``log det(A ⊗ B) = dim B · log det A + dim A · log det B``.
+
+    Args:
+        curvature: A curvature pytree.
+        damping: Added to every eigenvalue.
+
+    Returns:
+        A pytree of scalars (``None`` kept); add the leaves for the whole model.
+
+    Example:
+        >>> logdet({"w": [torch.eye(2) * 2, torch.eye(3)]})["w"]
+        tensor(4.1589)
+    """
+    entries, spec = _flatten(curvature)
+    if damping == 0 and all(not isinstance(e, Eigen) for e in entries):
+        found = [None if e is None else _factor_logdet(e) for e in entries]
+        return spec.unflatten(found)
+    entries = _flatten(eigh(curvature))[0]
+    found = [None if e is None else (e.eigenvalues + damping).log().sum() for e in entries]
+    return spec.unflatten(found)
+
+
+def trace(curvature: Any, damping: float = 0.0) -> Any:
+    """``tr(C + damping·I)`` of every entry: ``tr A · tr B`` for factors, ``Σ λ`` for Eigen.
+
+    Args:
+        curvature: A curvature pytree.
+        damping: Added to every eigenvalue.
+
+    Returns:
+        A pytree of scalars (``None`` kept).
+
+    Example:
+        >>> trace({"w": [torch.eye(2) * 2, torch.eye(3)]}, damping=1.0)["w"]
+        tensor(18.)
+    """
+    entries, spec = _flatten(curvature)
+    return spec.unflatten([None if e is None else _trace(e, damping) for e in entries])
+
+
+def dense(curvature: Any) -> Any:
+    """The dense matrix of every entry (``torch.kron(A, B)``; ``Q diag(λ) Qᵀ``): for tests.
+
+    Args:
+        curvature: A curvature pytree, or a single entry.
+
+    Returns:
+        A pytree of ``[P, P]`` matrices (``None`` kept), or one matrix for one entry.
+
+    Example:
+        >>> dense([torch.eye(2), 2 * torch.ones(1, 1)])
+        tensor([[2., 0.],
+                [0., 2.]])
+    """
+    if isinstance(curvature, Eigen) or (is_entry(curvature) and curvature is not None):
+        return _dense(curvature)
+    entries, spec = _flatten(curvature)
+    return spec.unflatten([None if e is None else _dense(e) for e in entries])
+
+
+def map_entries(function: Callable[[Any], Any], curvature: Any) -> Any:
+    """Apply ``function`` to every non-``None`` entry of a curvature pytree.
+
+    Args:
+        function: Maps an entry (factor list or :class:`Eigen`) to anything.
+        curvature: A curvature pytree.
+
+    Returns:
+        The pytree of results (``None`` kept).
+
+    Example:
+        >>> map_entries(len, {"w": [torch.eye(2), torch.eye(3)], "b": None})
+        {'w': 2, 'b': None}
+    """
+    entries, spec = _flatten(curvature)
+    return spec.unflatten([None if e is None else function(e) for e in entries])
+
+
+def _flatten(curvature: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+    """The entries of a curvature pytree and its structure (entries as leaves)."""
+    entries, spec = optree.tree_flatten(curvature, is_leaf=is_entry, none_is_leaf=True)
+    for entry in entries:
+        if not is_entry(entry):
+            raise TypeError(
+                "a curvature pytree's entries are factor lists [A, B] or [A] of square "
+                f"matrices, Eigen, or None; got {type(entry).__name__}."
+            )
+    return entries, spec
+
+
+def _batched_inverse(matrices: list[Tensor]) -> list[Tensor]:
+    """Inverses of symmetric positive definite matrices by Cholesky, one call per shape."""
+    found: list[Tensor] = [None] * len(matrices)  # type: ignore[list-item]
+    for indices in _by_shape(matrices).values():
+        stacked = torch.stack([matrices[i] for i in indices])
+        inverses = torch.cholesky_inverse(torch.linalg.cholesky(stacked))
+        for i, inverse in zip(indices, inverses.unbind(0)):
+            found[i] = inverse
+    return found
+
+
+def _batched_power(matrices: list[Tensor], exponent: float) -> list[Tensor]:
+    """Powers of symmetric positive definite matrices via one ``eigh`` per shape."""
+    return [(q * v.pow(exponent)) @ q.T for v, q in batched_eigh(matrices)]
+
+
+def _by_shape(matrices: list[Tensor]) -> dict[tuple, list[int]]:
+    """Indices of the matrices, grouped by shape, dtype and device (to stack them)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, m in enumerate(matrices):
+        groups.setdefault((m.shape, m.dtype, m.device), []).append(i)
+    return groups
+
+
+def _add_identity(matrix: Tensor, shift: Tensor | float) -> Tensor:
+    return matrix + shift * torch.eye(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
+
+
+def _apply(entry: Any, vector: Any) -> Tensor | None:
+    """One entry times one parameter-shaped tensor."""
+    if entry is None:
+        return None
+    factors = entry.eigenvectors if isinstance(entry, Eigen) else entry
+    sizes = [f.shape[0] for f in factors]
+    if vector.numel() != math.prod(sizes):
+        raise ValueError(
+            f"a tensor of shape {tuple(vector.shape)} does not match Kronecker factors of sizes "
+            f"{sizes}: pass a pytree shaped like the params the curvature was computed for."
+        )
+    V = vector.reshape(sizes[0], -1)
+    if isinstance(entry, Eigen):
+        QA = factors[0]
+        QB = factors[1] if len(factors) == 2 else None
+        rotated = QA.T @ V if QB is None else QA.T @ V @ QB
+        scaled = rotated * entry.eigenvalues.reshape(rotated.shape)
+        result = QA @ scaled if QB is None else QA @ scaled @ QB.T
+    else:
+        result = factors[0] @ V if len(factors) == 1 else factors[0] @ V @ factors[1].T
+    return result.reshape(vector.shape)
+
+
+def _factor_logdet(factors: list[Tensor]) -> Tensor:
+    if len(factors) == 1:
+        return torch.linalg.slogdet(factors[0])[1]
+    A, B = factors
+    return B.shape[0] * torch.linalg.slogdet(A)[1] + A.shape[0] * torch.linalg.slogdet(B)[1]
+
+
+def _trace(entry: Any, damping: float) -> Tensor:
+    if isinstance(entry, Eigen):
+        return entry.eigenvalues.sum() + damping * entry.eigenvalues.numel()
+    product = math.prod(f.shape[0] for f in entry)
+    value = entry[0].trace() if len(entry) == 1 else entry[0].trace() * entry[1].trace()
+    return value + damping * product
+
+
+def _dense(entry: Any) -> Tensor:
+    if isinstance(entry, Eigen):
+        Q = _kron(entry.eigenvectors)
+        return (Q * entry.eigenvalues.reshape(-1)) @ Q.T
+    return _kron(entry)
+
+
+def _kron(factors: list[Tensor]) -> Tensor:
+    return factors[0] if len(factors) == 1 else torch.kron(factors[0], factors[1])
+
+
+__all__ = [
+    "Eigen",
+    "batched_eigh",
+    "dense",
+    "eigh",
+    "factor_damped_power",
+    "inverse",
+    "inverse_sqrt",
+    "is_entry",
+    "logdet",
+    "map_entries",
+    "matvec",
+    "power",
+    "trace",
+]

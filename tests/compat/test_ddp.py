@@ -1,0 +1,119 @@
+"""The shim under ``DistributedDataParallel`` on two gloo ranks (one spawn for all checks).
+
+On each rank, ``DDP(extend(model))`` gives the fields of an extended model without
+DDP on that rank's batch, ``.grad`` is DDP's average over ranks, and
+``all_reduce_extensions`` turns the aggregate fields into those of one process on
+both ranks' samples (the global batch) — for both reductions.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from packfunc.compat import all_reduce_extensions, backpack, extend
+from packfunc.compat.extensions import (
+    KFLR,
+    BatchGrad,
+    DiagGGNExact,
+    DiagHessian,
+    SumGradSquared,
+    Variance,
+)
+from tests.cases import assert_trees_close
+
+AGGREGATE = ("diag_ggn_exact", "diag_h", "sum_grad_squared", "kflr")
+REDUCTIONS = ("mean", "sum")
+
+
+def extensions() -> list:
+    return [BatchGrad(), DiagGGNExact(), DiagHessian(), SumGradSquared(), KFLR()]
+
+
+def problem() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A float64 Tanh MLP and 10 samples: rank ``r`` holds samples ``5r … 5r+4``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    return model, torch.randn(10, 3, dtype=torch.float64), torch.randint(0, 3, (10,))
+
+
+def fields(model: nn.Module, names: tuple[str, ...]) -> dict[str, dict]:
+    return {field: {n: getattr(p, field) for n, p in model.named_parameters()} for field in names}
+
+
+def extended_run(model: nn.Module, X: torch.Tensor, y: torch.Tensor, reduction: str) -> nn.Module:
+    """One backward of ``extend(model)`` (no DDP) under the extensions."""
+    model = extend(copy.deepcopy(model))
+    with backpack(*extensions()):
+        extend(nn.CrossEntropyLoss(reduction=reduction))(model(X), y).backward()
+    return model
+
+
+def _worker(rank: int, init_file: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model, X, y = problem()
+        X, y = X[5 * rank : 5 * rank + 5], y[5 * rank : 5 * rank + 5]
+        found = {}
+        for reduction in REDUCTIONS:
+            ddp = nn.parallel.DistributedDataParallel(extend(copy.deepcopy(model)))
+            with backpack(*extensions()):
+                extend(nn.CrossEntropyLoss(reduction=reduction))(ddp(X), y).backward()
+            local = fields(ddp.module, ("grad_batch", *AGGREGATE, "grad"))
+            all_reduce_extensions(ddp.module, *extensions(), reduction=reduction)
+            found[reduction] = {"local": local, "global": fields(ddp.module, AGGREGATE)}
+        try:
+            all_reduce_extensions(ddp.module, Variance())
+        except ValueError as error:
+            found["variance_error"] = str(error)
+        torch.save(found, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    folder = tmp_path_factory.mktemp("ddp")
+    torch.multiprocessing.spawn(
+        _worker, args=(str(folder / "init"), str(folder)), nprocs=2, join=True
+    )
+    return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_ddp_fields_are_the_local_batch_and_grad_is_averaged(
+    ranks: list[dict], reduction: str
+) -> None:
+    model, X, y = problem()
+    local_grads = []
+    for rank, found in enumerate(ranks):
+        alone = extended_run(
+            model, X[5 * rank : 5 * rank + 5], y[5 * rank : 5 * rank + 5], reduction
+        )
+        expected = fields(alone, ("grad_batch", *AGGREGATE))
+        for field in expected:
+            assert_trees_close(found[reduction]["local"][field], expected[field], field)
+        local_grads.append(fields(alone, ("grad",))["grad"])
+    averaged = {n: (local_grads[0][n] + local_grads[1][n]) / 2 for n in local_grads[0]}
+    for found in ranks:
+        assert_trees_close(found[reduction]["local"]["grad"], averaged, "DDP .grad")
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_all_reduce_extensions_gives_the_global_batch(ranks: list[dict], reduction: str) -> None:
+    model, X, y = problem()
+    expected = fields(extended_run(model, X, y, reduction), AGGREGATE)
+    for rank, found in enumerate(ranks):
+        for field in AGGREGATE:
+            assert_trees_close(
+                found[reduction]["global"][field], expected[field], f"{rank} {field}"
+            )
+    assert "not a sum over samples" in ranks[0]["variance_error"]

@@ -1,0 +1,201 @@
+"""Op-local paths: parameters outside linear-like ops, derivations, explain, frozen parts."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tests.cases import Dense, assert_trees_close, autograd_batch_grad, dense_curvature
+from tests.test_properties import SETTINGS
+from torch import Tensor, nn
+
+import packfunc as pf
+from packfunc.engine import modes, persample
+
+
+class Derived(nn.Module):
+    """Parameters that reach the samples only through tensors computed from them."""
+
+    def __init__(self):
+        super().__init__()
+        self.direction = nn.Parameter(torch.randn(6, 4))  # weight-normalized linear
+        self.gain = nn.Parameter(torch.randn(6, 1))
+        self.packed = nn.Parameter(torch.randn(8, 6))  # split in two, used transposed
+        self.offset = nn.Parameter(torch.randn(4))  # copied over the batch with expand
+        self.pos = nn.Parameter(torch.randn(7, 4))  # sliced to the sequence length
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x + self.pos[: x.shape[1]] + self.offset.expand(x.shape[0], x.shape[1], 4)
+        h = F.linear(h, self.gain * self.direction / self.direction.norm(dim=1, keepdim=True))
+        first, second = self.packed.split(4)
+        h = torch.tanh(h @ first.T) * (h @ second.t())
+        return self.head(h.mean(1))
+
+
+def _diagonal(dense: Dense) -> dict[str, Tensor]:
+    """The dense GGN's diagonal, by parameter name."""
+    parts = dense.ggn.diagonal().split([shape.numel() for shape in dense.shapes])
+    return {n: part.view(s) for n, part, s in zip(dense.names, parts, dense.shapes)}
+
+
+def _problem(model: nn.Module, X: Tensor, classes: int = 3):
+    torch.manual_seed(1)
+    model = model.double()
+    X = X.double() if X.is_floating_point() else X
+    y = torch.randint(0, classes, (X.shape[0],))
+    return model, X, y, nn.CrossEntropyLoss()
+
+
+def test_derivations_are_local_and_exact():
+    torch.manual_seed(0)
+    model, X, y, loss = _problem(Derived(), torch.randn(3, 5, 4))
+    model_fn, params = pf.functional(model)
+    paths = pf.explain(model_fn, params, X)
+    assert all(not path.startswith("whole model") for path in paths.values()), paths
+    expected = autograd_batch_grad(model, loss, X, y)
+    out = pf.compute(model_fn, params, X, y, loss=loss, quantities=("batch_grad", "batch_l2_grad"))
+    assert_trees_close(out["batch_grad"], expected, "batch_grad")
+    norms = {k: g.flatten(1).square().sum(1) for k, g in expected.items()}
+    assert_trees_close(out["batch_l2_grad"], norms, "batch_l2_grad")
+    diag = pf.diag_ggn(model_fn, params, X, y, loss=loss)
+    assert_trees_close(diag, _diagonal(dense_curvature(model, loss, X, y)), "diag_ggn")
+
+
+def test_explain_names_each_path():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(3, 4)
+            self.norm = nn.LayerNorm(4)
+            self.scale = nn.Parameter(torch.ones(4))
+            self.time_major = nn.Parameter(torch.randn(4, 4))
+            self.unused = nn.Parameter(torch.zeros(2))
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.norm(self.linear(x)) * self.scale
+            return (self.time_major @ h.T).T
+
+    model_fn, params = pf.functional(Mixed())
+    paths = pf.explain(model_fn, params, torch.randn(5, 3))
+    assert paths["linear.weight"] == "closed form (F.linear)"
+    assert paths["norm.bias"] == "closed form (layer_norm)"
+    assert paths["scale"] == "op-local (mul)"
+    assert paths["time_major"].startswith("whole model: used by matmul")
+    assert paths["unused"] == "unused"
+
+
+def test_rows_of_a_parameter_per_sample_are_refused():
+    weights = {"rows": torch.randn(4, 3, dtype=torch.float64)}
+
+    def model_fn(params, X):  # sample n meets row n: depends on its place in the batch
+        return X * params["rows"][: X.shape[0]]
+
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with pytest.raises(ValueError, match="differently for different batch sizes"):
+        pf.batch_grad(model_fn, weights, X, y)
+
+
+class _Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.rnn = nn.LSTM(4, 5, batch_first=True)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.rnn(self.embed(x))[0][:, -1])
+
+
+@functools.cache
+def _recurrent_problem() -> tuple[nn.Module, Tensor, Tensor, nn.Module, dict[str, Tensor]]:
+    torch.manual_seed(0)
+    model, X, y, loss = _problem(_Recurrent(), torch.randint(0, 7, (4, 6)))
+    return model, X, y, loss, _diagonal(dense_curvature(model, loss, X, y))
+
+
+@pytest.mark.parametrize("requested", ["head", "embed+head", "all"])
+def test_recurrent_layers_are_decomposed_only_when_requested(monkeypatch, requested):
+    model, X, y, loss, dense = _recurrent_problem()
+    model_fn, params = pf.functional(model)
+    prefixes = {"head": ("head",), "embed+head": ("embed", "head"), "all": ("",)}[requested]
+    chosen = {k: v for k, v in params.items() if k.startswith(prefixes)}
+    decomposed: list[object] = []
+    original = modes.run_recurrent
+    monkeypatch.setattr(modes, "run_recurrent", lambda *a: decomposed.append(a) or original(*a))
+    grads = pf.batch_grad(model_fn, chosen, X, y, loss=loss)
+    assert bool(decomposed) == (requested == "all")
+    expected = autograd_batch_grad(model, loss, X, y)
+    assert_trees_close(grads, {k: expected[k] for k in chosen})
+    diag = pf.diag_ggn(model_fn, chosen, X, y, loss=loss)
+    assert_trees_close(diag, {k: v for k, v in dense.items() if k in chosen}, "diag_ggn")
+
+
+NORMS = {
+    "layer": lambda c: nn.LayerNorm([c, 3]),
+    "rms": lambda c: nn.RMSNorm(3),
+    "group": lambda c: nn.GroupNorm(1 if c == 1 else 2, c),
+    "instance": lambda c: nn.InstanceNorm1d(c, affine=True),
+    "batch_eval": lambda c: nn.BatchNorm1d(c),
+}
+
+
+@settings(SETTINGS, max_examples=12)
+@given(
+    norm=st.sampled_from(sorted(NORMS)),
+    channels=st.sampled_from([1, 2, 4]),
+    n=st.integers(1, 3),
+    double=st.booleans(),
+    reduction=st.sampled_from(["mean", "sum"]),
+)
+def test_norm_affine_closed_forms(norm, channels, n, double, reduction):
+    torch.manual_seed(0)
+    layer = NORMS[norm](channels)
+    if norm == "batch_eval":
+        layer.running_mean.uniform_(-1, 1)
+        layer.running_var.uniform_(0.5, 2)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.uniform_(-1, 1)
+    model = nn.Sequential(
+        nn.Conv1d(2, channels, 2), layer, nn.Flatten(), nn.Linear(3 * channels, 2)
+    )
+    model = model.eval().to(torch.float64 if double else torch.float32)
+    X = torch.randn(n, 2, 4, dtype=next(model.parameters()).dtype)
+    y, loss = torch.randint(0, 2, (n,)), nn.CrossEntropyLoss(reduction=reduction)
+    model_fn, params = pf.functional(model)
+    assert pf.explain(model_fn, params, X)["1.weight"].startswith("closed form")
+    got = pf.compute(model_fn, params, X, y, loss=loss, quantities=("batch_grad", "variance"))
+    expected = autograd_batch_grad(model, loss, X, y)
+    tolerance = {} if double else {"atol": 1e-5, "rtol": 1e-4}
+    assert_trees_close(got["batch_grad"], expected, "batch_grad", **tolerance)
+    variance = {k: g.square().mean(0) - g.mean(0).square() for k, g in expected.items()}
+    assert_trees_close(got["variance"], variance, "variance", **tolerance)
+
+
+def test_the_shim_reuses_the_forward_of_models_with_norms(monkeypatch):
+    from packfunc.compat import backpack, extend
+    from packfunc.compat.extensions import BatchGrad, DiagGGNExact
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(3, 4), nn.LayerNorm(4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2)
+    )
+    model = model.double().eval()
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    expected = autograd_batch_grad(model, nn.CrossEntropyLoss(), X, y)
+    diagonal = _diagonal(dense_curvature(model, nn.CrossEntropyLoss(), X, y))
+    own_passes: list[object] = []
+    original = persample.record
+    monkeypatch.setattr(persample, "record", lambda *a: own_passes.append(a) or original(*a))
+    extended, loss = extend(model), extend(nn.CrossEntropyLoss())
+    with backpack(BatchGrad(), DiagGGNExact()):
+        loss(extended(X), y).backward()
+    assert not own_passes
+    params = dict(extended.named_parameters())
+    assert_trees_close({k: p.grad_batch for k, p in params.items()}, expected)
+    assert_trees_close({k: p.diag_ggn_exact for k, p in params.items()}, diagonal)

@@ -1,0 +1,349 @@
+"""Whole datasets: ``data=`` equals one batch holding every sample, against autograd oracles.
+
+The dataset has 11 samples in uneven batches (4, 4, 3) of a ``DataLoader``; the
+cross-entropy loss has class weights and targets that hit ``ignore_index``, so
+the mean normalizer is neither a sample count nor additive per batch mean.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import sys
+import weakref
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import packfunc as pf
+import packfunc.quantities
+from packfunc.engine.persample import Backprop
+from packfunc.losses import mean_normalizer
+from tests.cases import (
+    DATASET_LOSSES,
+    Dense,
+    Problem,
+    assert_trees_close,
+    autograd_batch_grad,
+    make_dataset,
+    make_problem,
+    moments,
+)
+
+REDUCTIONS = ["mean", "sum"]
+SETTINGS = [(loss, reduction) for loss in DATASET_LOSSES for reduction in REDUCTIONS]
+
+
+@functools.cache
+def dataset(loss_name: str, reduction: str) -> Problem:
+    return make_dataset(loss_name, reduction)
+
+
+@functools.cache
+def dense(loss_name: str, reduction: str) -> Dense:
+    """GGN and Hessian of the whole dataset's loss (and per sample) by ``torch.func``."""
+    problem = dataset(loss_name, reduction)
+    model, loss, X, y = problem.model, problem.loss, problem.X, problem.y
+    names = [name for name, _ in model.named_parameters()]
+    shapes = [p.shape for _, p in model.named_parameters()]
+    flat0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def output(flat: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        leaves = flat.split([s.numel() for s in shapes])
+        params = {n: t.view(s) for n, t, s in zip(names, leaves, shapes)}
+        return torch.func.functional_call(model, params, (inputs,))
+
+    full = output(flat0, X).detach()
+    jac = torch.func.jacrev(output)(flat0, X)  # [N, O, P]
+    h_out = torch.func.hessian(lambda o: loss(o, y))(full)  # [N, O, N, O]
+    samples = torch.arange(len(X))
+    sample_ggn = torch.einsum("nop,noq,nqr->npr", jac, h_out[samples, :, samples], jac)
+
+    def share(flat: torch.Tensor, i: int) -> torch.Tensor:
+        rows = list(full.unbind(0))
+        rows[i] = output(flat, X[i : i + 1])[0]
+        return loss(torch.stack(rows), y)
+
+    sample_hessian = torch.stack([torch.func.hessian(share)(flat0, i) for i in range(len(X))])
+    hessian = torch.func.hessian(lambda flat: loss(output(flat, X), y))(flat0)
+    return Dense(sample_ggn.sum(0), sample_ggn, hessian, sample_hessian, names, shapes)
+
+
+def loader(problem: Problem, batch_size: int = 4) -> DataLoader:
+    return DataLoader(TensorDataset(problem.X, problem.y), batch_size=batch_size)
+
+
+def unflatten(vector: torch.Tensor, like: Dense) -> dict[str, torch.Tensor]:
+    parts = vector.split([s.numel() for s in like.shapes], dim=-1)
+    return {
+        name: part.reshape(*vector.shape[:-1], *shape)
+        for name, part, shape in zip(like.names, parts, like.shapes)
+    }
+
+
+def concatenated(results: list, dim: int = 0) -> dict[str, torch.Tensor]:
+    return {name: torch.cat([r[name] for r in results], dim) for name in results[0]}
+
+
+@pytest.mark.parametrize(("loss_name", "reduction"), SETTINGS)
+def test_mean_normalizer_matches_torch(loss_name: str, reduction: str) -> None:
+    """``loss(reduction='mean') · Z == loss(reduction='sum')``, batch by batch."""
+    problem = dataset(loss_name, "mean")
+    output = problem.model(problem.X)
+    summed = type(problem.loss)(**{**_options(problem.loss), "reduction": "sum"})
+    Z = mean_normalizer(problem.loss, problem.y)
+    torch.testing.assert_close(problem.loss(output, problem.y) * Z, summed(output, problem.y))
+
+
+def _options(loss: torch.nn.Module) -> dict:
+    if isinstance(loss, torch.nn.CrossEntropyLoss):
+        return {"weight": loss.weight, "ignore_index": loss.ignore_index}
+    return {}
+
+
+@pytest.mark.parametrize(("loss_name", "reduction"), SETTINGS)
+def test_first_order_over_data_match_autograd(loss_name: str, reduction: str) -> None:
+    problem = dataset(loss_name, reduction)
+    model_fn, params = problem.functional()
+    expected = moments(autograd_batch_grad(problem.model, problem.loss, problem.X, problem.y))
+    names = ("grad", "sum_grad_squared", "variance")
+    found = pf.compute(model_fn, params, data=loader(problem), loss=problem.loss, quantities=names)
+    for name in names:
+        assert_trees_close(found[name], expected[name], name)
+    torch.testing.assert_close(
+        found["loss"], problem.loss(problem.model(problem.X), problem.y).detach()
+    )
+    for name in ("sum_grad_squared", "variance"):
+        single = getattr(pf, name)(model_fn, params, data=loader(problem), loss=problem.loss)
+        assert_trees_close(single, expected[name], name)
+    for name in ("batch_grad", "batch_l2_grad"):
+        stream = getattr(pf, name)(model_fn, params, data=loader(problem), loss=problem.loss)
+        assert_trees_close(concatenated(list(stream)), expected[name], name)
+
+
+@pytest.mark.parametrize(("loss_name", "reduction"), SETTINGS)
+def test_second_order_over_data_match_dense(loss_name: str, reduction: str) -> None:
+    problem, oracle = dataset(loss_name, reduction), dense(loss_name, reduction)
+    model_fn, params = problem.functional()
+    data = loader(problem)
+    kw = {"loss": problem.loss}
+    assert_trees_close(
+        pf.diag_ggn(model_fn, params, data=data, **kw), unflatten(oracle.ggn.diagonal(), oracle)
+    )
+    assert_trees_close(
+        pf.diag_hessian(model_fn, params, data=data, **kw),
+        unflatten(oracle.hessian.diagonal(), oracle),
+    )
+    batch_ggn = concatenated(list(pf.batch_diag_ggn(model_fn, params, data=data, **kw)))
+    assert_trees_close(batch_ggn, unflatten(oracle.sample_ggn.diagonal(dim1=1, dim2=2), oracle))
+    batch_h = concatenated(list(pf.batch_diag_hessian(model_fn, params, data=data, **kw)))
+    assert_trees_close(batch_h, unflatten(oracle.sample_hessian.diagonal(dim1=1, dim2=2), oracle))
+    roots = concatenated(list(pf.sqrt_ggn(model_fn, params, data=data, **kw)), dim=1)
+    V = oracle.flatten(roots, leading=2).transpose(0, 1)  # [N, K, P]
+    torch.testing.assert_close(V.transpose(1, 2) @ V, oracle.sample_ggn)
+
+
+@pytest.mark.parametrize(("loss_name", "reduction"), SETTINGS)
+def test_products_over_data_match_dense(loss_name: str, reduction: str) -> None:
+    problem, oracle = dataset(loss_name, reduction), dense(loss_name, reduction)
+    model_fn, params = problem.functional()
+    data, kw = loader(problem), {"loss": problem.loss}
+    torch.manual_seed(1)
+    v = {name: torch.randn_like(p) for name, p in params.items()}
+    flat_v = oracle.flatten(v)
+    for function, matrix in (
+        (pf.ggn_vector_product, oracle.ggn),
+        (pf.hessian_vector_product, oracle.hessian),
+    ):
+        found = function(model_fn, params, v=v, data=data, **kw)
+        assert_trees_close(found, unflatten(matrix @ flat_v, oracle), function.__name__)
+    mats = {name: torch.randn(2, *p.shape, dtype=p.dtype) for name, p in params.items()}
+    offsets = [0, *torch.tensor([s.numel() for s in oracle.shapes]).cumsum(0).tolist()]
+    for function, matrix in (
+        (pf.ggn_block_products, oracle.ggn),
+        (pf.hessian_block_products, oracle.hessian),
+        (functools.partial(pf.pch_block_products, modify="none"), oracle.hessian),
+    ):
+        found = function(model_fn, params, mats=mats, data=data, **kw)
+        for i, name in enumerate(oracle.names):
+            block = matrix[offsets[i] : offsets[i + 1], offsets[i] : offsets[i + 1]]
+            expected = (mats[name].flatten(1) @ block).reshape(mats[name].shape)
+            torch.testing.assert_close(found[name], expected)
+    clipped = pf.pch_block_products(model_fn, params, mats=mats, data=data, **kw)
+    one_batch = pf.pch_block_products(model_fn, params, problem.X, problem.y, mats, **kw)
+    assert_trees_close(clipped, one_batch)
+
+
+@pytest.mark.parametrize(("loss_name", "reduction"), SETTINGS)
+def test_kronecker_over_data_equal_one_batch(loss_name: str, reduction: str) -> None:
+    """A factors add up (scaled like the loss), B factors average over all samples."""
+    problem = dataset(loss_name, reduction)
+    model_fn, params = problem.functional()
+    kw = {"loss": problem.loss}
+    found = pf.kflr(model_fn, params, data=loader(problem), **kw)
+    assert_trees_close(found, pf.kflr(model_fn, params, problem.X, problem.y, **kw))
+
+
+@pytest.mark.parametrize("approx", ["backpack", "expand", "reduce"])
+def test_kronecker_over_data_with_positions(approx: str) -> None:
+    """Convolution factors (positions enter B) over uneven batches equal one batch's."""
+    problem = make_problem("conv2d", "cross_entropy", "mean", n=7)
+    model_fn, params = problem.functional()
+    kw = {"loss": problem.loss, "kfac_approx": approx}
+    found = pf.kflr(model_fn, params, data=loader(problem, batch_size=3), **kw)
+    assert_trees_close(found, pf.kflr(model_fn, params, problem.X, problem.y, **kw))
+
+
+def test_monte_carlo_over_data() -> None:
+    """One-batch ``data`` reproduces ``X, y`` exactly (same generator state); over several
+    batches the draws differ but come from the same distribution (mean → exact)."""
+    problem, oracle = dataset("cross_entropy", "mean"), dense("cross_entropy", "mean")
+    model_fn, params = problem.functional()
+    kw = {"loss": problem.loss}
+    for function, options in (
+        (pf.diag_ggn, {"mc_samples": 3}),
+        (pf.kfac, {"mc_samples": 3}),
+    ):
+        one = function(
+            model_fn,
+            params,
+            problem.X,
+            problem.y,
+            generator=torch.Generator().manual_seed(0),
+            **options,
+            **kw,
+        )
+        streamed = function(
+            model_fn,
+            params,
+            data=[(problem.X, problem.y)],
+            generator=torch.Generator().manual_seed(0),
+            **options,
+            **kw,
+        )
+        assert_trees_close(streamed, one, function.__name__)
+    sampled = pf.diag_ggn(
+        model_fn,
+        params,
+        data=loader(problem),
+        mc_samples=4000,
+        generator=torch.Generator().manual_seed(0),
+        **kw,
+    )
+    exact = unflatten(oracle.ggn.diagonal(), oracle)
+    for name in exact:
+        scale = exact[name].abs().max()
+        torch.testing.assert_close(sampled[name], exact[name], atol=0.08 * scale, rtol=0)
+
+
+def test_kfra_needs_one_batch() -> None:
+    problem = dataset("cross_entropy", "mean")
+    model_fn, params = problem.functional()
+    one = pf.kfra(model_fn, params, data=[(problem.X, problem.y)], loss=problem.loss)
+    assert_trees_close(one, pf.kfra(model_fn, params, problem.X, problem.y, loss=problem.loss))
+    with pytest.raises(ValueError, match="not a sum over samples"):
+        pf.kfra(model_fn, params, data=loader(problem), loss=problem.loss)
+
+
+def test_dict_batches_need_batch_to_xy() -> None:
+    problem = dataset("mse", "mean")
+    model_fn, params = problem.functional()
+    batches = [
+        {"inputs": problem.X[:5], "labels": problem.y[:5]},
+        {"inputs": problem.X[5:], "labels": problem.y[5:]},
+    ]
+    with pytest.raises(TypeError, match="batch_to_xy"):
+        pf.diag_ggn(model_fn, params, data=batches, loss=problem.loss)
+    found = pf.diag_ggn(
+        model_fn,
+        params,
+        data=batches,
+        loss=problem.loss,
+        batch_to_xy=lambda b: (b["inputs"], b["labels"]),
+    )
+    assert_trees_close(
+        found, pf.diag_ggn(model_fn, params, problem.X, problem.y, loss=problem.loss)
+    )
+
+
+def test_argument_errors() -> None:
+    problem = dataset("cross_entropy", "mean")
+    model_fn, params = problem.functional()
+    data, kw = loader(problem), {"loss": problem.loss}
+    with pytest.raises(TypeError, match="not both"):
+        pf.diag_ggn(model_fn, params, problem.X, problem.y, data=data, **kw)
+    with pytest.raises(TypeError, match="data="):
+        pf.diag_ggn(model_fn, params, **kw)
+    with pytest.raises(TypeError, match="iterable of"):
+        pf.diag_ggn(model_fn, params, data=problem.X, **kw)
+    with pytest.raises(TypeError, match="needs the argument 'v'"):
+        pf.ggn_vector_product(model_fn, params, data=data, **kw)
+    with pytest.raises(ValueError, match="subsampling"):
+        list(pf.batch_grad(model_fn, params, data=data, subsampling=[0], **kw))
+    with pytest.raises(ValueError, match="own functions"):
+        pf.compute(model_fn, params, data=data, quantities=("grad", "batch_grad"), **kw)
+    with pytest.raises(TypeError, match="re-iterable"):
+        pf.batch_grad(model_fn, params, data=iter(data), **kw)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        pf.diag_ggn(model_fn, params, data=data, process_group=object(), **kw)
+    with pytest.raises(ValueError, match="no batch"):
+        pf.diag_ggn(model_fn, params, data=[], **kw)
+
+
+def test_one_shot_iterator_for_sums() -> None:
+    """Aggregate quantities read ``data`` once: a generator of batches works."""
+    problem = dataset("mse", "mean")
+    model_fn, params = problem.functional()
+    batches = ((problem.X[i : i + 3], problem.y[i : i + 3]) for i in range(0, 11, 3))
+    found = pf.diag_ggn(model_fn, params, data=batches, loss=problem.loss)
+    assert_trees_close(
+        found, pf.diag_ggn(model_fn, params, problem.X, problem.y, loss=problem.loss)
+    )
+
+
+def test_progress_bar(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    problem = dataset("mse", "sum")
+    model_fn, params = problem.functional()
+    pf.diag_ggn(model_fn, params, data=loader(problem), loss=problem.loss)
+    assert capsys.readouterr().err == ""  # quiet by default
+    pf.diag_ggn(model_fn, params, data=loader(problem), loss=problem.loss, progress=True)
+    assert "3/3" in capsys.readouterr().err
+    one = pf.batch_grad(model_fn, params, problem.X, problem.y, loss=problem.loss, progress=True)
+    assert_trees_close(
+        one, pf.batch_grad(model_fn, params, problem.X, problem.y, loss=problem.loss)
+    )
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    with pytest.raises(ImportError, match="pip install tqdm"):
+        pf.diag_ggn(model_fn, params, data=loader(problem), loss=problem.loss, progress=True)
+
+
+def test_one_batch_alive_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over a 100-batch loader, each batch pass is released before the next one starts."""
+    alive: weakref.WeakSet = weakref.WeakSet()
+    most = [0]
+
+    class Watched(Backprop):
+        def __init__(self, *args, **kwargs):
+            alive.add(self)
+            most[0] = max(most[0], len(alive))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(packfunc.quantities, "Backprop", Watched)
+    problem = make_dataset("cross_entropy", "mean", n=200)  # 100 batches of 2
+    model_fn, params = problem.functional()
+    gc.collect()
+    gc.disable()  # released by reference counting, not by a later garbage collection
+    try:
+        pf.compute(
+            model_fn,
+            params,
+            data=loader(problem, batch_size=2),
+            loss=problem.loss,
+            quantities=("grad", "diag_ggn"),
+        )
+        for _ in pf.batch_grad(model_fn, params, data=loader(problem, 20), loss=problem.loss):
+            pass
+    finally:
+        gc.enable()
+    assert most[0] == 1

@@ -1,0 +1,177 @@
+"""Kronecker algebra against torch.linalg on the dense ``torch.kron(A, B)``."""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+from torch import Tensor
+
+import packfunc as pf
+from packfunc import kron
+
+DAMPING = 0.3
+
+
+def spd(size: int, generator: torch.Generator, rank: int | None = None) -> Tensor:
+    """A random symmetric positive semi-definite float64 matrix (singular for ``rank < size``)."""
+    root = torch.randn(size, rank or size + 2, generator=generator, dtype=torch.float64)
+    return root @ root.T / root.shape[1]
+
+
+@pytest.fixture
+def curvature() -> dict:
+    """Factor lists of two equal-shaped layers (batched eigh), a bias, a singular one, None."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a": [spd(3, g), spd(4, g)],
+        "b": [spd(3, g), spd(4, g)],
+        "bias": [spd(3, g)],
+        "singular": [spd(2, g, rank=1), spd(5, g)],
+        "frozen": None,
+    }
+
+
+@pytest.fixture
+def vector() -> dict:
+    g = torch.Generator().manual_seed(1)
+    shapes = {"a": (3, 4), "b": (3, 2, 2), "bias": (3,), "singular": (2, 5), "frozen": (7,)}
+    return {k: torch.randn(s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
+
+
+def dense_kron(entry: list[Tensor]) -> Tensor:
+    return entry[0] if len(entry) == 1 else torch.kron(entry[0], entry[1])
+
+
+def matrix_power(M: Tensor, exponent: float) -> Tensor:
+    """Oracle: a symmetric matrix's power from ``torch.linalg.eigh`` of the dense matrix."""
+    values, vectors = torch.linalg.eigh(M)
+    return vectors @ torch.diag(values.pow(exponent)) @ vectors.T
+
+
+def factor_oracle(M: Tensor, exponent: float) -> Tensor:
+    """``torch.linalg.inv`` for the inverse, else :func:`matrix_power`."""
+    return torch.linalg.inv(M) if exponent == -1 else matrix_power(M, exponent)
+
+
+def test_dense_and_matvec_match_torch_kron(curvature, vector):
+    dense = kron.dense(curvature)
+    product = kron.matvec(curvature, vector)
+    assert dense["frozen"] is None and product["frozen"] is None
+    for key, entry in curvature.items():
+        if entry is None:
+            continue
+        torch.testing.assert_close(dense[key], dense_kron(entry))
+        expected = (dense_kron(entry) @ vector[key].reshape(-1)).reshape(vector[key].shape)
+        torch.testing.assert_close(product[key], expected)
+
+
+def test_eigh_reconstructs_each_entry(curvature):
+    eigen = kron.eigh(curvature)
+    assert eigen["frozen"] is None
+    for key, entry in curvature.items():
+        if entry is not None:
+            assert isinstance(eigen[key], kron.Eigen)
+            torch.testing.assert_close(kron.dense(eigen[key]), dense_kron(entry))
+    assert kron.eigh(eigen)["a"] is eigen["a"]  # already decomposed: kept
+
+
+@pytest.mark.parametrize("exponent", [-1.0, -0.5, 0.5])
+def test_damped_powers_match_dense_eigh(curvature, vector, exponent):
+    powered = kron.power(curvature, exponent, DAMPING)
+    product = kron.matvec(powered, vector)
+    for key, entry in curvature.items():
+        if entry is None:
+            continue
+        M = dense_kron(entry) + DAMPING * torch.eye(dense_kron(entry).shape[0], dtype=torch.float64)
+        expected = matrix_power(M, exponent)
+        torch.testing.assert_close(kron.dense(powered[key]), expected)
+        flat = expected @ vector[key].reshape(-1)
+        torch.testing.assert_close(product[key], flat.reshape(vector[key].shape))
+
+
+def test_inverse_is_the_dense_solve_and_inverse_sqrt_squares_to_it(curvature, vector):
+    inverse = kron.matvec(kron.inverse(curvature, DAMPING), vector)
+    root = kron.inverse_sqrt(curvature, DAMPING)
+    twice = kron.matvec(root, kron.matvec(root, vector))
+    for key, entry in curvature.items():
+        if entry is None:
+            continue
+        M = dense_kron(entry) + DAMPING * torch.eye(dense_kron(entry).shape[0], dtype=torch.float64)
+        expected = torch.linalg.solve(M, vector[key].reshape(-1)).reshape(vector[key].shape)
+        torch.testing.assert_close(inverse[key], expected)
+        torch.testing.assert_close(twice[key], expected)
+
+
+def test_logdet_and_trace(curvature):
+    for damping in (0.0, DAMPING):
+        logdet = kron.logdet(curvature, damping)
+        trace = kron.trace(curvature, damping)
+        eigen_trace = kron.trace(kron.eigh(curvature), damping)
+        for key, entry in curvature.items():
+            if entry is None:
+                assert logdet[key] is None and trace[key] is None
+                continue
+            M = dense_kron(entry) + damping * torch.eye(dense_kron(entry).shape[0]).double()
+            torch.testing.assert_close(trace[key], torch.trace(M))
+            torch.testing.assert_close(eigen_trace[key], torch.trace(M))
+            if key != "singular" or damping > 0:
+                torch.testing.assert_close(logdet[key], torch.linalg.slogdet(M)[1])
+    assert kron.logdet(curvature)["singular"] < -20  # log det of a singular matrix: ~ -inf
+
+
+@pytest.mark.parametrize("exponent", [-1.0, -0.5])
+def test_pi_damped_factor_powers(curvature, vector, exponent):
+    damped = kron.factor_damped_power(curvature, DAMPING, exponent)
+    product = kron.matvec(damped, vector)
+    for key, entry in curvature.items():
+        if entry is None:
+            assert damped[key] is None
+            continue
+        if len(entry) == 1:
+            eye = torch.eye(entry[0].shape[0], dtype=torch.float64)
+            expected = factor_oracle(entry[0] + DAMPING * eye, exponent)
+        else:
+            A, B = entry
+            pi = ((torch.trace(A) / A.shape[0]) / (torch.trace(B) / B.shape[0])).sqrt()
+            eye_a = torch.eye(A.shape[0], dtype=torch.float64)
+            eye_b = torch.eye(B.shape[0], dtype=torch.float64)
+            expected = torch.kron(
+                factor_oracle(A + pi * DAMPING**0.5 * eye_a, exponent),
+                factor_oracle(B + DAMPING**0.5 / pi * eye_b, exponent),
+            )
+        torch.testing.assert_close(kron.dense(damped[key]), expected)
+        flat = (expected @ vector[key].reshape(-1)).reshape(vector[key].shape)
+        torch.testing.assert_close(product[key], flat)
+
+
+def test_eigen_entries_from_ekfac_work_everywhere():
+    model_fn, params = pf.functional(torch.nn.Sequential(torch.nn.Linear(3, 4)).double())
+    X, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 4, (6,))
+    found = pf.ekfac(model_fn, params, X, y, mc_samples=None)
+    v = {k: torch.randn_like(p) for k, p in params.items()}
+    for key, solved in kron.matvec(kron.inverse(found, DAMPING), v).items():
+        M = kron.dense(found[key])
+        M = M + DAMPING * torch.eye(M.shape[0], dtype=M.dtype)
+        torch.testing.assert_close(
+            solved.reshape(-1), torch.linalg.solve(M, v[key].reshape(-1)), msg=key
+        )
+        torch.testing.assert_close(kron.logdet(found, DAMPING)[key], torch.linalg.slogdet(M)[1])
+
+
+def test_results_are_pytrees_and_map_entries(curvature):
+    leaves = optree.tree_leaves(kron.inverse(curvature, DAMPING))
+    assert leaves and all(isinstance(t, Tensor) for t in leaves)
+    sizes = kron.map_entries(lambda e: [f.shape[0] for f in e], curvature)
+    assert sizes["a"] == [3, 4] and sizes["frozen"] is None
+
+
+def test_bad_input_is_refused(curvature, vector):
+    with pytest.raises(ValueError, match="damping > 0"):
+        kron.inverse(curvature, 0.0)
+    with pytest.raises(TypeError, match="inverse"):
+        kron.factor_damped_power(kron.eigh(curvature), DAMPING)
+    with pytest.raises(ValueError, match="does not match"):
+        kron.matvec(curvature, {**vector, "a": torch.ones(5)})
+    with pytest.raises(TypeError, match="entries"):
+        kron.trace({"a": torch.eye(2)})
