@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import packfunc as pf
 import packfunc.quantities
-from packfunc.engine.persample import Backprop
+from packfunc.engine.persample import BatchPass
 from packfunc.losses import mean_normalizer
 from tests.cases import (
     DATASET_LOSSES,
@@ -323,13 +323,13 @@ def test_one_batch_alive_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     alive: weakref.WeakSet = weakref.WeakSet()
     most = [0]
 
-    class Watched(Backprop):
+    class Watched(BatchPass):
         def __init__(self, *args, **kwargs):
             alive.add(self)
             most[0] = max(most[0], len(alive))
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(packfunc.quantities, "Backprop", Watched)
+    monkeypatch.setattr(packfunc.quantities, "BatchPass", Watched)
     problem = make_dataset("cross_entropy", "mean", n=200)  # 100 batches of 2
     model_fn, params = problem.functional()
     gc.collect()

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import packfunc as pf
-from packfunc.engine.persample import Backprop
+from packfunc.engine.persample import BatchPass
 from tests.cases import CASES, assert_trees_close, dense_curvature, make_problem
 
 SECOND_ORDER_LOSSES = ["cross_entropy", "mse", "bce_with_logits"]
@@ -155,9 +155,9 @@ def test_thousand_class_head_is_chunked_and_exact(monkeypatch):
     model_fn, params = pf.functional(model)
     quantities = ("diag_ggn", "batch_diag_ggn", "sqrt_ggn")
     pulled: list[int] = []  # square-root columns pulled back at once, per pullback
-    original = Backprop.columns
+    original = BatchPass.columns
     monkeypatch.setattr(
-        Backprop,
+        BatchPass,
         "columns",
         lambda self, cotangents: pulled.append(cotangents.shape[0]) or original(self, cotangents),
     )

@@ -10,7 +10,7 @@ from torch import nn
 
 from packfunc.engine.ekfac import fitted_eigenvalues
 from packfunc.engine.kronecker import APPROXIMATIONS, sqrt_factors
-from packfunc.engine.persample import Backprop
+from packfunc.engine.persample import BatchPass
 from packfunc.kron import Eigen, batched_eigh
 from packfunc.losses import default_loss
 from packfunc.types import (
@@ -78,7 +78,7 @@ def ekfac(
         raise ValueError(f"on_unsupported must be 'raise' or 'skip'; got {on_unsupported!r}.")
     if kfac_approx not in APPROXIMATIONS:
         raise ValueError(f"kfac_approx must be one of {APPROXIMATIONS}; got {kfac_approx!r}.")
-    bp = Backprop(model_fn, params, X, y, loss or default_loss())
+    bp = BatchPass(model_fn, params, X, y, loss or default_loss())
     if mc_samples is not None and generator is None:  # both passes must see the same samples
         seed = int(torch.randint(0, 2**62, (1,)).item())
         generator = torch.Generator(bp.record.output.device).manual_seed(seed)
@@ -98,7 +98,7 @@ def ekfac(
 
 
 def _kfac_bases(
-    bp: Backprop,
+    bp: BatchPass,
     approx: str,
     mc_samples: int | None,
     generator: torch.Generator | None,
@@ -119,7 +119,7 @@ def _kfac_bases(
     return [None if entry is None else [next(vectors) for _ in entry] for entry in found.per_leaf]
 
 
-def _given_bases(bp: Backprop, eigenvectors: Any) -> list[list[torch.Tensor] | None]:
+def _given_bases(bp: BatchPass, eigenvectors: Any) -> list[list[torch.Tensor] | None]:
     """The eigenvectors of a params-like pytree of ``Eigen``, checked against the leaves."""
     try:
         entries = bp.treespec.flatten_up_to(eigenvectors)

@@ -45,7 +45,7 @@ from packfunc.engine.kronecker import (
     kfra_factors,
     sqrt_factors,
 )
-from packfunc.engine.persample import Backprop
+from packfunc.engine.persample import BatchPass
 from packfunc.losses import default_loss
 from packfunc.types import (
     DATA_ARGUMENTS,
@@ -219,11 +219,11 @@ def _factors(
     y: Tensor,
     loss: nn.Module | None,
     on_unsupported: str,
-    method: Callable[[Backprop], Factors],
+    method: Callable[[BatchPass], Factors],
 ) -> Any:
     if on_unsupported not in ("raise", "skip"):
         raise ValueError(f"on_unsupported must be 'raise' or 'skip'; got {on_unsupported!r}.")
-    bp = Backprop(model_fn, params, X, y, loss or default_loss())
+    bp = BatchPass(model_fn, params, X, y, loss or default_loss())
     found = method(bp)
     if found.unsupported and on_unsupported == "raise":
         listing = "; ".join(

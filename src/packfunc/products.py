@@ -23,9 +23,9 @@ from torch.func import grad, vmap
 from packfunc.data import BatchToXY, over_data
 from packfunc.distributed import ProcessGroup
 from packfunc.engine.autodiff import jvp, vjp
-from packfunc.engine.chain import loss_hessian_product, pch_block_product
 from packfunc.engine.modes import functional_mode, twice_differentiable
-from packfunc.engine.persample import Backprop
+from packfunc.engine.pch import loss_hessian_product, pch_block_product
+from packfunc.engine.persample import BatchPass
 from packfunc.functional import check_model_arguments, flatten_params
 from packfunc.losses import check_loss, check_loss_inputs, default_loss, hessian_factors
 from packfunc.types import (
@@ -235,7 +235,7 @@ def pch_block_products(
     """
     if modify not in ("clip", "abs", "none"):
         raise ValueError(f"modify must be 'clip', 'abs' or 'none'; got {modify!r}.")
-    bp = Backprop(model_fn, params, X, y, _checked(loss, model_fn, params))
+    bp = BatchPass(model_fn, params, X, y, _checked(loss, model_fn, params))
     blocks = optree.tree_leaves(mats, none_is_leaf=True)
     with twice_differentiable():
         results = [

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import optree
 import torch
@@ -19,49 +19,53 @@ from torch import Tensor, nn
 from packfunc.data import BatchToXY, over_data
 from packfunc.distributed import ProcessGroup
 from packfunc.engine import hessian
-from packfunc.engine.persample import Backprop
+from packfunc.engine.persample import BatchPass
 from packfunc.engine.statistics import ggn_statistics, leaf_statistics
+from packfunc.engine.vocabulary import Statistic
 from packfunc.functional import as_index
 from packfunc.losses import default_loss
 from packfunc.types import Targets
 
-Stats = dict[str, Tensor]
+Stats = dict[Statistic, Tensor]
+
+Source = Literal["gradient", "ggn", "hessian"]
+"""Where the output cotangents come from: the loss gradient, the columns of the loss
+Hessian's square root, or (for Hessian diagonals) the exact Hessian."""
 
 
 @dataclass(frozen=True)
 class Quantity:
     """How a public quantity is made: its cotangent source, statistics and final step."""
 
-    source: str
-    stats: frozenset[str]
+    source: Source
+    stats: frozenset[Statistic]
     finish: Callable[[Stats, int], Tensor]
 
 
-def _stat(name: str) -> Callable[[Stats, int], Tensor]:
-    return lambda stats, n: stats[name]
+def _made_of(source: Source, stat: Statistic) -> Quantity:
+    """The quantity that is one statistic of one source."""
+    return Quantity(source, frozenset({stat}), lambda stats, n: stats[stat])
 
 
 def _variance(stats: Stats, n: int) -> Tensor:
-    return stats["sum_grad_squared"] / n - (stats["grad"] / n) ** 2
+    return stats[Statistic.DIAGONAL] / n - (stats[Statistic.SUM] / n) ** 2
+
+
+def _per_sample_gradients(stats: Stats, n: int) -> Tensor:
+    return stats[Statistic.COLUMNS][0]  # one column: the loss gradient
 
 
 QUANTITIES: dict[str, Quantity] = {
-    "grad": Quantity("gradient", frozenset({"grad"}), _stat("grad")),
-    "batch_grad": Quantity(
-        "gradient", frozenset({"batch_grad"}), lambda stats, n: stats["batch_grad"][0]
-    ),
-    "batch_l2_grad": Quantity("gradient", frozenset({"batch_l2"}), _stat("batch_l2")),
-    "sum_grad_squared": Quantity(
-        "gradient", frozenset({"sum_grad_squared"}), _stat("sum_grad_squared")
-    ),
-    "variance": Quantity("gradient", frozenset({"sum_grad_squared", "grad"}), _variance),
-    "sqrt_ggn": Quantity("ggn", frozenset({"batch_grad"}), _stat("batch_grad")),
-    "diag_ggn": Quantity("ggn", frozenset({"sum_grad_squared"}), _stat("sum_grad_squared")),
-    "batch_diag_ggn": Quantity("ggn", frozenset({"batch_sum_squares"}), _stat("batch_sum_squares")),
-    "diag_hessian": Quantity("hessian", frozenset({"sum_grad_squared"}), _stat("sum_grad_squared")),
-    "batch_diag_hessian": Quantity(
-        "hessian", frozenset({"batch_sum_squares"}), _stat("batch_sum_squares")
-    ),
+    "grad": _made_of("gradient", Statistic.SUM),
+    "batch_grad": Quantity("gradient", frozenset({Statistic.COLUMNS}), _per_sample_gradients),
+    "batch_l2_grad": _made_of("gradient", Statistic.SQUARED_NORMS),
+    "sum_grad_squared": _made_of("gradient", Statistic.DIAGONAL),
+    "variance": Quantity("gradient", frozenset({Statistic.DIAGONAL, Statistic.SUM}), _variance),
+    "sqrt_ggn": _made_of("ggn", Statistic.COLUMNS),
+    "diag_ggn": _made_of("ggn", Statistic.DIAGONAL),
+    "batch_diag_ggn": _made_of("ggn", Statistic.DIAGONAL_PER_SAMPLE),
+    "diag_hessian": _made_of("hessian", Statistic.DIAGONAL),
+    "batch_diag_hessian": _made_of("hessian", Statistic.DIAGONAL_PER_SAMPLE),
 }
 """Every name :func:`compute` accepts."""
 
@@ -137,7 +141,7 @@ def compute(
         (torch.Size([8, 2, 3]), torch.Size([2]))
     """
     quantities = _quantity_names(quantities)
-    bp = Backprop(model_fn, params, X, y, loss or default_loss(), chunk_size)
+    bp = BatchPass(model_fn, params, X, y, loss or default_loss(), chunk_size)
     return evaluate(bp, quantities, subsampling, mc_samples, generator)
 
 
@@ -211,7 +215,7 @@ def _quantity_names(quantities: Sequence[str]) -> tuple[str, ...]:
 
 
 def evaluate(
-    bp: Backprop,
+    bp: BatchPass,
     quantities: Sequence[str],
     subsampling: Sequence[int] | Tensor | None = None,
     mc_samples: int | None = None,
@@ -231,13 +235,13 @@ def evaluate(
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
-        >>> bp = Backprop(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
         ...               torch.nn.CrossEntropyLoss())
         >>> evaluate(bp, ("grad",))["grad"]["bias"].shape
         torch.Size([2])
     """
     index = as_index(subsampling, bp.n, bp.record.output.device)
-    wanted: dict[str, set[str]] = {}
+    wanted: dict[Source, set[Statistic]] = {}
     for name in quantities:
         wanted.setdefault(QUANTITIES[name].source, set()).update(QUANTITIES[name].stats)
     stats = {
@@ -253,9 +257,9 @@ def evaluate(
 
 
 def _source_statistics(
-    bp: Backprop,
-    source: str,
-    stats: set[str],
+    bp: BatchPass,
+    source: Source,
+    stats: set[Statistic],
     index: slice | Tensor,
     mc_samples: int | None,
     generator: torch.Generator | None,

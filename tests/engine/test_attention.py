@@ -21,9 +21,9 @@ from torch.overrides import TorchFunctionMode
 import packfunc as pf
 from packfunc.compat.watch import ForwardRecorder
 from packfunc.engine.attention import ATTENTION_OPS, run_attention, supports_attention
-from packfunc.engine.generic import column_grads
 from packfunc.engine.modes import functional_mode
-from packfunc.engine.persample import Backprop
+from packfunc.engine.persample import BatchPass
+from packfunc.engine.whole_model import column_grads
 from packfunc.functional import flatten_params
 
 MASKS = ["none", "bool2d", "float2d", "bool3d", "float3d", "causal"]
@@ -426,13 +426,13 @@ def test_projection_weights_are_tapped(name):
     torch.manual_seed(0)
     model, inputs, y, loss = _problem(name)
     model_fn, params = pf.functional(model)
-    backprop = Backprop(model_fn, params, inputs, y, loss)
+    backprop = BatchPass(model_fn, params, inputs, y, loss)
     tapped = {backprop.names[leaf] for site in backprop.plan.sites for _, leaf in site.call.leaves}
     projections = {
         k for k in params if k.rsplit(".", 1)[-1].endswith(("proj_weight", "proj_bias"))
     } | {k for k in params if ".out_proj." in k}
     assert projections
-    assert projections <= tapped - {backprop.names[leaf] for leaf in backprop.generic}
+    assert projections <= tapped - {backprop.names[leaf] for leaf in backprop.whole_model}
 
 
 @pytest.mark.parametrize("name", ["mha", "mha_kdim", "causal_lm"])

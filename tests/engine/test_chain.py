@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.functional import jacobian
 
-from packfunc.engine.chain import Link, expected_jacobian_sandwich
+from packfunc.engine.chain import Link
+from packfunc.engine.kfra import expected_jacobian_sandwich
 
 OPS = {  # func, further arguments, keyword arguments, shape of one sample
     "max_pool2d (disjoint windows)": (F.max_pool2d, (2,), {}, (2, 4, 4)),

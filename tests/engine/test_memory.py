@@ -8,7 +8,7 @@ from tests.cases import make_problem
 from torch import nn
 
 import packfunc as pf
-from packfunc.engine import generic, memory
+from packfunc.engine import memory, whole_model
 from packfunc.engine.memory import (
     chunk_length,
     chunks,
@@ -37,13 +37,13 @@ def test_automatic_chunks_respect_the_budget(monkeypatch):
     X, y = torch.randn(10, 6, dtype=torch.float64), torch.randint(0, 3, (10,))
     unbounded = pf.compute(model_fn, params, X, y, quantities=pf.FIRST_ORDER)
     seen: list[int] = []
-    original = generic.column_grads
+    original = whole_model.column_grads
 
     def spy(*args):
         seen.append(index_length(args[-1]))
         return original(*args)
 
-    monkeypatch.setattr(generic, "column_grads", spy)
+    monkeypatch.setattr(whole_model, "column_grads", spy)
     monkeypatch.setattr(memory, "DEFAULT_BUDGET", 2 * 48)  # two samples' worth of 0.weight
     bounded = pf.compute(model_fn, params, X, y, quantities=("sum_grad_squared", "variance"))
     assert max(seen) == 2 and sum(seen) == 10
@@ -56,9 +56,9 @@ def test_explicit_chunk_size_is_used(monkeypatch):
     model_fn, params = _raw_parameter_model()
     X, y = torch.randn(7, 6, dtype=torch.float64), torch.randint(0, 3, (7,))
     seen: list[int] = []
-    original = generic.column_grads
+    original = whole_model.column_grads
     monkeypatch.setattr(
-        generic, "column_grads", lambda *a: seen.append(index_length(a[-1])) or original(*a)
+        whole_model, "column_grads", lambda *a: seen.append(index_length(a[-1])) or original(*a)
     )
     pf.batch_grad(model_fn, params, X, y, chunk_size=3)
     assert seen == [3, 3, 1]
@@ -89,8 +89,8 @@ def test_moments_of_closed_form_layers_never_materialize(monkeypatch, case):
     def refuse(*args):
         raise AssertionError("materialized per-sample gradients")
 
-    monkeypatch.setattr(ColumnGradients, "batch_grad", refuse)
-    monkeypatch.setattr(generic, "column_grads", refuse)
+    monkeypatch.setattr(ColumnGradients, "leaf_columns", refuse)
+    monkeypatch.setattr(whole_model, "column_grads", refuse)
     problem = make_problem(case, n=6)
     result = pf.compute(
         *problem.functional(),

@@ -22,7 +22,7 @@ from packfunc.compat.given_gradient import GivenGradient
 from packfunc.compat.layout import SampleLayout
 from packfunc.engine.batch_pass import BatchRecord
 from packfunc.engine.discovery import Plan
-from packfunc.engine.persample import Backprop
+from packfunc.engine.persample import BatchPass
 from packfunc.losses import hessian_factors
 from packfunc.quantities import evaluate
 
@@ -72,7 +72,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
     differentiable = torch.is_grad_enabled()
     model_fn, params = pf.functional(model)
     results: dict[str, dict[str, Any]] = {}
-    passes: dict[bool, Backprop] = {}
+    passes: dict[bool, BatchPass] = {}
     for ext in ctx.extensions:
         job = ext.job()
         if ctx.debug:
@@ -85,7 +85,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
             fn, loss, y = model_fn, GivenGradient(gradient), gradient
             watched = partial(_watched, record, None, differentiable)
         if job.kind == "quantity" and job.second_order not in passes:
-            passes[job.second_order] = Backprop(fn, params, X, y, loss, watched=watched)
+            passes[job.second_order] = BatchPass(fn, params, X, y, loss, watched=watched)
         with torch.set_grad_enabled(differentiable):
             if job.kind == "quantity":
                 results[ext.savefield] = evaluate(

@@ -19,13 +19,13 @@ import torch
 from torch import Tensor
 
 from packfunc.engine.memory import chunk_length, chunks
-from packfunc.engine.persample import Backprop, ColumnGradients, Term
+from packfunc.engine.persample import BatchPass, ColumnGradients, Term
 from packfunc.engine.rules.product import ProductWeight
 from packfunc.losses import hessian_factors
 
 
 def fitted_eigenvalues(
-    bp: Backprop,
+    bp: BatchPass,
     bases: list[list[Tensor] | None],
     mc_samples: int | None,
     generator: torch.Generator | None,
@@ -46,7 +46,7 @@ def fitted_eigenvalues(
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
-        >>> bp = Backprop(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
         ...               torch.nn.CrossEntropyLoss())
         >>> bases = [[torch.eye(2), torch.eye(3)] if name == "weight" else None
         ...          for name in bp.names]
@@ -73,12 +73,12 @@ def _rotated_squares(columns: ColumnGradients, leaf: int, basis: list[Tensor]) -
     """``Σ_{k,n} (Q_Aᵀ G_kn Q_B)²`` of one leaf for one slice of columns."""
     bp, terms = columns.bp, columns.terms.get(leaf, [])
     sizes = tuple(q.shape[0] for q in basis)
-    if not terms and leaf not in bp.generic:  # the output does not depend on the leaf
+    if not terms and leaf not in bp.whole_model:  # the output does not depend on the leaf
         return basis[0].new_zeros(sizes)
     if len(basis) == 2 and len(terms) == 1 and _rank_one(terms[0]):
         return _rank_one_squares(terms[0], basis)
     total = basis[0].new_zeros(sizes)
-    for [grads] in columns.iter_batch_grads([leaf], slice(0, bp.n)):
+    for [grads] in columns.iter_leaf_columns([leaf], slice(0, bp.n)):
         flat = kronecker_layout(grads.flatten(0, 1), terms[0] if terms else None, sizes)
         rotated = flat @ basis[0] if len(basis) == 1 else basis[0].T @ flat @ basis[1]
         total = total + rotated.square().sum(0)
@@ -102,7 +102,7 @@ def kronecker_layout(grads: Tensor, term: Term | None, sizes: tuple[int, ...]) -
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.ConvTranspose1d(2, 3, 2))
-        >>> bp = Backprop(fn, p, torch.randn(1, 2, 4), torch.randn(1, 3, 5), torch.nn.MSELoss())
+        >>> bp = BatchPass(fn, p, torch.randn(1, 2, 4), torch.randn(1, 3, 5), torch.nn.MSELoss())
         >>> term = bp.gradient_columns().terms[0][0]
         >>> kronecker_layout(torch.randn(7, 2, 3, 2), term, (3, 4)).shape
         torch.Size([7, 3, 4])

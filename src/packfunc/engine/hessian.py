@@ -41,23 +41,24 @@ from torch.func import grad, vmap
 
 from packfunc.engine.autodiff import vjp
 from packfunc.engine.batch_pass import probed_forward, zero_probes
-from packfunc.engine.chain import layer_output_curvature
+from packfunc.engine.hessian_recursion import layer_output_curvature
 from packfunc.engine.memory import DEFAULT_BUDGET, chunks, index_length
 from packfunc.engine.modes import functional_mode, twice_differentiable
-from packfunc.engine.persample import Backprop
+from packfunc.engine.persample import BatchPass
 from packfunc.engine.piecewise import piecewise_affine_leaves
 from packfunc.engine.statistics import ggn_statistics
+from packfunc.engine.vocabulary import Statistic
 from packfunc.functional import select_samples
 
-Stats = dict[str, Tensor]
+Stats = dict[Statistic, Tensor]
 
 
-def diagonals(bp: Backprop, stats: set[str], index: slice | Tensor) -> list[Stats]:
-    """Diagonal of the Hessian, summed (``sum_grad_squared``) or per sample (``batch_sum_squares``).
+def diagonals(bp: BatchPass, stats: set[Statistic], index: slice | Tensor) -> list[Stats]:
+    """Diagonal of the Hessian, summed (``DIAGONAL``) or per sample (``DIAGONAL_PER_SAMPLE``).
 
     Args:
         bp: The batch pass.
-        stats: ``{"sum_grad_squared"}``, ``{"batch_sum_squares"}`` or both.
+        stats: ``{Statistic.DIAGONAL}``, ``{Statistic.DIAGONAL_PER_SAMPLE}`` or both.
         index: Samples that the per-sample diagonal covers.
 
     Returns:
@@ -65,16 +66,16 @@ def diagonals(bp: Backprop, stats: set[str], index: slice | Tensor) -> list[Stat
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
-        >>> bp = Backprop(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
         ...               torch.nn.CrossEntropyLoss())
-        >>> diagonals(bp, {"sum_grad_squared"}, slice(0, 4))[1]["sum_grad_squared"].shape
+        >>> diagonals(bp, {Statistic.DIAGONAL}, slice(0, 4))[1][Statistic.DIAGONAL].shape
         torch.Size([2, 3])
     """
     with twice_differentiable():
         return _diagonals(bp, stats, index)
 
 
-def _diagonals(bp: Backprop, stats: set[str], index: slice | Tensor) -> list[Stats]:
+def _diagonals(bp: BatchPass, stats: set[Statistic], index: slice | Tensor) -> list[Stats]:
     """Per leaf, the first that applies.
 
     * The model is piecewise affine in the leaf: the GGN diagonal.
@@ -86,12 +87,12 @@ def _diagonals(bp: Backprop, stats: set[str], index: slice | Tensor) -> list[Sta
     for k in bp.record.inputs:
         for _, leaf in bp.plan.sites[k].call.leaves:
             sites_of.setdefault(leaf, []).append(k)
-    used = set(sites_of) | set(bp.generic)
+    used = set(sites_of) | set(bp.whole_model)
     flat = used & piecewise_affine_leaves(bp.model_fn, bp.leaves, bp.treespec, bp.X)
     by_site = {
         leaf: ks[0]
         for leaf, ks in sites_of.items()
-        if leaf not in bp.generic
+        if leaf not in bp.whole_model
         and leaf not in flat
         and len(ks) == 1
         and _single_position_linear(bp, ks[0])
@@ -106,7 +107,7 @@ def _diagonals(bp: Backprop, stats: set[str], index: slice | Tensor) -> list[Sta
         for leaf, k in by_site.items():
             role = dict((i, r) for r, i in bp.plan.sites[k].call.leaves)[leaf]
             result[leaf] = _site_stats(bp, k, role, unit_curvature[k], stats, index)
-    loss_products = stats == {"sum_grad_squared"}
+    loss_products = stats == {Statistic.DIAGONAL}
     if flat or (others and not loss_products):
         ggn = ggn_statistics(bp, stats, index)
         for leaf in flat:
@@ -120,38 +121,45 @@ def _diagonals(bp: Backprop, stats: set[str], index: slice | Tensor) -> list[Sta
     return result
 
 
-def _single_position_linear(bp: Backprop, k: int) -> bool:
+def _single_position_linear(bp: BatchPass, k: int) -> bool:
     site = bp.plan.sites[k]
     recorded = isinstance(bp.record.inputs.get(k), Tensor)
     return recorded and site.call.family == "linear" and len(site.tail) == 1
 
 
-def _zeros(param: Tensor, stats: set[str], index: slice | Tensor) -> Stats:
+def _zeros(param: Tensor, stats: set[Statistic], index: slice | Tensor) -> Stats:
     return {
         stat: param.new_zeros((index_length(index), *param.shape))
-        if stat == "batch_sum_squares"
+        if stat == Statistic.DIAGONAL_PER_SAMPLE
         else torch.zeros_like(param)
         for stat in stats
     }
 
 
 def _site_stats(
-    bp: Backprop, k: int, role: str, curvature: Tensor, stats: set[str], index: slice | Tensor
+    bp: BatchPass,
+    k: int,
+    role: str,
+    curvature: Tensor,
+    stats: set[Statistic],
+    index: slice | Tensor,
 ) -> Stats:
     """Hessian diagonal of a linear weight or bias from ``d = diag(∂²L/∂z²)``, ``[N, O]``."""
     x = bp.record.inputs[k]
     assert isinstance(x, Tensor), "_single_position_linear admits sites with recorded tensors"
     square = x.reshape(x.shape[0], -1).square() if role == "weight" else None
     found: Stats = {}
-    if "sum_grad_squared" in stats:
-        found["sum_grad_squared"] = curvature.sum(0) if square is None else curvature.T @ square
-    if "batch_sum_squares" in stats:
+    if Statistic.DIAGONAL in stats:
+        found[Statistic.DIAGONAL] = curvature.sum(0) if square is None else curvature.T @ square
+    if Statistic.DIAGONAL_PER_SAMPLE in stats:
         d = curvature[index]
-        found["batch_sum_squares"] = d if square is None else d.unsqueeze(2) * square[index, None]
+        found[Statistic.DIAGONAL_PER_SAMPLE] = (
+            d if square is None else d.unsqueeze(2) * square[index, None]
+        )
     return found
 
 
-def _layer_output_curvature_by_hvp(bp: Backprop, sites: list[int]) -> dict[int, Tensor]:
+def _layer_output_curvature_by_hvp(bp: BatchPass, sites: list[int]) -> dict[int, Tensor]:
     """``diag(∂²L/∂z_n²)`` for the outputs ``z`` of the given sites, ``[N, O]`` each.
 
     One site at a time: its Hessian-vector products then only run back to that
@@ -174,7 +182,7 @@ def _layer_output_curvature_by_hvp(bp: Backprop, sites: list[int]) -> dict[int, 
     return found
 
 
-def _loss_curvature(bp: Backprop, wanted: list[int]) -> list[Stats]:
+def _loss_curvature(bp: BatchPass, wanted: list[int]) -> list[Stats]:
     """Diagonal of the loss Hessian w.r.t. the ``wanted`` leaves by its own one-hot products."""
     chosen = [bp.leaves[i] for i in wanted]
 
@@ -182,11 +190,11 @@ def _loss_curvature(bp: Backprop, wanted: list[int]) -> list[Stats]:
         return bp.loss(_with_leaves(bp, wanted, leaves, bp.X), bp.y)
 
     diagonal = _hvp_diagonal(loss_of, chosen, _tangents_at_once(bp))
-    return [{"sum_grad_squared": d.view(p.shape)} for d, p in zip(diagonal, chosen)]
+    return [{Statistic.DIAGONAL: d.view(p.shape)} for d, p in zip(diagonal, chosen)]
 
 
 def _parameter_curvature(
-    bp: Backprop, wanted: list[int], stats: set[str], index: slice | Tensor
+    bp: BatchPass, wanted: list[int], stats: set[Statistic], index: slice | Tensor
 ) -> list[Stats]:
     """Diagonal of ``∇²φ`` w.r.t. the ``wanted`` leaves by one-hot Hessian-vector products."""
     chosen = [bp.leaves[i] for i in wanted]
@@ -196,12 +204,12 @@ def _parameter_curvature(
         return (_with_leaves(bp, wanted, leaves, X) * cotangent).sum()
 
     results: list[Stats] = [{} for _ in wanted]
-    if "sum_grad_squared" in stats:
+    if Statistic.DIAGONAL in stats:
         at_once = _tangents_at_once(bp)
         diag = _hvp_diagonal(partial(phi, bp.X, bp.record.output_cotangent), chosen, at_once)
         for found, d, p in zip(results, diag, chosen):
-            found["sum_grad_squared"] = d.view(p.shape)
-    if "batch_sum_squares" in stats:
+            found[Statistic.DIAGONAL] = d.view(p.shape)
+    if Statistic.DIAGONAL_PER_SAMPLE in stats:
         at_once = _tangents_at_once(bp, index_length(index))
 
         def one_sample(x: Any, cotangent: Tensor) -> list[Tensor]:
@@ -211,11 +219,11 @@ def _parameter_curvature(
         xs = select_samples(bp.X, index)
         per_sample = vmap(one_sample)(xs, bp.record.output_cotangent[index])
         for found, d, p in zip(results, per_sample, chosen):
-            found["batch_sum_squares"] = d.view(d.shape[0], *p.shape)
+            found[Statistic.DIAGONAL_PER_SAMPLE] = d.view(d.shape[0], *p.shape)
     return results
 
 
-def _with_leaves(bp: Backprop, wanted: list[int], chosen: list[Tensor], X: Any) -> Tensor:
+def _with_leaves(bp: BatchPass, wanted: list[int], chosen: list[Tensor], X: Any) -> Tensor:
     """The model output at ``X`` with the ``wanted`` leaves replaced by ``chosen``."""
     current = list(bp.leaves)
     for i, leaf in zip(wanted, chosen):
@@ -224,7 +232,7 @@ def _with_leaves(bp: Backprop, wanted: list[int], chosen: list[Tensor], X: Any) 
         return bp.model_fn(optree.tree_unflatten(bp.treespec, current), X)
 
 
-def _tangents_at_once(bp: Backprop, samples: int | None = None) -> int:
+def _tangents_at_once(bp: BatchPass, samples: int | None = None) -> int:
     """One-hot tangents per vmapped Hessian-vector product, within the memory budget.
 
     Each tangent carries its own copy of the activations of ``samples`` samples
@@ -261,6 +269,6 @@ def _hvp_diagonal(
     return diagonal
 
 
-def _loss_at_site(bp: Backprop, forward: Callable, k: int, probe: Tensor) -> Tensor:
+def _loss_at_site(bp: BatchPass, forward: Callable, k: int, probe: Tensor) -> Tensor:
     """The loss as a function of the probe added to site ``k``'s output."""
     return bp.loss(forward({k: probe})[0], bp.y)

@@ -18,16 +18,12 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from packfunc.engine.chain import (
-    Link,
-    NotSequentialError,
-    expected_jacobian_sandwich,
-    summed_residual_curvature,
-    trace_chain,
-)
+from packfunc.engine.chain import Link, NotSequentialError, trace_chain
+from packfunc.engine.kfra import expected_jacobian_sandwich
 from packfunc.engine.memory import chunk_length, chunks
 from packfunc.engine.ops import TapCall
-from packfunc.engine.persample import Backprop, Term
+from packfunc.engine.pch import summed_residual_curvature
+from packfunc.engine.persample import BatchPass, Term
 from packfunc.engine.rules import RULES
 from packfunc.losses import hessian_factors
 
@@ -48,7 +44,7 @@ class Factors:
 
 
 def sqrt_factors(
-    bp: Backprop, approx: str, mc_samples: int | None, generator: torch.Generator | None
+    bp: BatchPass, approx: str, mc_samples: int | None, generator: torch.Generator | None
 ) -> Factors:
     """KFLR (``mc_samples=None``) or KFAC factors from square-root columns.
 
@@ -63,7 +59,7 @@ def sqrt_factors(
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
-        >>> bp = Backprop(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
         ...               torch.nn.CrossEntropyLoss())
         >>> [f.shape for f in sqrt_factors(bp, "backpack", None, None).per_leaf[1]]
         [torch.Size([2, 2]), torch.Size([3, 3])]
@@ -104,7 +100,7 @@ def sqrt_factors(
     return Factors(per_leaf, unsupported)
 
 
-def _raw_layout(bp: Backprop, leaf: int, term: Term, pulled: dict[int, Tensor]) -> Term | None:
+def _raw_layout(bp: BatchPass, leaf: int, term: Term, pulled: dict[int, Tensor]) -> Term | None:
     """The leaf's term in the rule's Kronecker layout, from each call's input and cotangents.
 
     The canonical term serves where the rule has no layout of its own; several calls
@@ -137,10 +133,10 @@ def _assemble(term: Term, output: Tensor, approx: str) -> list[Tensor]:
     return [output, term.rule.input_factor(term.x, approx)]
 
 
-def _unsupported(bp: Backprop) -> dict[int, str]:
+def _unsupported(bp: BatchPass) -> dict[int, str]:
     """Leaves no rule covers, with the reason."""
     used = {leaf for site in bp.plan.sites for _, leaf in site.call.leaves}
-    reasons = {leaf: "used outside a linear or convolution layer" for leaf in bp.generic}
+    reasons = {leaf: "used outside a linear or convolution layer" for leaf in bp.whole_model}
     for site in bp.plan.sites:
         for _, leaf in site.call.leaves if site.call.family == "local" else ():
             reasons.setdefault(leaf, _no_rule(site.call))
@@ -164,7 +160,7 @@ def _no_rule(call: TapCall) -> str:
     return f"an {call.family} (no Kronecker rule)"
 
 
-def kfra_factors(bp: Backprop, curvature: str = "ggn") -> Factors:
+def kfra_factors(bp: BatchPass, curvature: str = "ggn") -> Factors:
     """KFRA factors: propagate the batch-averaged GGN back through a sequential model.
 
     With a Hessian variant, each elementwise op adds its residual curvature
@@ -186,7 +182,7 @@ def kfra_factors(bp: Backprop, curvature: str = "ggn") -> Factors:
         >>> fn, p = packfunc.functional(torch.nn.Sequential(torch.nn.Linear(3, 4),
         ...                                                 torch.nn.Tanh(),
         ...                                                 torch.nn.Linear(4, 2)))
-        >>> bp = Backprop(fn, p, torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1]),
+        >>> bp = BatchPass(fn, p, torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1]),
         ...               torch.nn.CrossEntropyLoss())
         >>> [f.shape for f in kfra_factors(bp).per_leaf[bp.names.index("0.weight")]]
         [torch.Size([4, 4]), torch.Size([3, 3])]

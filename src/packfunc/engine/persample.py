@@ -1,7 +1,7 @@
 """The engine: column gradients of every parameter leaf, from the cheapest source.
 
-:class:`Backprop` runs discovery and the batch pass once per ``(model_fn,
-params, X, y, loss)``. :meth:`Backprop.columns` then pulls any stack of output
+:class:`BatchPass` runs discovery and the batch pass once per ``(model_fn,
+params, X, y, loss)``. :meth:`BatchPass.columns` then pulls any stack of output
 cotangents ``[K, N, ...]`` back through it — the loss gradient (``K = 1``,
 first order) or the columns of the loss Hessian's square root (the GGN) — and
 returns :class:`ColumnGradients`, which answers per leaf: closed forms from the
@@ -18,12 +18,13 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from packfunc.engine import generic
+from packfunc.engine import whole_model
 from packfunc.engine.batch_pass import BatchRecord, PlanMismatch, record
 from packfunc.engine.discovery import Plan, cached_discover, forget_plan
 from packfunc.engine.memory import chunk_length, index_length, is_plain, new_output, split_index
 from packfunc.engine.ops import TapCall
 from packfunc.engine.rules import Rule, rule_for
+from packfunc.engine.vocabulary import Statistic
 from packfunc.functional import (
     batch_size,
     check_model_arguments,
@@ -60,7 +61,7 @@ def _merge(terms: list[Term]) -> list[Term]:
     return terms if merged is None else [Term(rule, *merged, terms[0].call)]
 
 
-class Backprop:
+class BatchPass:
     """Discovery and the batch pass of ``loss(model_fn(params, X), y)``.
 
     Args:
@@ -77,9 +78,9 @@ class Backprop:
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
-        >>> bp = Backprop(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
         ...               torch.nn.CrossEntropyLoss())
-        >>> bp.gradient_columns().batch_grad(bp.names.index("weight"), slice(0, 4)).shape
+        >>> bp.gradient_columns().leaf_columns(bp.names.index("weight"), slice(0, 4)).shape
         torch.Size([1, 4, 2, 3])
     """
 
@@ -111,7 +112,7 @@ class Backprop:
             self.plan, _ = cached_discover(model_fn, params, self.leaves, X)
             self.record = self._batch_pass(watched)
         failed = {leaf for k in self.record.failed for _, leaf in self.plan.sites[k].call.leaves}
-        self.generic = sorted(self.plan.uncovered | failed)
+        self.whole_model = sorted(self.plan.uncovered | failed)
         self._convolutional = any(site.call.family == "conv" for site in self.plan.sites)
 
     def _batch_pass(
@@ -169,9 +170,9 @@ class ColumnGradients:
         sites: Their pullback to every recorded tapped call, ``[K, N, ...]`` each.
     """
 
-    def __init__(self, backprop: Backprop, cotangents: Tensor, sites: dict[int, Tensor]):
+    def __init__(self, backprop: BatchPass, cotangents: Tensor, sites: dict[int, Tensor]):
         self.bp, self.cotangents = backprop, cotangents
-        self.columns = cotangents.shape[0]
+        self.count = cotangents.shape[0]
         self.terms = self._collect_terms(sites)
 
     def _collect_terms(self, sites: dict[int, Tensor]) -> dict[int, list[Term]]:
@@ -179,7 +180,7 @@ class ColumnGradients:
         for k, x in self.bp.record.inputs.items():
             call = self.bp.plan.sites[k].call
             for role, leaf in call.leaves:
-                if leaf in self.bp.generic:
+                if leaf in self.bp.whole_model:
                     continue
                 rule = rule_for(call, role)
                 # a local site's rule receives the recorded call (LocalInputs) as its input
@@ -187,30 +188,31 @@ class ColumnGradients:
                 by_leaf.setdefault(leaf, []).append(Term(rule, cx, cg, call))
         return {leaf: _merge(terms) for leaf, terms in by_leaf.items()}
 
-    def closed_form(self, leaf: int, stat: str, index: slice | Tensor) -> Tensor | None:
+    def closed_form(self, leaf: int, stat: Statistic, index: slice | Tensor) -> Tensor | None:
         """Return a statistic of a leaf in closed form, or ``None``.
 
         Args:
             leaf: Leaf index.
-            stat: ``"grad"``, ``"sum_grad_squared"``, ``"batch_sum_squares"`` or ``"batch_l2"``.
+            stat: Any statistic but :attr:`~Statistic.COLUMNS`.
             index: Samples the statistic covers.
 
         Returns:
             The statistic, or ``None`` if it needs materialized column gradients.
         """
-        if leaf in self.bp.generic:
+        if leaf in self.bp.whole_model:
             return None
         terms, param = self.terms.get(leaf, []), self.bp.leaves[leaf]
         if not terms:
             return _zeros_of(param, stat, index_length(index))
-        if stat == "grad":
-            return _total([t.rule.grad(t.x[:, index], t.g[:, index], t.call, param) for t in terms])
+        if stat is Statistic.SUM:
+            sums = [t.rule.column_sum(t.x[:, index], t.g[:, index], t.call, param) for t in terms]
+            return _total(sums)
         if len(terms) != 1:
             return None
         (t,) = terms
-        return getattr(t.rule, stat)(t.x[:, index], t.g[:, index], t.call, param)
+        return getattr(t.rule, stat.value)(t.x[:, index], t.g[:, index], t.call, param)
 
-    def batch_grad(self, leaf: int, index: slice | Tensor) -> Tensor:
+    def leaf_columns(self, leaf: int, index: slice | Tensor) -> Tensor:
         """Column gradients ``[K, n, *leaf.shape]`` of a tapped or unused leaf.
 
         Args:
@@ -223,11 +225,11 @@ class ColumnGradients:
         param = self.bp.leaves[leaf]
         terms = self.terms.get(leaf)
         if not terms:
-            return param.new_zeros((self.columns, index_length(index), *param.shape))
-        grads = [t.rule.batch_grad(t.x[:, index], t.g[:, index], t.call, param) for t in terms]
+            return param.new_zeros((self.count, index_length(index), *param.shape))
+        grads = [t.rule.columns(t.x[:, index], t.g[:, index], t.call, param) for t in terms]
         return _total(grads)
 
-    def iter_batch_grads(self, wanted: list[int], index: slice | Tensor) -> Iterator[list[Tensor]]:
+    def iter_leaf_columns(self, wanted: list[int], index: slice | Tensor) -> Iterator[list[Tensor]]:
         """Yield column gradients ``[K, chunk, *p]`` of ``wanted`` leaves for chunks of ``index``.
 
         Generic leaves come from one shared vmap pass per chunk; the others from
@@ -240,11 +242,11 @@ class ColumnGradients:
         Yields:
             Per chunk, one tensor per wanted leaf.
         """
-        numel = self.columns * sum(self.bp.leaves[i].numel() for i in wanted)
+        numel = self.count * sum(self.bp.leaves[i].numel() for i in wanted)
         length = chunk_length(index_length(index), numel, self.bp.chunk_size)
         for chunk in split_index(index, length):
-            if wanted and wanted[0] in self.bp.generic:
-                yield generic.column_grads(
+            if wanted and wanted[0] in self.bp.whole_model:
+                yield whole_model.column_grads(
                     self.bp.model_fn,
                     self.bp.leaves,
                     self.bp.treespec,
@@ -254,7 +256,7 @@ class ColumnGradients:
                     chunk,
                 )
             else:
-                yield [self.batch_grad(i, chunk) for i in wanted]
+                yield [self.leaf_columns(i, chunk) for i in wanted]
 
 
 def _stack(tensors: list[Tensor]) -> Tensor:
@@ -264,11 +266,11 @@ def _stack(tensors: list[Tensor]) -> Tensor:
     return torch.stack(tensors, out=new_output((len(tensors), *tensors[0].shape), tensors[0]))
 
 
-def _zeros_of(param: Tensor, stat: str, n: int) -> Tensor:
+def _zeros_of(param: Tensor, stat: Statistic, n: int) -> Tensor:
     """Statistics of a leaf the output does not depend on."""
-    if stat == "batch_l2":
+    if stat is Statistic.SQUARED_NORMS:
         return param.new_zeros(n)
-    if stat == "batch_sum_squares":
+    if stat is Statistic.DIAGONAL_PER_SAMPLE:
         return param.new_zeros((n, *param.shape))
     return torch.zeros_like(param)
 

@@ -1,11 +1,10 @@
 """Reduce column gradients to the statistics quantities are made of.
 
-Statistics of a leaf, for column gradients ``c[k, n] = batch_grad[k, n]``:
-
-* ``batch_grad``: ``c`` itself, ``[K, n, *p]`` over the requested samples;
-* ``batch_l2``: ``Σ_k ‖c[k, n]‖²``, ``[n]``;
-* ``batch_sum_squares``: ``Σ_k c[k, n]²``, ``[n, *p]``;
-* ``grad``: ``Σ_{k,n} c[k, n]`` and ``sum_grad_squared``: ``Σ_{k,n} c[k, n]²``, over all samples.
+The statistics (:class:`~packfunc.engine.vocabulary.Statistic`) of a leaf's
+column gradients ``c[k, n]``: ``COLUMNS`` (``c`` itself over the requested
+samples), ``SUM`` and ``DIAGONAL`` (``Σ_{k,n} c`` and ``Σ_{k,n} c²`` over all
+samples), ``SQUARED_NORMS`` and ``DIAGONAL_PER_SAMPLE`` (``Σ_k ‖c[k, n]‖²`` and
+``Σ_k c[k, n]²`` per requested sample).
 
 Closed forms come first; what is left is reduced from column gradients
 materialized in chunks, one pass serving every missing statistic.
@@ -19,19 +18,17 @@ import torch
 from torch import Tensor
 
 from packfunc.engine.memory import chunk_length, chunks
-from packfunc.engine.persample import Backprop, ColumnGradients
+from packfunc.engine.persample import BatchPass, ColumnGradients
+from packfunc.engine.vocabulary import PER_SAMPLE, Statistic
 from packfunc.losses import hessian_factors
-
-PER_SAMPLE = frozenset({"batch_grad", "batch_l2", "batch_sum_squares"})
-"""Statistics with one entry per requested sample; the others sum over the whole batch."""
 
 _SQUARES_AT_ONCE = 2**20
 """Elements squared per temporary: small enough for the allocator to reuse its memory."""
 
 
 def leaf_statistics(
-    columns: ColumnGradients, stats: set[str], index: slice | Tensor
-) -> list[dict[str, Tensor]]:
+    columns: ColumnGradients, stats: set[Statistic], index: slice | Tensor
+) -> list[dict[Statistic, Tensor]]:
     """Return, per leaf, the statistics in ``stats``.
 
     The gradient is summed from materialized column gradients when the squared
@@ -47,26 +44,26 @@ def leaf_statistics(
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
-        >>> bp = Backprop(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
         ...               torch.nn.CrossEntropyLoss())
-        >>> stats = leaf_statistics(bp.gradient_columns(), {"batch_l2"}, slice(0, 4))
-        >>> stats[0]["batch_l2"].shape
+        >>> stats = leaf_statistics(bp.gradient_columns(), {Statistic.SQUARED_NORMS}, slice(0, 4))
+        >>> stats[0][Statistic.SQUARED_NORMS].shape
         torch.Size([4])
     """
     everyone = slice(0, columns.bp.n)
-    per_leaf: list[dict[str, Tensor]] = [{} for _ in columns.bp.leaves]
+    per_leaf: list[dict[Statistic, Tensor]] = [{} for _ in columns.bp.leaves]
     for leaf, found in enumerate(per_leaf):
-        for stat in stats - {"batch_grad", "grad"}:
+        for stat in stats - {Statistic.COLUMNS, Statistic.SUM}:
             value = columns.closed_form(leaf, stat, index if stat in PER_SAMPLE else everyone)
             if value is not None:
                 found[stat] = value
-        squares_materialized = "sum_grad_squared" in stats - found.keys()
-        if "grad" in stats and not squares_materialized:
-            value = columns.closed_form(leaf, "grad", everyone)
+        squares_materialized = Statistic.DIAGONAL in stats - found.keys()
+        if Statistic.SUM in stats and not squares_materialized:
+            value = columns.closed_form(leaf, Statistic.SUM, everyone)
             if value is not None:
-                found["grad"] = value
-    tapped = [i for i in range(len(columns.bp.leaves)) if i not in columns.bp.generic]
-    for group in [[i] for i in tapped] + [columns.bp.generic]:
+                found[Statistic.SUM] = value
+    tapped = [i for i in range(len(columns.bp.leaves)) if i not in columns.bp.whole_model]
+    for group in [[i] for i in tapped] + [columns.bp.whole_model]:
         missing = stats - per_leaf[group[0]].keys() if group else set()
         if missing:
             for leaf, found in zip(group, _materialized(columns, group, missing, index)):
@@ -75,8 +72,8 @@ def leaf_statistics(
 
 
 def _materialized(
-    columns: ColumnGradients, group: list[int], stats: set[str], index: slice | Tensor
-) -> list[dict[str, Tensor]]:
+    columns: ColumnGradients, group: list[int], stats: set[Statistic], index: slice | Tensor
+) -> list[dict[Statistic, Tensor]]:
     """Reduce materialized column gradients of ``group`` to ``stats``.
 
     Per-sample statistics cover ``index``; the others the whole batch. One
@@ -87,15 +84,15 @@ def _materialized(
     per_sample, totals = stats & PER_SAMPLE, stats - PER_SAMPLE
     if whole or not per_sample or not totals:
         samples = index if per_sample else everyone
-        return _reduce(columns.iter_batch_grads(group, samples), stats)
-    first = _reduce(columns.iter_batch_grads(group, index), per_sample)
-    second = _reduce(columns.iter_batch_grads(group, everyone), totals)
+        return _reduce(columns.iter_leaf_columns(group, samples), stats)
+    first = _reduce(columns.iter_leaf_columns(group, index), per_sample)
+    second = _reduce(columns.iter_leaf_columns(group, everyone), totals)
     return [a | b for a, b in zip(first, second)]
 
 
-def _reduce(parts: Iterable[list[Tensor]], stats: set[str]) -> list[dict[str, Tensor]]:
+def _reduce(parts: Iterable[list[Tensor]], stats: set[Statistic]) -> list[dict[Statistic, Tensor]]:
     """Fold chunks of column gradients (one ``[K, n, *p]`` tensor per leaf) into statistics."""
-    collected: list[dict[str, list[Tensor]]] | None = None
+    collected: list[dict[Statistic, list[Tensor]]] | None = None
     for chunk in parts:
         if collected is None:
             collected = [{stat: [] for stat in stats} for _ in chunk]
@@ -107,16 +104,16 @@ def _reduce(parts: Iterable[list[Tensor]], stats: set[str]) -> list[dict[str, Te
     return [{stat: _combine(stat, values) for stat, values in found.items()} for found in collected]
 
 
-def _statistic(stat: str, columns: Tensor) -> Tensor:
+def _statistic(stat: Statistic, columns: Tensor) -> Tensor:
     """One chunk's contribution to a statistic, without a temporary of the chunk's size."""
-    if stat == "batch_grad":
+    if stat is Statistic.COLUMNS:
         return columns
-    if stat == "grad":
+    if stat is Statistic.SUM:
         return columns.sum((0, 1))
-    if stat == "batch_l2":
+    if stat is Statistic.SQUARED_NORMS:
         per_sample = columns.transpose(0, 1).reshape(columns.shape[1], -1)
         return torch.linalg.vector_norm(per_sample, dim=1).square()
-    if stat == "batch_sum_squares":
+    if stat is Statistic.DIAGONAL_PER_SAMPLE:
         return columns.square().sum(0)
     flat = columns.reshape(-1, *columns.shape[2:])
     length = max(1, _SQUARES_AT_ONCE // max(flat[0].numel(), 1))
@@ -126,11 +123,11 @@ def _statistic(stat: str, columns: Tensor) -> Tensor:
     return total
 
 
-def _combine(stat: str, values: list[Tensor]) -> Tensor:
+def _combine(stat: Statistic, values: list[Tensor]) -> Tensor:
     """Join the chunks' contributions to a statistic."""
     if len(values) == 1:
         return values[0]
-    if stat == "batch_grad":
+    if stat is Statistic.COLUMNS:
         return torch.cat(values, dim=1)
     if stat in PER_SAMPLE:
         return torch.cat(values)
@@ -138,12 +135,12 @@ def _combine(stat: str, values: list[Tensor]) -> Tensor:
 
 
 def ggn_statistics(
-    bp: Backprop,
-    stats: set[str],
+    bp: BatchPass,
+    stats: set[Statistic],
     index: slice | Tensor,
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
-) -> list[dict[str, Tensor]]:
+) -> list[dict[Statistic, Tensor]]:
     """Statistics of the columns of the GGN's square root, ``J_nᵀ S_n``, per leaf.
 
     The loss Hessian's square-root columns are pulled back in slices small
@@ -161,9 +158,9 @@ def ggn_statistics(
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
-        >>> bp = Backprop(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
         ...               torch.nn.CrossEntropyLoss())
-        >>> ggn_statistics(bp, {"batch_grad"}, slice(0, 4))[1]["batch_grad"].shape
+        >>> ggn_statistics(bp, {Statistic.COLUMNS}, slice(0, 4))[1][Statistic.COLUMNS].shape
         torch.Size([2, 4, 2, 3])
     """
     factors = hessian_factors(
@@ -177,12 +174,14 @@ def ggn_statistics(
     return [_join_columns([part[leaf] for part in parts]) for leaf in range(len(bp.leaves))]
 
 
-def _join_columns(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+def _join_columns(parts: list[dict[Statistic, Tensor]]) -> dict[Statistic, Tensor]:
     """Combine the statistics of consecutive slices of columns."""
     if len(parts) == 1:
         return parts[0]
     joined = {}
     for stat in parts[0]:
         values = [part[stat] for part in parts]
-        joined[stat] = torch.cat(values) if stat == "batch_grad" else sum(values[1:], values[0])
+        joined[stat] = (
+            torch.cat(values) if stat is Statistic.COLUMNS else sum(values[1:], values[0])
+        )
     return joined

@@ -4,7 +4,7 @@ A rule works on *columns*: a column ``(k, n)`` is the gradient of parameter
 ``θ`` pulled back from output cotangent ``k`` of sample ``n``. For first-order
 quantities there is one output cotangent (``K = 1``: the loss gradient), for
 the generalized Gauss-Newton there are ``K`` (the columns of the loss
-Hessian's square root). The column gradient is ``batch_grad[k, n]``; every
+Hessian's square root). The column gradient is ``c[k, n]`` (``columns``); every
 other method is a reduction of it that a closed form may give more cheaply.
 """
 
@@ -80,26 +80,26 @@ class Rule:
         """
         return None
 
-    def batch_grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def columns(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """Column gradients ``[K, n, *param.shape]``."""
         raise NotImplementedError
 
-    def grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
-        """``Σ_{k,n} batch_grad[k, n]``."""
-        return self.batch_grad(x, g, call, param).sum((0, 1))
+    def column_sum(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+        """``Σ_{k,n} c[k, n]``."""
+        return self.columns(x, g, call, param).sum((0, 1))
 
-    def sum_grad_squared(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor | None:
-        """``Σ_{k,n} batch_grad[k, n]²`` in closed form, or ``None``."""
+    def diagonal(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor | None:
+        """``Σ_{k,n} c[k, n]²`` in closed form, or ``None``."""
         return None
 
-    def batch_sum_squares(
+    def diagonal_per_sample(
         self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
     ) -> Tensor | None:
-        """``Σ_k batch_grad[k, n]²`` per sample, ``[n, *param.shape]``, or ``None``."""
+        """``Σ_k c[k, n]²`` per sample, ``[n, *param.shape]``, or ``None``."""
         return None
 
-    def batch_l2(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor | None:
-        """``Σ_k ‖batch_grad[k, n]‖²`` per sample, ``[n]``, or ``None``."""
+    def squared_norms(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor | None:
+        """``Σ_k ‖c[k, n]‖²`` per sample, ``[n]``, or ``None``."""
         return None
 
     def output_factor(self, g: Tensor, approx: str) -> Tensor:

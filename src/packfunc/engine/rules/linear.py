@@ -49,7 +49,7 @@ class Bias(Rule):
             return None
         return xs[0], torch.stack(gs).sum(0)
 
-    def batch_grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def columns(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """The canonical cotangent itself."""
         return g
 
@@ -58,14 +58,14 @@ class Bias(Rule):
         flat = g.reshape(-1, g.shape[-1])
         return flat.T @ flat
 
-    def sum_grad_squared(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def diagonal(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """``Σ_{k,n} g²``."""
         return g.square().sum((0, 1))
 
-    def batch_sum_squares(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def diagonal_per_sample(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """``Σ_k g²`` per sample."""
         return g.square().sum(0)
 
-    def batch_l2(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def squared_norms(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """``Σ_k ‖g_kn‖²``."""
         return g.square().sum((0, 2))

@@ -26,7 +26,7 @@ class LocalRule(Rule):
     which have the parameter's size per sample (small for norm layers and scales).
     """
 
-    def batch_grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def columns(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """Column gradients ``[K, n, *param.shape]``: vmap over samples of the op's vjp."""
         local = _as_local(x)
         leaf = local.leaf_of(param)
@@ -41,7 +41,7 @@ class LocalRule(Rule):
         samples = [local.arguments.values[p] for p in local.batched]
         return vmap(one_sample, in_dims=(0, 1), out_dims=1)(samples, g)
 
-    def grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def column_sum(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """``Σ_{k,n}`` of the column gradients: one vjp of the op over the recorded batch."""
         local = _as_local(x)
         leaf = local.leaf_of(param)

@@ -28,11 +28,11 @@ _TRAILING = frozenset({F.layer_norm, F.rms_norm})
 class AffineNorm(LocalRule):
     """Affine weight and bias of the normalization functions of :data:`NORM_RULES`."""
 
-    def batch_grad(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def columns(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """Column gradients ``[K, n, *param.shape]``: ``g`` (times ``x̂``) summed over positions."""
         found = _role(_as_local(x), param)
         if found is None:
-            return super().batch_grad(x, g, call, param)
+            return super().columns(x, g, call, param)
         role, bound = found
         local = _as_local(x)
         product = g * _normalized(local.func, bound) if role == "weight" else g
