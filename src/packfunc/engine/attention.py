@@ -3,7 +3,7 @@
 ``nn.MultiheadAttention`` (and through it ``nn.TransformerEncoderLayer``,
 ``nn.TransformerDecoderLayer``, ``nn.Transformer``) calls
 ``F.multi_head_attention_forward`` in ``(L, N, E)`` layout. A ``TorchFunctionMode`` sees that
-call as one opaque op, so its projection weights would have to take the generic path.
+call as one opaque op, so its projection weights would have to take the whole-model path.
 :func:`run_attention` evaluates the same function from ``F.linear`` calls whose weights and
 biases are the module's own parameter leaves, reshapes, softmax attention (or
 ``F.scaled_dot_product_attention``) and ``F.dropout``, all out of place. It works on
@@ -21,7 +21,7 @@ The projections, one per parameter leaf:
 * ``out_proj``: one ``F.linear``.
 
 ``bias_k``/``bias_v`` are expanded over samples and concatenated along the sequence (they take
-the generic path). Calls it cannot reproduce exactly (``static_k``/``static_v``, nested
+the whole-model path). Calls it cannot reproduce exactly (``static_k``/``static_v``, nested
 tensors, malformed arguments) are left to PyTorch: see :func:`supports_attention`.
 """
 

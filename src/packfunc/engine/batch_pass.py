@@ -265,7 +265,7 @@ class BatchRecord:
         output_cotangent: ``∂L/∂output``; row ``n`` is sample ``n``'s share.
         inputs: Input of each recorded tapped call, by site index.
         failed: Active sites whose shapes differed from discovery (their leaves must
-            take the generic path).
+            take the whole-model path).
         pullback: Maps an output cotangent ``[N, ...]`` to the cotangents of the
             recorded calls' outputs.
         pullback_columns: The same for a stack of output cotangents ``[K, N, ...]``.

@@ -225,7 +225,7 @@ def _counts_batches(func: Callable, args: tuple) -> bool:
 
 
 def functional_mode(batch_statistics: bool = False) -> TorchFunctionMode:
-    """Return the mode that runs models for the generic, vmap-based path.
+    """Return the mode that runs models for the whole-model, vmap-based path.
 
     Args:
         batch_statistics: Let BatchNorm in training mode normalize with batch statistics

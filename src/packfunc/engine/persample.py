@@ -5,8 +5,8 @@ params, X, y, loss)``. :meth:`BatchPass.columns` then pulls any stack of output
 cotangents ``[K, N, ...]`` back through it — the loss gradient (``K = 1``,
 first order) or the columns of the loss Hessian's square root (the GGN) — and
 returns :class:`ColumnGradients`, which answers per leaf: closed forms from the
-rules for tapped leaves, column gradients in chunks (tapped or generic)
-otherwise, zeros for unused leaves.
+rules for tapped and local sites, column gradients in chunks (from the rules or
+the whole-model path) otherwise, zeros for unused leaves.
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ class ColumnGradients:
         """Column gradients ``[K, n, *leaf.shape]`` of a tapped or unused leaf.
 
         Args:
-            leaf: Leaf index (not generic).
+            leaf: Leaf index (not on the whole-model path).
             index: Samples to compute.
 
         Returns:
@@ -236,7 +236,7 @@ class ColumnGradients:
         their rules.
 
         Args:
-            wanted: Leaf indices, all generic or all non-generic.
+            wanted: Leaf indices, all on the whole-model path or none.
             index: Samples to compute.
 
         Yields:

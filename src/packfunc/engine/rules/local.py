@@ -28,7 +28,7 @@ class LocalRule(Rule):
 
     def columns(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """Column gradients ``[K, n, *param.shape]``: vmap over samples of the op's vjp."""
-        local = _as_local(x)
+        local = as_local(x)
         leaf = local.leaf_of(param)
 
         def one_sample(samples: list[Tensor], cotangents: Tensor) -> Tensor:
@@ -43,7 +43,7 @@ class LocalRule(Rule):
 
     def column_sum(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """``Σ_{k,n}`` of the column gradients: one vjp of the op over the recorded batch."""
-        local = _as_local(x)
+        local = as_local(x)
         leaf = local.leaf_of(param)
         _, pullback = vjp(lambda value: local.evaluate(leaf, value, None), param)
         if g.shape[0] == 1:
@@ -51,8 +51,18 @@ class LocalRule(Rule):
         return vmap(lambda c: pullback(c)[0])(g).sum(0)
 
 
-def _as_local(x: Any) -> LocalInputs:
-    """The recorded call (the rule interface types it as a tensor)."""
+def as_local(x: Any) -> LocalInputs:
+    """The recorded call a local rule receives (the rule interface types it as a tensor).
+
+    Args:
+        x: What the rule received as the op's input.
+
+    Returns:
+        The :class:`~packfunc.engine.local.LocalInputs`.
+
+    Raises:
+        TypeError: if ``x`` is not a recorded call.
+    """
     if not isinstance(x, LocalInputs):
         raise TypeError(f"a local rule needs the recorded call, got {type(x).__name__}")
     return x

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from packfunc.engine.local import LocalInputs
 from packfunc.engine.ops import TapCall
-from packfunc.engine.rules.local import LocalRule
+from packfunc.engine.rules.local import LocalRule, as_local
 
 _TRAILING = frozenset({F.layer_norm, F.rms_norm})
 """Norms whose parameters cover the trailing dims (``normalized_shape``); others dim 1."""
@@ -30,22 +30,16 @@ class AffineNorm(LocalRule):
 
     def columns(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
         """Column gradients ``[K, n, *param.shape]``: ``g`` (times ``x̂``) summed over positions."""
-        found = _role(_as_local(x), param)
+        found = _role(as_local(x), param)
         if found is None:
             return super().columns(x, g, call, param)
         role, bound = found
-        local = _as_local(x)
+        local = as_local(x)
         product = g * _normalized(local.func, bound) if role == "weight" else g
         trailing = local.func in _TRAILING  # parameters over the last dims, else over dim 1
         dims = range(2, g.dim() - param.dim()) if trailing else range(3, g.dim())
         summed = product.sum(tuple(dims)) if len(dims) else product
         return summed.reshape(g.shape[0], g.shape[1], *param.shape)
-
-
-def _as_local(x: Any) -> LocalInputs:
-    if not isinstance(x, LocalInputs):
-        raise TypeError(f"a norm rule needs the recorded call, got {type(x).__name__}")
-    return x
 
 
 def _role(local: LocalInputs, param: Tensor) -> tuple[str, dict[str, Any]] | None:
