@@ -199,3 +199,23 @@ def test_the_shim_reuses_the_forward_of_models_with_norms(monkeypatch):
     params = dict(extended.named_parameters())
     assert_trees_close({k: p.grad_batch for k, p in params.items()}, expected)
     assert_trees_close({k: p.diag_ggn_exact for k, p in params.items()}, diagonal)
+
+
+def test_a_python_number_read_from_a_parameter_is_a_constant():
+    weights = {"w": torch.randn(3, 2, dtype=torch.float64), "scale": torch.ones(())}
+
+    def model_fn(params, X):  # .item() leaves autograd: the scale gets no gradient
+        return (X @ params["w"]) * params["scale"].item()
+
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    grads = pf.batch_grad(model_fn, weights, X, y)
+    torch.testing.assert_close(grads["scale"], torch.zeros(4))
+    expected = torch.stack(
+        [
+            torch.func.grad(
+                lambda w, i=i: nn.functional.cross_entropy(X[i : i + 1] @ w, y[i : i + 1]) / 4
+            )(weights["w"])
+            for i in range(4)
+        ]
+    )
+    torch.testing.assert_close(grads["w"], expected)

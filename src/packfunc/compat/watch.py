@@ -29,13 +29,18 @@ from packfunc.engine.batch_pass import BatchRecord, autograd_record, sample_layo
 from packfunc.engine.discovery import Plan, Recorded, Use
 from packfunc.engine.local import (
     CallArguments,
-    Derivation,
     LocalInputs,
     Source,
-    copies_along_batch,
-    derive,
 )
-from packfunc.engine.modes import LeafIndex, is_metadata_query
+from packfunc.engine.modes import (
+    Derived,
+    LeafIndex,
+    is_metadata_query,
+    leaves_of,
+    parameter_sources,
+    remember_derivations,
+    tensor_outputs,
+)
 from packfunc.engine.ops import SIGNATURES, make_call
 from packfunc.engine.recurrent import RECURRENT_OPS
 from packfunc.losses import check_loss_inputs
@@ -140,9 +145,8 @@ class ForwardRecorder(TorchFunctionMode):
 
     @staticmethod
     def _mark(out: Any, into: Any) -> None:
-        for tensor in (out,) if isinstance(out, Tensor) else out if isinstance(out, tuple) else ():
-            if isinstance(tensor, Tensor):
-                into[id(tensor)] = tensor
+        for _, tensor in tensor_outputs(out):
+            into[id(tensor)] = tensor
 
     def release(self, output: Tensor) -> None:
         """Drop references to the pass's final output (a hook on its graph may hold us).
@@ -211,7 +215,7 @@ def _match(
     n: int,
 ) -> _Matched | None:
     """Pair the watched calls with the plan's uses; the record's pieces, or ``None``."""
-    derived: dict[int, tuple[Tensor, Derivation]] = {}
+    derived: Derived = {}
     inputs: dict[int, Recorded] = {}
     edges: dict[int, GradientEdge] = {}
     shapes: dict[int, tuple[int, ...]] = {}
@@ -222,9 +226,9 @@ def _match(
             return None
         if not call.unchanged():
             return None
-        sources = _sources(call.arguments.values, leaf_of, derived)
+        sources = parameter_sources(call.arguments.values, leaf_of, derived) or {}
         if use.kind == "derived":
-            _derive(call, sources, derived)
+            remember_derivations(derived, call.func, call.arguments, sources, call.outputs)
             continue
         if use.site is None or use.site not in active:
             continue
@@ -267,49 +271,15 @@ def _recorded(
     layout = sample_layout(plan.sites[use.site].shapes, call.arguments.values, sources, n)
     if layout is None:
         return None
-    used = {
-        leaf
-        for source in sources.values()
-        for leaf in ((source,) if isinstance(source, int) else source.leaves)
-    }
     batched, narrow = layout
-    values = {leaf: leaves[leaf] for leaf in used}
+    values = {leaf: leaves[leaf] for leaf in leaves_of(sources)}
     return LocalInputs(call.func, call.arguments, sources, batched, narrow, values)
-
-
-def _sources(
-    values: tuple[Any, ...], leaf_of: LeafIndex, derived: dict[int, tuple[Tensor, Derivation]]
-) -> dict[int, Source]:
-    """Flat position -> leaf or derivation of every parameter argument."""
-    sources: dict[int, Source] = {}
-    for position, value in enumerate(values):
-        leaf = leaf_of(value)
-        if leaf is not None:
-            sources[position] = leaf
-        elif isinstance(value, Tensor):
-            found = derived.get(id(value))
-            if found is not None and found[0] is value:
-                sources[position] = found[1]
-    return sources
-
-
-def _derive(
-    call: WatchedCall, sources: dict[int, Source], derived: dict[int, tuple[Tensor, Derivation]]
-) -> None:
-    """Rebuild the derivations of a call on parameters only."""
-    broadcast = copies_along_batch(call.func, call.arguments, call.outputs[0][1])
-    for index, tensor in call.outputs:
-        derivation = derive(call.func, call.arguments, sources, index, broadcast)
-        derived[id(tensor)] = (tensor, derivation)
 
 
 def _watched(func: Callable, arguments: CallArguments, out: Any, samples: bool) -> WatchedCall:
     """Describe a call right after it ran."""
     versions = tuple(v._version if isinstance(v, Tensor) else None for v in arguments.values)
-    if isinstance(out, Tensor):
-        outputs: list[tuple[int | None, Tensor]] = [(None, out)]
-    else:
-        outputs = [(i, t) for i, t in enumerate(out) if isinstance(t, Tensor)]
+    outputs = tensor_outputs(out)
     tensor = out if isinstance(out, Tensor) else None
     edge = get_gradient_edge(tensor) if tensor is not None and tensor.requires_grad else None
     version = tensor._version if tensor is not None else 0

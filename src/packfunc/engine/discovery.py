@@ -41,6 +41,7 @@ from packfunc.engine.modes import (
     dropout_rate,
     is_metadata_query,
     leaves_of,
+    tensor_outputs,
 )
 from packfunc.engine.ops import ROLES, SIGNATURES, OpSignature, TapCall, make_call
 from packfunc.functional import module_of, select_samples
@@ -223,12 +224,8 @@ class _DiscoveryMode(ParameterMode):
 
     def _mark_samples(self, out: Any) -> None:
         """Record that the outputs of a call depend on the samples."""
-        outputs = (
-            (out,) if isinstance(out, Tensor) else out if isinstance(out, (list, tuple)) else ()
-        )
-        for tensor in outputs:
-            if isinstance(tensor, Tensor):
-                self.samples[id(tensor)] = tensor
+        for _, tensor in tensor_outputs(out):
+            self.samples[id(tensor)] = tensor
 
 
 def _refuse_coupled_embedding(sig: OpSignature, bound: dict[str, Any]) -> None:

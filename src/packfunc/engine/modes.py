@@ -333,25 +333,12 @@ class ParameterMode(FunctionalMode):
     def __init__(self, leaf_of: LeafIndex):
         super().__init__()
         self.leaf_of = leaf_of
-        self.derived: dict[int, tuple[Tensor, Derivation]] = {}  # id -> (tensor kept alive, how)
+        self.derived: Derived = {}  # id -> (tensor kept alive, how)
         self.uses_seen = 0
 
     def _sources(self, values: tuple[Any, ...]) -> dict[int, Source] | None:
         """Flat position -> leaf or derivation of every parameter argument (``None``: ambiguous)."""
-        sources: dict[int, Source] = {}
-        for position, value in enumerate(values):
-            if not isinstance(value, Tensor):
-                continue
-            leaf = self.leaf_of(value)
-            if leaf is not None:
-                sources[position] = leaf
-            elif self.leaf_of.contains(value):
-                return None  # one tensor at two places of the pytree
-            else:
-                found = self.derived.get(id(value))
-                if found is not None and found[0] is value:
-                    sources[position] = found[1]
-        return sources
+        return parameter_sources(values, self.leaf_of, self.derived)
 
     def _decomposes_recurrent(self, args: tuple, kwargs: dict) -> bool:
         """Only when its weights are requested: a frozen RNN runs fused, at a plain RNN's cost.
@@ -376,12 +363,72 @@ class ParameterMode(FunctionalMode):
         self, func: Callable, arguments: CallArguments, sources: dict[int, Source], out: Any
     ) -> None:
         """Remember the outputs of a call on parameters only as derivations."""
-        broadcast = copies_along_batch(func, arguments, out)
-        outputs = [(None, out)] if isinstance(out, Tensor) else list(enumerate(out))
-        for index, tensor in outputs:
-            if isinstance(tensor, Tensor):
-                derivation = derive(func, arguments, sources, index, broadcast)
-                self.derived[id(tensor)] = (tensor, derivation)
+        remember_derivations(self.derived, func, arguments, sources, tensor_outputs(out))
+
+
+Derived = dict[int, tuple[Tensor, Derivation]]
+"""Tensors made of parameters only, by ``id``: the tensor (kept alive) and how it is made."""
+
+
+def parameter_sources(
+    values: tuple[Any, ...], leaf_of: LeafIndex, derived: Derived
+) -> dict[int, Source] | None:
+    """Flat position -> leaf or derivation of every parameter argument of a call.
+
+    Args:
+        values: The call's flattened arguments.
+        leaf_of: The parameter leaves.
+        derived: The derivations seen so far.
+
+    Returns:
+        The sources, or ``None`` if an argument is a tensor that stands at two places of
+        the parameter pytree (it cannot be attributed to one leaf).
+    """
+    sources: dict[int, Source] = {}
+    for position, value in enumerate(values):
+        if not isinstance(value, Tensor):
+            continue
+        leaf = leaf_of(value)
+        if leaf is not None:
+            sources[position] = leaf
+        elif leaf_of.contains(value):
+            return None  # one tensor at two places of the pytree
+        else:
+            found = derived.get(id(value))
+            if found is not None and found[0] is value:
+                sources[position] = found[1]
+    return sources
+
+
+def tensor_outputs(out: Any) -> list[tuple[int | None, Tensor]]:
+    """A call's tensor outputs with their position (``None``: the output is one tensor)."""
+    if isinstance(out, Tensor):
+        return [(None, out)]
+    if not isinstance(out, (list, tuple)):
+        return []  # e.g. param.item(): a Python number, detached like in autograd
+    return [(i, t) for i, t in enumerate(out) if isinstance(t, Tensor)]
+
+
+def remember_derivations(
+    derived: Derived,
+    func: Callable,
+    arguments: CallArguments,
+    sources: dict[int, Source],
+    outputs: list[tuple[int | None, Tensor]],
+) -> None:
+    """Record the outputs of a call on parameters only as derivations.
+
+    Args:
+        derived: Where derivations are kept (updated).
+        func: The op.
+        arguments: Its flattened arguments.
+        sources: Its parameter arguments (see :func:`parameter_sources`).
+        outputs: Its tensor outputs (see :func:`tensor_outputs`).
+    """
+    first = outputs[0][1] if outputs else None
+    broadcast = copies_along_batch(func, arguments, first)
+    for index, tensor in outputs:
+        derived[id(tensor)] = (tensor, derive(func, arguments, sources, index, broadcast))
 
 
 def leaves_of(sources: dict[int, Source]) -> set[int]:
