@@ -133,6 +133,24 @@ def packfunc_builder(problem: Problem, quantity: str) -> Closure | None:
         return lambda: pf.compute(model_fn, params, X, y, quantities=("grad",), loss=lossfunc)[
             "grad"
         ]
+    if quantity in EKFAC_QUANTITIES:
+        mc_samples = 1 if quantity == "ekfac" else None
+        generator = generator_on(problem.device)
+
+        def fit() -> Result:
+            eigen = pf.ekfac(
+                model_fn,
+                params,
+                X,
+                y,
+                loss=lossfunc,
+                mc_samples=mc_samples,
+                generator=generator,
+                kfac_approx="expand",
+            )
+            return {name: [e.eigenvalues, *e.eigenvectors] for name, e in eigen.items()}
+
+        return fit
     base, sampled = _split_mc(quantity)
     function = getattr(pf, base, None)
     if function is None:
@@ -152,6 +170,13 @@ def _split_mc(quantity: str) -> tuple[str, bool]:
     return quantity, False
 
 
+EKFAC_QUANTITIES = ("ekfac", "ekfac_exact")
+"""EKFAC rows: one Monte-Carlo sample (``ekfac``) or the exact square-root columns.
+
+Their results have the layout ``{name: [λ, Q_A, Q_B]}`` (a bias ``[λ, Q_A]``), in
+curvlinops' ``"expand"`` convention for weight-sharing layers."""
+
+
 def curvlinops_builder(problem: Problem, quantity: str) -> Closure | None:
     """Curvlinops' ``KFACLinearOperator`` (hooks, one backward): its Kronecker factors.
 
@@ -160,6 +185,8 @@ def curvlinops_builder(problem: Problem, quantity: str) -> Closure | None:
     normalization and position convention (``"expand"``) differ from BackPACK's,
     so they are compared by shape.
     """
+    if quantity in EKFAC_QUANTITIES:
+        return curvlinops_ekfac_builder(problem, quantity)
     fisher_types = {"kfac": "mc", "kflr": "type-2"}
     if quantity not in fisher_types:
         return None
@@ -181,10 +208,94 @@ def curvlinops_builder(problem: Problem, quantity: str) -> Closure | None:
     )
 
     def run() -> Result:
+        operator._input_covariances.clear()  # the operator adds to its cached factors
+        operator._gradient_covariances.clear()
         operator.compute_kronecker_factors()
         return kronecker_layout(operator._input_covariances, operator._gradient_covariances, names)
 
     return run
+
+
+class FlatLogits(torch.nn.Module):
+    """``[N, C, d...]`` logits as ``[N·d..., C]`` rows (curvlinops' EKFAC takes 2d outputs only).
+
+    The wrapped model's layers still see the batch dimension ``N`` first, so
+    curvlinops' per-example gradients stay per sequence.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The logits, one row per position."""
+        logits = self.model(x)
+        return logits.movedim(1, -1).reshape(-1, logits.shape[1])
+
+
+def curvlinops_ekfac_builder(problem: Problem, quantity: str) -> Closure:
+    """Curvlinops' ``EKFACLinearOperator``, computed eagerly as its first product would.
+
+    Kronecker factors, their eigenvectors (``eigh``) and the eigenvalue correction.
+
+    The operator accumulates into its caches, so each run clears them first. Sequence
+    outputs (``[N, C, T]``) go through :class:`FlatLogits`; for them only the Monte-Carlo
+    row is offered: curvlinops backpropagates each exact square-root column for all ``T``
+    positions of a sequence at once, which adds cross-position terms to the eigenvalues.
+    """
+    try:
+        from curvlinops import EKFACLinearOperator
+    except ImportError as error:
+        raise Unavailable(str(error)) from error
+    model, X, y = problem.model(), problem.X, problem.y
+    names = problem.parameter_names(quantity)
+    named = dict(model.named_parameters())
+    if y.dim() > 1:
+        if quantity != "ekfac":
+            raise Unsupported(
+                "exact EKFAC of sequence outputs: curvlinops backpropagates a square-root "
+                "column for all positions at once (cross-position terms)"
+            )
+        model, y = FlatLogits(model), y.flatten()
+    operator = EKFACLinearOperator(
+        model,
+        problem.loss(),
+        [named[name] for name in names],
+        [(X, y)],
+        check_deterministic=False,
+        fisher_type="mc" if quantity == "ekfac" else "type-2",
+        mc_samples=1,
+        kfac_approx="expand",
+    )
+    caches = (
+        operator._input_covariances,
+        operator._gradient_covariances,
+        operator._input_covariances_eigenvectors,
+        operator._gradient_covariances_eigenvectors,
+        operator._corrected_eigenvalues,
+    )
+
+    def run() -> Result:
+        for cache in caches:
+            cache.clear()
+        operator.compute_kronecker_factors()
+        operator.compute_eigenvalue_correction()
+        return eigen_layout(operator, names)
+
+    return run
+
+
+def eigen_layout(operator: object, names: tuple[str, ...]) -> Result:
+    """A computed ``EKFACLinearOperator`` in the EKFAC rows' layout ``{name: [λ, *Q]}``."""
+    layout = {}
+    for module, positions in operator._mapping.items():  # type: ignore[attr-defined]
+        values = operator._corrected_eigenvalues[module]  # type: ignore[attr-defined]
+        outputs = operator._gradient_covariances_eigenvectors[module]  # type: ignore[attr-defined]
+        inputs = operator._input_covariances_eigenvectors.get(module)  # type: ignore[attr-defined]
+        for kind, position in positions.items():
+            vectors = [outputs, inputs] if kind == "weight" else [outputs]
+            layout[names[position]] = [values[position], *vectors]
+    return layout
 
 
 def kronecker_layout(

@@ -91,7 +91,7 @@ class Problem:
         return self
 
 
-KRONECKER_QUANTITIES = ("kfac", "kflr", "kfra")
+KRONECKER_QUANTITIES = ("kfac", "kflr", "kfra", "ekfac", "ekfac_exact")
 """Quantities restricted to :attr:`Problem.kronecker` where a problem sets it."""
 
 

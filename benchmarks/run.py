@@ -35,6 +35,7 @@ from torch import Tensor
 
 from peers import (
     BUILDERS,
+    EKFAC_QUANTITIES,
     NOT_PEERS,
     PLAIN,
     REFERENCES,
@@ -47,7 +48,7 @@ from peers import (
     build_all,
 )
 from problems import PROBLEMS, Problem
-from timing import agrees, cpu_model, discrepancy, time_interleaved
+from timing import agrees, cpu_model, discrepancy, eigen_products, time_interleaved
 
 THREADS = 2
 
@@ -57,21 +58,29 @@ Sync = Callable[[], None]
 FIRST_ORDER = ["grad", "batch_grad", "batch_l2_grad", "sum_grad_squared", "variance"]
 GGN = ["diag_ggn", "diag_ggn_mc", "batch_diag_ggn", "batch_diag_ggn_mc"]
 KRONECKER = ["kfac", "kflr"]
+EKFAC = list(EKFAC_QUANTITIES)
 MODERN = ["batch_grad", "batch_l2_grad", "diag_ggn_mc", "kfac"]
 QUANTITIES = {
-    "MLP": FIRST_ORDER + GGN + KRONECKER + ["kfra"],
-    "CNN": FIRST_ORDER + GGN + KRONECKER,
+    "MLP": FIRST_ORDER + GGN + KRONECKER + ["kfra"] + EKFAC,
+    "CNN": FIRST_ORDER + GGN + KRONECKER + EKFAC,
     "tanh MLP": ["diag_hessian"],
-    "LM": MODERN,
+    "LM": MODERN + ["ekfac"],
     "ResNet-GN": MODERN,
     "ResNet-BN": MODERN,
     "LSTM": ["kfac"],
     "ResNet-BN 5k": ["diag_hessian"],
 }
 """Quantities per problem, in table order; ``grad`` is the plain-backward reference row,
-``*_mc`` rows and ``kfac`` draw one Monte-Carlo sample (their check compares shapes only)."""
+``*_mc`` rows, ``kfac`` and ``ekfac`` draw one Monte-Carlo sample (their check compares
+shapes only); ``ekfac_exact`` uses the exact square-root columns (KFLR basis, curvlinops'
+``fisher_type="type-2"``)."""
 
-LABELS = {"grad": "grad (ref: loss.backward)", "kfac": "kfac (Linear/Conv2d)"}
+LABELS = {
+    "grad": "grad (ref: loss.backward)",
+    "kfac": "kfac (Linear/Conv2d)",
+    "ekfac": "ekfac (MC, Linear/Conv2d)",
+    "ekfac_exact": "ekfac_exact (type-2)",
+}
 """Display names for quantities whose key is not self-explanatory."""
 
 DISTRIBUTIONS = {
@@ -85,7 +94,7 @@ DISTRIBUTIONS = {
 
 def stochastic(quantity: str) -> bool:
     """Monte-Carlo quantities: their check compares shapes only."""
-    return quantity.endswith("_mc") or quantity == "kfac"
+    return quantity.endswith("_mc") or quantity in ("kfac", "ekfac")
 
 
 @dataclass
@@ -147,7 +156,9 @@ def compare(row: Row, name: str, result: Result, reference_name: str, reference:
 
     Monte-Carlo rows and results in curvlinops' conventions are compared by shape;
     Kronecker rows in the ``"expand"`` convention also compare their (deterministic)
-    input factors with curvlinops' by value.
+    input factors with curvlinops' by value; exact EKFAC rows compare each weight's
+    ``(⊗ Q) diag(λ) (⊗ Q)ᵀ`` (applied to random probes, :func:`eigen_products`) and each
+    entry's ``Σ λ`` by value.
     """
     pair = {name, reference_name}
     shapes_only = stochastic(row.quantity) or bool(pair & SHAPES_ONLY)
@@ -157,7 +168,30 @@ def compare(row: Row, name: str, result: Result, reference_name: str, reference:
         inputs, expected = input_factors(result), input_factors(reference)
         if not agrees(inputs, expected):
             return "input factors: " + discrepancy(inputs, expected)
+    if row.quantity == "ekfac_exact":
+        weights = [name for name, entry in result.items() if len(entry) == 3]
+        products = eigen_products({name: result[name] for name in weights})
+        expected = eigen_products({name: reference[name] for name in weights})
+        if not agrees(products, expected, rtol=EKFAC_RTOL, atol=EKFAC_RTOL):
+            return "EKFAC products: " + discrepancy(products, expected)
+        traces, expected = eigenvalue_sums(result), eigenvalue_sums(reference)
+        if not agrees(traces, expected, rtol=EKFAC_RTOL):
+            return "EKFAC traces: " + discrepancy(traces, expected)
     return ""
+
+
+def eigenvalue_sums(result: Result) -> dict[str, Tensor]:
+    """Each EKFAC entry's ``Σ λ``: the trace of its GGN block, whatever the basis.
+
+    Biases are compared this way: packfunc (like BackPACK) takes a convolution bias's
+    factor from its position-summed gradients, curvlinops from the layer's per-position
+    output-gradient covariance, so their bases differ.
+    """
+    return {name: entry[0].double().sum() for name, entry in result.items()}
+
+
+EKFAC_RTOL = 1e-3
+"""Tolerance of exact EKFAC products (float32 eigenvectors of different ``eigh`` calls)."""
 
 
 def check(row: Row, sync: Sync) -> Outcome:
@@ -349,6 +383,14 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "Kronecker rows checked against curvlinops (same 'expand' convention): the "
             "deterministic input factors B by value, the Monte-Carlo gradient factors A by shape."
+        )
+    if any(row.quantity in EKFAC for row in rows):
+        print(
+            "EKFAC rows (curvlinops' EKFACLinearOperator: factors, eigh, eigenvalue correction; "
+            "'expand' convention): ekfac_exact weights checked by value as (⊗Q) diag(λ) (⊗Q)ᵀ on "
+            "random probes, biases by Σλ (convolution biases: packfunc's factor is BackPACK's, "
+            "from the position-summed gradients; curvlinops' is the layer's per-position one), "
+            "the Monte-Carlo ekfac by shape."
         )
     mismatches = []
     for row, outcome in zip(rows, outcomes):

@@ -140,6 +140,43 @@ def agrees(
     return True
 
 
+def eigen_products(result: dict[str, Any], seed: int = 0) -> dict[str, Tensor]:
+    """Each entry's ``(⊗ Q) diag(vec λ) (⊗ Q)ᵀ`` applied to a seeded random probe, in float64.
+
+    Independent of the eigenvectors' signs and order (and of the basis inside an
+    eigenspace of equal ``λ``), so two EKFAC implementations can be compared by value.
+
+    Args:
+        result: ``{name: [λ, Q_A, Q_B]}`` or ``{name: [λ, Q_A]}`` (an EKFAC row's layout).
+        seed: Seed of the probes (one per entry, shaped like ``λ``).
+
+    Returns:
+        ``{name: product}``, each shaped like its ``λ``.
+
+    Example:
+        >>> swapped = torch.tensor([[0.0, -1.0], [1.0, 0.0]])  # reordered, one sign flipped
+        >>> a = eigen_products({"b": [torch.tensor([2.0, 3.0]), torch.eye(2)]})["b"]
+        >>> b = eigen_products({"b": [torch.tensor([3.0, 2.0]), swapped]})["b"]
+        >>> torch.equal(a, b)
+        True
+    """
+    generator = torch.Generator().manual_seed(seed)
+    products = {}
+    for name, (values, *vectors) in result.items():
+        probe = torch.randn(values.shape, generator=generator, dtype=torch.float64)
+        rotated = _mode_products(probe, [q.double().cpu().T for q in vectors])
+        scaled = rotated * values.double().cpu()
+        products[name] = _mode_products(scaled, [q.double().cpu() for q in vectors])
+    return products
+
+
+def _mode_products(tensor: Tensor, matrices: list[Tensor]) -> Tensor:
+    """``tensor`` with matrix ``i`` applied along dimension ``i`` (``M_0 T M_1ᵀ`` for 2d)."""
+    for dim, matrix in enumerate(matrices):
+        tensor = torch.tensordot(matrix, tensor.movedim(dim, 0), dims=1).movedim(0, dim)
+    return tensor
+
+
 def cpu_model() -> str:
     """The CPU model name from ``/proc/cpuinfo`` (``'unknown'`` elsewhere)."""
     try:

@@ -19,6 +19,7 @@ from torch.func import functional_call
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+import laplace_fit  # noqa: E402
 import peers  # noqa: E402
 import problems  # noqa: E402
 import run  # noqa: E402
@@ -130,6 +131,114 @@ def test_cli_runs_a_tiny_problem(monkeypatch: pytest.MonkeyPatch, capsys) -> Non
     assert "MISMATCH" not in out
 
 
-@pytest.mark.parametrize("module", [peers, problems, timing])
+TINY_EKFAC = {
+    "MLP": lambda: problems.Problem(
+        "MLP",
+        torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)),
+        torch.randn(7, 6),
+        torch.randint(0, 3, (7,)),
+    ),
+    "CNN": lambda: problems.Problem(
+        "CNN",
+        torch.nn.Sequential(
+            torch.nn.Conv2d(2, 3, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Flatten(),
+            torch.nn.Linear(3 * 3 * 3, 4),
+        ),
+        torch.randn(5, 2, 6, 6),
+        torch.randint(0, 4, (5,)),
+    ),
+    "LM": TINY["LM"],
+}
+"""Tiny problems for the EKFAC rows (the benchmark's MLP and CNN are too large for a test)."""
+
+
+@pytest.mark.parametrize("name", list(TINY_EKFAC))
+def test_ekfac_rows_agree_with_curvlinops(name: str) -> None:
+    pytest.importorskip("curvlinops")
+    torch.manual_seed(0)
+    rows = run.registry([TINY_EKFAC[name]()], run.QUANTITIES, only="ekfac")
+    assert [row.quantity for row in rows] == [q for q in run.QUANTITIES[name] if "ekfac" in q]
+    for row in rows:
+        assert "curvlinops" in row.contenders, row.notes
+        outcome = run.check(row, sync=_no_sync)
+        assert outcome.reference == "curvlinops", outcome.errors
+        assert outcome.matches, f"{row.key}: {outcome.mismatch} {outcome.errors}"
+        assert not outcome.errors, f"{row.key}: {outcome.errors}"
+
+
+def test_eigen_products_match_the_dense_kronecker_matrix() -> None:
+    torch.manual_seed(0)
+    QA = torch.linalg.qr(torch.randn(3, 3, dtype=torch.float64))[0]
+    QB = torch.linalg.qr(torch.randn(4, 4, dtype=torch.float64))[0]
+    values = torch.rand(3, 4, dtype=torch.float64)
+    product = timing.eigen_products({"w": [values, QA, QB]}, seed=3)["w"]
+    probe = torch.randn(3, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    Q = torch.kron(QA, QB)
+    dense = Q @ torch.diag(values.flatten()) @ Q.T
+    torch.testing.assert_close(product.flatten(), dense @ probe.flatten())
+
+
+def test_ekfac_traces_equal_the_dense_ggn_block_traces() -> None:
+    pytest.importorskip("curvlinops")
+    problem = TINY_EKFAC["MLP"]()
+    row = run.registry([problem], run.QUANTITIES, only="ekfac_exact")[0]
+    model, lossfunc = problem.model().double(), problem.loss()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    X = problem.X.double()
+    output = functional_call(model, params, (X,))
+    jacobians = torch.func.jacrev(lambda ps: functional_call(model, ps, (X,)))(params)
+    loss_hessian = torch.func.hessian(lambda out: lossfunc(out, problem.y))(output)
+    H = loss_hessian.reshape(output.numel(), output.numel())
+    for name in ("packfunc", "curvlinops"):
+        sums = run.eigenvalue_sums(row.contenders[name]())
+        for param, p in params.items():
+            J = jacobians[param].reshape(output.numel(), p.numel())
+            trace = (J.T @ H @ J).trace()
+            torch.testing.assert_close(sums[param], trace, rtol=1e-4, atol=1e-8)
+
+
+def test_ekfac_check_rejects_a_wrong_eigenvalue() -> None:
+    pytest.importorskip("curvlinops")
+    problem = TINY_EKFAC["MLP"]()
+    row = run.registry([problem], run.QUANTITIES, only="ekfac_exact")[0]
+    reference = row.contenders["curvlinops"]()
+    result = row.contenders["packfunc"]()
+    assert run.compare(row, "packfunc", result, "curvlinops", reference) == ""
+    values, *vectors = result["2.weight"]
+    biased = {**result, "2.weight": [values * 1.01, *vectors]}
+    assert "EKFAC products" in run.compare(row, "packfunc", biased, "curvlinops", reference)
+    flipped = {**result, "2.weight": [values, -vectors[0], vectors[1]]}  # signs do not matter
+    assert run.compare(row, "packfunc", flipped, "curvlinops", reference) == ""
+
+
+def test_laplace_fit_quick_run(capsys) -> None:
+    pytest.importorskip("laplace")
+    pytest.importorskip("backpack")
+    argv = ["--quick", "--models", "small MLP", "--structures", "diag", "--backends"]
+    argv += ["PackfuncGGN", "--samples", "16", "--batch-size", "8", "--repeats", "1"]
+    assert laplace_fit.main(argv) == 0  # one fresh process; the check fits BackPACK too
+    out = capsys.readouterr().out
+    assert "| small MLP | diag | GGN | n/a | n/a | n/a | " in out
+    assert "✓" in out and "MISMATCH" not in out
+
+
+def test_laplace_cell_of_a_missing_library_is_blank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(laplace_fit.importlib.util, "find_spec", lambda name: None)
+    cell = laplace_fit.time_cell("small MLP", "diag", "AsdlGGN", 16, 8, 1)
+    assert cell["unavailable"] and laplace_fit.summary(cell) == "—"
+
+
+def test_laplace_precision_check_sees_a_difference() -> None:
+    pytest.importorskip("laplace")
+    pytest.importorskip("backpack")
+    check = laplace_fit.check_against_backpack("small MLP", "kron", "GGN", 16, 8)
+    assert check is not None and check < 1e-5
+    assert laplace_fit.relative_difference([torch.ones(2)], [torch.ones(3)]) == float("inf")
+
+
+@pytest.mark.parametrize("module", [peers, problems, timing, laplace_fit])
 def test_doctests(module) -> None:
     assert doctest.testmod(module).failed == 0

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from torch.autograd.functional import hessian, jacobian
 
 import packfunc as pf
+from packfunc.ekfac import ekfac_and_factors
 from packfunc.engine import memory
 from packfunc.losses import hessian_factors
 from tests.cases import Case, make_problem
@@ -208,3 +209,32 @@ def test_bad_arguments_are_refused():
         pf.ekfac(*args, eigenvectors=wrong)
     with pytest.raises(ValueError, match="Eigen"):
         pf.ekfac(*args, eigenvectors={key: torch.eye(2) for key in params})
+
+
+def test_ekfac_and_factors_fit_the_eigenvalues_in_the_combined_basis():
+    """The basis comes from combine(factors); the eigenvalues are fitted as with eigenvectors=."""
+    problem = make_problem("mlp", n=5)
+    model_fn, params = problem.functional()
+    other = pf.kflr(model_fn, params, problem.X[:3], problem.y[:3], loss=problem.loss)
+
+    def combine(new):
+        return {k: [0.5 * a + 0.5 * b for a, b in zip(other[k], new[k])] for k in new}
+
+    factors, fitted = ekfac_and_factors(
+        model_fn, params, problem.X, problem.y, combine, loss=problem.loss, mc_samples=None
+    )
+    batch = pf.kflr(model_fn, params, problem.X, problem.y, loss=problem.loss)
+    expected_factors = combine(batch)
+    expected = pf.ekfac(
+        model_fn,
+        params,
+        problem.X,
+        problem.y,
+        loss=problem.loss,
+        mc_samples=None,
+        eigenvectors=pf.kron.eigh(expected_factors),
+    )
+    for key in params:
+        for a, b in zip(factors[key], expected_factors[key]):
+            torch.testing.assert_close(a, b)
+        torch.testing.assert_close(fitted[key].eigenvalues, expected[key].eigenvalues)

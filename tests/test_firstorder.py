@@ -26,6 +26,9 @@ def test_all_quantities_match_autograd(case, loss_name: str, reduction: str, n: 
     torch.testing.assert_close(result["loss"], loss(model(X), y))
     for quantity in pf.FIRST_ORDER:
         assert_trees_close(result[quantity], expected[quantity], f"{case.name}/{quantity}", **TIGHT)
+    alone = pf.compute(*problem.functional(), X, y, loss=loss, quantities="grad")  # plain vjp
+    torch.testing.assert_close(alone["loss"], result["loss"])
+    assert_trees_close(alone["grad"], expected["grad"], f"{case.name}/grad alone", **TIGHT)
 
 
 def test_batch_grad_sums_to_gradient(case):
@@ -147,3 +150,18 @@ def test_unused_parameter_gets_zeros():
     assert torch.count_nonzero(result["batch_grad"]["unused.weight"]) == 0
     assert result["batch_l2_grad"]["unused.bias"].shape == (4,)
     assert torch.count_nonzero(result["batch_grad"]["used.weight"]) > 0
+    alone = pf.compute(model_fn, params, X, y, quantities="grad")["grad"]
+    assert torch.count_nonzero(alone["unused.weight"]) == 0
+
+
+def test_gradient_alone_checks_its_arguments_like_every_quantity():
+    model_fn, params = pf.functional(nn.Linear(3, 2))
+    X, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    with pytest.raises(ValueError, match="reduction='mean' or reduction='sum'"):
+        pf.compute(
+            model_fn, params, X, y, loss=nn.CrossEntropyLoss(reduction="none"), quantities="grad"
+        )
+    with pytest.raises(ValueError, match="4 samples"):
+        pf.compute(lambda p, x: model_fn(p, x)[:2], params, X, y, quantities="grad")
+    with pytest.raises(ValueError, match="chunk_size"):
+        pf.compute(model_fn, params, X, y, quantities="grad", chunk_size=0)

@@ -175,3 +175,45 @@ def test_bad_input_is_refused(curvature, vector):
         kron.matvec(curvature, {**vector, "a": torch.ones(5)})
     with pytest.raises(TypeError, match="entries"):
         kron.trace({"a": torch.eye(2)})
+
+
+def test_equal_factors_are_decomposed_once(monkeypatch):
+    """A bias shares its layer's output factor: one eigh row for equal matrices, same results."""
+    A = torch.randn(4, 6, dtype=torch.float64)
+    A = A @ A.T
+    B = torch.randn(4, 4, dtype=torch.float64)
+    B = B @ B.T
+    stacked_sizes = []
+    eigh = torch.linalg.eigh
+
+    def counting(stack):
+        stacked_sizes.append(stack.shape[0])
+        return eigh(stack)
+
+    monkeypatch.setattr(torch.linalg, "eigh", counting)
+    found = pf.kron.batched_eigh([A, B, A.clone()])
+    assert stacked_sizes == [2]
+    for matrix, (values, vectors) in zip([A, B, A], found):
+        torch.testing.assert_close((vectors * values) @ vectors.T, matrix)
+    inverses = pf.kron.factor_damped_power({"w": [A, A.clone()], "b": [A]}, 1e-3)
+    torch.testing.assert_close(
+        inverses["b"][0] @ (A + 1e-3 * torch.eye(4, dtype=A.dtype)), torch.eye(4, dtype=A.dtype)
+    )
+
+
+def test_eigh_that_fails_in_float32_is_redone_in_float64(monkeypatch):
+    """LAPACK's float32 eigh can return NaN on large rank-deficient factors: never pass it on."""
+    A = torch.randn(5, 2)
+    A = A @ A.T
+    eigh = torch.linalg.eigh
+
+    def failing_in_float32(stack):
+        values, vectors = eigh(stack)
+        if stack.dtype == torch.float32:
+            return values * float("nan"), vectors
+        return values, vectors
+
+    monkeypatch.setattr(torch.linalg, "eigh", failing_in_float32)
+    [(values, vectors)] = pf.kron.batched_eigh([A])
+    assert values.dtype == torch.float32 and values.isfinite().all()
+    torch.testing.assert_close((vectors * values) @ vectors.T, A, atol=1e-5, rtol=1e-5)

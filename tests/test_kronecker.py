@@ -594,3 +594,39 @@ def test_hessian_variants_refuse_what_they_cannot_compute():
         pf.kfra(*pf.functional(model), X, torch.tensor([0, 1, 0]), curvature="hessian")
     with pytest.raises(ValueError, match="curvature must be one of"):
         pf.kfra(*pf.functional(model), X, torch.tensor([0, 1, 0]), curvature="fisher")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_empirical_kfac_uses_the_loss_gradient_at_each_layer_output(reduction):
+    """A = Σ_n δ_n δ_nᵀ (δ_n: sample n's share of ∂L/∂z at the layer output), B = Σ_n u uᵀ / N."""
+    torch.manual_seed(0)
+    model = SEQUENTIAL["mlp"][0]().double()
+    X, n = torch.randn(6, 4, dtype=torch.float64), 6
+    y = torch.randint(0, 3, (n,))
+    loss = nn.CrossEntropyLoss(reduction=reduction)
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    hooks = [
+        m.register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, (i[0], o)))
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    ]
+    value = loss(model(X), y)
+    for hook in hooks:
+        hook.remove()
+    deltas = torch.autograd.grad(value, [o for _, o in seen.values()])
+    model_fn, params = pf.functional(model)
+    found = pf.kfac(model_fn, params, X, y, loss=loss, fisher_type="empirical")
+    per_sample = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    for (name, (u, _)), delta in zip(seen.items(), deltas):
+        A, B = found[f"{name}.weight"]
+        torch.testing.assert_close(A, delta.T @ delta)
+        torch.testing.assert_close(B, u.T @ u / n)
+        g = per_sample[f"{name}.bias"]  # a bias's block is the exact empirical Fisher
+        torch.testing.assert_close(found[f"{name}.bias"][0], g.T @ g)
+    halves = [(X[:3], y[:3]), (X[3:], y[3:])]
+    over_data = pf.kfac(model_fn, params, data=halves, loss=loss, fisher_type="empirical")
+    for key, factors in found.items():
+        for a, b in zip(factors, over_data[key]):
+            torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="fisher_type must be one of"):
+        pf.kfac(model_fn, params, X, y, fisher_type="type-2")

@@ -99,7 +99,7 @@ FITS = [
     (structure, curvature)
     for structure in ("diag", "kron", "full")
     for curvature in ("ggn", "ef")
-    if (structure, curvature) != ("kron", "ef")  # neither backend has a Kronecker EF
+    if (structure, curvature) != ("kron", "ef")  # BackPACK's backend has no Kronecker EF
 ]
 
 
@@ -346,14 +346,34 @@ def test_kron_refuses_multidimensional_parameters_without_factors():
         backend.kron(X, y, N=6)
 
 
-def test_kron_of_a_subnetwork_and_of_the_empirical_fisher_are_refused():
+def test_kron_of_a_subnetwork_is_refused():
     model, loader = _problem("classification")
     X, y = loader.dataset.tensors
-    subnet = PackfuncGGN(model, "classification", subnetwork_indices=torch.LongTensor([0, 1]))
-    with pytest.raises(ValueError, match="hessian_structure='full' or 'diag'"):
-        subnet.kron(X, y, N=N)
-    with pytest.raises(NotImplementedError, match="backend=PackfuncGGN"):
-        PackfuncEF(model, "classification").kron(X, y, N=N)
+    for backend in (PackfuncGGN, PackfuncEF):
+        subnet = backend(model, "classification", subnetwork_indices=torch.LongTensor([0, 1]))
+        with pytest.raises(ValueError, match="hessian_structure='full' or 'diag'"):
+            subnet.kron(X, y, N=N)
+
+
+@pytest.mark.parametrize("likelihood", ["classification", "regression"])
+def test_kronecker_empirical_fisher_equals_the_curvlinops_and_asdl_backends(likelihood: str):
+    """BackPACK's backend has no Kronecker EF; laplace's curvlinops (and ASDL) backends do."""
+    from laplace.curvature import CurvlinopsEF
+
+    backends = [CurvlinopsEF]
+    try:
+        from laplace.curvature import AsdlEF
+
+        backends.append(AsdlEF)
+    except ImportError:  # ASDL is optional
+        pass
+    model, loader = _problem(likelihood)
+    X, _ = loader.dataset.tensors
+    ours = _fit(model, loader, likelihood, PackfuncEF, hessian_structure="kron")
+    for backend in backends:
+        _assert_same_fit(
+            ours, _fit(model, loader, likelihood, backend, hessian_structure="kron"), X
+        )
 
 
 def test_laplace_is_imported_only_by_the_integration_and_named_when_missing():

@@ -302,7 +302,9 @@ def _over_dataset(
         return stream if source.data is not None else next(stream)  # X, y: the one result
     totals, samples, normalizer = _summed(batches, per_batch, loss, source.group, device)
     scale = 1 / normalizer if loss.reduction == "mean" else 1.0
-    result = {name: _finish(name, totals, scale, samples) for name in names}
+    # the empirical Fisher's output factor is quadratic in the loss, the others linear
+    output_power = 2 if options.get("fisher_type") == "empirical" else 1
+    result = {name: _finish(name, totals, scale, samples, output_power) for name in names}
     if quantity != "compute":
         return result[quantity]
     return {"loss": totals["loss"] * scale} | result
@@ -414,8 +416,13 @@ def _added(totals: Any, part: Any) -> dict[str, Any]:
     return dict(optree.tree_map(torch.add, totals, part))
 
 
-def _finish(name: str, totals: dict[str, Any], scale: float, samples: float) -> Any:
-    """Rescale a summed quantity to the dataset's reduced loss (see the module docstring)."""
+def _finish(
+    name: str, totals: dict[str, Any], scale: float, samples: float, output_power: int = 1
+) -> Any:
+    """Rescale a summed quantity to the dataset's reduced loss (see the module docstring).
+
+    Kronecker output factors scale with ``scale ** output_power``.
+    """
     if name == "variance":
         return optree.tree_map(
             lambda sq, g: sq * scale**2 / samples - (g * scale / samples) ** 2,
@@ -424,7 +431,9 @@ def _finish(name: str, totals: dict[str, Any], scale: float, samples: float) -> 
         )
     if name in KRONECKER:
         return optree.tree_map(
-            lambda f: None if f is None else [f[0] * scale, *(b / samples for b in f[1:])],
+            lambda f: (
+                None if f is None else [f[0] * scale**output_power, *(b / samples for b in f[1:])]
+            ),
             totals[name],
             is_leaf=lambda x: x is None or isinstance(x, list),
             none_is_leaf=True,

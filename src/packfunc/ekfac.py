@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import optree
 import torch
@@ -74,6 +75,83 @@ def ekfac(
         >>> [q.shape for q in e.eigenvectors], e.eigenvalues.shape
         ([torch.Size([2, 2]), torch.Size([3, 3])], torch.Size([2, 3]))
     """
+    return _fit(
+        model_fn,
+        params,
+        X,
+        y,
+        loss,
+        mc_samples,
+        generator,
+        kfac_approx,
+        on_unsupported,
+        eigenvectors,
+        combine=None,
+    )[1]
+
+
+def ekfac_and_factors(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Targets,
+    combine: Callable[[Any], Any],
+    *,
+    loss: nn.Module | None = None,
+    mc_samples: int | None = 1,
+    generator: torch.Generator | None = None,
+    kfac_approx: KfacApprox = "backpack",
+) -> tuple[Any, Any]:
+    """EKFAC in the eigenbasis of ``combine(batch's KFAC factors)``, from one batch pass.
+
+    For a preconditioner that averages the factors over steps: the basis comes from the
+    averaged factors, the eigenvalues are fitted to this batch's column gradients (the
+    same Monte-Carlo samples as its factors), and the forward pass is shared.
+
+    Args:
+        combine: Maps the batch's factor pytree (as :func:`packfunc.kfac` returns it) to
+            the factors whose eigenvectors form the basis (e.g. a moving average).
+        mc_samples: As for :func:`ekfac`.
+
+    Returns:
+        ``(combine(factors), ekfac)``.
+
+    Example:
+        >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+        >>> factors, e = ekfac_and_factors(model_fn, params, X, y, lambda f: f)
+        >>> factors["weight"][0].shape, e["weight"].eigenvalues.shape
+        (torch.Size([2, 2]), torch.Size([2, 3]))
+    """
+    return _fit(
+        model_fn,
+        params,
+        X,
+        y,
+        loss,
+        mc_samples,
+        generator,
+        kfac_approx,
+        "raise",
+        None,
+        combine,
+    )
+
+
+def _fit(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Targets,
+    loss: nn.Module | None,
+    mc_samples: int | None,
+    generator: torch.Generator | None,
+    kfac_approx: str,
+    on_unsupported: str,
+    eigenvectors: Any,
+    combine: Callable[[Any], Any] | None,
+) -> tuple[Any, Any]:
+    """The (combined) factors, ``None`` for given eigenvectors, and the EKFAC pytree."""
     if on_unsupported not in ("raise", "skip"):
         raise ValueError(f"on_unsupported must be 'raise' or 'skip'; got {on_unsupported!r}.")
     if kfac_approx not in APPROXIMATIONS:
@@ -83,8 +161,12 @@ def ekfac(
         seed = int(torch.randint(0, 2**62, (1,)).item())
         generator = torch.Generator(bp.record.output.device).manual_seed(seed)
     start = generator.get_state() if generator is not None else None
+    factors = None
     if eigenvectors is None:
-        bases = _kfac_bases(bp, kfac_approx, mc_samples, generator, on_unsupported)
+        factors = _kfac_factors(bp, kfac_approx, mc_samples, generator, on_unsupported)
+        if combine is not None:
+            factors = combine(factors)
+        bases = _bases(bp, factors)
     else:
         bases = _given_bases(bp, eigenvectors)
     if generator is not None and start is not None:
@@ -94,17 +176,17 @@ def ekfac(
         None if basis is None or value is None else Eigen(basis, value)
         for basis, value in zip(bases, values)
     ]
-    return optree.tree_unflatten(bp.treespec, found)
+    return factors, optree.tree_unflatten(bp.treespec, found)
 
 
-def _kfac_bases(
+def _kfac_factors(
     bp: BatchPass,
     approx: str,
     mc_samples: int | None,
     generator: torch.Generator | None,
     on_unsupported: str,
-) -> list[list[torch.Tensor] | None]:
-    """Eigenvectors of every leaf's KFAC (or KFLR) factors, one ``eigh`` per factor shape."""
+) -> Any:
+    """Every leaf's KFAC (or KFLR) factors as a pytree like ``params``."""
     found = sqrt_factors(bp, approx, mc_samples, generator)
     if found.unsupported and on_unsupported == "raise":
         listing = "; ".join(
@@ -114,9 +196,15 @@ def _kfac_bases(
             f"no Kronecker factors for {listing}. Pass on_unsupported='skip' to get None for "
             "these parameters (e.g. to use diag_ggn for them instead)."
         )
-    factors = [f for entry in found.per_leaf if entry is not None for f in entry]
-    vectors = iter([q for _, q in batched_eigh(factors)])
-    return [None if entry is None else [next(vectors) for _ in entry] for entry in found.per_leaf]
+    return optree.tree_unflatten(bp.treespec, found.per_leaf)
+
+
+def _bases(bp: BatchPass, factors: Any) -> list[list[torch.Tensor] | None]:
+    """Eigenvectors of every leaf's factors, one ``eigh`` per distinct factor shape."""
+    per_leaf = cast(list[list[torch.Tensor] | None], bp.treespec.flatten_up_to(factors))
+    flat = [f for entry in per_leaf if entry is not None for f in entry]
+    vectors = iter([q for _, q in batched_eigh(flat)])
+    return [None if entry is None else [next(vectors) for _ in entry] for entry in per_leaf]
 
 
 def _given_bases(bp: BatchPass, eigenvectors: Any) -> list[list[torch.Tensor] | None]:
@@ -145,4 +233,4 @@ def _given_bases(bp: BatchPass, eigenvectors: Any) -> list[list[torch.Tensor] | 
     return bases
 
 
-__all__ = ["ekfac"]
+__all__ = ["ekfac", "ekfac_and_factors"]

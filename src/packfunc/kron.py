@@ -100,6 +100,8 @@ def eigh(curvature: Any) -> Any:
 def batched_eigh(matrices: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
     """``torch.linalg.eigh`` of symmetric matrices, one call per shape, eigenvalues ≥ 0.
 
+    Equal matrices (a bias shares its layer's output factor) are decomposed once.
+
     Args:
         matrices: Symmetric positive semi-definite matrices of any sizes.
 
@@ -111,12 +113,16 @@ def batched_eigh(matrices: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
         >>> values
         tensor([0., 3.])
     """
-    found: list[tuple[Tensor, Tensor]] = [None] * len(matrices)  # type: ignore[list-item]
-    for indices in _by_shape(matrices).values():
-        values, vectors = torch.linalg.eigh(torch.stack([matrices[i] for i in indices]))
-        for i, v, q in zip(indices, values.clamp_min(0).unbind(0), vectors.unbind(0)):
-            found[i] = (v, q)
-    return found
+
+    def decompose(stacked: Tensor) -> list[tuple[Tensor, Tensor]]:
+        values, vectors = torch.linalg.eigh(stacked)
+        if not (values.isfinite().all() and vectors.isfinite().all()):
+            # LAPACK's float32 eigh can return NaN on large rank-deficient matrices (seen on
+            # one thread for a 2048² factor of rank 64): redo the stack in float64
+            values, vectors = (t.to(stacked.dtype) for t in torch.linalg.eigh(stacked.double()))
+        return list(zip(values.clamp_min(0).unbind(0), vectors.unbind(0)))
+
+    return _per_distinct_matrix(matrices, decompose)
 
 
 def power(curvature: Any, exponent: float, damping: float = 0.0) -> Any:
@@ -359,13 +365,45 @@ def _flatten(curvature: Any) -> tuple[list[Any], optree.PyTreeSpec]:
 
 def _batched_inverse(matrices: list[Tensor]) -> list[Tensor]:
     """Inverses of symmetric positive definite matrices by Cholesky, one call per shape."""
-    found: list[Tensor] = [None] * len(matrices)  # type: ignore[list-item]
+
+    def invert(stacked: Tensor) -> list[Tensor]:
+        return list(torch.cholesky_inverse(torch.linalg.cholesky(stacked)).unbind(0))
+
+    return _per_distinct_matrix(matrices, invert)
+
+
+def _per_distinct_matrix(
+    matrices: list[Tensor], batched: Callable[[Tensor], list[Any]]
+) -> list[Any]:
+    """Apply ``batched`` to the stack of each shape's distinct matrices; equal ones share a result.
+
+    Args:
+        matrices: Square matrices of any sizes.
+        batched: Maps a stack ``[k, n, n]`` to ``k`` results.
+
+    Returns:
+        One result per matrix, in order.
+    """
+    found: list[Any] = [None] * len(matrices)
     for indices in _by_shape(matrices).values():
-        stacked = torch.stack([matrices[i] for i in indices])
-        inverses = torch.cholesky_inverse(torch.linalg.cholesky(stacked))
-        for i, inverse in zip(indices, inverses.unbind(0)):
-            found[i] = inverse
+        distinct: list[int] = []
+        copy_of: dict[int, int] = {}
+        for i in indices:
+            same = next((d for d in distinct if _equal(matrices[d], matrices[i])), None)
+            if same is None:
+                distinct.append(i)
+            else:
+                copy_of[i] = same
+        for i, result in zip(distinct, batched(torch.stack([matrices[d] for d in distinct]))):
+            found[i] = result
+        for i, same in copy_of.items():
+            found[i] = found[same]
     return found
+
+
+def _equal(a: Tensor, b: Tensor) -> bool:
+    """Whether two matrices are the same tensor or hold equal values."""
+    return a is b or torch.equal(a, b)
 
 
 def _batched_power(matrices: list[Tensor], exponent: float) -> list[Tensor]:

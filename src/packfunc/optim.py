@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from packfunc import kron
-from packfunc.ekfac import ekfac
+from packfunc.ekfac import ekfac, ekfac_and_factors
 from packfunc.engine.discovery import discover
 from packfunc.functional import flatten_params, functional, select_samples
 from packfunc.kronecker import kfac, kflr
@@ -51,8 +51,9 @@ class PreconditionerState(NamedTuple):
         curvature: The averaged curvature: factor lists (``"kfac"``), ``kron.Eigen``
             (``"ekfac"``) or diagonals (``"diag_ggn"``); ``None`` before the first update.
         factors: ``"ekfac"``: the averaged KFAC factors its basis comes from; else ``None``.
-        inverse: What multiplies the gradient: ``(C + damping·I)⁻¹`` as a curvature
-            pytree (``kron``), or the reciprocal damped diagonal.
+        inverse: What multiplies the gradient to give the updates:
+            ``-learning_rate · (C + damping·I)⁻¹`` as a curvature pytree (``kron``), or
+            the damped diagonal's reciprocal times ``-learning_rate``.
     """
 
     step: Tensor
@@ -124,6 +125,7 @@ def preconditioner(
     """
     _check_hyperparameters(method, damping, ema, update_period, inverse_period, pi_damping)
     loss = loss or default_loss()
+    step_size = -learning_rate
 
     def curvature_of(params: Any, X: Any, y: Tensor) -> Any:
         """The batch's Kronecker factors or GGN diagonal."""
@@ -166,17 +168,17 @@ def preconditioner(
         curvature, factors, inverse = state.curvature, state.factors, state.inverse
         if method == "ekfac" and refresh:
             if invert:
-                factors = _average(factors, curvature_of(params, X, y), ema)
-                basis = kron.eigh(factors)
-                curvature = ekfac(
+                previous = factors
+                factors, curvature = ekfac_and_factors(
                     model_fn,
                     params,
                     X,
                     y,
+                    lambda new: _average(previous, new, ema),
                     loss=loss,
                     mc_samples=mc_samples,
                     generator=generator,
-                    eigenvectors=basis,
+                    kfac_approx=kfac_approx,
                 )
             else:
                 fitted = ekfac(
@@ -190,22 +192,22 @@ def preconditioner(
                     eigenvectors=curvature,
                 )
                 curvature = _average_eigenvalues(curvature, fitted, ema)
-            inverse = kron.inverse(curvature, damping)
+            inverse = _update_matrix(kron.inverse(curvature, damping), step_size)
         elif refresh:
             curvature = _average(curvature, curvature_of(params, X, y), ema)
             if method == "diag_ggn":
-                inverse = optree.tree_map(lambda d: 1.0 / (d + damping), curvature)
+                inverse = optree.tree_map(lambda d: step_size / (d + damping), curvature)
             elif invert:
-                inverse = (
+                inverse = _update_matrix(
                     kron.factor_damped_power(curvature, damping)
                     if pi_damping
-                    else kron.inverse(curvature, damping)
+                    else kron.inverse(curvature, damping),
+                    step_size,
                 )
         if method == "diag_ggn":
-            direction = optree.tree_map(torch.mul, inverse, grads)
+            updates = optree.tree_map(torch.mul, inverse, grads)
         else:
-            direction = kron.matvec(inverse, grads)
-        updates = optree.tree_map(lambda d: -learning_rate * d, direction)
+            updates = kron.matvec(inverse, grads)
         return updates, PreconditionerState(state.step + 1, curvature, factors, inverse)
 
     return Preconditioner(init, update)
@@ -373,6 +375,23 @@ def _refuse_transposed_convolutions(model_fn: ModelFn, params: Any, X: Any) -> N
             f"({sorted(used)}): their factors act on weight.transpose(0, 1). Use "
             "method='diag_ggn', or apply packfunc.kron to the transposed weights yourself."
         )
+
+
+def _update_matrix(inverse: Any, step_size: float) -> Any:
+    """``step_size`` times every entry of a damped inverse: what multiplies the gradient.
+
+    The scale is folded into one factor (or the eigenvalues); a one-factor
+    :class:`kron.Eigen` (a bias) becomes its dense matrix, applied with one product.
+    """
+
+    def scale(entry: Any) -> Any:
+        if isinstance(entry, kron.Eigen) and len(entry.eigenvectors) == 1:
+            return [step_size * kron.dense(entry)]
+        if isinstance(entry, kron.Eigen):
+            return kron.Eigen(entry.eigenvectors, step_size * entry.eigenvalues)
+        return [step_size * entry[0], *entry[1:]]
+
+    return kron.map_entries(scale, inverse)
 
 
 def _average(old: Any, new: Any, ema: float) -> Any:

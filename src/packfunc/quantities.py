@@ -19,11 +19,12 @@ from torch import Tensor, nn
 from packfunc.data import BatchToXY, over_data
 from packfunc.distributed import ProcessGroup
 from packfunc.engine import hessian
+from packfunc.engine.memory import chunk_length
 from packfunc.engine.persample import BatchPass
 from packfunc.engine.statistics import ggn_statistics, leaf_statistics
 from packfunc.engine.vocabulary import Statistic
-from packfunc.functional import as_index
-from packfunc.losses import default_loss
+from packfunc.functional import as_index, batch_size, check_model_arguments
+from packfunc.losses import check_loss, check_loss_inputs, default_loss
 from packfunc.types import Targets
 
 Stats = dict[Statistic, Tensor]
@@ -141,8 +142,48 @@ def compute(
         (torch.Size([8, 2, 3]), torch.Size([2]))
     """
     quantities = _quantity_names(quantities)
+    if set(quantities) == {"grad"}:
+        return plain_gradient(model_fn, params, X, y, loss or default_loss(), chunk_size)
     bp = BatchPass(model_fn, params, X, y, loss or default_loss(), chunk_size)
     return evaluate(bp, quantities, subsampling, mc_samples, generator)
+
+
+def plain_gradient(
+    model_fn: Callable, params: Any, X: Any, y: Targets, loss: nn.Module, chunk_size: int | None
+) -> dict[str, Any]:
+    """The gradient alone: one forward and one backward, nothing recorded.
+
+    Checks its arguments as :class:`~packfunc.engine.persample.BatchPass` does.
+
+    Args:
+        model_fn: As in :func:`compute`.
+        params: As in :func:`compute`.
+        X: As in :func:`compute`.
+        y: As in :func:`compute`.
+        loss: A supported loss module.
+        chunk_size: Checked only (nothing is chunked).
+
+    Returns:
+        ``{"loss": reduced loss, "grad": pytree like params}``.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> plain_gradient(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        ...                torch.nn.CrossEntropyLoss(), None)["grad"]["weight"].shape
+        torch.Size([2, 3])
+    """
+    check_model_arguments(model_fn, params)
+    check_loss(loss)
+    chunk_length(1, 1, chunk_size)
+    leaves, treespec = optree.tree_flatten(params)
+    n = batch_size(X)
+    with torch.enable_grad():
+        watched = [leaf.detach().requires_grad_() for leaf in leaves]
+        output = model_fn(optree.tree_unflatten(treespec, watched), X)
+        check_loss_inputs(loss, output, y, n)
+        value = loss(output, y)
+        grads = torch.autograd.grad(value, watched, allow_unused=True, materialize_grads=True)
+    return {"loss": value.detach(), "grad": optree.tree_unflatten(treespec, list(grads))}
 
 
 def compute_one(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from typing import Any
 
 import optree
@@ -202,12 +202,17 @@ def zero_probes(plan: Plan, sites: list[int], n: int) -> dict[int, Tensor]:
         >>> zero_probes(plan, [0], 5)[0].shape
         torch.Size([5, 2])
     """
-    return {
-        k: torch.zeros((), dtype=plan.sites[k].dtype, device=plan.sites[k].device).expand(
-            n, *plan.sites[k].tail
-        )
-        for k in sites
-    }
+    zeros: dict[tuple[torch.dtype, torch.device], Tensor] = {}  # one scalar per dtype and device
+    probes = {}
+    for k in sites:
+        site = plan.sites[k]
+        zero = zeros.get((site.dtype, site.device))
+        if zero is None:
+            zero = zeros[(site.dtype, site.device)] = torch.zeros(
+                (), dtype=site.dtype, device=site.device
+            )
+        probes[k] = zero.expand(n, *site.tail)
+    return probes
 
 
 def probed_forward(
@@ -259,25 +264,40 @@ def probed_forward(
 class BatchRecord:
     """Everything the batch pass produced.
 
+    The reduced loss and ``∂L/∂output`` are computed on first use: KFAC and KFLR
+    pull back other cotangents only and never pay for them.
+
     Attributes:
-        loss: The reduced loss.
         output: The model output ``[N, ...]``.
-        output_cotangent: ``∂L/∂output``; row ``n`` is sample ``n``'s share.
         inputs: Input of each recorded tapped call, by site index.
         failed: Active sites whose shapes differed from discovery (their leaves must
             take the whole-model path).
         pullback: Maps an output cotangent ``[N, ...]`` to the cotangents of the
             recorded calls' outputs.
         pullback_columns: The same for a stack of output cotangents ``[K, N, ...]``.
+        loss_gradient: Returns ``(reduced loss, ∂L/∂output)``; called at most once.
     """
 
-    loss: Tensor
     output: Tensor
-    output_cotangent: Tensor
     inputs: dict[int, Recorded]
     failed: set[int]
     pullback: Callable[[Tensor], dict[int, Tensor]]
     pullback_columns: Callable[[Tensor], dict[int, Tensor]]
+    loss_gradient: Callable[[], tuple[Tensor, Tensor]]
+
+    @cached_property
+    def _loss_and_cotangent(self) -> tuple[Tensor, Tensor]:
+        return self.loss_gradient()
+
+    @property
+    def loss(self) -> Tensor:
+        """The reduced loss."""
+        return self._loss_and_cotangent[0]
+
+    @property
+    def output_cotangent(self) -> Tensor:
+        """``∂L/∂output``; row ``n`` is sample ``n``'s share."""
+        return self._loss_and_cotangent[1]
 
 
 def record(
@@ -338,7 +358,9 @@ def record(
         (found,) = probe_pullback(cotangent)
         return {k: g for k, g in found.items() if k in inputs}
 
-    return BatchRecord(value, output, output_cotangent, inputs, failed, pullback, vmap(pullback))
+    return BatchRecord(
+        output, inputs, failed, pullback, vmap(pullback), lambda: (value, output_cotangent)
+    )
 
 
 def _record_with_autograd(
@@ -381,11 +403,15 @@ def autograd_record(
     change what is differentiated. With ``differentiable``, every result keeps its
     own graph (``backward(create_graph=True)``).
     """
-    with torch.enable_grad():
-        value = loss(output, y)
-        (output_cotangent,) = torch.autograd.grad(
-            value, output, retain_graph=True, create_graph=differentiable
-        )
+
+    def loss_gradient() -> tuple[Tensor, Tensor]:
+        with torch.enable_grad():
+            value = loss(output, y)
+            (output_cotangent,) = torch.autograd.grad(
+                value, output, retain_graph=True, create_graph=differentiable
+            )
+        return (value, output_cotangent) if differentiable else (value.detach(), output_cotangent)
+
     sites, edges = list(outputs), list(outputs.values())
 
     def gradients(cotangent: Tensor, batched: bool) -> dict[int, Tensor]:
@@ -406,22 +432,14 @@ def autograd_record(
         }
 
     if differentiable:
-        return BatchRecord(
-            value,
-            output,
-            output_cotangent,
-            dict(inputs),
-            failed,
-            lambda c: gradients(c, False),
-            lambda c: gradients(c, True),
-        )
-    values = {k: x.detach() for k, x in inputs.items()}  # values only: nothing to track
+        recorded, result = dict(inputs), output
+    else:  # values only: nothing to track
+        recorded, result = {k: x.detach() for k, x in inputs.items()}, output.detach()
     return BatchRecord(
-        value.detach(),
-        output.detach(),
-        output_cotangent,
-        values,
+        result,
+        recorded,
         failed,
         lambda c: gradients(c, False),
         lambda c: gradients(c, True),
+        loss_gradient,
     )

@@ -25,7 +25,7 @@ from packfunc.engine.ops import TapCall
 from packfunc.engine.pch import summed_residual_curvature
 from packfunc.engine.persample import BatchPass, Term
 from packfunc.engine.rules import RULES
-from packfunc.losses import hessian_factors
+from packfunc.losses import HessianFactors, hessian_factors
 
 APPROXIMATIONS = ("backpack", "expand", "reduce")
 """Conventions for positions (sequence entries, pixels, several calls of one layer)."""
@@ -44,7 +44,11 @@ class Factors:
 
 
 def sqrt_factors(
-    bp: BatchPass, approx: str, mc_samples: int | None, generator: torch.Generator | None
+    bp: BatchPass,
+    approx: str,
+    mc_samples: int | None,
+    generator: torch.Generator | None,
+    empirical: bool = False,
 ) -> Factors:
     """KFLR (``mc_samples=None``) or KFAC factors from square-root columns.
 
@@ -53,6 +57,9 @@ def sqrt_factors(
         approx: One of :data:`APPROXIMATIONS`.
         mc_samples: Monte-Carlo samples (KFAC) or ``None`` (exact: KFLR).
         generator: Random generator for the samples.
+        empirical: Use the loss gradient's one column ``∂L/∂f`` (the empirical Fisher,
+            ``Σ_n g_n g_nᵀ`` with ``g_n`` sample ``n``'s gradient of the reduced loss)
+            instead of the loss Hessian's square-root columns.
 
     Returns:
         The :class:`Factors`.
@@ -64,8 +71,12 @@ def sqrt_factors(
         >>> [f.shape for f in sqrt_factors(bp, "backpack", None, None).per_leaf[1]]
         [torch.Size([2, 2]), torch.Size([3, 3])]
     """
-    roots = hessian_factors(
-        bp.loss, bp.record.output, bp.y, mc_samples=mc_samples, generator=generator
+    roots = (
+        _gradient_column(bp)
+        if empirical
+        else hessian_factors(
+            bp.loss, bp.record.output, bp.y, mc_samples=mc_samples, generator=generator
+        )
     )
     length = chunk_length(roots.count, bp.n * bp.column_width(), None)
     outputs: dict[int, Tensor] = {}
@@ -98,6 +109,12 @@ def sqrt_factors(
         if leaf not in unsupported:
             per_leaf[leaf] = _assemble(term, outputs[leaf], approx)
     return Factors(per_leaf, unsupported)
+
+
+def _gradient_column(bp: BatchPass) -> HessianFactors:
+    """The loss gradient ``∂L/∂f`` as one column: row ``n`` is sample ``n``'s share."""
+    cotangent = bp.record.output_cotangent
+    return HessianFactors(1, lambda s: cotangent.unsqueeze(0))
 
 
 def _raw_layout(bp: BatchPass, leaf: int, term: Term, pulled: dict[int, Tensor]) -> Term | None:

@@ -24,6 +24,7 @@ from packfunc.engine.discovery import Plan, cached_discover, forget_plan
 from packfunc.engine.memory import chunk_length, index_length, is_plain, new_output, split_index
 from packfunc.engine.ops import TapCall
 from packfunc.engine.rules import Rule, rule_for
+from packfunc.engine.rules.base import Route
 from packfunc.engine.vocabulary import Statistic
 from packfunc.functional import (
     batch_size,
@@ -42,9 +43,18 @@ faster. Convolutional models below this many columns therefore loop.
 """
 
 
+_ADDITIVE = frozenset({Statistic.COLUMNS, Statistic.SUM})
+"""Statistics that add up over the calls of a leaf."""
+
+
 @dataclass(frozen=True)
 class Term:
-    """One tapped call's contribution to a leaf's gradient, in the rule's canonical layout."""
+    """One tapped call's contribution to a leaf's gradient.
+
+    ``x`` and ``g`` are the call's recorded input ``[N, ...]`` and cotangents
+    ``[K, N, ...]``, or (in :meth:`ColumnGradients.leaf_terms`) these in the rule's
+    canonical layout.
+    """
 
     rule: Rule
     x: Tensor
@@ -173,20 +183,65 @@ class ColumnGradients:
     def __init__(self, backprop: BatchPass, cotangents: Tensor, sites: dict[int, Tensor]):
         self.bp, self.cotangents = backprop, cotangents
         self.count = cotangents.shape[0]
-        self.terms = self._collect_terms(sites)
+        self.recorded = self._recorded_calls(sites)
+        self._canonical: dict[int, list[Term]] = {}
 
-    def _collect_terms(self, sites: dict[int, Tensor]) -> dict[int, list[Term]]:
+    def _recorded_calls(self, sites: dict[int, Tensor]) -> dict[int, list[Term]]:
+        """Each tapped leaf's calls with their recorded input and cotangents, not canonicalized."""
         by_leaf: dict[int, list[Term]] = {}
         for k, x in self.bp.record.inputs.items():
             call = self.bp.plan.sites[k].call
             for role, leaf in call.leaves:
-                if leaf in self.bp.whole_model:
-                    continue
-                rule = rule_for(call, role)
-                # a local site's rule receives the recorded call (LocalInputs) as its input
-                cx, cg = rule.canonical(cast(Tensor, x), sites[k], call, self.bp.leaves[leaf])
-                by_leaf.setdefault(leaf, []).append(Term(rule, cx, cg, call))
-        return {leaf: _merge(terms) for leaf, terms in by_leaf.items()}
+                if leaf not in self.bp.whole_model:
+                    # a local site's rule receives the recorded call (LocalInputs) as its input
+                    term = Term(rule_for(call, role), cast(Tensor, x), sites[k], call)
+                    by_leaf.setdefault(leaf, []).append(term)
+        return by_leaf
+
+    @property
+    def terms(self) -> dict[int, list[Term]]:
+        """Every tapped leaf's terms in its rule's canonical layout (see :meth:`leaf_terms`)."""
+        return {leaf: self.leaf_terms(leaf) for leaf in self.recorded}
+
+    def leaf_terms(self, leaf: int) -> list[Term]:
+        """A leaf's terms in its rule's canonical layout, canonicalized on first use.
+
+        Args:
+            leaf: Leaf index.
+
+        Returns:
+            One term per call, or one for several calls the rule merges; ``[]`` if unused.
+        """
+        if leaf not in self._canonical:
+            param = self.bp.leaves[leaf]
+            terms = [
+                Term(c.rule, *c.rule.canonical(c.x, c.g, c.call, param), c.call)
+                for c in self.recorded.get(leaf, [])
+            ]
+            self._canonical[leaf] = _merge(terms) if terms else []
+        return self._canonical[leaf]
+
+    def _route(self, leaf: int, stat: Statistic) -> Route:
+        """Where a tapped leaf's statistic comes from: every call's rule must agree.
+
+        Calls' statistics from the recorded call add up only for additive statistics.
+        """
+        calls, param = self.recorded[leaf], self.bp.leaves[leaf]
+        routes = {c.rule.route(stat, c.x, c.g, c.call, param) for c in calls}
+        route = routes.pop() if len(routes) == 1 else Route.CANONICAL
+        if route is Route.CALL and len(calls) > 1 and stat not in _ADDITIVE:
+            return Route.CANONICAL
+        return route
+
+    def _from_calls(self, leaf: int, stat: Statistic, index: slice | Tensor) -> Tensor:
+        """A statistic :meth:`_route` sends to the recorded calls, summed over them."""
+        param = self.bp.leaves[leaf]
+        return _total(
+            [
+                c.rule.from_call(stat, c.x[index], c.g[:, index], c.call, param)
+                for c in self.recorded[leaf]
+            ]
+        )
 
     def closed_form(self, leaf: int, stat: Statistic, index: slice | Tensor) -> Tensor | None:
         """Return a statistic of a leaf in closed form, or ``None``.
@@ -201,9 +256,15 @@ class ColumnGradients:
         """
         if leaf in self.bp.whole_model:
             return None
-        terms, param = self.terms.get(leaf, []), self.bp.leaves[leaf]
-        if not terms:
+        param = self.bp.leaves[leaf]
+        if leaf not in self.recorded:
             return _zeros_of(param, stat, index_length(index))
+        route = self._route(leaf, stat)
+        if route is Route.MATERIALIZED:
+            return None
+        if route is Route.CALL:
+            return self._from_calls(leaf, stat, index)
+        terms = self.leaf_terms(leaf)
         if stat is Statistic.SUM:
             sums = [t.rule.column_sum(t.x[:, index], t.g[:, index], t.call, param) for t in terms]
             return _total(sums)
@@ -223,9 +284,11 @@ class ColumnGradients:
             The column gradients of those samples.
         """
         param = self.bp.leaves[leaf]
-        terms = self.terms.get(leaf)
-        if not terms:
+        if leaf not in self.recorded:
             return param.new_zeros((self.count, index_length(index), *param.shape))
+        if self._route(leaf, Statistic.COLUMNS) is Route.CALL:
+            return self._from_calls(leaf, Statistic.COLUMNS, index)
+        terms = self.leaf_terms(leaf)
         grads = [t.rule.columns(t.x[:, index], t.g[:, index], t.call, param) for t in terms]
         return _total(grads)
 

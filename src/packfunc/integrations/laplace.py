@@ -7,10 +7,11 @@ connections, LayerNorm, attention, shared weights, custom modules):
 
 * ``diag``: :func:`packfunc.diag_ggn` (GGN, exact or Monte-Carlo) or
   :func:`packfunc.sum_grad_squared` (empirical Fisher);
-* ``kron``: :func:`packfunc.kflr` (or :func:`packfunc.kfac` when ``stochastic``) in
-  laplace's :class:`~laplace.utils.Kron`; a one-dimensional parameter without a
-  Kronecker rule (e.g. a LayerNorm weight) gets its exact block from
-  :func:`packfunc.sqrt_ggn`, as laplace stores biases;
+* ``kron``: :func:`packfunc.kflr` (or :func:`packfunc.kfac` when ``stochastic``; the
+  empirical Fisher: ``kfac(fisher_type="empirical")``) in laplace's
+  :class:`~laplace.utils.Kron`; a one-dimensional parameter without a Kronecker rule
+  (e.g. a LayerNorm weight) gets its exact block from :func:`packfunc.sqrt_ggn` (or
+  :func:`packfunc.batch_grad`), as laplace stores biases;
 * ``full``: ``Vᵀ V`` from :func:`packfunc.sqrt_ggn` (GGN) or ``Gᵀ G`` from
   :func:`packfunc.batch_grad` (empirical Fisher);
 * ``gradients``: :func:`packfunc.batch_grad`; ``jacobians``: per-sample Jacobians
@@ -136,6 +137,68 @@ class PackfuncInterface(CurvatureInterface):
         )
         return self._flat(out["batch_grad"], leading=1), out["loss"].detach()
 
+    def _kron(self, x: Tensor | MutableMapping[str, Any], y: Tensor, N: int) -> tuple[Tensor, Kron]:
+        """Kronecker factors in laplace's ``Kron``, times ``factor`` (see the subclasses).
+
+        Weights get ``[A (out×out), B (in×in)]`` with ``B`` rescaled by ``len(y) / N``
+        (as laplace's other backends, so that batches add up to the data set);
+        biases and other one-dimensional parameters their exact block.
+        """
+        if self.subnetwork_indices is not None:
+            raise ValueError(
+                "Kronecker factors of a subnetwork are not defined; use "
+                "hessian_structure='full' or 'diag' with SubnetLaplace."
+            )
+        model_fn, params, inputs = self._problem(x)
+        factors = self._kron_factors(model_fn, params, inputs, y)
+        blocks = self._unsupported_blocks(model_fn, params, inputs, y, factors)
+        scale = len(y) / N
+        kfacs: list[Any] = []
+        for name in params:
+            found = factors[name]
+            if found is None:
+                kfacs.append([blocks[name]])
+            elif len(found) == 2:  # [A, B]: B is a mean over the batch, rescaled to the data
+                kfacs.append([found[0], found[1] * scale])
+            else:
+                kfacs.append(list(found))
+        loss = self._loss(model_fn, params, inputs, y)
+        return self.factor * loss, Kron(kfacs) * self.factor
+
+    def _kron_factors(
+        self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
+    ) -> dict[str, Any]:
+        """Kronecker factors per parameter (``None`` where none apply)."""
+        raise NotImplementedError
+
+    def _unsupported_blocks(
+        self,
+        model_fn: ModelFn,
+        params: dict[str, Tensor],
+        inputs: Inputs,
+        y: Tensor,
+        factors: dict[str, Any],
+    ) -> dict[str, Tensor]:
+        """The curvature's blocks of the one-dimensional parameters without factors."""
+        missing = {name: params[name] for name, found in factors.items() if found is None}
+        if not missing:
+            return {}
+        wide = [f"{name} {tuple(p.shape)}" for name, p in missing.items() if p.dim() != 1]
+        if wide:
+            raise ValueError(
+                f"No Kronecker factors for {', '.join(wide)}: laplace's Kron needs two "
+                "factors for a parameter of two or more dimensions. Use "
+                "hessian_structure='diag' or 'full', or subset_of_weights='last_layer'."
+            )
+        columns = self._block_roots(model_fn, missing, inputs, y)
+        return {name: v.T @ v for name, v in columns.items()}
+
+    def _block_roots(
+        self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
+    ) -> dict[str, Tensor]:
+        """Rows ``V [M, p]`` per parameter with ``Vᵀ V`` its curvature block."""
+        raise NotImplementedError
+
     def _loss(
         self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
     ) -> Tensor:
@@ -172,6 +235,31 @@ class PackfuncGGN(PackfuncInterface, GGNInterface):
     def _mc_samples(self) -> int | None:
         """The ``mc_samples`` packfunc gets: ``None`` (exact GGN) unless ``stochastic``."""
         return self.num_samples if self.stochastic else None
+
+    def _kron_factors(
+        self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
+    ) -> dict[str, Any]:
+        """KFLR factors, or KFAC with ``num_samples`` when ``stochastic``."""
+        if self.stochastic:
+            return pf.kfac(
+                model_fn,
+                params,
+                inputs,
+                y,
+                loss=self._loss_module,
+                mc_samples=self.num_samples,
+                on_unsupported="skip",
+            )
+        return pf.kflr(model_fn, params, inputs, y, loss=self._loss_module, on_unsupported="skip")
+
+    def _block_roots(
+        self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
+    ) -> dict[str, Tensor]:
+        """The GGN's (or sampled Fisher's) square-root columns ``[K·N, p]``."""
+        roots = pf.sqrt_ggn(
+            model_fn, params, inputs, y, loss=self._loss_module, mc_samples=self._mc_samples
+        )
+        return {name: root.flatten(0, 1) for name, root in roots.items()}
 
     def diag(
         self, x: Tensor | MutableMapping[str, Any], y: Tensor, **kwargs: Any
@@ -246,71 +334,14 @@ class PackfuncGGN(PackfuncInterface, GGNInterface):
             ValueError: with ``subnetwork_indices``, or for a parameter of two or more
                 dimensions without a Kronecker rule (e.g. an embedding).
         """
-        if self.subnetwork_indices is not None:
-            raise ValueError(
-                "Kronecker factors of a subnetwork are not defined; use "
-                "hessian_structure='full' or 'diag' with SubnetLaplace."
-            )
-        model_fn, params, inputs = self._problem(x)
-        if self.stochastic:
-            factors = pf.kfac(
-                model_fn,
-                params,
-                inputs,
-                y,
-                loss=self._loss_module,
-                mc_samples=self.num_samples,
-                on_unsupported="skip",
-            )
-        else:
-            factors = pf.kflr(
-                model_fn, params, inputs, y, loss=self._loss_module, on_unsupported="skip"
-            )
-        blocks = self._unsupported_blocks(model_fn, params, inputs, y, factors)
-        scale = len(y) / N
-        kfacs: list[Any] = []
-        for name in params:
-            found = factors[name]
-            if found is None:
-                kfacs.append([blocks[name]])
-            elif len(found) == 2:  # [A, B]: B is a mean over the batch, rescaled to the data
-                kfacs.append([found[0], found[1] * scale])
-            else:
-                kfacs.append(list(found))
-        loss = self._loss(model_fn, params, inputs, y)
-        return self.factor * loss, Kron(kfacs) * self.factor
-
-    def _unsupported_blocks(
-        self,
-        model_fn: ModelFn,
-        params: dict[str, Tensor],
-        inputs: Inputs,
-        y: Tensor,
-        factors: dict[str, Any],
-    ) -> dict[str, Tensor]:
-        """Exact (or sampled) GGN blocks of the one-dimensional parameters without factors."""
-        missing = {name: params[name] for name, found in factors.items() if found is None}
-        if not missing:
-            return {}
-        wide = [f"{name} {tuple(p.shape)}" for name, p in missing.items() if p.dim() != 1]
-        if wide:
-            raise ValueError(
-                f"No Kronecker factors for {', '.join(wide)}: laplace's Kron needs two "
-                "factors for a parameter of two or more dimensions. Use "
-                "hessian_structure='diag' or 'full', or subset_of_weights='last_layer'."
-            )
-        roots = pf.sqrt_ggn(
-            model_fn, missing, inputs, y, loss=self._loss_module, mc_samples=self._mc_samples
-        )
-        columns = {name: roots[name].flatten(0, 1) for name in missing}  # [K·N, p]
-        return {name: v.T @ v for name, v in columns.items()}
+        return self._kron(x, y, N)
 
 
 class PackfuncEF(PackfuncInterface, EFInterface):
     """laplace-torch's ``EFInterface`` (empirical Fisher) on packfunc's per-sample gradients.
 
-    ``full`` is laplace's own ``Gᵀ G`` over :meth:`gradients`; ``kron`` is not available
-    (as with the BackPACK backend).
+    ``full`` is laplace's own ``Gᵀ G`` over :meth:`gradients`; ``kron`` is KFAC of the
+    empirical Fisher (as laplace's curvlinops and ASDL backends; BackPACK's has none).
 
     Example:
         >>> from laplace import Laplace
@@ -347,15 +378,47 @@ class PackfuncEF(PackfuncInterface, EFInterface):
     def kron(
         self, x: Tensor | MutableMapping[str, Any], y: Tensor, N: int, **kwargs: Any
     ) -> tuple[Tensor, Kron]:
-        """Not available: packfunc has no Kronecker-factored empirical Fisher.
+        """KFAC of the empirical Fisher in laplace's ``Kron``, times ``factor``.
+
+        Weights get ``[A, B]``: ``A`` from the loss gradients at the layer output, ``B``
+        rescaled by ``len(y) / N`` (as laplace's other backends); biases and other
+        one-dimensional parameters their exact block ``Σ_n g_n g_nᵀ``.
+
+        Args:
+            x: Input batch.
+            y: Targets.
+            N: Number of data points in the whole data set.
+            **kwargs: Ignored (laplace passes ASDL's options).
+
+        Returns:
+            ``(factor · loss, factor · Kron)``.
 
         Raises:
-            NotImplementedError: always, naming the alternatives.
+            ValueError: with ``subnetwork_indices``, or for a parameter of two or more
+                dimensions without a Kronecker rule (e.g. an embedding).
         """
-        raise NotImplementedError(
-            "No Kronecker-factored empirical Fisher in packfunc: use backend=PackfuncGGN "
-            "(KFLR, or KFAC with stochastic=True) or hessian_structure='diag'/'full'."
+        return self._kron(x, y, N)
+
+    def _kron_factors(
+        self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
+    ) -> dict[str, Any]:
+        """:func:`packfunc.kfac` with ``fisher_type="empirical"``."""
+        return pf.kfac(
+            model_fn,
+            params,
+            inputs,
+            y,
+            loss=self._loss_module,
+            fisher_type="empirical",
+            on_unsupported="skip",
         )
+
+    def _block_roots(
+        self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
+    ) -> dict[str, Tensor]:
+        """The per-sample gradients ``[N, p]``."""
+        grads = pf.batch_grad(model_fn, params, inputs, y, loss=self._loss_module)
+        return {name: g.flatten(1) for name, g in grads.items()}
 
 
 __all__ = ["PackfuncEF", "PackfuncGGN", "PackfuncInterface"]

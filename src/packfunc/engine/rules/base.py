@@ -6,14 +6,37 @@ quantities there is one output cotangent (``K = 1``: the loss gradient), for
 the generalized Gauss-Newton there are ``K`` (the columns of the loss
 Hessian's square root). The column gradient is ``c[k, n]`` (``columns``); every
 other method is a reduction of it that a closed form may give more cheaply.
+
+A rule first says, from the recorded call's shapes, where each statistic is
+cheapest (:meth:`Rule.route`): straight from the recorded call
+(:meth:`Rule.from_call`, e.g. a convolution's per-sample weight gradients as one
+grouped convolution), from a closed form on the canonical layout (the default),
+or reduced from materialized column gradients. Only the canonical route pays
+for :meth:`Rule.canonical` (for a convolution, unfolding the input).
 """
 
 from __future__ import annotations
+
+from enum import Enum
 
 import torch
 from torch import Tensor
 
 from packfunc.engine.ops import TapCall
+from packfunc.engine.vocabulary import Statistic
+
+
+class Route(Enum):
+    """Where a rule takes a statistic from."""
+
+    CALL = "call"
+    """:meth:`Rule.from_call` on the recorded input and cotangents."""
+
+    CANONICAL = "canonical"
+    """The rule's closed form on the canonical pair (``None``: materialized instead)."""
+
+    MATERIALIZED = "materialized"
+    """Reduced from column gradients, which are cheaper than any closed form here."""
 
 
 class Rule:
@@ -57,6 +80,44 @@ class Rule:
     def kronecker(self, call: TapCall) -> int:
         """Number of Kronecker factors this rule gives for ``call`` (0: none)."""
         return self.kronecker_factors
+
+    def route(self, stat: Statistic, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Route:
+        """Where ``stat`` is cheapest for this call, judged from the shapes alone.
+
+        Args:
+            stat: The statistic wanted.
+            x: The op's recorded input ``[N, ...]`` (not canonical).
+            g: Cotangents of its output ``[K, N, ...]``.
+            call: The op call.
+            param: The parameter.
+
+        Returns:
+            :attr:`Route.CANONICAL` here; rules with a cheaper source override it.
+
+        Example:
+            >>> Rule().route(Statistic.COLUMNS, torch.ones(2, 3), torch.ones(1, 2, 4),
+            ...              TapCall("linear", (), ()), torch.ones(4, 3))
+            <Route.CANONICAL: 'canonical'>
+        """
+        return Route.CANONICAL
+
+    def from_call(
+        self, stat: Statistic, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+    ) -> Tensor:
+        """A statistic :meth:`route` sends to :attr:`Route.CALL`, from the recorded call.
+
+        Args:
+            stat: :attr:`~Statistic.COLUMNS` or :attr:`~Statistic.SUM` (additive over calls),
+                or any statistic the rule routes there.
+            x: The op's input ``[n, ...]``, restricted to the samples wanted.
+            g: Cotangents of its output ``[K, n, ...]``, restricted likewise.
+            call: The op call.
+            param: The parameter.
+
+        Returns:
+            The statistic, shaped as the method of the same name returns it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} routes nothing to the recorded call")
 
     def canonical(
         self, x: Tensor, g: Tensor, call: TapCall, param: Tensor

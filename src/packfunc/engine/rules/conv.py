@@ -1,7 +1,13 @@
 """Rules for convolutions and transposed convolutions (1d, 2d, 3d, any options).
 
-The input is unfolded (a strided view, copied once) into ``[N, G, C_in/G·K, L]``
-so that the weight gradient is a grouped matrix product (see ``product.py``).
+Per-sample weight gradients (and their sum) come straight from the recorded
+call: the samples (and cotangent columns) become groups of one convolution,
+input ``[1, K·N·C_in, *S]`` and cotangent ``[1, K·N·C_out, *S_out]`` with
+``K·N·G`` groups, whose weight gradient ``[K·N·C_out, C_in/G, *k]`` holds every
+column's (:func:`per_sample_weight_gradients`, functorch's batching rule).
+Closed forms on the canonical layout unfold instead: the input is unfolded (a
+strided view, copied once) into ``[N, G, C_in/G·K, L]`` so that the weight
+gradient is a grouped matrix product (see ``product.py``).
 A transposed convolution is the adjoint of the convolution with the same
 weight, so its weight gradient is that convolution's with the roles of input
 and output cotangent swapped: the cotangent is unfolded, the input is not. Its
@@ -12,13 +18,16 @@ output cotangent (:meth:`ConvWeight.kronecker_layout`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from packfunc.engine.ops import TapCall
-from packfunc.engine.rules.product import ProductWeight
+from packfunc.engine.rules.base import Route
+from packfunc.engine.rules.product import ProductWeight, gram_is_cheaper
+from packfunc.engine.vocabulary import Statistic
 
 
 def _per_dim(value: int | tuple[int, ...] | list[int], dims: int) -> list[int]:
@@ -34,6 +43,93 @@ def _padding_pairs(call: TapCall, kernel: list[int], dilation: list[int]) -> lis
         totals = [d * (k - 1) for d, k in zip(dilation, kernel)]
         return [(t // 2, t - t // 2) for t in totals]
     return [(p, p) for p in _per_dim(padding, len(kernel))]
+
+
+def weight_gradient(x: Tensor, g: Tensor, call: TapCall, weight_shape: Sequence[int]) -> Tensor:
+    """The weight gradient of ``call`` summed over the batch, without unfolding.
+
+    Args:
+        x: The op's input ``[B, C, *S]``.
+        g: Cotangent of its output ``[B, C', *S_out]``.
+        call: The convolution or transposed convolution (its ``groups`` option is
+            ignored: the groups follow from ``weight_shape``).
+        weight_shape: The weight's shape; its channels fix the groups.
+
+    Returns:
+        ``Σ_b`` of the weight gradients, ``weight_shape``.
+
+    Example:
+        >>> call = TapCall("conv", (), (("stride", 1), ("padding", "same"), ("dilation", 1)))
+        >>> weight_gradient(torch.ones(1, 2, 4), torch.ones(1, 3, 4), call, (3, 2, 2)).shape
+        torch.Size([3, 2, 2])
+    """
+    kernel = list(weight_shape[2:])
+    dims = len(kernel)
+    dilation = _per_dim(call.option("dilation"), dims)
+    stride = _per_dim(call.option("stride"), dims)
+    if call.transposed:
+        groups = g.shape[1] // weight_shape[1]
+        padding = _per_dim(call.option("padding"), dims)
+        output_padding = _per_dim(call.option("output_padding"), dims)
+    else:
+        groups = x.shape[1] // weight_shape[1]
+        pairs = _padding_pairs(call, kernel, dilation)
+        if any(before != after for before, after in pairs):
+            x = F.pad(x, [side for pair in reversed(pairs) for side in pair])
+            pairs = [(0, 0)] * dims
+        padding, output_padding = [before for before, _ in pairs], [0] * dims
+    weight = g.new_empty(1).expand(*weight_shape)
+    _, grad, _ = torch.ops.aten.convolution_backward(
+        g,
+        x,
+        weight,
+        None,
+        stride,
+        padding,
+        dilation,
+        call.transposed,
+        output_padding,
+        groups,
+        [False, True, False],
+    )
+    return grad
+
+
+def per_sample_weight_gradients(x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    """Column gradients ``[K, N, *param.shape]`` of a convolution weight, one grouped convolution.
+
+    Every (column, sample) pair becomes its own set of groups, so the batch sum of
+    :func:`weight_gradient` keeps them apart. The input is copied ``K`` times for
+    ``K > 1`` columns (never unfolded).
+
+    Args:
+        x: The op's input ``[N, C_in, *S]``.
+        g: Cotangents of its output ``[K, N, C_out, *S_out]``.
+        call: The convolution or transposed convolution.
+        param: The weight.
+
+    Returns:
+        The weight gradient of every column and sample.
+
+    Example:
+        >>> call = TapCall("conv", (), (("stride", 1), ("padding", 0), ("dilation", 1)))
+        >>> per_sample_weight_gradients(
+        ...     torch.ones(5, 2, 4), torch.ones(3, 5, 6, 3), call, torch.ones(6, 1, 2)
+        ... ).shape
+        torch.Size([3, 5, 6, 1, 2])
+    """
+    columns, n = g.shape[:2]
+    batch = columns * n
+    if batch == 0:
+        return param.new_zeros((columns, n, *param.shape))
+    inputs = x.expand(columns, *x.shape) if columns > 1 else x
+    grad = weight_gradient(
+        inputs.reshape(1, batch * x.shape[1], *x.shape[2:]),
+        g.reshape(1, batch * g.shape[2], *g.shape[3:]),
+        call,
+        (batch * param.shape[0], *param.shape[1:]),
+    )
+    return grad.view(columns, n, *param.shape)
 
 
 def unfold(
@@ -124,6 +220,36 @@ def unfold_transposed(x: Tensor, kernel: list[int], call: TapCall) -> Tensor:
 
 class ConvWeight(ProductWeight):
     """Weight of ``torch.convNd`` / ``torch.conv_transposeNd``."""
+
+    def route(self, stat: Statistic, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Route:
+        """Columns and their sum from the call; squares in closed form only where cheaper.
+
+        The canonical closed forms of squares exist for one position (``L = 1``) and,
+        for squared norms of one column, as the Gram form when it is cheaper than the
+        weight-sized column gradients; otherwise the columns are materialized.
+        """
+        if stat in (Statistic.COLUMNS, Statistic.SUM):
+            return Route.CALL
+        # canonical positions: the output's; transposed (cotangent unfolded), the input's
+        length = math.prod(x.shape[2:] if call.transposed else g.shape[3:])
+        n_in = param.shape[1] * math.prod(param.shape[2:])
+        n_out = param.shape[0] // call.option("groups")
+        if length == 1:
+            return Route.CANONICAL
+        one_column = g.shape[0] == 1
+        if stat is Statistic.SQUARED_NORMS and one_column and gram_is_cheaper(length, n_in, n_out):
+            return Route.CANONICAL
+        return Route.MATERIALIZED
+
+    def from_call(
+        self, stat: Statistic, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+    ) -> Tensor:
+        """Column gradients (one grouped convolution) or their sum (one convolution backward)."""
+        if stat is Statistic.COLUMNS:
+            return per_sample_weight_gradients(x, g, call, param)
+        if stat is Statistic.SUM:
+            return weight_gradient(x, g[0] if g.shape[0] == 1 else g.sum(0), call, param.shape)
+        raise NotImplementedError(f"ConvWeight routes only columns and their sum, not {stat}")
 
     def canonical(
         self, x: Tensor, g: Tensor, call: TapCall, param: Tensor

@@ -75,7 +75,7 @@ class ProductWeight(Rule):
         if length == 1:
             v2, u2 = _summed_squares(x, g)
             return (v2.sum((-2, -1)) * u2.sum((-2, -1))).sum(1)
-        if g.shape[0] != 1 or x.shape[0] != 1 or length * (n_in + n_out) >= n_in * n_out:
+        if g.shape[0] != 1 or x.shape[0] != 1 or not gram_is_cheaper(length, n_in, n_out):
             return None
         gram_g = g[0].transpose(-1, -2) @ g[0]
         gram_u = x[0].transpose(-1, -2) @ x[0]
@@ -106,6 +106,27 @@ class ProductWeight(Rule):
             return (flat / (n * groups)).T @ flat
         u = x[0]  # [N, G, I, L]: one product per sample and group, no transposed copy
         return (u @ u.transpose(-1, -2)).sum((0, 1)) / scale
+
+
+def gram_is_cheaper(length: int, n_in: int, n_out: int) -> bool:
+    """Whether the Gram form of a squared norm beats materializing the gradient.
+
+    Per sample and group the Gram form costs ``L²(I + O)`` multiply-adds, the
+    gradient ``Σ_l v_l u_lᵀ`` costs ``L·I·O`` and its squared norm ``I·O`` more.
+
+    Args:
+        length: Positions ``L``.
+        n_in: Input features per position ``I``.
+        n_out: Output features per position ``O``.
+
+    Returns:
+        ``L (I + O) < I·O``.
+
+    Example:
+        >>> gram_is_cheaper(4, 512, 512), gram_is_cheaper(1024, 144, 16)
+        (True, False)
+    """
+    return length * (n_in + n_out) < n_in * n_out
 
 
 def _column_products(x: Tensor, g: Tensor) -> Tensor:

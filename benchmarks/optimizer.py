@@ -1,0 +1,196 @@
+"""Time one training step of packfunc's curvature optimizers beside SGD and Adam.
+
+Usage (from the repository root)::
+
+    python benchmarks/optimizer.py                    # both models, every optimizer
+    python benchmarks/optimizer.py --models digits --repeats 3 --period 10
+
+A step is what a training loop pays per batch: ``zero_grad``, forward, backward and
+``step`` (packfunc's optimizers: ``step(X, y)``, which refreshes the curvature every
+``--period`` steps and its inverse or eigenbasis at the same steps). Each optimizer is
+timed in its own fresh Python process (allocator state and warm caches move results
+by up to 1.5×); a process runs ``--repeats`` rounds of ``10 · period`` steps after a
+warm-up round and reports the median time per step and the rounds' spread. The last
+column is the median's ratio to Adam's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+THREADS = 2
+OPTIMIZERS = ("sgd", "adam", "diag_ggn", "kfac", "kfac_pi", "ekfac")
+MODELS = ("digits", "mlp")
+
+
+def model_and_batch(name: str, n: int = 128) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The model ``name`` and one random batch of ``n`` samples (10 classes).
+
+    ``digits``: the demo's 64-128-10 tanh MLP (scikit-learn digits' size);
+    ``mlp``: the benchmark MLP 784-256-256-10 with ReLU.
+
+    Args:
+        name: One of :data:`MODELS`.
+        n: Batch size.
+
+    Returns:
+        ``(model, X, y)``.
+    """
+    torch.manual_seed(0)
+    if name == "digits":
+        model: nn.Module = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 10))
+        features = 64
+    else:
+        model = nn.Sequential(
+            nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+        )
+        features = 784
+    return model, torch.randn(n, features), torch.randint(0, 10, (n,))
+
+
+def make_step(
+    name: str, model: nn.Module, X: torch.Tensor, y: torch.Tensor, period: int
+) -> Callable:
+    """One training step with optimizer ``name`` (learning rates small: timing only).
+
+    Args:
+        name: One of :data:`OPTIMIZERS` (``kfac_pi``: KFAC with π-damped factor inverses).
+        model: The model to train.
+        X: Inputs.
+        y: Targets.
+        period: Steps between curvature refreshes (packfunc's optimizers).
+
+    Returns:
+        A closure running one step.
+    """
+    import packfunc as pf
+
+    loss = nn.CrossEntropyLoss()
+    if name in ("sgd", "adam"):
+        optimizer = (torch.optim.SGD if name == "sgd" else torch.optim.Adam)(
+            model.parameters(), lr=1e-4
+        )
+
+        def plain_step() -> None:
+            optimizer.zero_grad()
+            loss(model(X), y).backward()
+            optimizer.step()
+
+        return plain_step
+    method = "kfac" if name == "kfac_pi" else name
+    curvature = pf.optim.CurvatureOptimizer(
+        model,
+        lr=1e-4,
+        damping=1e-2,
+        method=method,
+        loss=loss,
+        update_period=period,
+        inverse_period=period,
+        pi_damping=name == "kfac_pi",
+        generator=torch.Generator().manual_seed(0),
+    )
+
+    def curvature_step() -> None:
+        curvature.zero_grad()
+        loss(model(X), y).backward()
+        curvature.step(X, y)
+
+    return curvature_step
+
+
+def measure(model_name: str, optimizer: str, period: int, repeats: int) -> dict[str, float]:
+    """Median and spread (ms per step) of ``repeats`` rounds of ``10 · period`` steps.
+
+    Args:
+        model_name: One of :data:`MODELS`.
+        optimizer: One of :data:`OPTIMIZERS`.
+        period: Curvature refresh period.
+        repeats: Timed rounds.
+
+    Returns:
+        ``{"median": ..., "min": ..., "max": ...}`` in milliseconds per step.
+    """
+    torch.set_num_threads(THREADS)
+    model, X, y = model_and_batch(model_name)
+    step = make_step(optimizer, model, X, y, period)
+    steps = 10 * period
+    for _ in range(steps):
+        step()
+    rounds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        rounds.append(1e3 * (time.perf_counter() - start) / steps)
+    return {"median": statistics.median(rounds), "min": min(rounds), "max": max(rounds)}
+
+
+def in_fresh_process(model_name: str, optimizer: str, period: int, repeats: int) -> dict:
+    """:func:`measure` in a new Python process (its JSON result)."""
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        f"{model_name},{optimizer}",
+        "--period",
+        str(period),
+        "--repeats",
+        str(repeats),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def table(results: dict[tuple[str, str], dict], period: int) -> list[str]:
+    """Markdown rows: model, optimizer, ms/step (median, spread), ratio to Adam."""
+    lines = [
+        f"| model | optimizer (refresh every {period} steps) | ms/step | spread | × Adam |",
+        "|---|---|--:|--:|--:|",
+    ]
+    for (model_name, optimizer), r in results.items():
+        adam = results.get((model_name, "adam"))
+        ratio = f"{r['median'] / adam['median']:.2f}" if adam else "–"
+        lines.append(
+            f"| {model_name} | {optimizer} | {r['median']:.2f} | "
+            f"{r['min']:.2f}–{r['max']:.2f} | {ratio} |"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, time every (model, optimizer) in fresh processes, print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    parser.add_argument("--period", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        model_name, optimizer = args.child.split(",")
+        print(json.dumps(measure(model_name, optimizer, args.period, args.repeats)))
+        return 0
+    results = {
+        (m, o): in_fresh_process(m, o, args.period, args.repeats)
+        for m in args.models.split(",")
+        for o in args.optimizers.split(",")
+    }
+    print(
+        f"CPU, {THREADS} threads, float32, batch 128, one fresh process per optimizer, "
+        f"median of {args.repeats} rounds of {10 * args.period} steps"
+    )
+    print("\n".join(table(results, args.period)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Convolution weight gradients from one grouped convolution, and lazy canonicalization.
+
+Oracles: per-sample autograd loops (one backward per sample and cotangent column)
+and the dense per-sample GGN of ``tests.cases.dense_curvature``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tests.cases import autograd_batch_grad, dense_curvature
+from torch import Tensor, nn
+
+import packfunc as pf
+from packfunc.engine.ops import TapCall
+from packfunc.engine.rules import conv as conv_rules
+from packfunc.engine.rules.base import Route
+from packfunc.engine.rules.conv import ConvWeight, per_sample_weight_gradients, weight_gradient
+from packfunc.engine.vocabulary import Statistic
+
+CONVS = (F.conv1d, F.conv2d, F.conv3d)
+TRANSPOSED = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)
+SIZES = (9, 7, 5)
+
+# (dims, transposed, kernel, stride, padding, dilation, groups)
+OPTIONS = [
+    (1, False, 3, 1, 0, 1, 1),
+    (1, False, 2, 1, "same", 1, 1),  # even kernel: asymmetric 'same' padding
+    (1, False, 3, 2, 1, 2, 2),
+    (2, False, 3, 1, "same", 2, 1),
+    (2, False, 2, 1, "same", 3, 2),  # asymmetric 'same' with dilation and groups
+    (2, False, 3, 2, (1, 0), (1, 2), 2),
+    (2, False, 1, 1, "valid", 1, 1),
+    (3, False, 2, 1, 1, 1, 2),
+    (3, False, 3, 2, "valid", 1, 1),
+    (1, True, 3, 2, 1, 1, 2),
+    (2, True, 2, 2, 0, 2, 1),
+    (3, True, 3, 1, 1, 1, 2),
+]
+
+
+def _conv(options: tuple, dtype: torch.dtype) -> tuple[Tensor, Tensor, TapCall, object]:
+    """A random input, weight, the call and the op ``(x, w) -> y`` for ``options``."""
+    dims, transposed, kernel, stride, padding, dilation, groups = options
+    c_in, c_out = 2 * groups, 3 * groups
+    x = torch.randn(4, c_in, *SIZES[:dims], dtype=dtype)
+    if transposed:
+        output_padding = 1 if stride > 1 else 0
+        weight = torch.randn(c_in, c_out // groups, *[kernel] * dims, dtype=dtype)
+        settings = {"stride": stride, "padding": padding, "output_padding": output_padding}
+        settings |= {"groups": groups, "dilation": dilation}
+
+        def op(inputs: Tensor, w: Tensor) -> Tensor:
+            return TRANSPOSED[dims - 1](inputs, w, None, **settings)
+    else:
+        weight = torch.randn(c_out, c_in // groups, *[kernel] * dims, dtype=dtype)
+        settings = {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups}
+
+        def op(inputs: Tensor, w: Tensor) -> Tensor:
+            return CONVS[dims - 1](inputs, w, None, **settings)
+
+    return x, weight, TapCall("conv", (), tuple(settings.items()), transposed), op
+
+
+def _looped_weight_gradients(x: Tensor, g: Tensor, weight: Tensor, op) -> Tensor:
+    """Oracle: ``[K, N, *weight.shape]`` by one autograd backward per column and sample."""
+    w = weight.clone().requires_grad_()
+    return torch.stack(
+        [
+            torch.stack(
+                [torch.autograd.grad(op(x[n : n + 1], w), w, g[k, n : n + 1])[0] for n in range(N)]
+            )
+            for k, N in [(k, x.shape[0]) for k in range(g.shape[0])]
+        ]
+    )
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+@pytest.mark.parametrize("columns", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_grouped_convolution_matches_autograd_loop(options, columns, dtype):
+    torch.manual_seed(0)
+    x, weight, call, op = _conv(options, dtype)
+    g = torch.randn(columns, *op(x, weight).shape, dtype=dtype)
+    expected = _looped_weight_gradients(x, g, weight, op)
+    tol = {} if dtype is torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+    torch.testing.assert_close(per_sample_weight_gradients(x, g, call, weight), expected, **tol)
+    torch.testing.assert_close(
+        weight_gradient(x, g.sum(0), call, weight.shape), expected.sum((0, 1)), **tol
+    )
+    one = per_sample_weight_gradients(x[:1], g[:, :1], call, weight)  # N = 1
+    torch.testing.assert_close(one, expected[:, :1], **tol)
+
+
+def test_empty_batch_gives_empty_columns():
+    x, weight, call, op = _conv(OPTIONS[0], torch.float64)
+    g = torch.randn(2, *op(x, weight).shape, dtype=torch.float64)
+    assert per_sample_weight_gradients(x[:0], g[:, :0], call, weight).shape == (2, 0, 3, 2, 3)
+
+
+def _net(bias: bool, dims: int = 2) -> nn.Module:
+    conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1]
+    size = 4 if dims == 3 else 6
+    torch.manual_seed(0)
+    return nn.Sequential(
+        conv(2, 4, 2, padding="same", dilation=2, bias=bias),
+        nn.Tanh(),
+        conv(4, 4, 3, stride=2, padding=1, groups=2, bias=bias),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.LazyLinear(3, bias=bias),
+    ), (2, *[size] * dims)
+
+
+@pytest.fixture
+def no_unfold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail if a convolution's input is unfolded (the closed forms' canonical layout)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the input was unfolded")
+
+    monkeypatch.setattr(conv_rules, "unfold", refuse)
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("n", [1, 5])
+def test_first_order_without_unfolding(dims, bias, n, no_unfold):
+    model, shape = _net(bias, dims)
+    X, y = torch.randn(n, *shape), torch.randint(0, 3, (n,))
+    model(X)  # materialize the lazy linear layer
+    model = model.double()
+    X = X.double()
+    loss = nn.CrossEntropyLoss()
+    expected = autograd_batch_grad(model, loss, X, y)
+    model_fn, params = pf.functional(model)
+    grads = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    norms = pf.batch_l2_grad(model_fn, params, X, y, loss=loss)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad)
+        torch.testing.assert_close(norms[name], grad.flatten(1).square().sum(1))
+
+
+def test_ggn_columns_and_diagonals_of_a_conv_net(no_unfold):
+    """``K = classes`` columns: the GGN's square root and per-sample diagonals."""
+    model, shape = _net(True)
+    X = torch.randn(3, *shape)
+    model(X)
+    model, X = model.double(), X.double()
+    y = torch.randint(0, 3, (3,))
+    loss = nn.CrossEntropyLoss()
+    dense = dense_curvature(model, loss, X, y)
+    model_fn, params = pf.functional(model)
+    roots = pf.sqrt_ggn(model_fn, params, X, y, loss=loss)
+    flat = dense.flatten(roots, leading=2)  # [K, N, P]
+    torch.testing.assert_close(torch.einsum("knp,knq->npq", flat, flat), dense.sample_ggn)
+    diagonals = dense.flatten(pf.batch_diag_ggn(model_fn, params, X, y, loss=loss), leading=1)
+    torch.testing.assert_close(diagonals, dense.sample_ggn.diagonal(dim1=1, dim2=2))
+
+
+def test_shared_convolution_adds_its_calls():
+    """One conv applied twice: columns add up over calls, squared norms do not."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 2, 3, padding=1)
+    model = nn.Sequential(conv, nn.Tanh(), conv, nn.Flatten(), nn.Linear(2 * 25, 3)).double()
+    X, y = torch.randn(4, 2, 5, 5, dtype=torch.float64), torch.randint(0, 3, (4,))
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    expected = autograd_batch_grad(model, loss, X, y)
+    model_fn, params = pf.functional(model)
+    grads = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    norms = pf.batch_l2_grad(model_fn, params, X, y, loss=loss)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad)
+        torch.testing.assert_close(norms[name], grad.flatten(1).square().sum(1))
+
+
+def test_squared_norms_take_the_cheaper_route():
+    """Gram form for few positions and many channels; materialized columns otherwise."""
+    rule, call = ConvWeight(), TapCall("conv", (), (("groups", 1),))
+    wide = torch.empty(64, 64, 3, 3)
+    few = rule.route(
+        Statistic.SQUARED_NORMS, torch.empty(2, 64, 4, 4), torch.empty(1, 2, 64, 2, 2), call, wide
+    )
+    narrow = torch.empty(16, 16, 3, 3)
+    many = rule.route(
+        Statistic.SQUARED_NORMS,
+        torch.empty(2, 16, 32, 32),
+        torch.empty(1, 2, 16, 32, 32),
+        call,
+        narrow,
+    )
+    assert (few, many) == (Route.CANONICAL, Route.MATERIALIZED)
+
+
+def test_gram_route_matches_autograd_loop():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(16, 16, 3), nn.Flatten(), nn.Linear(16 * 4, 3)).double()
+    X, y = torch.randn(3, 16, 4, 4, dtype=torch.float64), torch.randint(0, 3, (3,))
+    loss = nn.CrossEntropyLoss()
+    expected = autograd_batch_grad(model, loss, X, y)
+    model_fn, params = pf.functional(model)
+    norms = pf.batch_l2_grad(model_fn, params, X, y, loss=loss)
+    torch.testing.assert_close(norms["0.weight"], expected["0.weight"].flatten(1).square().sum(1))
