@@ -386,3 +386,15 @@ def test_laplace_is_imported_only_by_the_integration_and_named_when_missing():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "False"
     assert "ImportError" in result.stderr and "pip install laplace-torch" in result.stderr
+
+
+def test_discovery_runs_once_per_fit_not_once_per_batch(monkeypatch):
+    """One model function per module, so packfunc's cached discovery plan serves every batch."""
+    from packfunc.engine import discovery
+
+    calls = []
+    discover = discovery.discover
+    monkeypatch.setattr(discovery, "discover", lambda *args: calls.append(1) or discover(*args))
+    model, loader = _problem("classification")
+    _fit(model, loader, "classification", PackfuncGGN, hessian_structure="diag")
+    assert len(loader) == 2 and len(calls) == 1

@@ -115,12 +115,13 @@ def _net(bias: bool, dims: int = 2) -> nn.Module:
 
 @pytest.fixture
 def no_unfold(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail if a convolution's input is unfolded (the closed forms' canonical layout)."""
+    """Fail if a convolution's input is unfolded; the grouped convolution for any channels."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("the input was unfolded")
 
     monkeypatch.setattr(conv_rules, "unfold", refuse)
+    monkeypatch.setattr(conv_rules, "GROUPED_MIN_CHANNELS", 1)
 
 
 @pytest.mark.parametrize("dims", [1, 2, 3])
@@ -142,8 +143,8 @@ def test_first_order_without_unfolding(dims, bias, n, no_unfold):
         torch.testing.assert_close(norms[name], grad.flatten(1).square().sum(1))
 
 
-def test_ggn_columns_and_diagonals_of_a_conv_net(no_unfold):
-    """``K = classes`` columns: the GGN's square root and per-sample diagonals."""
+def test_ggn_columns_and_diagonals_of_a_conv_net():
+    """``K = classes`` columns (from one unfolded input): the GGN's root and diagonals."""
     model, shape = _net(True)
     X = torch.randn(3, *shape)
     model(X)
@@ -191,6 +192,18 @@ def test_squared_norms_take_the_cheaper_route():
         narrow,
     )
     assert (few, many) == (Route.CANONICAL, Route.MATERIALIZED)
+
+
+def test_columns_come_from_the_grouped_convolution_for_one_column_and_enough_channels():
+    rule, call = ConvWeight(), TapCall("conv", (), (("groups", 1),))
+    x, one, three = torch.empty(2, 8, 6, 6), torch.empty(1, 2, 8, 6, 6), torch.empty(3, 2, 8, 6, 6)
+    routes = [
+        rule.route(Statistic.COLUMNS, x, one, call, torch.empty(8, 8, 3, 3)),
+        rule.route(Statistic.COLUMNS, x[:, :3], one, call, torch.empty(8, 3, 3, 3)),  # RGB stem
+        rule.route(Statistic.COLUMNS, x, three, call, torch.empty(8, 8, 3, 3)),  # K = 3
+        rule.route(Statistic.SUM, x, three, call, torch.empty(8, 8, 3, 3)),
+    ]
+    assert routes == [Route.CALL, Route.CANONICAL, Route.CANONICAL, Route.CALL]
 
 
 def test_gram_route_matches_autograd_loop():

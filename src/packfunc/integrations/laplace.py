@@ -65,10 +65,19 @@ class PackfuncInterface(CurvatureInterface):
         if self.last_layer:
             extractor: Any = self.model  # laplace's FeatureExtractor
             _, features = extractor.forward_with_features(x)
-            model_fn, _ = pf.functional(self._model)
+            model_fn = self._model_fn(self._model)
             return model_fn, params, features if keep_graph else features.detach()
-        model_fn, _ = pf.functional(self.model)
-        return model_fn, params, (x,) if isinstance(x, MutableMapping) else x
+        return self._model_fn(self.model), params, (x,) if isinstance(x, MutableMapping) else x
+
+    def _model_fn(self, module: nn.Module) -> ModelFn:
+        """``pf.functional(module)``'s model function, made once per module.
+
+        The same function every batch lets packfunc reuse its discovery plan.
+        """
+        made: dict[int, ModelFn] = self.__dict__.setdefault("_packfunc_model_fns", {})
+        if id(module) not in made:
+            made[id(module)] = pf.functional(module)[0]
+        return made[id(module)]
 
     @property
     def _loss_module(self) -> nn.Module:
