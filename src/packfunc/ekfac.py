@@ -11,7 +11,7 @@ from torch import nn
 
 from packfunc.engine.ekfac import fitted_eigenvalues
 from packfunc.engine.kronecker import APPROXIMATIONS, sqrt_factors
-from packfunc.engine.persample import BatchPass
+from packfunc.engine.persample import BatchPass, ColumnGradients
 from packfunc.kron import Eigen, batched_eigh
 from packfunc.losses import default_loss
 from packfunc.types import (
@@ -161,17 +161,17 @@ def _fit(
         seed = int(torch.randint(0, 2**62, (1,)).item())
         generator = torch.Generator(bp.record.output.device).manual_seed(seed)
     start = generator.get_state() if generator is not None else None
-    factors = None
+    factors, columns = None, None
     if eigenvectors is None:
-        factors = _kfac_factors(bp, kfac_approx, mc_samples, generator, on_unsupported)
+        factors, columns = _kfac_factors(bp, kfac_approx, mc_samples, generator, on_unsupported)
         if combine is not None:
             factors = combine(factors)
         bases = _bases(bp, factors)
     else:
         bases = _given_bases(bp, eigenvectors)
     if generator is not None and start is not None:
-        generator.set_state(start)
-    values = fitted_eigenvalues(bp, bases, mc_samples, generator)
+        generator.set_state(start)  # the factors' samples, if their columns were not kept
+    values = fitted_eigenvalues(bp, bases, mc_samples, generator, columns)
     found = [
         None if basis is None or value is None else Eigen(basis, value)
         for basis, value in zip(bases, values)
@@ -185,8 +185,8 @@ def _kfac_factors(
     mc_samples: int | None,
     generator: torch.Generator | None,
     on_unsupported: str,
-) -> Any:
-    """Every leaf's KFAC (or KFLR) factors as a pytree like ``params``."""
+) -> tuple[Any, ColumnGradients | None]:
+    """Every leaf's KFAC (or KFLR) factors as a pytree like ``params``, and their columns."""
     found = sqrt_factors(bp, approx, mc_samples, generator)
     if found.unsupported and on_unsupported == "raise":
         listing = "; ".join(
@@ -196,7 +196,7 @@ def _kfac_factors(
             f"no Kronecker factors for {listing}. Pass on_unsupported='skip' to get None for "
             "these parameters (e.g. to use diag_ggn for them instead)."
         )
-    return optree.tree_unflatten(bp.treespec, found.per_leaf)
+    return optree.tree_unflatten(bp.treespec, found.per_leaf), found.columns
 
 
 def _bases(bp: BatchPass, factors: Any) -> list[list[torch.Tensor] | None]:

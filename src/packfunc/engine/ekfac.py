@@ -15,6 +15,8 @@ samples (bounded memory) and rotated.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -29,6 +31,7 @@ def fitted_eigenvalues(
     bases: list[list[Tensor] | None],
     mc_samples: int | None,
     generator: torch.Generator | None,
+    columns: ColumnGradients | None = None,
 ) -> list[Tensor | None]:
     """Eigenvalues of every leaf's GGN block in its Kronecker eigenbasis.
 
@@ -40,6 +43,8 @@ def fitted_eigenvalues(
         bases: Per leaf, its eigenvectors ``[Q_A, Q_B]`` or ``[Q_A]`` (``None``: skipped).
         mc_samples: Monte-Carlo samples per sample, or ``None`` for the exact columns.
         generator: Random generator for the samples.
+        columns: All column gradients of these samples, already pulled back (e.g. by
+            :func:`~packfunc.engine.kronecker.sqrt_factors`); ``None``: pull them back.
 
     Returns:
         Per leaf, ``λ`` shaped ``[dim A, dim B]`` (or ``[dim A]``), or ``None``.
@@ -53,20 +58,27 @@ def fitted_eigenvalues(
         >>> fitted_eigenvalues(bp, bases, None, None)[bp.names.index("weight")].shape
         torch.Size([2, 3])
     """
+    values: list[Tensor | None] = [None] * len(bases)
+    for chunk in [columns] if columns is not None else _column_chunks(bp, mc_samples, generator):
+        for leaf, basis in enumerate(bases):
+            if basis is None:
+                continue
+            fitted = _rotated_squares(chunk, leaf, basis)
+            previous = values[leaf]
+            values[leaf] = fitted if previous is None else previous + fitted
+    return values
+
+
+def _column_chunks(
+    bp: BatchPass, mc_samples: int | None, generator: torch.Generator | None
+) -> Iterator[ColumnGradients]:
+    """The square-root columns' gradients in memory-bounded chunks of columns."""
     roots = hessian_factors(
         bp.loss, bp.record.output, bp.y, mc_samples=mc_samples, generator=generator
     )
     length = chunk_length(roots.count, bp.n * bp.column_width(), None)
-    values: list[Tensor | None] = [None] * len(bases)
     for s in chunks(roots.count, length):
-        columns = bp.columns(roots.make(s))
-        for leaf, basis in enumerate(bases):
-            if basis is None:
-                continue
-            fitted = _rotated_squares(columns, leaf, basis)
-            previous = values[leaf]
-            values[leaf] = fitted if previous is None else previous + fitted
-    return values
+        yield bp.columns(roots.make(s))
 
 
 def _rotated_squares(columns: ColumnGradients, leaf: int, basis: list[Tensor]) -> Tensor:

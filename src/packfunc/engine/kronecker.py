@@ -23,7 +23,7 @@ from packfunc.engine.kfra import expected_jacobian_sandwich
 from packfunc.engine.memory import chunk_length, chunks
 from packfunc.engine.ops import TapCall
 from packfunc.engine.pch import summed_residual_curvature
-from packfunc.engine.persample import BatchPass, Term
+from packfunc.engine.persample import BatchPass, ColumnGradients, Term
 from packfunc.engine.rules import RULES
 from packfunc.losses import HessianFactors, hessian_factors
 
@@ -41,6 +41,9 @@ class Factors:
 
     per_leaf: list[list[Tensor] | None]
     unsupported: dict[int, str]
+    columns: ColumnGradients | None = None
+    """The column gradients the factors came from, when they fit in one chunk (EKFAC
+    fits its eigenvalues to the same columns)."""
 
 
 def sqrt_factors(
@@ -82,6 +85,7 @@ def sqrt_factors(
     outputs: dict[int, Tensor] = {}
     terms: dict[int, Term] = {}
     unsupported = _unsupported(bp)
+    columns: ColumnGradients | None = None
     for s in chunks(roots.count, length):
         cotangents = roots.make(s)
         columns = bp.columns(cotangents)
@@ -108,7 +112,7 @@ def sqrt_factors(
     for leaf, term in terms.items():
         if leaf not in unsupported:
             per_leaf[leaf] = _assemble(term, outputs[leaf], approx)
-    return Factors(per_leaf, unsupported)
+    return Factors(per_leaf, unsupported, columns if length >= roots.count else None)
 
 
 def _gradient_column(bp: BatchPass) -> HessianFactors:
