@@ -146,12 +146,28 @@ class PackfuncInterface(CurvatureInterface):
         )
         return self._flat(out["batch_grad"], leading=1), out["loss"].detach()
 
-    def _kron(self, x: Tensor | MutableMapping[str, Any], y: Tensor, N: int) -> tuple[Tensor, Kron]:
-        """Kronecker factors in laplace's ``Kron``, times ``factor`` (see the subclasses).
+    def kron(
+        self, x: Tensor | MutableMapping[str, Any], y: Tensor, N: int, **kwargs: Any
+    ) -> tuple[Tensor, Kron]:
+        """Kronecker factors in laplace's ``Kron``, times ``factor``.
 
-        Weights get ``[A (out×out), B (in×in)]`` with ``B`` rescaled by ``len(y) / N``
-        (as laplace's other backends, so that batches add up to the data set);
-        biases and other one-dimensional parameters their exact block.
+        GGN: KFLR (KFAC when ``stochastic``); EF: KFAC of the empirical Fisher. Weights
+        get ``[A (out×out), B (in×in)]`` with ``B`` rescaled by ``len(y) / N`` (as
+        laplace's other backends, so that batches add up to the data set); biases and
+        other one-dimensional parameters their exact (or sampled) block.
+
+        Args:
+            x: Input batch.
+            y: Targets.
+            N: Number of data points in the whole data set.
+            **kwargs: Ignored (laplace passes ASDL's options).
+
+        Returns:
+            ``(factor · loss, factor · Kron)``.
+
+        Raises:
+            ValueError: with ``subnetwork_indices``, or for a parameter of two or more
+                dimensions without a Kronecker rule (e.g. an embedding).
         """
         if self.subnetwork_indices is not None:
             raise ValueError(
@@ -321,30 +337,6 @@ class PackfuncGGN(PackfuncInterface, GGNInterface):
         roots = self._flat(out["sqrt_ggn"], leading=2).flatten(0, 1)  # [K·N, P]
         return self.factor * out["loss"].detach(), self.factor * roots.T @ roots
 
-    def kron(
-        self, x: Tensor | MutableMapping[str, Any], y: Tensor, N: int, **kwargs: Any
-    ) -> tuple[Tensor, Kron]:
-        """KFLR (or, when ``stochastic``, KFAC) factors in laplace's ``Kron``, times ``factor``.
-
-        Weights get ``[A (out×out), B (in×in)]`` with ``B`` rescaled by ``len(y) / N``
-        (as laplace's other backends, so that batches add up to the data set);
-        biases and other one-dimensional parameters their exact (or sampled) block.
-
-        Args:
-            x: Input batch.
-            y: Targets.
-            N: Number of data points in the whole data set.
-            **kwargs: Ignored (laplace passes ASDL's options).
-
-        Returns:
-            ``(factor · loss, factor · Kron)``.
-
-        Raises:
-            ValueError: with ``subnetwork_indices``, or for a parameter of two or more
-                dimensions without a Kronecker rule (e.g. an embedding).
-        """
-        return self._kron(x, y, N)
-
 
 class PackfuncEF(PackfuncInterface, EFInterface):
     """laplace-torch's ``EFInterface`` (empirical Fisher) on packfunc's per-sample gradients.
@@ -383,30 +375,6 @@ class PackfuncEF(PackfuncInterface, EFInterface):
         )
         squares = self._flat(out["sum_grad_squared"], leading=0)
         return self.factor * out["loss"].detach(), self.factor * squares
-
-    def kron(
-        self, x: Tensor | MutableMapping[str, Any], y: Tensor, N: int, **kwargs: Any
-    ) -> tuple[Tensor, Kron]:
-        """KFAC of the empirical Fisher in laplace's ``Kron``, times ``factor``.
-
-        Weights get ``[A, B]``: ``A`` from the loss gradients at the layer output, ``B``
-        rescaled by ``len(y) / N`` (as laplace's other backends); biases and other
-        one-dimensional parameters their exact block ``Σ_n g_n g_nᵀ``.
-
-        Args:
-            x: Input batch.
-            y: Targets.
-            N: Number of data points in the whole data set.
-            **kwargs: Ignored (laplace passes ASDL's options).
-
-        Returns:
-            ``(factor · loss, factor · Kron)``.
-
-        Raises:
-            ValueError: with ``subnetwork_indices``, or for a parameter of two or more
-                dimensions without a Kronecker rule (e.g. an embedding).
-        """
-        return self._kron(x, y, N)
 
     def _kron_factors(
         self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
