@@ -238,22 +238,18 @@ class ConvWeight(ProductWeight):
         for squared norms of one column, as the Gram form when it is cheaper than the
         weight-sized column gradients; otherwise the columns are materialized.
         """
+        one_column = g.shape[0] == 1
         if stat is Statistic.SUM:
             return Route.CALL
         if stat is Statistic.COLUMNS:
-            one_column = g.shape[0] == 1
-            return (
-                Route.CALL
-                if one_column and param.shape[1] >= GROUPED_MIN_CHANNELS
-                else (Route.CANONICAL)
-            )
+            grouped = one_column and param.shape[1] >= GROUPED_MIN_CHANNELS
+            return Route.CALL if grouped else Route.CANONICAL
         # canonical positions: the output's; transposed (cotangent unfolded), the input's
         length = math.prod(x.shape[2:] if call.transposed else g.shape[3:])
         n_in = param.shape[1] * math.prod(param.shape[2:])
         n_out = param.shape[0] // call.option("groups")
         if length == 1:
             return Route.CANONICAL
-        one_column = g.shape[0] == 1
         if stat is Statistic.SQUARED_NORMS and one_column and gram_is_cheaper(length, n_in, n_out):
             return Route.CANONICAL
         return Route.MATERIALIZED
