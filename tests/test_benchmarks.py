@@ -20,6 +20,7 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import laplace_fit  # noqa: E402
+import optimizer  # noqa: E402
 import peers  # noqa: E402
 import problems  # noqa: E402
 import run  # noqa: E402
@@ -237,6 +238,15 @@ def test_laplace_precision_check_sees_a_difference() -> None:
     check = laplace_fit.check_against_backpack("small MLP", "kron", "GGN", 16, 8)
     assert check is not None and check < 1e-5
     assert laplace_fit.relative_difference([torch.ones(2)], [torch.ones(3)]) == float("inf")
+
+
+def test_optimizer_step_benchmark_runs_every_optimizer_in_process() -> None:
+    """Every optimizer's step runs (in this process, one round of 10 steps, untimed figures)."""
+    for name in optimizer.OPTIMIZERS:
+        result = optimizer.measure("digits", name, period=1, repeats=1)
+        assert result["min"] <= result["median"] <= result["max"]
+    rows = optimizer.table({("digits", "adam"): result, ("digits", "kfac"): result}, 1)
+    assert rows[-1].endswith("| 1.00 |")
 
 
 @pytest.mark.parametrize("module", [peers, problems, timing, laplace_fit])
