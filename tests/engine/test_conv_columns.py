@@ -113,6 +113,17 @@ def _net(bias: bool, dims: int = 2) -> nn.Module:
     ), (2, *[size] * dims)
 
 
+def _assert_first_order_matches_the_loop(model: nn.Module, loss: nn.Module, X, y) -> None:
+    """``batch_grad`` and ``batch_l2_grad`` against a per-sample autograd loop."""
+    expected = autograd_batch_grad(model, loss, X, y)
+    model_fn, params = pf.functional(model)
+    grads = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    norms = pf.batch_l2_grad(model_fn, params, X, y, loss=loss)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad)
+        torch.testing.assert_close(norms[name], grad.flatten(1).square().sum(1))
+
+
 @pytest.fixture
 def no_unfold(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail if a convolution's input is unfolded; the grouped convolution for any channels."""
@@ -134,13 +145,7 @@ def test_first_order_without_unfolding(dims, bias, n, no_unfold):
     model = model.double()
     X = X.double()
     loss = nn.CrossEntropyLoss()
-    expected = autograd_batch_grad(model, loss, X, y)
-    model_fn, params = pf.functional(model)
-    grads = pf.batch_grad(model_fn, params, X, y, loss=loss)
-    norms = pf.batch_l2_grad(model_fn, params, X, y, loss=loss)
-    for name, grad in expected.items():
-        torch.testing.assert_close(grads[name], grad)
-        torch.testing.assert_close(norms[name], grad.flatten(1).square().sum(1))
+    _assert_first_order_matches_the_loop(model, loss, X, y)
 
 
 def test_ggn_columns_and_diagonals_of_a_conv_net():
@@ -167,13 +172,7 @@ def test_shared_convolution_adds_its_calls():
     model = nn.Sequential(conv, nn.Tanh(), conv, nn.Flatten(), nn.Linear(2 * 25, 3)).double()
     X, y = torch.randn(4, 2, 5, 5, dtype=torch.float64), torch.randint(0, 3, (4,))
     loss = nn.CrossEntropyLoss(reduction="sum")
-    expected = autograd_batch_grad(model, loss, X, y)
-    model_fn, params = pf.functional(model)
-    grads = pf.batch_grad(model_fn, params, X, y, loss=loss)
-    norms = pf.batch_l2_grad(model_fn, params, X, y, loss=loss)
-    for name, grad in expected.items():
-        torch.testing.assert_close(grads[name], grad)
-        torch.testing.assert_close(norms[name], grad.flatten(1).square().sum(1))
+    _assert_first_order_matches_the_loop(model, loss, X, y)
 
 
 def test_squared_norms_take_the_cheaper_route():
