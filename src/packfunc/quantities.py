@@ -19,12 +19,11 @@ from torch import Tensor, nn
 from packfunc.data import BatchToXY, over_data
 from packfunc.distributed import ProcessGroup
 from packfunc.engine import hessian
-from packfunc.engine.memory import chunk_length
-from packfunc.engine.persample import BatchPass
+from packfunc.engine.persample import BatchPass, check_pass_arguments
 from packfunc.engine.statistics import ggn_statistics, leaf_statistics
 from packfunc.engine.vocabulary import Statistic
-from packfunc.functional import as_index, batch_size, check_model_arguments
-from packfunc.losses import check_loss, check_loss_inputs, default_loss
+from packfunc.functional import as_index, batch_size
+from packfunc.losses import check_loss_inputs, default_loss
 from packfunc.types import Targets
 
 Stats = dict[Statistic, Tensor]
@@ -172,9 +171,7 @@ def plain_gradient(
         ...                torch.nn.CrossEntropyLoss(), None)["grad"]["weight"].shape
         torch.Size([2, 3])
     """
-    check_model_arguments(model_fn, params)
-    check_loss(loss)
-    chunk_length(1, 1, chunk_size)
+    check_pass_arguments(model_fn, params, loss, chunk_size)
     leaves, treespec = optree.tree_flatten(params)
     n = batch_size(X)
     with torch.enable_grad():

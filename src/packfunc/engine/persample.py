@@ -71,6 +71,28 @@ def _merge(terms: list[Term]) -> list[Term]:
     return terms if merged is None else [Term(rule, *merged, terms[0].call)]
 
 
+def check_pass_arguments(
+    model_fn: Callable, params: Any, loss: nn.Module, chunk_size: int | None
+) -> None:
+    """Check a model function, its params, the loss and ``chunk_size`` before any work.
+
+    Args:
+        model_fn: ``model_fn(params, X) -> output``.
+        params: Pytree of floating-point tensors.
+        loss: The loss module.
+        chunk_size: Samples per chunk, or ``None``.
+
+    Raises:
+        TypeError, ValueError: naming what to pass instead.
+
+    Example:
+        >>> check_pass_arguments(lambda p, X: X, {}, torch.nn.MSELoss(), None)
+    """
+    check_model_arguments(model_fn, params)
+    check_loss(loss)
+    chunk_length(1, 1, chunk_size)
+
+
 class BatchPass:
     """Discovery and the batch pass of ``loss(model_fn(params, X), y)``.
 
@@ -105,9 +127,7 @@ class BatchPass:
         watched: Callable[[Plan, list[Tensor], nn.Module, Any, int], BatchRecord | None]
         | None = None,
     ):
-        check_model_arguments(model_fn, params)
-        check_loss(loss)
-        chunk_length(1, 1, chunk_size)  # validates chunk_size before any work
+        check_pass_arguments(model_fn, params, loss, chunk_size)
         self.leaves, self.treespec, self.names = flatten_params(params)
         self.n = batch_size(X)
         self.model_fn, self.params, self.X, self.y, self.loss = model_fn, params, X, y, loss

@@ -79,6 +79,26 @@ class PackfuncInterface(CurvatureInterface):
             made[id(module)] = pf.functional(module)[0]
         return made[id(module)]
 
+    def _quantity(
+        self, x: Tensor | MutableMapping[str, Any], y: Tensor, name: str, **options: Any
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The batch's loss (detached) and one :func:`packfunc.compute` quantity of it.
+
+        Args:
+            x: laplace's input batch.
+            y: Targets.
+            name: The quantity.
+            **options: Further :func:`packfunc.compute` options (e.g. ``mc_samples``).
+
+        Returns:
+            ``(loss, quantity)``, the quantity a dict like the params.
+        """
+        model_fn, params, inputs = self._problem(x)
+        out = pf.compute(
+            model_fn, params, inputs, y, quantities=(name,), loss=self._loss_module, **options
+        )
+        return out["loss"].detach(), out[name]
+
     @property
     def _loss_module(self) -> nn.Module:
         """The loss laplace set: ``MSELoss`` or ``CrossEntropyLoss``, ``reduction="sum"``."""
@@ -299,17 +319,8 @@ class PackfuncGGN(PackfuncInterface, GGNInterface):
         Returns:
             ``(factor · loss, factor · diag(GGN))`` with the diagonal ``[P]``.
         """
-        model_fn, params, inputs = self._problem(x)
-        out = pf.compute(
-            model_fn,
-            params,
-            inputs,
-            y,
-            quantities=("diag_ggn",),
-            loss=self._loss_module,
-            mc_samples=self._mc_samples,
-        )
-        return self.factor * out["loss"].detach(), self.factor * self._flat(out["diag_ggn"], 0)
+        loss, diagonal = self._quantity(x, y, "diag_ggn", mc_samples=self._mc_samples)
+        return self.factor * loss, self.factor * self._flat(diagonal, 0)
 
     def full(
         self, x: Tensor | MutableMapping[str, Any], y: Tensor, **kwargs: Any
@@ -324,18 +335,9 @@ class PackfuncGGN(PackfuncInterface, GGNInterface):
         Returns:
             ``(factor · loss, factor · GGN)`` with the GGN ``[P, P]``.
         """
-        model_fn, params, inputs = self._problem(x)
-        out = pf.compute(
-            model_fn,
-            params,
-            inputs,
-            y,
-            quantities=("sqrt_ggn",),
-            loss=self._loss_module,
-            mc_samples=self._mc_samples,
-        )
-        roots = self._flat(out["sqrt_ggn"], leading=2).flatten(0, 1)  # [K·N, P]
-        return self.factor * out["loss"].detach(), self.factor * roots.T @ roots
+        loss, sqrt_ggn = self._quantity(x, y, "sqrt_ggn", mc_samples=self._mc_samples)
+        roots = self._flat(sqrt_ggn, leading=2).flatten(0, 1)  # [K·N, P]
+        return self.factor * loss, self.factor * roots.T @ roots
 
 
 class PackfuncEF(PackfuncInterface, EFInterface):
@@ -369,12 +371,8 @@ class PackfuncEF(PackfuncInterface, EFInterface):
         Returns:
             ``(factor · loss, factor · diag(EF))`` with the diagonal ``[P]``.
         """
-        model_fn, params, inputs = self._problem(x)
-        out = pf.compute(
-            model_fn, params, inputs, y, quantities=("sum_grad_squared",), loss=self._loss_module
-        )
-        squares = self._flat(out["sum_grad_squared"], leading=0)
-        return self.factor * out["loss"].detach(), self.factor * squares
+        loss, squares = self._quantity(x, y, "sum_grad_squared")
+        return self.factor * loss, self.factor * self._flat(squares, leading=0)
 
     def _kron_factors(
         self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
