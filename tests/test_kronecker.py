@@ -163,6 +163,40 @@ def test_single_linear_layer_kflr_is_the_exact_ggn_block():
     torch.testing.assert_close(A_bias, _ggn_block(model, loss, X, y, "bias"))
 
 
+@pytest.mark.parametrize("kfac_approx", ["backpack", "expand", "reduce"])
+def test_weight_and_bias_output_factors_are_their_exact_blocks_and_separate_tensors(kfac_approx):
+    """The position-summed output factor is computed once per layer call, owned by each leaf."""
+    torch.manual_seed(0)
+    model = PerPosition().double()
+    X = torch.randn(3, 4, 3, dtype=torch.float64)
+    y = torch.randn(3, 16, dtype=torch.float64)
+    loss = nn.MSELoss(reduction="sum")
+    model_fn, params = pf.functional(model)
+    found = pf.kflr(model_fn, params, X, y, loss=loss, kfac_approx=kfac_approx)
+    (A_bias,) = found["shared.bias"]
+    torch.testing.assert_close(A_bias, _ggn_block(model, loss, X, y, "shared.bias"))
+    A_weight = found["shared.weight"][0]
+    if kfac_approx != "expand":
+        torch.testing.assert_close(A_weight, A_bias)
+    assert A_weight.data_ptr() != A_bias.data_ptr()
+    sampled = pf.kfac(  # sampled columns are dense over positions: Σ_l s sᵀ ≠ (Σ_l s)(Σ_l s)ᵀ
+        model_fn,
+        params,
+        X,
+        y,
+        loss=loss,
+        kfac_approx=kfac_approx,
+        mc_samples=2,
+        generator=torch.Generator().manual_seed(0),
+    )
+    summed = torch.allclose(sampled["shared.weight"][0], sampled["shared.bias"][0])
+    assert summed == (kfac_approx != "expand")
+    mlp_fn, mlp_params = pf.functional(nn.Linear(3, 2).double())
+    one_position = pf.kflr(mlp_fn, mlp_params, X[:, 0], y[:, :2], loss=loss, kfac_approx="expand")
+    torch.testing.assert_close(one_position["weight"][0], one_position["bias"][0])
+    assert one_position["weight"][0].data_ptr() != one_position["bias"][0].data_ptr()
+
+
 class PerPosition(nn.Module):
     """A linear layer applied to every position of a sequence, twice (weight sharing)."""
 

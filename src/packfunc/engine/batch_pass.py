@@ -37,7 +37,7 @@ from packfunc.engine.modes import (
     is_metadata_query,
     leaves_of,
 )
-from packfunc.engine.ops import SIGNATURES, TapCall, make_call
+from packfunc.engine.ops import SIGNATURES, tapped_leaves
 from packfunc.losses import check_loss_inputs
 
 
@@ -78,7 +78,7 @@ class _RecordMode(ParameterMode):
             sig = SIGNATURES[func]
             bound = sig.bind(args, kwargs)
             run = partial(call_replacing, func, args, kwargs)
-            return self._record_tapped(use, make_call(sig, bound, self.leaf_of), bound, run)
+            return self._record_tapped(use, tapped_leaves(bound, self.leaf_of), bound, run)
         arguments = CallArguments.of(args, kwargs)
         sources = self._sources(arguments.values) or {}
         if use.kind == "derived":
@@ -95,11 +95,15 @@ class _RecordMode(ParameterMode):
             raise PlanMismatch()
 
     def _record_tapped(
-        self, use: Use, call: TapCall, bound: dict[str, Any], run: Callable[..., Tensor]
+        self,
+        use: Use,
+        leaves: tuple[tuple[str, int], ...],
+        bound: dict[str, Any],
+        run: Callable[..., Tensor],
     ) -> Tensor:
         k = use.site
         assert k is not None
-        if self.plan.sites[k].call.leaves != call.leaves:
+        if self.plan.sites[k].call.leaves != leaves:
             raise PlanMismatch()
         probe = self.probes.get(k)
         if probe is None:
@@ -107,7 +111,7 @@ class _RecordMode(ParameterMode):
         if self.mark and not any(isinstance(v, Tensor) and v.requires_grad for v in bound.values()):
             # the output would be a leaf, which an in-place op after the call (ReLU(inplace=True))
             # may not modify: compute it from a fresh leaf alias of a parameter instead
-            weight = bound[call.leaves[0][0]]
+            weight = bound[leaves[0][0]]
             out = run(weight, weight.detach().requires_grad_())
         else:
             out = run()

@@ -90,6 +90,7 @@ def sqrt_factors(
         cotangents = roots.make(s)
         columns = bp.columns(cotangents)
         pulled: dict[int, Tensor] = {}
+        summed: dict[int, Tensor] = {}  # per call: the position-summed output factor
         for leaf, found in columns.terms.items():
             if leaf in unsupported:
                 continue
@@ -106,13 +107,33 @@ def sqrt_factors(
             else:
                 term = found[0]
             terms[leaf] = term
-            factor = term.rule.output_factor(term.g, approx)
+            factor = _output_factor(term, approx, summed)
             outputs[leaf] = outputs[leaf] + factor if leaf in outputs else factor
     per_leaf: list[list[Tensor] | None] = [None] * len(bp.leaves)
     for leaf, term in terms.items():
         if leaf not in unsupported:
             per_leaf[leaf] = _assemble(term, outputs[leaf], approx)
     return Factors(per_leaf, unsupported, columns if length >= roots.count else None)
+
+
+def _output_factor(term: Term, approx: str, summed: dict[int, Tensor]) -> Tensor:
+    """The term's output factor; one of a call's parameters computes a shared one, the rest copy.
+
+    Args:
+        term: A leaf's only term.
+        approx: The position convention.
+        summed: Position-summed factors computed so far, by ``id`` of the call (updated).
+
+    Returns:
+        A factor the caller owns.
+    """
+    if term.call.transposed or not term.rule.sums_positions(term.g, approx):
+        return term.rule.output_factor(term.g, approx)
+    shared = summed.get(id(term.call))
+    if shared is not None:
+        return shared.clone()
+    factor = summed[id(term.call)] = term.rule.output_factor(term.g, approx)
+    return factor
 
 
 def _gradient_column(bp: BatchPass) -> HessianFactors:

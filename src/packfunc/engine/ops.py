@@ -125,6 +125,24 @@ def make_call(
         >>> make_call(sig, sig.bind((0, 1), {}), lambda v: v).leaves
         (('weight', 1),)
     """
-    leaves = tuple((role, leaf) for role in ROLES if (leaf := leaf_of(bound.get(role))) is not None)
     options = tuple((k, v) for k, v in bound.items() if k not in ("input", *ROLES))
-    return TapCall(sig.family, leaves, options, sig.transposed)
+    return TapCall(sig.family, tapped_leaves(bound, leaf_of), options, sig.transposed)
+
+
+def tapped_leaves(
+    bound: dict[str, Any], leaf_of: Callable[[Any], int | None]
+) -> tuple[tuple[str, int], ...]:
+    """The parameter leaf of each role (weight, bias) of a tapped call that has one.
+
+    Args:
+        bound: The call's bound arguments (see :meth:`OpSignature.bind`).
+        leaf_of: Maps a value to its parameter leaf index, or ``None``.
+
+    Returns:
+        ``((role, leaf), ...)``, as in :attr:`TapCall.leaves`.
+
+    Example:
+        >>> tapped_leaves({"weight": 3, "bias": None}, lambda v: v)
+        (('weight', 3),)
+    """
+    return tuple((role, leaf) for role in ROLES if (leaf := leaf_of(bound.get(role))) is not None)

@@ -163,6 +163,21 @@ class Rule:
         """``Σ_k ‖c[k, n]‖²`` per sample, ``[n]``, or ``None``."""
         return None
 
+    def sums_positions(self, g: Tensor, approx: str) -> bool:
+        """Whether :meth:`output_factor` is ``Σ_{k,n} s sᵀ`` of the position-summed cotangent.
+
+        Such factors of one call agree across its parameters (a layer's weight and
+        bias), so they are computed once.
+
+        Args:
+            g: Canonical cotangent columns.
+            approx: The position convention.
+
+        Returns:
+            ``False`` unless the rule says so.
+        """
+        return False
+
     def output_factor(self, g: Tensor, approx: str) -> Tensor:
         """Kronecker factor from the cotangent columns (additive over columns).
 

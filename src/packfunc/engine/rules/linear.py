@@ -53,6 +53,10 @@ class Bias(Rule):
         """The canonical cotangent itself."""
         return g
 
+    def sums_positions(self, g: Tensor, approx: str) -> bool:
+        """Always: the canonical cotangent is summed over positions."""
+        return True
+
     def output_factor(self, g: Tensor, approx: str) -> Tensor:
         """The exact GGN block of the bias: ``Σ_{k,n} g gᵀ`` (positions already summed)."""
         flat = g.reshape(-1, g.shape[-1])

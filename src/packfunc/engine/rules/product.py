@@ -81,6 +81,10 @@ class ProductWeight(Rule):
         gram_u = x[0].transpose(-1, -2) @ x[0]
         return (gram_g * gram_u).sum((1, 2, 3))
 
+    def sums_positions(self, g: Tensor, approx: str) -> bool:
+        """Unless ``"expand"`` keeps several positions apart."""
+        return approx != "expand" or g.shape[-1] == 1
+
     def output_factor(self, g: Tensor, approx: str) -> Tensor:
         """``Σ_{k,n} s sᵀ`` over all output channels, ``s`` the position-summed cotangent.
 
