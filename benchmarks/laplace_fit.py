@@ -8,30 +8,35 @@ Usage (from the repository root)::
 
 A cell is ``(model, hessian structure, backend)``: ``Laplace(model, "classification",
 subset_of_weights="all", hessian_structure=S, backend=B)`` is built and fitted on a loader
-(512 samples in batches of 128) once as a warm-up, then ``--repeats`` times; the cell's
-figure is the median wall-clock time of construction + ``fit`` (and its min–max spread).
-Every cell runs in a fresh Python process, so no backend inherits another's caches or
-memory. Rows pair backends of one kind (GGN or empirical Fisher, EF); the ratio is
-packfunc's median over the fastest other backend's. Untimed, each row also checks that
-packfunc's Hessian ``la.H`` equals the BackPACK backend's where both run (a mismatch
-makes the exit status 1). Backends whose library is missing (ASDL: the PyPI package
-``asdl`` is another project; install it from GitHub) show ``—``; those that refuse a
-structure show ``error``, with the reason below the table.
+(512 samples in batches of 128); the cell's figure is the median wall-clock time of
+construction + ``fit`` (and its min–max spread) over ``--repeats`` timed fits. A row pairs
+the backends of one kind (GGN or empirical Fisher, EF) and runs in one fresh Python process
+(no row inherits another's caches or memory): each backend gets its own copy of the seeded
+model (BackPACK's hooks stay on its own), is fitted once as a warm-up, and then the
+backends' timed fits are interleaved, round by round, so that they all see the same machine
+(on a shared VM, separate processes moved a cell by 1.5×). The ratio is packfunc's median
+over the fastest other backend's. Untimed, each row also checks that packfunc's Hessian
+``la.H`` equals the BackPACK backend's where both run (a mismatch makes the exit status 1).
+Backends whose library is missing (ASDL: the PyPI package ``asdl`` is another project;
+install it from GitHub) show ``—``; those that refuse a structure, or whose warm-up fit is
+too slow for ``--cell-timeout``, show ``error``, with the reason below the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -202,38 +207,87 @@ def relative_difference(values: list[Tensor], reference: list[Tensor]) -> float:
     return worst
 
 
-def time_cell(
+def time_row(
     model: str,
     structure: str,
-    key: str,
+    keys: list[str],
     samples: int,
     batch_size: int,
     repeats: int,
     threads: int = THREADS,
-) -> dict[str, object]:
-    """One warm-up fit, then ``repeats`` timed fits (construction + ``fit``), in this process.
+    cell_timeout: float = 600.0,
+) -> dict[str, dict[str, object]]:
+    """Warm up each backend, then interleave ``repeats`` rounds of one timed fit each.
+
+    Args:
+        model: A key of :data:`MODELS`.
+        structure: ``"diag"``, ``"kron"`` or ``"full"``.
+        keys: Backends (keys of :data:`BACKENDS`) of the row.
+        samples: Data-set size.
+        batch_size: The loader's batch size.
+        repeats: Timed fits per backend.
+        threads: Torch threads.
+        cell_timeout: Seconds a backend's warm-up and timed fits may take together: a
+            warm-up fit over ``cell_timeout / (repeats + 1)`` drops the backend.
 
     Returns:
-        ``{"ms": [times]}``, or ``{"error": reason}`` (``"unavailable"`` set when the
-        backend's library is missing).
+        Display column -> ``{"ms": [times]}``, or ``{"error": reason}`` (with
+        ``"unavailable"`` set when the backend's library is missing).
     """
     torch.set_num_threads(threads)
-    try:
-        backend = backend_class(key)
-    except ImportError as error:
-        return {"error": str(error), "unavailable": True}
-    net, loader = problem(model, samples, batch_size)
-    try:
-        fit(net, loader, structure, backend)
-    except Exception as error:  # a backend refusing a model or structure
-        return {"error": f"{type(error).__name__}: {first_line(error)}"}
-    times = []
+    cells: dict[str, dict[str, object]] = {}
+    ready: dict[str, tuple[type, nn.Module, DataLoader]] = {}
+    for key in keys:
+        column = BACKENDS[key].column
+        try:
+            backend = backend_class(key)
+        except ImportError as error:
+            cells[column] = {"error": str(error), "unavailable": True}
+            continue
+        net, loader = problem(model, samples, batch_size)
+        budget = cell_timeout / (repeats + 1)
+        try:
+            with alarm_after(budget):
+                fit(net, loader, structure, backend)
+        except TimeoutError:
+            cells[column] = {"error": f"too slow: one fit takes over {budget:.0f} s"}
+            continue
+        except Exception as error:  # a backend refusing a model or structure
+            cells[column] = {"error": f"{type(error).__name__}: {first_line(error)}"}
+            continue
+        ready[column] = (backend, net, loader)
+        cells[column] = {"ms": []}
     for _ in range(repeats):
-        start = time.perf_counter()
-        la = fit(net, loader, structure, backend)
-        times.append(1e3 * (time.perf_counter() - start))
-        del la
-    return {"ms": times}
+        for column, (backend, net, loader) in ready.items():
+            start = time.perf_counter()
+            la = fit(net, loader, structure, backend)
+            cells[column]["ms"].append(1e3 * (time.perf_counter() - start))  # type: ignore[union-attr]
+            del la
+    return cells
+
+
+@contextlib.contextmanager
+def alarm_after(seconds: float) -> Iterator[None]:
+    """Raise ``TimeoutError`` in the block after ``seconds`` (``SIGALRM``; no-op without it).
+
+    Example:
+        >>> with alarm_after(5):
+        ...     pass
+    """
+    if not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise TimeoutError
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def first_line(error: BaseException, limit: int = 110) -> str:
@@ -247,37 +301,33 @@ def first_line(error: BaseException, limit: int = 110) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def run_cell_in_fresh_process(
+def run_row_in_fresh_process(
     model: str,
     structure: str,
-    key: str,
+    keys: list[str],
     samples: int,
     batch_size: int,
     repeats: int,
     threads: int = THREADS,
-    timeout_s: float | None = None,
-) -> dict[str, object]:
-    """:func:`time_cell` in a new Python process; its JSON answer.
+    cell_timeout: float = 600.0,
+) -> dict[str, dict[str, object]]:
+    """:func:`time_row` in a new Python process; its JSON answer.
 
-    A cell still running after ``timeout_s`` seconds is stopped and reported as an error.
+    A process that fails reports the failure in every one of the row's cells.
     """
     command = [
         sys.executable,
         os.path.abspath(__file__),
-        "--cell",
-        json.dumps([model, structure, key, samples, batch_size, repeats, threads]),
+        "--row",
+        json.dumps([model, structure, keys, samples, batch_size, repeats, threads, cell_timeout]),
     ]
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, check=False, timeout=timeout_s
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out: over {timeout_s:.0f} s for the warm-up and timed fits"}
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"process failed ({done.returncode}): {tail}"}
-    answer: dict[str, object] = json.loads(lines[-1])
+        failed: dict[str, object] = {"error": f"process failed ({done.returncode}): {tail}"}
+        return {BACKENDS[key].column: failed for key in keys}
+    answer: dict[str, dict[str, object]] = json.loads(lines[-1])
     return answer
 
 
@@ -375,13 +425,14 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=600.0,
         metavar="SECONDS",
-        help="stop a cell (one backend's warm-up and timed fits) after this (default 600)",
+        help="a backend's budget for its warm-up and timed fits: one whose warm-up fit takes "
+        "over SECONDS / (repeats + 1) is dropped (default 600)",
     )
-    parser.add_argument("--cell", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--row", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.cell is not None:  # the child process of one cell
+    if args.row is not None:  # the child process of one row
         warnings.simplefilter("ignore")
-        print(json.dumps(time_cell(*json.loads(args.cell))))
+        print(json.dumps(time_row(*json.loads(args.row))))
         return 0
     samples = args.samples or (64 if args.quick else 512)
     batch_size = args.batch_size or (32 if args.quick else 128)
@@ -399,24 +450,20 @@ def main(argv: list[str] | None = None) -> int:
             if structure not in structures:
                 continue
             for kind in ("GGN", "EF"):
-                cells = {}
-                for key in keys:
-                    if BACKENDS[key].kind != kind:
-                        continue
-                    print(f"timing {model} {structure} {key} ...", file=sys.stderr, flush=True)
-                    cell = run_cell_in_fresh_process(
-                        model,
-                        structure,
-                        key,
-                        samples,
-                        batch_size,
-                        repeats,
-                        args.threads,
-                        args.cell_timeout,
-                    )
-                    cells[BACKENDS[key].column] = cell
-                if not cells:
+                row_keys = [key for key in keys if BACKENDS[key].kind == kind]
+                if not row_keys:
                     continue
+                print(f"timing {model} {structure} {kind} ...", file=sys.stderr, flush=True)
+                cells = run_row_in_fresh_process(
+                    model,
+                    structure,
+                    row_keys,
+                    samples,
+                    batch_size,
+                    repeats,
+                    args.threads,
+                    args.cell_timeout,
+                )
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     check = check_against_backpack(model, structure, kind, samples, batch_size)
@@ -424,8 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"torch {torch.__version__}, {args.threads} threads, CPU ({cpu_model()}); "
         f"{versions()}; float32; "
-        f"{samples} samples in batches of {batch_size}; each cell in a fresh process: "
-        f"median (min–max) of {repeats} timed fits (Laplace(...) + fit) after 1 warm-up fit; "
+        f"{samples} samples in batches of {batch_size}; each row in a fresh process, its "
+        f"backends' fits interleaved: median (min–max) of {repeats} timed fits "
+        f"(Laplace(...) + fit) after 1 warm-up fit; "
         f"load average at start {load[0]:.1f}, at end {os.getloadavg()[0]:.1f}"
     )
     print()

@@ -228,8 +228,17 @@ def test_laplace_fit_quick_run(capsys) -> None:
 
 def test_laplace_cell_of_a_missing_library_is_blank(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(laplace_fit.importlib.util, "find_spec", lambda name: None)
-    cell = laplace_fit.time_cell("small MLP", "diag", "AsdlGGN", 16, 8, 1)
-    assert cell["unavailable"] and laplace_fit.summary(cell) == "—"
+    cells = laplace_fit.time_row("small MLP", "diag", ["AsdlGGN"], 16, 8, 1)
+    assert cells["ASDL"]["unavailable"] and laplace_fit.summary(cells["ASDL"]) == "—"
+
+
+def test_laplace_row_interleaves_its_backends_and_drops_a_slow_one() -> None:
+    pytest.importorskip("laplace")
+    keys = ["PackfuncGGN", "BackPackGGN"]
+    cells = laplace_fit.time_row("small MLP", "diag", keys, 16, 8, 2)
+    assert [len(cells[column]["ms"]) for column in ("packfunc", "BackPACK")] == [2, 2]
+    dropped = laplace_fit.time_row("small MLP", "diag", keys, 16, 8, 2, cell_timeout=1e-4)
+    assert all("too slow" in cell["error"] for cell in dropped.values())
 
 
 def test_laplace_precision_check_sees_a_difference() -> None:

@@ -119,7 +119,7 @@ def kfac(
         lambda bp: sqrt_factors(
             bp, _approx(kfac_approx), mc_samples, generator, _empirical(fisher_type)
         ),
-    )
+    )[0]
 
 
 @over_data("kflr")
@@ -159,7 +159,7 @@ def kflr(
         loss,
         on_unsupported,
         lambda bp: sqrt_factors(bp, _approx(kfac_approx), None, None),
-    )
+    )[0]
 
 
 @over_data("kfra")
@@ -212,7 +212,62 @@ def kfra(
         raise ValueError(f"curvature must be one of {tuple(CURVATURES)}; got {curvature!r}.")
     return _factors(
         model_fn, params, X, y, loss, on_unsupported, lambda bp: kfra_factors(bp, curvature)
+    )[0]
+
+
+def sqrt_factors_and_loss(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Targets,
+    *,
+    loss: nn.Module,
+    mc_samples: int | None,
+    generator: torch.Generator | None = None,
+    kfac_approx: KfacApprox = "backpack",
+    fisher_type: str = "mc",
+    on_unsupported: OnUnsupported = "raise",
+) -> tuple[Any, Tensor]:
+    """:func:`kfac` (``mc_samples``) or :func:`kflr` (``None``) and the batch's reduced loss.
+
+    One batch pass gives both (for clients such as the laplace backend, which report the
+    loss beside the curvature); the loss is detached.
+
+    Args:
+        model_fn: ``model_fn(params, X) -> output``.
+        params: Pytree of floating-point tensors.
+        X: Inputs with leading batch dimension.
+        y: Targets.
+        loss: The loss module.
+        mc_samples: Monte-Carlo samples (KFAC) or ``None`` (KFLR).
+        generator: Random generator for the samples.
+        kfac_approx: Position convention, as in :func:`kfac`.
+        fisher_type: ``"mc"`` or ``"empirical"``, as in :func:`kfac`.
+        on_unsupported: ``"raise"`` or ``"skip"``.
+
+    Returns:
+        ``(factors, loss)``: the factor pytree and ``loss(model_fn(params, X), y)``.
+
+    Example:
+        >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+        >>> factors, value = sqrt_factors_and_loss(
+        ...     model_fn, params, X, y, loss=torch.nn.CrossEntropyLoss(), mc_samples=None)
+        >>> bool(value == torch.nn.CrossEntropyLoss()(model_fn(params, X), y))
+        True
+    """
+    factors, bp = _factors(
+        model_fn,
+        params,
+        X,
+        y,
+        loss,
+        on_unsupported,
+        lambda bp: sqrt_factors(
+            bp, _approx(kfac_approx), mc_samples, generator, _empirical(fisher_type)
+        ),
     )
+    return factors, bp.loss_value.detach()
 
 
 def _empirical(fisher_type: str) -> bool:
@@ -235,7 +290,8 @@ def _factors(
     loss: nn.Module | None,
     on_unsupported: str,
     method: Callable[[BatchPass], Factors],
-) -> Any:
+) -> tuple[Any, BatchPass]:
+    """The factor pytree that ``method`` finds in the batch pass, and the pass."""
     if on_unsupported not in ("raise", "skip"):
         raise ValueError(f"on_unsupported must be 'raise' or 'skip'; got {on_unsupported!r}.")
     bp = BatchPass(model_fn, params, X, y, loss or default_loss())
@@ -248,4 +304,4 @@ def _factors(
             f"no Kronecker factors for {listing}. Pass on_unsupported='skip' to get None for "
             "these parameters (e.g. to use diag_ggn for them instead)."
         )
-    return optree.tree_unflatten(bp.treespec, found.per_leaf)
+    return optree.tree_unflatten(bp.treespec, found.per_leaf), bp

@@ -42,6 +42,7 @@ except ImportError as error:  # pragma: no cover - exercised without laplace ins
     ) from error
 
 import packfunc as pf
+from packfunc.kronecker import sqrt_factors_and_loss
 from packfunc.types import Inputs, ModelFn
 
 
@@ -195,7 +196,7 @@ class PackfuncInterface(CurvatureInterface):
                 "hessian_structure='full' or 'diag' with SubnetLaplace."
             )
         model_fn, params, inputs = self._problem(x)
-        factors = self._kron_factors(model_fn, params, inputs, y)
+        factors, loss = self._kron_factors(model_fn, params, inputs, y)
         blocks = self._unsupported_blocks(model_fn, params, inputs, y, factors)
         scale = len(y) / N
         kfacs: list[Any] = []
@@ -207,13 +208,12 @@ class PackfuncInterface(CurvatureInterface):
                 kfacs.append([found[0], found[1] * scale])
             else:
                 kfacs.append(list(found))
-        loss = self._loss(model_fn, params, inputs, y)
         return self.factor * loss, Kron(kfacs) * self.factor
 
     def _kron_factors(
         self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
-    ) -> dict[str, Any]:
-        """Kronecker factors per parameter (``None`` where none apply)."""
+    ) -> tuple[dict[str, Any], Tensor]:
+        """Kronecker factors per parameter (``None`` where none apply) and the batch's loss."""
         raise NotImplementedError
 
     def _unsupported_blocks(
@@ -243,13 +243,6 @@ class PackfuncInterface(CurvatureInterface):
     ) -> dict[str, Tensor]:
         """Rows ``V [M, p]`` per parameter with ``Vᵀ V`` its curvature block."""
         raise NotImplementedError
-
-    def _loss(
-        self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
-    ) -> Tensor:
-        """The batch's value of laplace's loss (without ``factor``), without a graph."""
-        with torch.no_grad():
-            return self.lossfunc(model_fn(params, inputs), y)
 
 
 class PackfuncGGN(PackfuncInterface, GGNInterface):
@@ -283,19 +276,17 @@ class PackfuncGGN(PackfuncInterface, GGNInterface):
 
     def _kron_factors(
         self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
-    ) -> dict[str, Any]:
-        """KFLR factors, or KFAC with ``num_samples`` when ``stochastic``."""
-        if self.stochastic:
-            return pf.kfac(
-                model_fn,
-                params,
-                inputs,
-                y,
-                loss=self._loss_module,
-                mc_samples=self.num_samples,
-                on_unsupported="skip",
-            )
-        return pf.kflr(model_fn, params, inputs, y, loss=self._loss_module, on_unsupported="skip")
+    ) -> tuple[dict[str, Any], Tensor]:
+        """KFLR factors, or KFAC with ``num_samples`` when ``stochastic``; and the loss."""
+        return sqrt_factors_and_loss(
+            model_fn,
+            params,
+            inputs,
+            y,
+            loss=self._loss_module,
+            mc_samples=self._mc_samples,
+            on_unsupported="skip",
+        )
 
     def _block_roots(
         self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
@@ -376,14 +367,15 @@ class PackfuncEF(PackfuncInterface, EFInterface):
 
     def _kron_factors(
         self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
-    ) -> dict[str, Any]:
-        """:func:`packfunc.kfac` with ``fisher_type="empirical"``."""
-        return pf.kfac(
+    ) -> tuple[dict[str, Any], Tensor]:
+        """:func:`packfunc.kfac` with ``fisher_type="empirical"``, and the loss."""
+        return sqrt_factors_and_loss(
             model_fn,
             params,
             inputs,
             y,
             loss=self._loss_module,
+            mc_samples=1,
             fisher_type="empirical",
             on_unsupported="skip",
         )
