@@ -7,11 +7,13 @@ Usage (from the repository root)::
 
 A step is what a training loop pays per batch: ``zero_grad``, forward, backward and
 ``step`` (packfunc's optimizers: ``step(X, y)``, which refreshes the curvature every
-``--period`` steps and its inverse or eigenbasis at the same steps). Each optimizer is
-timed in its own fresh Python process (allocator state and warm caches move results
-by up to 1.5×); a process runs ``--repeats`` rounds of ``10 · period`` steps after a
-warm-up round and reports the median time per step and the rounds' spread. The last
-column is the median's ratio to Adam's.
+``--period`` steps and its inverse or eigenbasis at the same steps). Each optimizer trains
+its own copy of the model. A process warms every optimizer up (one round), then runs
+``--repeats`` rounds in which each optimizer in turn takes ``10 · period`` steps, so that
+all of them see the same machine; ``--processes`` fresh processes per model do this (a
+process's allocator state and caches moved single-optimizer timings by up to 1.5×, and
+enough to put SGD above Adam). A cell is the median time per step over all rounds of all
+processes, with the spread of the rounds; the last column is its ratio to Adam's.
 """
 
 from __future__ import annotations
@@ -107,47 +109,59 @@ def make_step(
     return curvature_step
 
 
-def measure(model_name: str, optimizer: str, period: int, repeats: int) -> dict[str, float]:
-    """Median and spread (ms per step) of ``repeats`` rounds of ``10 · period`` steps.
+def measure(
+    model_name: str, optimizers: list[str], period: int, repeats: int
+) -> dict[str, list[float]]:
+    """Per optimizer, ``repeats`` rounds of ``10 · period`` steps (ms per step), interleaved.
 
     Args:
         model_name: One of :data:`MODELS`.
-        optimizer: One of :data:`OPTIMIZERS`.
+        optimizers: Names from :data:`OPTIMIZERS`.
         period: Curvature refresh period.
         repeats: Timed rounds.
 
     Returns:
-        ``{"median": ..., "min": ..., "max": ...}`` in milliseconds per step.
+        ``{optimizer: [ms per step of each round]}``.
     """
     torch.set_num_threads(THREADS)
-    model, X, y = model_and_batch(model_name)
-    step = make_step(optimizer, model, X, y, period)
-    steps = 10 * period
-    for _ in range(steps):
-        step()
-    rounds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        rounds.append(1e3 * (time.perf_counter() - start) / steps)
-    return {"median": statistics.median(rounds), "min": min(rounds), "max": max(rounds)}
+    steps = {}
+    for name in optimizers:
+        model, X, y = model_and_batch(model_name)
+        steps[name] = make_step(name, model, X, y, period)
+    rounds: dict[str, list[float]] = {name: [] for name in optimizers}
+    for timed in [False] + [True] * repeats:
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(10 * period):
+                step()
+            if timed:
+                rounds[name].append(1e3 * (time.perf_counter() - start) / (10 * period))
+    return rounds
 
 
-def in_fresh_process(model_name: str, optimizer: str, period: int, repeats: int) -> dict:
+def in_fresh_process(
+    model_name: str, optimizers: list[str], period: int, repeats: int
+) -> dict[str, list[float]]:
     """:func:`measure` in a new Python process (its JSON result)."""
     command = [
         sys.executable,
         __file__,
         "--child",
-        f"{model_name},{optimizer}",
-        "--period",
-        str(period),
-        "--repeats",
-        str(repeats),
+        json.dumps([model_name, optimizers, period, repeats]),
     ]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    answer: dict[str, list[float]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return answer
+
+
+def summarize(rounds: list[float]) -> dict[str, float]:
+    """Median and spread of per-round times.
+
+    Example:
+        >>> summarize([3.0, 1.0, 2.0])
+        {'median': 2.0, 'min': 1.0, 'max': 3.0}
+    """
+    return {"median": statistics.median(rounds), "min": min(rounds), "max": max(rounds)}
 
 
 def table(results: dict[tuple[str, str], dict], period: int) -> list[str]:
@@ -172,21 +186,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     parser.add_argument("--period", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds per process")
+    parser.add_argument("--processes", type=int, default=3, help="fresh processes per model")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        model_name, optimizer = args.child.split(",")
-        print(json.dumps(measure(model_name, optimizer, args.period, args.repeats)))
+        model_name, optimizers, period, repeats = json.loads(args.child)
+        print(json.dumps(measure(model_name, optimizers, period, repeats)))
         return 0
-    results = {
-        (m, o): in_fresh_process(m, o, args.period, args.repeats)
-        for m in args.models.split(",")
-        for o in args.optimizers.split(",")
-    }
+    optimizers = args.optimizers.split(",")
+    results = {}
+    for model_name in args.models.split(","):
+        pooled: dict[str, list[float]] = {name: [] for name in optimizers}
+        for _ in range(args.processes):
+            for name, rounds in in_fresh_process(
+                model_name, optimizers, args.period, args.repeats
+            ).items():
+                pooled[name] += rounds
+        results.update({(model_name, name): summarize(pooled[name]) for name in optimizers})
     print(
-        f"CPU, {THREADS} threads, float32, batch 128, one fresh process per optimizer, "
-        f"median of {args.repeats} rounds of {10 * args.period} steps"
+        f"CPU, {THREADS} threads, float32, batch 128; {args.processes} fresh processes per "
+        f"model, each running every optimizer in turn for {args.repeats} rounds of "
+        f"{10 * args.period} steps: median (spread) of all rounds"
     )
     print("\n".join(table(results, args.period)))
     return 0
