@@ -166,11 +166,7 @@ def test_single_linear_layer_kflr_is_the_exact_ggn_block():
 @pytest.mark.parametrize("kfac_approx", ["backpack", "expand", "reduce"])
 def test_weight_and_bias_output_factors_are_their_exact_blocks_and_separate_tensors(kfac_approx):
     """The position-summed output factor is computed once per layer call, owned by each leaf."""
-    torch.manual_seed(0)
-    model = PerPosition().double()
-    X = torch.randn(3, 4, 3, dtype=torch.float64)
-    y = torch.randn(3, 16, dtype=torch.float64)
-    loss = nn.MSELoss(reduction="sum")
+    model, X, y, loss = _per_position_problem()
     model_fn, params = pf.functional(model)
     found = pf.kflr(model_fn, params, X, y, loss=loss, kfac_approx=kfac_approx)
     (A_bias,) = found["shared.bias"]
@@ -220,12 +216,17 @@ class Broadcast(nn.Module):
         return torch.tanh(self.layer(x.unsqueeze(1).expand(-1, self.positions, -1))).flatten(1)
 
 
-def test_expand_is_exact_for_positions_and_shared_calls():
+def _per_position_problem() -> tuple[nn.Module, torch.Tensor, torch.Tensor, nn.Module]:
+    """``PerPosition`` in float64 with inputs, targets and a summed MSE."""
     torch.manual_seed(0)
     model = PerPosition().double()
     X = torch.randn(3, 4, 3, dtype=torch.float64)
     y = torch.randn(3, 16, dtype=torch.float64)
-    loss = nn.MSELoss(reduction="sum")
+    return model, X, y, nn.MSELoss(reduction="sum")
+
+
+def test_expand_is_exact_for_positions_and_shared_calls():
+    model, X, y, loss = _per_position_problem()
     model_fn, params = pf.functional(model)
     A, B = pf.kflr(model_fn, params, X, y, loss=loss, kfac_approx="expand")["shared.weight"]
     torch.testing.assert_close(torch.kron(A, B), _ggn_block(model, loss, X, y, "shared.weight"))

@@ -109,17 +109,8 @@ def kfac(
         >>> A.shape, B.shape
         (torch.Size([2, 2]), torch.Size([3, 3]))
     """
-    return _factors(
-        model_fn,
-        params,
-        X,
-        y,
-        loss,
-        on_unsupported,
-        lambda bp: sqrt_factors(
-            bp, _approx(kfac_approx), mc_samples, generator, _empirical(fisher_type)
-        ),
-    )[0]
+    columns = (kfac_approx, mc_samples, generator, fisher_type)
+    return _sqrt_factors(model_fn, params, X, y, loss, on_unsupported, *columns)[0]
 
 
 @over_data("kflr")
@@ -151,14 +142,8 @@ def kflr(
         >>> A.shape
         torch.Size([2, 2])
     """
-    return _factors(
-        model_fn,
-        params,
-        X,
-        y,
-        loss,
-        on_unsupported,
-        lambda bp: sqrt_factors(bp, _approx(kfac_approx), None, None),
+    return _sqrt_factors(
+        model_fn, params, X, y, loss, on_unsupported, kfac_approx, None, None, "mc"
     )[0]
 
 
@@ -256,7 +241,25 @@ def sqrt_factors_and_loss(
         >>> bool(value == torch.nn.CrossEntropyLoss()(model_fn(params, X), y))
         True
     """
-    factors, bp = _factors(
+    columns = (kfac_approx, mc_samples, generator, fisher_type)
+    factors, bp = _sqrt_factors(model_fn, params, X, y, loss, on_unsupported, *columns)
+    return factors, bp.loss_value.detach()
+
+
+def _sqrt_factors(
+    model_fn: ModelFn,
+    params: Params,
+    X: Inputs,
+    y: Targets,
+    loss: nn.Module | None,
+    on_unsupported: str,
+    kfac_approx: str,
+    mc_samples: int | None,
+    generator: torch.Generator | None,
+    fisher_type: str,
+) -> tuple[Any, BatchPass]:
+    """KFAC/KFLR factors from square-root columns, and the batch pass they came from."""
+    return _factors(
         model_fn,
         params,
         X,
@@ -267,7 +270,6 @@ def sqrt_factors_and_loss(
             bp, _approx(kfac_approx), mc_samples, generator, _empirical(fisher_type)
         ),
     )
-    return factors, bp.loss_value.detach()
 
 
 def _empirical(fisher_type: str) -> bool:

@@ -214,6 +214,19 @@ class PackfuncInterface(CurvatureInterface):
         self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
     ) -> tuple[dict[str, Any], Tensor]:
         """Kronecker factors per parameter (``None`` where none apply) and the batch's loss."""
+        return sqrt_factors_and_loss(
+            model_fn,
+            params,
+            inputs,
+            y,
+            loss=self._loss_module,
+            on_unsupported="skip",
+            **self._kron_options,
+        )
+
+    @property
+    def _kron_options(self) -> dict[str, Any]:
+        """:func:`packfunc.kronecker.sqrt_factors_and_loss`'s options of this curvature."""
         raise NotImplementedError
 
     def _unsupported_blocks(
@@ -274,19 +287,10 @@ class PackfuncGGN(PackfuncInterface, GGNInterface):
         """The ``mc_samples`` packfunc gets: ``None`` (exact GGN) unless ``stochastic``."""
         return self.num_samples if self.stochastic else None
 
-    def _kron_factors(
-        self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
-    ) -> tuple[dict[str, Any], Tensor]:
-        """KFLR factors, or KFAC with ``num_samples`` when ``stochastic``; and the loss."""
-        return sqrt_factors_and_loss(
-            model_fn,
-            params,
-            inputs,
-            y,
-            loss=self._loss_module,
-            mc_samples=self._mc_samples,
-            on_unsupported="skip",
-        )
+    @property
+    def _kron_options(self) -> dict[str, Any]:
+        """KFLR factors, or KFAC with ``num_samples`` when ``stochastic``."""
+        return {"mc_samples": self._mc_samples}
 
     def _block_roots(
         self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
@@ -365,20 +369,10 @@ class PackfuncEF(PackfuncInterface, EFInterface):
         loss, squares = self._quantity(x, y, "sum_grad_squared")
         return self.factor * loss, self.factor * self._flat(squares, leading=0)
 
-    def _kron_factors(
-        self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
-    ) -> tuple[dict[str, Any], Tensor]:
-        """:func:`packfunc.kfac` with ``fisher_type="empirical"``, and the loss."""
-        return sqrt_factors_and_loss(
-            model_fn,
-            params,
-            inputs,
-            y,
-            loss=self._loss_module,
-            mc_samples=1,
-            fisher_type="empirical",
-            on_unsupported="skip",
-        )
+    @property
+    def _kron_options(self) -> dict[str, Any]:
+        """:func:`packfunc.kfac` with ``fisher_type="empirical"``."""
+        return {"mc_samples": 1, "fisher_type": "empirical"}
 
     def _block_roots(
         self, model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs, y: Tensor
