@@ -313,7 +313,9 @@ def run_row_in_fresh_process(
 ) -> dict[str, dict[str, object]]:
     """:func:`time_row` in a new Python process; its JSON answer.
 
-    A process that fails reports the failure in every one of the row's cells.
+    A process that fails, or runs past every backend's ``cell_timeout`` together (a timed
+    fit that hangs: only warm-ups are interrupted in the process), reports the failure in
+    every one of the row's cells.
     """
     command = [
         sys.executable,
@@ -321,7 +323,12 @@ def run_row_in_fresh_process(
         "--row",
         json.dumps([model, structure, keys, samples, batch_size, repeats, threads, cell_timeout]),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    limit = cell_timeout * len(keys)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=limit)
+    except subprocess.TimeoutExpired:
+        stopped: dict[str, object] = {"error": f"timed out: the row took over {limit:g} s"}
+        return {BACKENDS[key].column: stopped for key in keys}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
