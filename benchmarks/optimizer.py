@@ -7,7 +7,9 @@ Usage (from the repository root)::
 
 A step is what a training loop pays per batch: ``zero_grad``, forward, backward and
 ``step`` (packfunc's optimizers: ``step(X, y)``, which refreshes the curvature every
-``--period`` steps and its inverse or eigenbasis at the same steps). Each optimizer trains
+``--period`` steps and its inverse or eigenbasis every ``--inverse-periods`` steps: each
+period listed gives each Kronecker optimizer a row, ``kfac@100`` for instance; 10 and 100
+by default, the second being KFAC-PyTorch's ``TCov=10, TInv=100``). Each optimizer trains
 its own copy of the model. A process warms every optimizer up (one round), then runs
 ``--repeats`` rounds in which each optimizer in turn takes ``10 · period`` steps, so that
 all of them see the same machine; ``--processes`` fresh processes per model do this (a
@@ -31,6 +33,8 @@ from torch import nn
 
 THREADS = 2
 OPTIMIZERS = ("sgd", "adam", "diag_ggn", "kfac", "kfac_pi", "ekfac")
+KRONECKER = ("kfac", "kfac_pi", "ekfac")
+"""Optimizers with an inverse (or eigenbasis) period of their own."""
 MODELS = ("digits", "mlp")
 
 
@@ -59,13 +63,28 @@ def model_and_batch(name: str, n: int = 128) -> tuple[nn.Module, torch.Tensor, t
     return model, torch.randn(n, features), torch.randint(0, 10, (n,))
 
 
+def contenders(optimizers: list[str], inverse_periods: list[int]) -> list[str]:
+    """One contender per optimizer, and per inverse period for the Kronecker ones.
+
+    Example:
+        >>> contenders(["adam", "kfac"], [10, 100])
+        ['adam', 'kfac@10', 'kfac@100']
+    """
+    return [
+        f"{name}@{inverse}" if name in KRONECKER else name
+        for name in optimizers
+        for inverse in (inverse_periods if name in KRONECKER else [0])
+    ]
+
+
 def make_step(
-    name: str, model: nn.Module, X: torch.Tensor, y: torch.Tensor, period: int
+    contender: str, model: nn.Module, X: torch.Tensor, y: torch.Tensor, period: int
 ) -> Callable:
-    """One training step with optimizer ``name`` (learning rates small: timing only).
+    """One training step of a contender (learning rates small: timing only).
 
     Args:
-        name: One of :data:`OPTIMIZERS` (``kfac_pi``: KFAC with π-damped factor inverses).
+        contender: A name of :data:`OPTIMIZERS` (``kfac_pi``: KFAC with π-damped factor
+            inverses), the Kronecker ones with ``@inverse_period`` (see :func:`contenders`).
         model: The model to train.
         X: Inputs.
         y: Targets.
@@ -76,6 +95,7 @@ def make_step(
     """
     import packfunc as pf
 
+    name, _, inverse = contender.partition("@")
     loss = nn.CrossEntropyLoss()
     if name in ("sgd", "adam"):
         optimizer = (torch.optim.SGD if name == "sgd" else torch.optim.Adam)(
@@ -96,7 +116,7 @@ def make_step(
         method=method,
         loss=loss,
         update_period=period,
-        inverse_period=period,
+        inverse_period=int(inverse) if inverse else period,
         pi_damping=name == "kfac_pi",
         generator=torch.Generator().manual_seed(0),
     )
@@ -116,7 +136,7 @@ def measure(
 
     Args:
         model_name: One of :data:`MODELS`.
-        optimizers: Names from :data:`OPTIMIZERS`.
+        optimizers: Contenders (see :func:`contenders`).
         period: Curvature refresh period.
         repeats: Timed rounds.
 
@@ -165,16 +185,18 @@ def summarize(rounds: list[float]) -> dict[str, float]:
 
 
 def table(results: dict[tuple[str, str], dict], period: int) -> list[str]:
-    """Markdown rows: model, optimizer, ms/step (median, spread), ratio to Adam."""
+    """Markdown rows: model, optimizer, inverse period, ms/step (median, spread), ratio to Adam."""
     lines = [
-        f"| model | optimizer (refresh every {period} steps) | ms/step | spread | × Adam |",
-        "|---|---|--:|--:|--:|",
+        f"| model | optimizer (curvature every {period} steps) | inverse every | ms/step | "
+        "spread | × Adam |",
+        "|---|---|--:|--:|--:|--:|",
     ]
-    for (model_name, optimizer), r in results.items():
+    for (model_name, contender), r in results.items():
         adam = results.get((model_name, "adam"))
         ratio = f"{r['median'] / adam['median']:.2f}" if adam else "–"
+        name, _, inverse = contender.partition("@")
         lines.append(
-            f"| {model_name} | {optimizer} | {r['median']:.2f} | "
+            f"| {model_name} | {name} | {inverse or '–'} | {r['median']:.2f} | "
             f"{r['min']:.2f}–{r['max']:.2f} | {ratio} |"
         )
     return lines
@@ -185,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
-    parser.add_argument("--period", type=int, default=10)
+    parser.add_argument("--period", type=int, default=10, help="curvature refresh period")
+    parser.add_argument(
+        "--inverse-periods", default="10,100", help="inverse/eigenbasis periods (Kronecker rows)"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="rounds per process")
     parser.add_argument("--processes", type=int, default=3, help="fresh processes per model")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -194,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         model_name, optimizers, period, repeats = json.loads(args.child)
         print(json.dumps(measure(model_name, optimizers, period, repeats)))
         return 0
-    optimizers = args.optimizers.split(",")
+    optimizers = contenders(
+        args.optimizers.split(","), [int(p) for p in args.inverse_periods.split(",")]
+    )
     results = {}
     for model_name in args.models.split(","):
         pooled: dict[str, list[float]] = {name: [] for name in optimizers}

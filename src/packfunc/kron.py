@@ -116,9 +116,10 @@ def batched_eigh(matrices: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
 
     def decompose(stacked: Tensor) -> list[tuple[Tensor, Tensor]]:
         values, vectors = torch.linalg.eigh(stacked)
-        if not (values.isfinite().all() and vectors.isfinite().all()):
+        if not bool(torch.isfinite(values.sum() + vectors.sum())):  # a NaN or inf anywhere
             # LAPACK's float32 eigh can return NaN on large rank-deficient matrices (seen on
-            # one thread for a 2048² factor of rank 64): redo the stack in float64
+            # one thread for a 2048² factor of rank 64): redo the stack in float64 (also
+            # when a sum of huge eigenvalues overflows, which costs time, not accuracy)
             values, vectors = (t.to(stacked.dtype) for t in torch.linalg.eigh(stacked.double()))
         return list(zip(values.clamp_min(0).unbind(0), vectors.unbind(0)))
 
@@ -427,23 +428,28 @@ def _apply(entry: Any, vector: Any) -> Tensor | None:
     """One entry times one parameter-shaped tensor."""
     if entry is None:
         return None
-    factors = entry.eigenvectors if isinstance(entry, Eigen) else entry
+    eigen = isinstance(entry, Eigen)
+    factors = entry.eigenvectors if eigen else entry
     sizes = [f.shape[0] for f in factors]
     if vector.numel() != math.prod(sizes):
         raise ValueError(
             f"a tensor of shape {tuple(vector.shape)} does not match Kronecker factors of sizes "
             f"{sizes}: pass a pytree shaped like the params the curvature was computed for."
         )
-    V = vector.reshape(sizes[0], -1)
-    if isinstance(entry, Eigen):
-        QA = factors[0]
-        QB = factors[1] if len(factors) == 2 else None
-        rotated = QA.T @ V if QB is None else QA.T @ V @ QB
-        scaled = rotated * entry.eigenvalues.reshape(rotated.shape)
-        result = QA @ scaled if QB is None else QA @ scaled @ QB.T
+    if len(factors) == 1:  # a matrix-vector product
+        v, (Q,) = vector.reshape(-1), factors
+        result = Q @ ((Q.T @ v) * entry.eigenvalues.reshape(-1)) if eigen else Q @ v
+        return result.view(vector.shape)
+    V = vector if vector.shape == (sizes[0], sizes[1]) else vector.reshape(sizes)
+    QA, QB = factors
+    if eigen:
+        rotated = QA.T @ V @ QB
+        values = entry.eigenvalues
+        result = QA @ (rotated * (values if values.shape == rotated.shape else values.view(sizes)))
+        result = result @ QB.T
     else:
-        result = factors[0] @ V if len(factors) == 1 else factors[0] @ V @ factors[1].T
-    return result.reshape(vector.shape)
+        result = QA @ V @ QB.T
+    return result if result.shape == vector.shape else result.reshape(vector.shape)
 
 
 def _factor_logdet(factors: list[Tensor]) -> Tensor:

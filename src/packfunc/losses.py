@@ -352,22 +352,27 @@ def _cross_entropy_factors(
     positions = math.prod(spatial)
     scale = _cross_entropy_scale(loss, output, target)  # [N, *spatial]
     flat_p = probs.reshape(n, classes, positions)
-    root_scale = scale.reshape(n, 1, positions).sqrt()
     if mc_samples is not None:
+        # one row per (sample, position); its scale √(c/D/mc_samples) multiplies p − onehot
+        rows = probs if positions == 1 else flat_p.transpose(1, 2).reshape(-1, classes)
+        row_scale = (scale.reshape(-1, 1) / mc_samples).sqrt()
+        scaled = rows * row_scale
+        minus = -row_scale
 
         def sample(s: slice) -> Tensor:
-            rows = flat_p.transpose(1, 2).reshape(-1, classes)
-            draws = categorical_draws(rows, _length(s), generator)
-            index = draws.T.unsqueeze(2)  # [k, N·P, 1]
-            # p − onehot(draw), without a one-hot: add −1 at each drawn class of a copy of p
-            residual = rows.expand(_length(s), *rows.shape).scatter_add(
-                2, index, rows.new_full(index.shape, -1.0)
+            count = _length(s)
+            index = categorical_draws(rows, count, generator).T.unsqueeze(2)  # [k, N·P, 1]
+            # s·(p − onehot(draw)) without a one-hot: add −s at each drawn class of a copy
+            columns = scaled.expand(count, *rows.shape).scatter_add(
+                2, index, minus.expand(count, -1, -1)
             )
-            residual = residual.view(_length(s), n, positions, classes).transpose(2, 3)
-            columns = root_scale * residual / math.sqrt(mc_samples)
-            return columns.reshape(_length(s), *output.shape)
+            if positions == 1:
+                return columns.view(count, *output.shape)
+            columns = columns.view(count, n, positions, classes).transpose(2, 3)
+            return columns.reshape(count, *output.shape)
 
         return HessianFactors(mc_samples, sample)
+    root_scale = scale.reshape(n, 1, positions).sqrt()
     tau = flat_p.sqrt()
 
     def make(s: slice) -> Tensor:
@@ -404,13 +409,15 @@ def categorical_draws(probs: Tensor, count: int, generator: torch.Generator | No
         tensor([[1, 1, 1],
                 [0, 0, 0]])
     """
-    cdf = probs.to(torch.promote_types(probs.dtype, torch.float32)).cumsum(1)
+    dtype = torch.promote_types(probs.dtype, torch.float32)
+    cdf = (probs if probs.dtype == dtype else probs.to(dtype)).cumsum(1)
     uniform = torch.rand(
         (probs.shape[0], count), generator=generator, dtype=cdf.dtype, device=cdf.device
     )
-    # x in (0, total]: the first class whose cumulative mass reaches x has positive mass,
-    # and one exists (x never exceeds the total, whatever the rounding)
-    return torch.searchsorted(cdf, (1 - uniform) * cdf[:, -1:])
+    total = cdf[:, -1:]
+    # x = total - u·total in (0, total]: the first class whose cumulative mass reaches x has
+    # positive mass, and one exists (x never exceeds the total, whatever the rounding)
+    return torch.searchsorted(cdf, torch.addcmul(total, uniform, total, value=-1))
 
 
 def _cross_entropy_scale(loss: nn.CrossEntropyLoss, output: Tensor, target: Tensor) -> Tensor:
@@ -421,6 +428,10 @@ def _cross_entropy_scale(loss: nn.CrossEntropyLoss, output: Tensor, target: Tens
     ``reduction='mean'``.
     """
     classes, smoothing = output.shape[1], loss.label_smoothing
+    if not target.is_floating_point() and loss.weight is None and smoothing == 0:
+        # c is 1 where the target is not ignored
+        c = (target != loss.ignore_index).to(output.dtype)
+        return c / c.sum() if loss.reduction == "mean" else c
     weight = loss.weight if loss.weight is not None else output.new_ones(classes)
     if target.is_floating_point():  # class probabilities
         mass = (1 - smoothing) * target + smoothing / classes
@@ -428,9 +439,6 @@ def _cross_entropy_scale(loss: nn.CrossEntropyLoss, output: Tensor, target: Tens
         c = (mass * weight.view(shape)).sum(1)
         return c / _mean_divisor(loss, c.numel())
     valid = target != loss.ignore_index
-    if loss.weight is None and smoothing == 0:  # c is 1 where the target is not ignored
-        c = valid.to(output.dtype)
-        return c / _mean_divisor(loss, c.sum())
     target_weight = weight[target.clamp(0, classes - 1)] * valid
     c = (1 - smoothing) * target_weight + smoothing * weight.mean() * valid
     return c / _mean_divisor(loss, target_weight.sum())

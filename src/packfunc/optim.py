@@ -285,19 +285,19 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: if a parameter has no gradient (call ``loss.backward()`` first).
         """
-        missing = [name for name, p in self._named.items() if p.grad is None]
-        if missing:
+        grads = {name: p.grad for name, p in self._named.items()}
+        if any(g is None for g in grads.values()):
+            missing = [name for name, g in grads.items() if g is None]
             raise ValueError(
                 f"no gradient for {missing}: call loss.backward() before opt.step(X, y)."
             )
         params = {name: p.detach() for name, p in self._named.items()}
-        grads = {name: p.grad for name, p in self._named.items()}
         updates, self.functional_state = self.preconditioner.update(
             grads, self.functional_state, params, (X, y)
         )
+        moved = list(params.values())  # aliases of the parameters: one in-place add for all
         lr = self.param_groups[0]["lr"]
-        for name, p in self._named.items():
-            p.add_(updates[name], alpha=lr)
+        torch._foreach_add_(moved, [updates[name] for name in params], alpha=lr)
 
 
 class KFAC(CurvatureOptimizer):
