@@ -112,21 +112,17 @@ def generator_on(device: torch.device) -> torch.Generator:
 
 
 def packfunc_builder(problem: Problem, quantity: str) -> Closure | None:
-    """The functional API of packfunc; a frozen backbone is closed over by ``model_fn``."""
+    """The functional API of packfunc; a frozen backbone is left out of ``params``.
+
+    ``pf.functional``'s model function takes the trainable parameters alone and reads
+    the others from the module (where ``Problem.model`` froze them).
+    """
     try:
         import packfunc as pf
     except ImportError as error:
         raise Unavailable(str(error)) from error
-    full_fn, all_params = pf.functional(problem.model())
-    names = problem.parameter_names(quantity)
-    if len(names) == len(all_params):
-        model_fn, params = full_fn, all_params
-    else:
-        params = {name: all_params[name] for name in names}
-        frozen = {name: p for name, p in all_params.items() if name not in names}
-
-        def model_fn(ps: dict[str, Tensor], inputs: Tensor) -> Tensor:
-            return full_fn({**frozen, **ps}, inputs)
+    model_fn, all_params = pf.functional(problem.model())
+    params = {name: all_params[name] for name in problem.parameter_names(quantity)}
 
     lossfunc, X, y = problem.loss(), problem.X, problem.y
     if quantity == "grad":

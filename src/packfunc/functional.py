@@ -24,7 +24,10 @@ def functional(module: nn.Module) -> tuple[ModelFn, dict[str, Tensor]]:
     parameters (``torch.func.functional_call``); buffers (e.g. BatchNorm
     running statistics) and the train/eval mode are read from the module at
     call time. ``X`` is passed as ``module(X)``; a tuple is unpacked as
-    ``module(*X)`` and a dict as ``module(**X)``.
+    ``module(*X)`` and a dict as ``module(**X)``. ``params`` may hold only some of
+    the names: the others are the module's own tensors, as in ``functional_call``.
+    That is how to leave out a frozen backbone: every quantity is then taken of the
+    given parameters only, and the backbone costs a plain forward through it.
 
     The returned ``params`` do **not** require grad: packfunc's functions then
     take their fastest path (plain autograd inside; with leaves that require
@@ -48,6 +51,8 @@ def functional(module: nn.Module) -> tuple[ModelFn, dict[str, Tensor]]:
         torch.Size([4, 2])
         >>> params["weight"].requires_grad
         False
+        >>> model_fn({"bias": torch.zeros(2)}, torch.zeros(4, 3)).shape  # the module's weight
+        torch.Size([4, 2])
         >>> leaves = {k: p.requires_grad_() for k, p in params.items()}  # for torch.autograd
         >>> torch.autograd.grad(model_fn(leaves, torch.ones(4, 3)).sum(),
         ...                     leaves["bias"])[0]

@@ -398,13 +398,13 @@ def _average(old: Any, new: Any, ema: float) -> Any:
     """``ema · old + (1 - ema) · new`` leaf by leaf; ``new`` when there is no ``old``."""
     if old is None:
         return new
-    return optree.tree_map(lambda o, n: ema * o + (1 - ema) * n, old, new)
+    return optree.tree_map(lambda o, n: torch.lerp(n, o, ema), old, new)  # n + ema·(o − n)
 
 
 def _average_eigenvalues(old: Any, new: Any, ema: float) -> Any:
     """Average EKFAC eigenvalues fitted in the same eigenbasis."""
     return optree.tree_map(
-        lambda o, n: kron.Eigen(o.eigenvectors, ema * o.eigenvalues + (1 - ema) * n.eigenvalues),
+        lambda o, n: kron.Eigen(o.eigenvectors, torch.lerp(n.eigenvalues, o.eigenvalues, ema)),
         old,
         new,
         is_leaf=lambda node: isinstance(node, kron.Eigen),
