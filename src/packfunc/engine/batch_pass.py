@@ -416,12 +416,21 @@ def autograd_record(
             )
         return (value, output_cotangent) if differentiable else (value.detach(), output_cotangent)
 
-    sites, edges = list(outputs), list(outputs.values())
+    # a call whose output is the model output (a head) gets the cotangent itself
+    node, index = output.grad_fn, output.output_nr
+    direct = [
+        k
+        for k, e in outputs.items()
+        if node is not None and e.node is node and e.output_nr == index
+    ]
+    sites = [k for k in outputs if k not in direct]
+    edges = [outputs[k] for k in sites]
 
     def gradients(cotangent: Tensor, batched: bool) -> dict[int, Tensor]:
+        found = dict.fromkeys(direct, cotangent)
         if not edges:
-            return {}
-        found = torch.autograd.grad(
+            return found
+        pulled = torch.autograd.grad(
             output,
             edges,
             cotangent,
@@ -430,10 +439,13 @@ def autograd_record(
             allow_unused=True,
             is_grads_batched=batched,
         )
-        return {
-            k: g if g is not None else cotangent.new_zeros((*cotangent.shape[:batched], *shapes[k]))
-            for k, g in zip(sites, found)
-        }
+        for k, g in zip(sites, pulled):
+            found[k] = (
+                g
+                if g is not None
+                else cotangent.new_zeros((*cotangent.shape[:batched], *shapes[k]))
+            )
+        return found
 
     if differentiable:
         recorded, result = dict(inputs), output

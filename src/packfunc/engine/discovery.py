@@ -336,7 +336,7 @@ def _signature(model_fn: Callable, params: Any, leaves: list[Tensor], X: Any) ->
     return (
         optree.tree_structure(params),
         tuple((leaf.shape, leaf.dtype, leaf.device) for leaf in leaves),
-        frozenset(LeafIndex(leaves).duplicated),
+        _duplicated(leaves),
         input_spec,
         tuple(
             (x.shape[1:], x.dtype, x.device) if isinstance(x, Tensor) else _hashable(x)
@@ -344,6 +344,13 @@ def _signature(model_fn: Callable, params: Any, leaves: list[Tensor], X: Any) ->
         ),
         tuple(m.training for m in module.modules()) if module is not None else (),
     )
+
+
+def _duplicated(leaves: list[Tensor]) -> frozenset[int]:
+    """Indices of leaves that are one tensor at several places of the pytree (usually none)."""
+    if len({id(leaf) for leaf in leaves}) == len(leaves):
+        return frozenset()
+    return frozenset(LeafIndex(leaves).duplicated)
 
 
 def _hashable(value: Any) -> Hashable:
