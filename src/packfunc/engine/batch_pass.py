@@ -15,7 +15,8 @@ same forward pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property, partial
 from typing import Any
@@ -367,6 +368,39 @@ def record(
     )
 
 
+class _Watched(Tensor):
+    """A parameter leaf in a batch pass whose plan has tapped calls only (``Plan.tapped_only``).
+
+    Only the calls that receive it reach Python, where a ``TorchFunctionMode`` sees every
+    call of the model; :class:`_RecordMode` matches them with the plan as it does in its
+    mode (a call the plan does not have raises :class:`PlanMismatch`). Its calls return
+    plain tensors.
+    """
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            if not _WATCHERS:  # kept by the model beyond its pass: a plain tensor
+                return func(*args, **(kwargs or {}))
+            return _WATCHERS[-1]._dispatch(func, args, kwargs or {})
+
+
+_WATCHERS: list[_RecordMode] = []
+"""The record of the batch pass running with :class:`_Watched` leaves (innermost last)."""
+
+
+@contextlib.contextmanager
+def _watching(recorder: _RecordMode) -> Iterator[None]:
+    """Send the calls that receive :class:`_Watched` leaves to ``recorder``."""
+    _WATCHERS.append(recorder)
+    try:
+        yield
+    finally:
+        _WATCHERS.pop()
+
+
 def _record_with_autograd(
     model_fn: Callable,
     params: Any,
@@ -377,11 +411,24 @@ def _record_with_autograd(
     loss: nn.Module,
     n: int,
 ) -> BatchRecord:
-    """:func:`record` with plain autograd: tapped outputs are marked as requiring grad."""
-    mode = _RecordMode(LeafIndex(leaves), plan, zero_probes(plan, plan.active(), n), mark=True)
+    """:func:`record` with plain autograd: tapped outputs are marked as requiring grad.
+
+    A plan of tapped calls only is followed through :class:`_Watched` leaves (the calls
+    of the model that consume no parameter run without Python in between), any other in
+    a mode that sees every call.
+    """
+    probes = zero_probes(plan, plan.active(), n)
     with torch.enable_grad():
-        with mode:
-            output = model_fn(params, X)
+        if plan.tapped_only:
+            aliases: list[Tensor] = [leaf.as_subclass(_Watched) for leaf in leaves]
+            alias_of = {id(leaf): alias for leaf, alias in zip(leaves, aliases)}
+            mode = _RecordMode(LeafIndex(aliases), plan, probes, mark=True)
+            with _watching(mode):
+                output = model_fn(optree.tree_map(lambda t: alias_of[id(t)], params), X)
+        else:
+            mode = _RecordMode(LeafIndex(leaves), plan, probes, mark=True)
+            with mode:
+                output = model_fn(params, X)
         mode.finish()
         check_loss_inputs(loss, output, y, n)
         if not output.requires_grad:  # no tapped call upstream

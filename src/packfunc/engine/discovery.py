@@ -36,6 +36,7 @@ from torch import Tensor
 
 from packfunc.engine.local import CallArguments, LocalInputs, Source
 from packfunc.engine.modes import (
+    REWRITTEN_OPS,
     LeafIndex,
     ParameterMode,
     dropout_rate,
@@ -104,6 +105,16 @@ class Plan:
     uses: list[Use] = field(default_factory=list)
     reasons: dict[int, str] = field(default_factory=dict)
     dropout: float = 0.0
+    rewritten: bool = False
+    """Whether a call that consumed parameters was decomposed or changed (an RNN, attention,
+    BatchNorm; see :data:`~packfunc.engine.modes.REWRITTEN_OPS`)."""
+
+    @property
+    def tapped_only(self) -> bool:
+        """Whether every use of a parameter is a tapped call, none of them rewritten."""
+        return not (self.rewritten or self.uncovered) and all(
+            use.kind == "tapped" for use in self.uses
+        )
 
     def covered(self) -> set[int]:
         """Return the leaves whose every use is a tapped or local call."""
@@ -141,6 +152,13 @@ class _DiscoveryMode(ParameterMode):
             {id(t): t for t in optree.tree_leaves(X) if isinstance(t, Tensor)}
         )
         self.dropout = 0.0
+
+    def __torch_function__(
+        self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        if func in REWRITTEN_OPS and self._touches_parameters(args, kwargs or {}):
+            self.plan.rewritten = True
+        return super().__torch_function__(func, types, args, kwargs)
 
     def _carries_samples(self, value: Any, sources: dict[int, Source], position: int) -> bool:
         if not isinstance(value, Tensor) or position in sources:

@@ -133,6 +133,10 @@ class LeafIndex:
         return found
 
 
+REWRITTEN_OPS = RECURRENT_OPS | ATTENTION_OPS | {F.batch_norm}
+"""Calls :class:`FunctionalMode` replaces by a decomposition, or refuses, or changes."""
+
+
 class FunctionalMode(TorchFunctionMode):
     """Make a model safe for per-sample computations.
 

@@ -1,0 +1,133 @@
+"""The batch pass: watched leaves for plans of tapped calls only, the mode for any other plan."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import packfunc as pf
+from packfunc.engine import batch_pass
+from packfunc.engine.batch_pass import PlanMismatch
+from packfunc.engine.discovery import Plan, discover
+from packfunc.functional import flatten_params
+
+
+class LastStepLSTM(nn.Module):
+    """Embedding, LSTM and a linear head on the last step."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(7, 3)
+        self.lstm = nn.LSTM(3, 4, batch_first=True)
+        self.head = nn.Linear(4, 5)
+
+    def forward(self, tokens):
+        return self.head(self.lstm(self.embedding(tokens))[0][:, -1])
+
+
+class SelfAttention(nn.Module):
+    """One multi-head self-attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+def _models():
+    """``(name, model_fn, params, X, y)``: an MLP, an LSTM's head, a CNN."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(6, 5), nn.ReLU(inplace=True), nn.Linear(5, 4))
+    lstm = LastStepLSTM()
+    cnn = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(12, 4))
+    found = []
+    for name, model, X, classes in (
+        ("mlp", mlp, torch.randn(8, 6), 4),
+        ("lstm head", lstm, torch.randint(0, 7, (8, 6)), 5),
+        ("cnn", cnn, torch.randn(8, 2, 4, 4), 4),
+    ):
+        model_fn, params = pf.functional(model)
+        if name == "lstm head":
+            params = {k: params[k] for k in ("head.weight", "head.bias")}
+        found.append((name, model_fn, params, X, torch.randint(0, classes, (8,))))
+    return found
+
+
+def _plan(model_fn, params, X) -> Plan:
+    leaves, _, _ = flatten_params(params)
+    return discover(model_fn, params, leaves, X[:1])
+
+
+def test_which_plans_have_tapped_calls_only():
+    for _, model_fn, params, X, _ in _models():
+        assert _plan(model_fn, params, X).tapped_only
+    lstm_fn, lstm_params = pf.functional(LastStepLSTM())
+    tokens = torch.randint(0, 7, (2, 6))
+    whole = _plan(lstm_fn, lstm_params, tokens)  # the LSTM's weights: decomposed
+    assert whole.rewritten and not whole.tapped_only
+    attention_fn, attention_params = pf.functional(SelfAttention())
+    x = torch.randn(2, 3, 4)
+    assert _plan(attention_fn, attention_params, x).rewritten
+    norm_fn, norm_params = pf.functional(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))
+    assert not _plan(norm_fn, norm_params, x).tapped_only  # a local call
+
+
+@pytest.mark.parametrize("name", ["mlp", "lstm head", "cnn"])
+def test_watched_leaves_give_the_results_of_the_mode(name, monkeypatch):
+    _, model_fn, params, X, y = next(m for m in _models() if m[0] == name)
+    passes = []
+    watching = batch_pass._watching
+
+    def counted(recorder):
+        passes.append(recorder)
+        return watching(recorder)
+
+    monkeypatch.setattr(batch_pass, "_watching", counted)
+
+    def everything():
+        out = pf.compute(
+            model_fn, params, X, y, quantities=("batch_grad", "batch_l2_grad", "diag_ggn")
+        )
+        out["kfac"] = pf.kfac(model_fn, params, X, y, generator=torch.Generator().manual_seed(0))
+        return out
+
+    watched = everything()
+    assert len(passes) == 2  # one batch pass each
+    monkeypatch.setattr(Plan, "tapped_only", property(lambda plan: False))
+    in_mode = everything()
+    assert len(passes) == 2
+    torch.testing.assert_close(watched, in_mode, rtol=0, atol=0)
+
+
+def test_a_use_the_plan_lacks_is_refused():
+    w = torch.randn(3, 4)
+
+    def extra_use(p, X):
+        out = F.linear(X, p["w"])
+        return out * p["w"].sum() if X.shape[0] > 1 else out  # not seen on one sample
+
+    def extra_call(p, X):
+        out = F.linear(X, p["w"])
+        return out + F.linear(X, p["w"]) if X.shape[0] > 1 else out
+
+    for model_fn in (extra_use, extra_call):
+        assert _plan(model_fn, {"w": w}, torch.randn(2, 4)).tapped_only
+        with pytest.raises(PlanMismatch):
+            pf.batch_grad(model_fn, {"w": w}, torch.randn(5, 4), torch.randint(0, 3, (5,)))
+
+
+def test_a_watched_leaf_kept_by_the_model_acts_as_a_plain_tensor():
+    kept = []
+    w = torch.randn(3, 4)
+
+    def model_fn(p, X):
+        kept.append(p["w"])
+        return F.linear(X, p["w"])
+
+    X, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    pf.batch_grad(model_fn, {"w": w}, X, y)
+    assert isinstance(kept[-1], batch_pass._Watched)
+    doubled = kept[-1] * 2
+    assert type(doubled) is torch.Tensor and torch.equal(doubled, 2 * w)
