@@ -351,27 +351,9 @@ def _cross_entropy_factors(
     n, classes, spatial = output.shape[0], output.shape[1], output.shape[2:]
     positions = math.prod(spatial)
     scale = _cross_entropy_scale(loss, output, target)  # [N, *spatial]
-    flat_p = probs.reshape(n, classes, positions)
     if mc_samples is not None:
-        # one row per (sample, position); its scale √(c/D/mc_samples) multiplies p − onehot
-        rows = probs if positions == 1 else flat_p.transpose(1, 2).reshape(-1, classes)
-        row_scale = (scale.reshape(-1, 1) / mc_samples).sqrt()
-        scaled = rows * row_scale
-        minus = -row_scale
-
-        def sample(s: slice) -> Tensor:
-            count = _length(s)
-            index = categorical_draws(rows, count, generator).T.unsqueeze(2)  # [k, N·P, 1]
-            # s·(p − onehot(draw)) without a one-hot: add −s at each drawn class of a copy
-            columns = scaled.expand(count, *rows.shape).scatter_add(
-                2, index, minus.expand(count, -1, -1)
-            )
-            if positions == 1:
-                return columns.view(count, *output.shape)
-            columns = columns.view(count, n, positions, classes).transpose(2, 3)
-            return columns.reshape(count, *output.shape)
-
-        return HessianFactors(mc_samples, sample)
+        return _sampled_cross_entropy_factors(probs, scale, mc_samples, generator)
+    flat_p = probs.reshape(n, classes, positions)
     root_scale = scale.reshape(n, 1, positions).sqrt()
     tau = flat_p.sqrt()
 
@@ -388,6 +370,47 @@ def _cross_entropy_factors(
         )
 
     return HessianFactors(classes * positions, make)
+
+
+def _sampled_cross_entropy_factors(
+    probs: Tensor, scale: Tensor, mc_samples: int, generator: torch.Generator | None
+) -> HessianFactors:
+    """Columns ``√(c/D/mc_samples) · (p − onehot(draw))``, a class drawn per sample and position.
+
+    Args:
+        probs: Predicted probabilities ``[N, C, d...]``.
+        scale: The per-position factor ``c/D`` of :func:`_cross_entropy_scale`, ``[N, d...]``.
+        mc_samples: Draws per sample and position.
+        generator: Random generator, or ``None``.
+
+    Returns:
+        The :class:`HessianFactors` (``K = mc_samples``).
+    """
+    n, classes, positions = probs.shape[0], probs.shape[1], math.prod(probs.shape[2:])
+    # one row per (sample, position)
+    rows = probs if positions == 1 else probs.reshape(n, classes, -1).transpose(1, 2)
+    rows = rows.reshape(-1, classes)
+    root = scale.reshape(-1, 1).sqrt()
+    if mc_samples != 1:
+        root = root / math.sqrt(mc_samples)
+    scaled, minus = rows * root, -root
+
+    def sample(s: slice) -> Tensor:
+        count = _length(s)
+        draws = categorical_draws(rows, count, generator)  # [N·P, count]
+        # s·(p − onehot(draw)) without a one-hot: add −s at each drawn class of a copy
+        if count == 1:
+            columns = scaled.scatter_add(1, draws, minus)
+        else:
+            columns = scaled.expand(count, *rows.shape).scatter_add(
+                2, draws.T.unsqueeze(2), minus.expand(count, -1, -1)
+            )
+        if positions == 1:
+            return columns.view(count, *probs.shape)
+        columns = columns.view(count, n, positions, classes).transpose(2, 3)
+        return columns.reshape(count, *probs.shape)
+
+    return HessianFactors(mc_samples, sample)
 
 
 def categorical_draws(probs: Tensor, count: int, generator: torch.Generator | None) -> Tensor:
