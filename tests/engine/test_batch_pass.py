@@ -131,3 +131,20 @@ def test_a_watched_leaf_kept_by_the_model_acts_as_a_plain_tensor():
     assert isinstance(kept[-1], batch_pass._Watched)
     doubled = kept[-1] * 2
     assert type(doubled) is torch.Tensor and torch.equal(doubled, 2 * w)
+
+
+def test_a_model_that_reaches_its_parameters_not_through_params_falls_back_to_the_mode():
+    w = torch.randn(3, 4)
+    params = {"w": w}
+
+    def closes_over(p, X):  # reads the params it was built with, not its argument
+        return F.linear(X, params["w"])
+
+    X, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    expected = torch.func.vmap(
+        torch.func.grad(lambda v, x, t: F.cross_entropy(F.linear(x[None], v), t[None]) / 5),
+        in_dims=(None, 0, 0),
+    )(w, X, y)
+    for _ in range(2):  # discovery, then the cached plan
+        found = pf.batch_grad(closes_over, params, X, y)["w"]
+        torch.testing.assert_close(found, expected)

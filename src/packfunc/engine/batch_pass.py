@@ -414,27 +414,53 @@ def _record_with_autograd(
     """:func:`record` with plain autograd: tapped outputs are marked as requiring grad.
 
     A plan of tapped calls only is followed through :class:`_Watched` leaves (the calls
-    of the model that consume no parameter run without Python in between), any other in
-    a mode that sees every call.
+    of the model that consume no parameter run without Python in between), any other plan,
+    or a model that reaches its parameters another way than through ``params``, in a mode
+    that sees every call.
     """
     probes = zero_probes(plan, plan.active(), n)
     with torch.enable_grad():
-        if plan.tapped_only:
-            aliases: list[Tensor] = [leaf.as_subclass(_Watched) for leaf in leaves]
-            alias_of = {id(leaf): alias for leaf, alias in zip(leaves, aliases)}
-            mode = _RecordMode(LeafIndex(aliases), plan, probes, mark=True)
-            with _watching(mode):
-                output = model_fn(optree.tree_map(lambda t: alias_of[id(t)], params), X)
-        else:
+        watched = _watched_forward(model_fn, params, leaves, plan, X, probes)
+        if watched is None:
             mode = _RecordMode(LeafIndex(leaves), plan, probes, mark=True)
             with mode:
                 output = model_fn(params, X)
-        mode.finish()
+            mode.finish()
+        else:
+            mode, output = watched
         check_loss_inputs(loss, output, y, n)
         if not output.requires_grad:  # no tapped call upstream
             output.requires_grad_()
     shapes = {k: (n, *plan.sites[k].tail) for k in mode.outputs}
     return autograd_record(output, mode.inputs, mode.outputs, shapes, mode.failed, loss, y)
+
+
+def _watched_forward(
+    model_fn: Callable,
+    params: Any,
+    leaves: list[Tensor],
+    plan: Plan,
+    X: Any,
+    probes: dict[int, Tensor],
+) -> tuple[_RecordMode, Tensor] | None:
+    """The forward with :class:`_Watched` aliases of the leaves, and its record.
+
+    Returns:
+        ``(record, output)``; ``None`` for a plan with other calls than tapped ones, or if
+        the calls that received the aliases were not the plan's (the mode then decides).
+    """
+    if not plan.tapped_only:
+        return None
+    aliases: list[Tensor] = [leaf.as_subclass(_Watched) for leaf in leaves]
+    alias_of = {id(leaf): alias for leaf, alias in zip(leaves, aliases)}
+    mode = _RecordMode(LeafIndex(aliases), plan, probes, mark=True)
+    try:
+        with _watching(mode):
+            output = model_fn(optree.tree_map(lambda t: alias_of[id(t)], params), X)
+        mode.finish()
+    except PlanMismatch:  # e.g. a model that reaches its parameters not through params
+        return None
+    return mode, output
 
 
 def autograd_record(
