@@ -148,3 +148,18 @@ def test_a_model_that_reaches_its_parameters_not_through_params_falls_back_to_th
     for _ in range(2):  # discovery, then the cached plan
         found = pf.batch_grad(closes_over, params, X, y)["w"]
         torch.testing.assert_close(found, expected)
+
+
+def test_watched_passes_in_two_threads_keep_to_their_own_records():
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, model_fn, params, X, y = _models()[0]
+    expected = pf.batch_grad(model_fn, params, X, y)
+
+    def run(_):
+        return [pf.batch_grad(model_fn, params, X, y) for _ in range(20)]
+
+    with ThreadPoolExecutor(2) as pool:
+        for results in pool.map(run, range(2)):
+            for found in results:
+                torch.testing.assert_close(found, expected, rtol=0, atol=0)

@@ -16,6 +16,7 @@ same forward pass.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property, partial
@@ -382,23 +383,34 @@ class _Watched(Tensor):
         cls, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
         with torch._C.DisableTorchFunctionSubclass():
-            if not _WATCHERS:  # kept by the model beyond its pass: a plain tensor
+            recorders = _recorders()
+            if not recorders:  # kept by the model beyond its pass: a plain tensor
                 return func(*args, **(kwargs or {}))
-            return _WATCHERS[-1]._dispatch(func, args, kwargs or {})
+            return recorders[-1]._dispatch(func, args, kwargs or {})
 
 
-_WATCHERS: list[_RecordMode] = []
-"""The record of the batch pass running with :class:`_Watched` leaves (innermost last)."""
+_THREAD = threading.local()
+"""Per thread (as PyTorch's mode stack is), the records of the batch passes running with
+:class:`_Watched` leaves."""
+
+
+def _recorders() -> list[_RecordMode]:
+    """The calling thread's stack of records of watched batch passes (innermost last)."""
+    stack: list[_RecordMode] | None = getattr(_THREAD, "recorders", None)
+    if stack is None:
+        stack = _THREAD.recorders = []
+    return stack
 
 
 @contextlib.contextmanager
 def _watching(recorder: _RecordMode) -> Iterator[None]:
-    """Send the calls that receive :class:`_Watched` leaves to ``recorder``."""
-    _WATCHERS.append(recorder)
+    """Send this thread's calls that receive :class:`_Watched` leaves to ``recorder``."""
+    stack = _recorders()
+    stack.append(recorder)
     try:
         yield
     finally:
-        _WATCHERS.pop()
+        stack.pop()
 
 
 def _record_with_autograd(
