@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.cases import RecurrentHead
 from torch import nn
 
 import packfunc as pf
@@ -10,19 +11,6 @@ from packfunc.engine import batch_pass
 from packfunc.engine.batch_pass import PlanMismatch
 from packfunc.engine.discovery import Plan, discover
 from packfunc.functional import flatten_params
-
-
-class LastStepLSTM(nn.Module):
-    """Embedding, LSTM and a linear head on the last step."""
-
-    def __init__(self):
-        super().__init__()
-        self.embedding = nn.Embedding(7, 3)
-        self.lstm = nn.LSTM(3, 4, batch_first=True)
-        self.head = nn.Linear(4, 5)
-
-    def forward(self, tokens):
-        return self.head(self.lstm(self.embedding(tokens))[0][:, -1])
 
 
 class SelfAttention(nn.Module):
@@ -40,12 +28,12 @@ def _models():
     """``(name, model_fn, params, X, y)``: an MLP, an LSTM's head, a CNN."""
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(6, 5), nn.ReLU(inplace=True), nn.Linear(5, 4))
-    lstm = LastStepLSTM()
+    lstm = RecurrentHead(nn.LSTM)
     cnn = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(12, 4))
     found = []
     for name, model, X, classes in (
         ("mlp", mlp, torch.randn(8, 6), 4),
-        ("lstm head", lstm, torch.randint(0, 7, (8, 6)), 5),
+        ("lstm head", lstm, torch.randn(8, 6, 3), 2),
         ("cnn", cnn, torch.randn(8, 2, 4, 4), 4),
     ):
         model_fn, params = pf.functional(model)
@@ -63,9 +51,8 @@ def _plan(model_fn, params, X) -> Plan:
 def test_which_plans_have_tapped_calls_only():
     for _, model_fn, params, X, _ in _models():
         assert _plan(model_fn, params, X).tapped_only
-    lstm_fn, lstm_params = pf.functional(LastStepLSTM())
-    tokens = torch.randint(0, 7, (2, 6))
-    whole = _plan(lstm_fn, lstm_params, tokens)  # the LSTM's weights: decomposed
+    lstm_fn, lstm_params = pf.functional(RecurrentHead(nn.LSTM))
+    whole = _plan(lstm_fn, lstm_params, torch.randn(2, 6, 3))  # the LSTM's weights: decomposed
     assert whole.rewritten and not whole.tapped_only
     attention_fn, attention_params = pf.functional(SelfAttention())
     x = torch.randn(2, 3, 4)
