@@ -103,23 +103,6 @@ def test_hand_written_model_fn_may_take_a_list():
     torch.testing.assert_close(g[0], pf.batch_grad(model_fn, params, X, Y)["0.weight"])
 
 
-@pytest.mark.parametrize(
-    "model",
-    [
-        nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2)),
-        nn.Sequential(nn.Linear(3, 4), nn.AlphaDropout(0.2), nn.Linear(4, 2)),
-    ],
-)
-def test_active_dropout_warns_and_names_model_eval(model):
-    model_fn, params = pf.functional(model.train())
-    with pytest.warns(UserWarning, match=r"dropout.*model\.eval\(\)"):
-        pf.diag_ggn(model_fn, params, X, Y)
-    model.eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        pf.diag_ggn(model_fn, params, X, Y)
-
-
 def test_dropout_with_p_zero_does_not_warn():
     model_fn, params = pf.functional(
         nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.0), nn.Linear(4, 2)).train()

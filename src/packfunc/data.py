@@ -46,6 +46,7 @@ from packfunc.distributed import (
     sum_over_ranks,
     world_size,
 )
+from packfunc.functional import normal_tensors, outside_inference_mode
 from packfunc.losses import check_loss, default_loss, mean_normalizer
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -132,6 +133,7 @@ def over_data(quantity: str, required: tuple[str, ...] = ()) -> Callable[[F], F]
 
     def decorate(function: F) -> F:
         @functools.wraps(function)
+        @outside_inference_mode
         def wrapper(
             model_fn: Callable,
             params: Any,
@@ -157,6 +159,7 @@ def over_data(quantity: str, required: tuple[str, ...] = ()) -> Callable[[F], F]
             source = DataSource(X, y, data, batch_to_xy, progress, process_group)
 
             def one_call(X_b: Any, y_b: Tensor, **batch_options: Any) -> Any:
+                X_b, y_b = normal_tensors((X_b, y_b))  # batches made in inference mode
                 return function(model_fn, params, X_b, y_b, *args, **batch_options)
 
             return _over_dataset(

@@ -8,9 +8,16 @@ import torch
 from packfunc.engine.batch_pass import probed_forward, zero_probes
 from packfunc.engine.discovery import Plan, discover
 from packfunc.engine.ops import TapCall
+from packfunc.engine.randomness import private_generators
 from packfunc.engine.rules import rule_for
 from packfunc.engine.rules.local import LOCAL
-from packfunc.functional import batch_size, check_model_arguments, flatten_params, select_samples
+from packfunc.functional import (
+    batch_size,
+    check_model_arguments,
+    flatten_params,
+    outside_inference_mode,
+    select_samples,
+)
 from packfunc.types import Inputs, ModelFn, Params, shares_arguments
 
 _FAMILIES = {
@@ -21,6 +28,7 @@ _FAMILIES = {
 
 
 @shares_arguments("model_fn", "params", "X")
+@outside_inference_mode
 def explain(model_fn: ModelFn, params: Params, X: Inputs) -> Params:
     """Say, per parameter, how packfunc differentiates it per sample.
 
@@ -43,7 +51,7 @@ def explain(model_fn: ModelFn, params: Params, X: Inputs) -> Params:
     """
     check_model_arguments(model_fn, params)
     leaves, treespec, _ = flatten_params(params)
-    with torch.no_grad():
+    with torch.no_grad(), private_generators(leaves):
         plan = discover(model_fn, params, leaves, select_samples(X, slice(0, 1)))
         failed: set[int] = set()
         forward = probed_forward(model_fn, params, leaves, plan, X, failed)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import optree
 import torch
@@ -12,6 +13,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from packfunc.types import ModelFn
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 _MODULES: weakref.WeakKeyDictionary[Callable, nn.Module] = weakref.WeakKeyDictionary()
 """The module behind each ``model_fn`` that :func:`functional` returned."""
@@ -37,6 +40,9 @@ def functional(module: nn.Module) -> tuple[ModelFn, dict[str, Tensor]]:
     for ``torch.autograd.grad``/``backward`` make leaves that require grad:
     ``params = {k: p.requires_grad_() for k, p in params.items()}``.
 
+    A module compiled with ``torch.compile`` is run as its original module, eagerly
+    (the values are the eager ones; parameter names have no ``_orig_mod.`` prefix).
+
     Args:
         module: Any ``torch.nn.Module``.
 
@@ -58,6 +64,7 @@ def functional(module: nn.Module) -> tuple[ModelFn, dict[str, Tensor]]:
         ...                     leaves["bias"])[0]
         tensor([4., 4.])
     """
+    module = uncompiled(module)
     params = {name: p.detach() for name, p in module.named_parameters()}
 
     def model_fn(params: dict[str, Tensor], X: Any) -> Tensor:
@@ -69,6 +76,111 @@ def functional(module: nn.Module) -> tuple[ModelFn, dict[str, Tensor]]:
 
     _MODULES[model_fn] = module
     return model_fn, params
+
+
+def is_compiled(value: Any) -> bool:
+    """Whether ``value`` is a module or function wrapped by ``torch.compile``.
+
+    Args:
+        value: Anything.
+
+    Returns:
+        ``True`` for ``torch.compile``'s ``OptimizedModule`` and compiled functions.
+
+    Example:
+        >>> is_compiled(torch.nn.Linear(2, 2)), is_compiled(torch.compile(torch.nn.Linear(2, 2)))
+        (False, True)
+    """
+    compiled_module = type(value).__name__ == "OptimizedModule" and hasattr(value, "_orig_mod")
+    return compiled_module or hasattr(value, "_torchdynamo_orig_callable")
+
+
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped, or ``module`` itself if it is not compiled.
+
+    packfunc runs models eagerly, inside its own ``TorchFunctionMode``s, which
+    compiled code does not pass through.
+
+    Args:
+        module: A module, compiled or not.
+
+    Returns:
+        The original module.
+
+    Raises:
+        ValueError: if a submodule is compiled (only the whole model can be unwrapped
+            without changing it).
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> uncompiled(torch.compile(layer)) is layer
+        True
+    """
+    while is_compiled(module):
+        module = module._orig_mod
+    inner = [name for name, sub in module.named_modules() if name and is_compiled(sub)]
+    if inner:
+        raise ValueError(
+            f"the submodules {inner} are compiled with torch.compile; packfunc runs models "
+            "eagerly in its own modes, which compiled code bypasses. Pass the model with its "
+            "uncompiled submodules (compiling the whole model is fine: packfunc unwraps it)."
+        )
+    return module
+
+
+def outside_inference_mode(function: F) -> F:
+    """Let a public function run under ``torch.inference_mode()`` (and ``torch.no_grad()``).
+
+    packfunc differentiates internally, which inference mode forbids: the call runs
+    with inference mode off, on normal copies of any inference tensors it was given
+    (tensors made inside ``torch.inference_mode()``). Gradient mode is handled by the
+    functions themselves.
+
+    Args:
+        function: A public function.
+
+    Returns:
+        The same function, callable inside ``torch.inference_mode()``.
+
+    Example:
+        >>> double = outside_inference_mode(lambda x: torch.func.grad(lambda t: t.square())(x))
+        >>> with torch.inference_mode():
+        ...     double(torch.tensor(3.0))
+        tensor(6.)
+    """
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_inference_mode_enabled():
+            return function(*args, **kwargs)
+        with torch.inference_mode(False):
+            args, kwargs = normal_tensors((args, kwargs))
+            return function(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
+def normal_tensors(tree: Any) -> Any:
+    """``tree`` with every inference tensor replaced by a normal copy (outside inference mode).
+
+    Args:
+        tree: Any pytree.
+
+    Returns:
+        The same pytree; tensors made inside ``torch.inference_mode()`` are cloned.
+
+    Example:
+        >>> with torch.inference_mode():
+        ...     x = torch.ones(2)
+        >>> normal_tensors({"x": x})["x"].is_inference()
+        False
+    """
+    return optree.tree_map(_normal_tensor, tree)
+
+
+def _normal_tensor(value: Any) -> Any:
+    """A normal copy of an inference tensor; anything else as it is."""
+    return value.clone() if isinstance(value, Tensor) and value.is_inference() else value
 
 
 def module_of(model_fn: Callable) -> nn.Module | None:
@@ -103,7 +215,7 @@ def check_model_arguments(model_fn: Any, params: Any) -> None:
         params: What was passed as ``params``.
 
     Raises:
-        TypeError: if ``model_fn`` is a module or not callable, if ``params`` is a
+        TypeError: if ``model_fn`` is a module, not callable or compiled, if ``params`` is a
             module or an iterator, or if a ``model_fn`` from :func:`functional`
             gets something other than a dict of its parameters.
 
@@ -124,6 +236,12 @@ def check_model_arguments(model_fn: Any, params: Any) -> None:
         raise TypeError(
             f"model_fn must be a function model_fn(params, X); got "
             f"{type(model_fn).__name__}: {fix}."
+        )
+    if is_compiled(model_fn):
+        raise TypeError(
+            "model_fn is compiled with torch.compile; packfunc runs it eagerly in its own "
+            "modes, which compiled code bypasses. Pass the uncompiled function (or "
+            "pf.functional(torch.compile(model)), which runs the original module)."
         )
     if isinstance(params, (nn.Module, Iterator)):
         raise TypeError(

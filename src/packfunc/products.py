@@ -26,6 +26,7 @@ from packfunc.engine.autodiff import jvp, vjp
 from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.engine.pch import loss_hessian_product, pch_block_product
 from packfunc.engine.persample import BatchPass
+from packfunc.engine.randomness import random_model_error
 from packfunc.functional import check_model_arguments, flatten_params
 from packfunc.losses import check_loss, check_loss_inputs, default_loss, hessian_factors
 from packfunc.types import (
@@ -299,7 +300,13 @@ def _ggn_products(forward: Callable, primal: Any, tangents: Any, loss: nn.Module
             jt = jvp(forward, (primal,), (t,))[1]  # J t, forward mode
             return pullback(loss_hessian(jt))[0]  # Jᵀ (∇²_f L) J t
 
-        return vmap(one)(tangents)
+        try:
+            return vmap(one)(tangents)
+        except RuntimeError as error:
+            if "randomness" not in str(error):
+                raise
+            rerun = "each Jacobian-vector product"
+            raise random_model_error("e.g. dropout in training mode", rerun) from error
 
 
 def _hessian_products(

@@ -15,7 +15,7 @@ Libraries that ``import backpack`` themselves run on the shim after
 ``alias_backpack()``.
 """
 
-from packfunc.compat._stored_io import memory_cleanup
+from packfunc.compat._stored_io import memory_cleanup, stored_io
 from packfunc.compat.alias import BackpackAlias, alias_backpack
 from packfunc.compat.context import backpack, disable
 from packfunc.compat.distributed import all_reduce_extensions
@@ -29,4 +29,5 @@ __all__ = [
     "disable",
     "extend",
     "memory_cleanup",
+    "stored_io",
 ]

@@ -1,20 +1,84 @@
-"""``memory_cleanup``: forget the inputs and outputs ``extend`` stored on a module."""
+"""The inputs and output ``extend`` stores on a module, without touching the user's own.
+
+BackPACK stores a module's forward inputs and output as ``module.input0``,
+``module.input1``, … and ``module.output`` and deletes them after the backward
+pass. A module may define those names itself (a container whose last layer is
+called ``output``, Hugging Face's ``BertLayer.output``): the shim never
+overwrites or deletes such a parameter, buffer, child module or attribute. Every
+stored value is kept in a private record of the module, which :func:`stored_io`
+reads; only names the module does not define become attributes, as in BackPACK.
+"""
 
 from __future__ import annotations
 
-from itertools import count
+from typing import Any
 
 from torch import nn
 
+_STORED = "_packfunc_stored_io"
+"""Key of the record in the module's ``__dict__``: stored name -> value."""
 
-def memory_cleanup(module: nn.Module) -> None:
-    """Delete the inputs and output stored on ``module`` by its last forward pass.
 
-    Removes ``module.output`` and ``module.input0``, ``module.input1``, ... where
-    present, as BackPACK's function of the same name does; children are untouched.
+def store_io(module: nn.Module, inputs: tuple, output: Any) -> None:
+    """Store ``input0``, ``input1``, … and ``output`` of a forward pass of ``module``.
+
+    Each value is an attribute of the module only where the module does not define
+    that name itself; all of them are in :func:`stored_io`.
 
     Args:
-        module: An extended module (any module: missing attributes are skipped).
+        module: The module that ran.
+        inputs: Its positional inputs.
+        output: Its output.
+
+    Example:
+        >>> layer = nn.Linear(2, 1)
+        >>> store_io(layer, ("x",), "y")
+        >>> layer.input0, stored_io(layer)["output"]
+        ('x', 'y')
+    """
+    memory_cleanup(module)
+    stored = {f"input{i}": value for i, value in enumerate(inputs)} | {"output": output}
+    module.__dict__[_STORED] = stored
+    for name, value in stored.items():
+        if not hasattr(module, name):  # a parameter, buffer, child or attribute: the user's
+            module.__dict__[name] = value
+
+
+def stored_io(module: nn.Module) -> dict[str, Any]:
+    """The inputs and output the last recorded forward pass of ``module`` stored.
+
+    Extension hooks and custom module extensions read ``module.input0`` and
+    ``module.output`` as in BackPACK; on a module that defines one of those names
+    itself (a child module called ``output``), the stored value is only here.
+
+    Args:
+        module: An extended module.
+
+    Returns:
+        ``{"input0": …, "input1": …, "output": …}``; empty when nothing is stored.
+
+    Example:
+        >>> import torch
+        >>> from packfunc.compat import backpack, extend
+        >>> layer = extend(nn.Linear(2, 1))
+        >>> layer.register_buffer("output", torch.zeros(1))  # the user's own "output"
+        >>> with backpack():
+        ...     out = layer(torch.ones(3, 2, requires_grad=True))
+        >>> layer.output, stored_io(layer)["output"] is out
+        (tensor([0.]), True)
+    """
+    return dict(module.__dict__.get(_STORED, {}))
+
+
+def memory_cleanup(module: nn.Module) -> None:
+    """Forget the inputs and output stored by ``module``'s last forward pass.
+
+    Removes ``module.output`` and ``module.input0``, ``module.input1``, … where the
+    shim stored them, as BackPACK's function of the same name does; the module's own
+    attributes of those names, and its children, are untouched.
+
+    Args:
+        module: An extended module (any module: nothing stored, nothing removed).
 
     Example:
         >>> import torch
@@ -25,9 +89,7 @@ def memory_cleanup(module: nn.Module) -> None:
         >>> hasattr(layer, "output"), hasattr(layer, "input0")
         (False, False)
     """
-    if hasattr(module, "output"):
-        delattr(module, "output")
-    for i in count():
-        if not hasattr(module, f"input{i}"):
-            return
-        delattr(module, f"input{i}")
+    stored = module.__dict__.pop(_STORED, {})
+    for name, value in stored.items():
+        if module.__dict__.get(name) is value:  # still the shim's value, not the user's
+            del module.__dict__[name]

@@ -2,14 +2,16 @@
 
 Every extended module stores its inputs and output (``module.input0``,
 ``module.output``, as BackPACK does: only while gradients are enabled and
-recording is not disabled). The outermost extended module of a forward pass
-watches that pass (:class:`~packfunc.compat.watch.ForwardRecorder`: the input and
-output of each linear, convolution and embedding call) and registers, on its
-output's autograd node, a hook that runs the active extensions when the backward
-pass reaches that output. The hook gets the gradient of whatever loss is being
-differentiated w.r.t. the model output, which is all first-order quantities
-need; the watched calls let packfunc pull cotangents back through the user's own
-graph instead of running the model again.
+recording is not disabled; where the module defines such a name itself, the
+value is only in :func:`~packfunc.compat.stored_io`). The outermost extended
+module of a forward pass watches that pass
+(:class:`~packfunc.compat.watch.ForwardRecorder`: the input and output of each
+linear, convolution and embedding call) and registers, on its output's autograd
+node, a hook that runs the active extensions when the backward pass reaches that
+output. The hook gets the gradient of whatever loss is being differentiated
+w.r.t. the model output, which is all first-order quantities need; the watched
+calls let packfunc pull cotangents back through the user's own graph instead of
+running the model again.
 
 An extended loss function applied to the output — directly, through shape-only
 ops (``f.view(-1, C)``), or through further extended modules chained in plain
@@ -32,10 +34,12 @@ from torch import Tensor, nn
 from torch.nn.modules.loss import _Loss
 
 from packfunc.compat import context
+from packfunc.compat._stored_io import store_io
 from packfunc.compat.layout import RECORD_KEY, SampleLayout, find_layout, node_metadata
 from packfunc.compat.run import NO_OP_MODULES, forget_inputs_and_outputs, run_extensions
 from packfunc.compat.watch import ForwardRecorder
 from packfunc.engine.modes import FunctionalMode
+from packfunc.functional import is_compiled
 from packfunc.losses import CLASS_LOSSES
 
 _depth: list[int] = [0]
@@ -61,14 +65,12 @@ class LossCall:
         target: Its targets, as passed.
         layout: How its input rearranges the recorded output.
         task: The autograd graph task of the last backward pass through it.
-        modified: Whether that pass scaled or otherwise changed the loss value first.
     """
 
     module: nn.Module
     target: Any
     layout: SampleLayout
     task: int = -1
-    modified: bool = False
 
     def output(self, out: Tensor) -> Tensor:
         """The loss input in packfunc's per-sample form, from a model output ``out``."""
@@ -124,11 +126,19 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
     Returns:
         The same module, extended in place.
 
+    Raises:
+        ValueError: for a module compiled with ``torch.compile``.
+
     Example:
         >>> model = extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
         >>> model[0]._packfunc_extended
         True
     """
+    if is_compiled(module):
+        raise ValueError(
+            "extend() got a module compiled with torch.compile, whose forward bypasses the "
+            "hooks the shim records with. Extend and run the uncompiled module."
+        )
     if isinstance(module, _Loss):
         if not getattr(module, "_packfunc_extended", False):
             setattr(module, "_packfunc_extended", True)  # noqa: B010 (not a declared attribute)
@@ -168,7 +178,7 @@ def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
 def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     _depth[0] -= 1
     if _recording() and not isinstance(module, NO_OP_MODULES):
-        _store_io(module, args, output)
+        store_io(module, args, output[0] if isinstance(output, tuple) else output)
     if _depth[0]:
         return
     recorder = _recorders.pop()
@@ -193,13 +203,6 @@ def _no_record() -> None:
     return None
 
 
-def _store_io(module: nn.Module, args: tuple, output: Any) -> None:
-    """Store ``input0``, ``input1``, … and ``output`` on the module, as BackPACK does."""
-    for i, arg in enumerate(args):
-        setattr(module, f"input{i}", arg)
-    module.output = output[0] if isinstance(output, tuple) else output
-
-
 def _link_to_producer(record: ForwardRecord) -> None:
     """Note ``record`` as a consumer of the recorded output its only input rearranges."""
     if len(record.args) != 1 or record.kwargs or not isinstance(record.args[0], Tensor):
@@ -221,23 +224,42 @@ def _layout_of(tensor: Tensor) -> tuple[ForwardRecord, SampleLayout] | None:
 def _loss_forward(module: nn.Module, args: tuple, output: Tensor) -> None:
     if not _recording() or len(args) < 2:
         return
-    module.input0, module.input1, module.output = args[0], args[1], output
+    store_io(module, args[:2], output)
     if not isinstance(args[0], Tensor) or output.grad_fn is None:
         return
     found = _layout_of(args[0])
-    if found is None:
+    call = None
+    if found is not None:
+        record, layout = found
+        call = LossCall(module, args[1], layout)
+        record.losses.append(call)
+    output.grad_fn.register_prehook(partial(_on_loss_backward, module, call))
+
+
+def _on_loss_backward(
+    module: nn.Module, call: LossCall | None, grad_outputs: tuple[Tensor | None, ...]
+) -> None:
+    """Mark ``call`` as part of the running backward pass; warn if the loss was changed.
+
+    Second-order extensions use the loss function's own curvature: a backward pass
+    from a scaled or otherwise changed loss value gets a warning, as in BackPACK
+    (also when no extended model produced the loss input).
+    """
+    if call is not None:
+        call.task = torch._C._current_graph_task_id()
+    ctx = context.active()
+    if ctx is None or not context.recording():
         return
-    record, layout = found
-    call = LossCall(module, args[1], layout)
-    record.losses.append(call)
-    output.grad_fn.register_prehook(partial(_on_loss_backward, call))
-
-
-def _on_loss_backward(call: LossCall, grad_outputs: tuple[Tensor | None, ...]) -> None:
-    """Mark ``call`` as part of the running backward pass (and whether its value was changed)."""
-    call.task = torch._C._current_graph_task_id()
     grad = grad_outputs[0]
-    call.modified = grad is not None and not bool((grad == 1).all())
+    second_order = any(ext.job().second_order for ext in ctx.extensions)
+    if second_order and grad is not None and not bool((grad == 1).all()):
+        warnings.warn(
+            f"The output of {module} seems to have been modified. Second-order extensions "
+            "use the loss function's own curvature; call backward() on the output of the "
+            "extended loss module itself.",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def _on_backward(record: ForwardRecord, grad_outputs: tuple[Tensor, ...]) -> None:
@@ -317,16 +339,7 @@ def _route_to_loss(record: ForwardRecord, task: int) -> LossRoute:
         )
     if not routes:
         return LossRoute()
-    route = routes[0]
-    if route.loss is not None and route.loss.modified:
-        warnings.warn(
-            f"The output of {route.loss.module} seems to have been modified. "
-            "Second-order extensions use the loss function's own curvature; call "
-            "backward() on the output of the extended loss module itself.",
-            UserWarning,
-            stacklevel=2,
-        )
-    return route
+    return routes[0]
 
 
 def _routes(

@@ -7,6 +7,7 @@ extended loss and its targets. Results land on ``param.<savefield>``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ from torch import Tensor, nn
 
 import packfunc as pf
 from packfunc.compat import context
-from packfunc.compat._stored_io import memory_cleanup
+from packfunc.compat._stored_io import memory_cleanup, stored_io
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
 from packfunc.compat.given_gradient import GivenGradient
 from packfunc.compat.layout import SampleLayout
@@ -97,7 +98,8 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     for ext in ctx.extensions:
         for name in names:
-            setattr(model.get_parameter(name), ext.savefield, results[ext.savefield][name])
+            if name in results[ext.savefield]:
+                setattr(model.get_parameter(name), ext.savefield, results[ext.savefield][name])
     if ctx.extension_hook is not None:
         for module in _backward_order(record, route):
             ctx.extension_hook(module)
@@ -188,12 +190,28 @@ def _compute(
     """Run a Kronecker or block-product job with the functional API, by parameter name."""
     options = dict(job.options)
     if job.kind == "kronecker":
-        return KRONECKER[job.name](model_fn, params, X, y, loss=loss, **options)
+        factors = KRONECKER[job.name](
+            model_fn, params, X, y, loss=loss, on_unsupported="skip", **options
+        )
+        _warn_about_unsupported(job.name, [name for name, f in factors.items() if f is None])
+        return {name: f for name, f in factors.items() if f is not None}
     product = BLOCKS[job.name]
     return {
         name: partial(_block_product, product, name, model_fn, params, X, y, loss, options)
         for name in params
     }
+
+
+def _warn_about_unsupported(quantity: str, names: list[str]) -> None:
+    """Warn, as BackPACK does for modules without an extension, about parameters left out."""
+    if names:
+        warnings.warn(
+            f"{quantity} has no Kronecker rule for {names} (not the weight or bias of a "
+            "linear, convolution or embedding layer, or used several ways): they get no "
+            f"{quantity} attribute.",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def _block_product(
@@ -226,12 +244,13 @@ def _module_extensions(
     backproped = None
     for prefix, module in record.model.named_modules():
         extension = ext.module_extensions.get(type(module))
-        if extension is None or getattr(module, "output", None) is None:
+        module_output = stored_io(module).get("output")
+        if extension is None or module_output is None:
             continue
-        g_out = torch.autograd.grad(output, module.output, gradient, retain_graph=True)
+        g_out = torch.autograd.grad(output, module_output, gradient, retain_graph=True)
         g_inp = (None,)
         if job.second_order:
-            backproped = _backproped(job, record, route, module.output)
+            backproped = _backproped(job, record, route, module_output)
         for name, _ in module.named_parameters(recurse=False):
             if extension.handles(name):
                 method = getattr(extension, name)

@@ -24,7 +24,6 @@ RNN's zero initial state); the batch pass tells for sure.
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -39,12 +38,12 @@ from packfunc.engine.modes import (
     REWRITTEN_OPS,
     LeafIndex,
     ParameterMode,
-    dropout_rate,
     is_metadata_query,
     leaves_of,
     tensor_outputs,
 )
 from packfunc.engine.ops import ROLES, SIGNATURES, OpSignature, TapCall, make_call
+from packfunc.engine.randomness import private_generators, random_call
 from packfunc.functional import module_of, select_samples
 
 Recorded = Tensor | LocalInputs
@@ -97,14 +96,16 @@ class Plan:
         uncovered: Leaves that only the whole-model path can differentiate.
         uses: Every call that consumes parameters, in call order.
         reasons: Why each uncovered leaf is uncovered.
-        dropout: The largest dropout probability seen in training mode (0: none).
+        random: The first call seen that draws random numbers (dropout in training mode),
+            described, or ``None``: the whole-model path and other re-runs refuse such
+            models (see :mod:`packfunc.engine.randomness`).
     """
 
     sites: list[Site] = field(default_factory=list)
     uncovered: set[int] = field(default_factory=set)
     uses: list[Use] = field(default_factory=list)
     reasons: dict[int, str] = field(default_factory=dict)
-    dropout: float = 0.0
+    random: str | None = None
     rewritten: bool = False
     """Whether a call that consumed parameters was decomposed or changed (an RNN, attention,
     BatchNorm; see :data:`~packfunc.engine.modes.REWRITTEN_OPS`)."""
@@ -151,11 +152,12 @@ class _DiscoveryMode(ParameterMode):
         self.samples: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary(
             {id(t): t for t in optree.tree_leaves(X) if isinstance(t, Tensor)}
         )
-        self.dropout = 0.0
 
     def __torch_function__(
         self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
+        if self.plan.random is None:
+            self.plan.random = random_call(func, args, kwargs or {})
         if func in REWRITTEN_OPS and self._touches_parameters(args, kwargs or {}):
             self.plan.rewritten = True
         return super().__torch_function__(func, types, args, kwargs)
@@ -179,7 +181,6 @@ class _DiscoveryMode(ParameterMode):
             return out
         carriers = [p for p, v in enumerate(values) if self._carries_samples(v, sources, p)]
         if not sources:
-            self.dropout = max(self.dropout, dropout_rate(func, args, kwargs))
             out = func(*args, **kwargs)
             if any(self.samples.get(id(values[p])) is values[p] for p in carriers):
                 self._mark_samples(out)
@@ -279,16 +280,17 @@ def discover(model_fn: Callable, params: Any, leaves: list[Tensor], X_first: Any
         1
     """
     mode = _DiscoveryMode(LeafIndex(leaves), X_first)
-    with torch.no_grad(), mode:
-        out = model_fn(params, X_first)
+    with private_generators(leaves) as drew:
+        with torch.no_grad(), mode:
+            out = model_fn(params, X_first)
+        if mode.plan.random is None and drew():
+            mode.plan.random = "a call that draws from torch's default random generator"
     if not (isinstance(out, Tensor) and out.dim() and out.shape[0] == 1):
         shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(
             f"model_fn returned {shape} for a batch of one sample; it must return a tensor "
             "whose leading dimension is the batch dimension."
         )
-    mode.plan.dropout = mode.dropout
-    _warn_about_dropout(mode.plan)
     return mode.plan
 
 
@@ -329,7 +331,6 @@ def cached_discover(
     except TypeError:  # not weakly referenceable (e.g. a functools.partial): no cache
         entry = None
     if entry is not None and entry[0] == key:
-        _warn_about_dropout(entry[1])
         return entry[1], True
     plan = discover(model_fn, params, leaves, select_samples(X, slice(0, 1)))
     with contextlib.suppress(TypeError):
@@ -378,15 +379,3 @@ def _hashable(value: Any) -> Hashable:
     except TypeError:
         return ("id", id(value))
     return value
-
-
-def _warn_about_dropout(plan: Plan) -> None:
-    if plan.dropout:
-        warnings.warn(
-            f"model_fn applies dropout (p={plan.dropout:g}) in training mode: every call draws "
-            "new random masks, so two calls give different results and curvature is that of "
-            "one random subnetwork. Call model.eval() first (or set the dropout p=0), unless "
-            "the randomness is intended.",
-            UserWarning,
-            stacklevel=4,
-        )

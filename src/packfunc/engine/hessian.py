@@ -165,6 +165,7 @@ def _layer_output_curvature_by_hvp(bp: BatchPass, sites: list[int]) -> dict[int,
     One site at a time: its Hessian-vector products then only run back to that
     site, not to the earliest one.
     """
+    bp.check_rerun("the Hessian of the layer outputs")
     forward = probed_forward(bp.model_fn, bp.params, bp.leaves, bp.plan, bp.X)
     found = {}
     for k in sites:
@@ -225,6 +226,7 @@ def _parameter_curvature(
 
 def _with_leaves(bp: BatchPass, wanted: list[int], chosen: list[Tensor], X: Any) -> Tensor:
     """The model output at ``X`` with the ``wanted`` leaves replaced by ``chosen``."""
+    bp.check_rerun("the Hessian's second derivatives")
     current = list(bp.leaves)
     for i, leaf in zip(wanted, chosen):
         current[i] = leaf

@@ -49,6 +49,7 @@ def layer_output_curvature(bp: BatchPass, sites: list[int]) -> dict[int, Tensor]
         ``[N, O]`` per site, or ``None`` if the model is not such a chain or the
         columns would not fit the memory budget (callers fall back).
     """
+    bp.check_rerun("the Hessian's recursion through the chain")
     try:
         links = trace_chain(bp.model_fn, bp.params, bp.leaves, bp.X)
     except NotSequentialError:

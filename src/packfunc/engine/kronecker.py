@@ -229,6 +229,7 @@ def kfra_factors(bp: BatchPass, curvature: str = "ggn") -> Factors:
         >>> [f.shape for f in kfra_factors(bp).per_leaf[bp.names.index("0.weight")]]
         [torch.Size([4, 4]), torch.Size([3, 3])]
     """
+    bp.check_rerun("KFRA's chain")
     links = trace_chain(bp.model_fn, bp.params, bp.leaves, bp.X)
     modify = CURVATURES[curvature]
     residuals = (

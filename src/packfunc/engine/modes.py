@@ -168,8 +168,10 @@ class FunctionalMode(TorchFunctionMode):
                 return run_attention(args, kwargs)
         if func is F.batch_norm:
             args, kwargs = _batch_norm_arguments(args, kwargs, self.batch_statistics)
-        if self.batch_statistics and _counts_batches(func, args):
-            return args[0]  # running statistics stay as they are, and so does their counter
+        if _counts_batches(func, args):
+            # running statistics stay as they are, and so does their counter (also when
+            # BatchNorm in training mode is refused right after: a refusal changes nothing)
+            return args[0]
         return self._dispatch(func, args, kwargs)
 
     def _decomposes_recurrent(self, args: tuple, kwargs: dict) -> bool:

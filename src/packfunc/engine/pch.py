@@ -46,6 +46,7 @@ def pch_block_product(bp: BatchPass, leaf: int, mats: Tensor, modify: str) -> Te
         NotSequentialError: for a non-sequential model, or the parameter not in one layer.
         ValueError: for a nonlinearity that is neither elementwise nor piecewise linear.
     """
+    bp.check_rerun("the positive-curvature Hessian's chain")
     links = trace_chain(bp.model_fn, bp.params, bp.leaves, bp.X)
     owners = [
         i

@@ -23,6 +23,7 @@ from packfunc.engine.batch_pass import BatchRecord, PlanMismatch, record
 from packfunc.engine.discovery import Plan, cached_discover, forget_plan
 from packfunc.engine.memory import chunk_length, index_length, is_plain, new_output, split_index
 from packfunc.engine.ops import TapCall
+from packfunc.engine.randomness import refuse_rerun
 from packfunc.engine.rules import Rule, rule_for
 from packfunc.engine.rules.base import Route
 from packfunc.engine.vocabulary import Statistic
@@ -151,9 +152,27 @@ class BatchPass:
     ) -> BatchRecord:
         """The record of the watched forward if it fits the plan, else of packfunc's own pass."""
         reused = watched(self.plan, self.leaves, self.loss, self.y, self.n) if watched else None
-        return reused or record(
+        if reused is not None:
+            return reused
+        if watched is not None:
+            self.check_rerun(
+                "packfunc's own pass (the recorded forward pass cannot be reused: a "
+                "recurrent or attention layer, or calls packfunc runs differently)"
+            )
+        return record(
             self.model_fn, self.params, self.leaves, self.plan, self.X, self.y, self.loss, self.n
         )
+
+    def check_rerun(self, rerun: str) -> None:
+        """Refuse to run the model again for values if it draws random numbers.
+
+        Args:
+            rerun: What would run it, for the message (e.g. ``"the whole-model path"``).
+
+        Raises:
+            RandomModelError: if discovery saw the model draw random numbers.
+        """
+        refuse_rerun(self.plan.random, rerun)
 
     @property
     def loss_value(self) -> Tensor:
@@ -329,6 +348,8 @@ class ColumnGradients:
         length = chunk_length(index_length(index), numel, self.bp.chunk_size)
         for chunk in split_index(index, length):
             if wanted and wanted[0] in self.bp.whole_model:
+                names = ", ".join(self.bp.names[i] for i in wanted)
+                self.bp.check_rerun(f"the whole-model path (for {names})")
                 yield whole_model.column_grads(
                     self.bp.model_fn,
                     self.bp.leaves,

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from packfunc.engine.modes import functional_mode, twice_differentiable
+from packfunc.engine.randomness import private_generators
 
 AFFINE = frozenset(
     {
@@ -161,7 +162,12 @@ def piecewise_affine_leaves(
         return set()
     copies = [leaf.detach().requires_grad_() for leaf in leaves]
     X_copy = optree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, X)
-    with torch.enable_grad(), functional_mode(batch_statistics=True), twice_differentiable():
+    with (
+        private_generators(leaves),  # a probe: its dropout masks do not matter
+        torch.enable_grad(),
+        functional_mode(batch_statistics=True),
+        twice_differentiable(),
+    ):
         output = model_fn(optree.tree_unflatten(treespec, copies), X_copy)
     if not isinstance(output, Tensor):
         return set()

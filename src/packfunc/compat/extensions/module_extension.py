@@ -7,7 +7,9 @@ called with ``(ext, module, g_inp, g_out, backproped)`` — ``module.input0`` an
 ``module.output`` hold the forward's input and output, ``g_out[0]`` the gradient
 of the loss w.r.t. the output (per-sample shares) and, for second-order
 extensions, ``backproped`` the square-root columns of the GGN w.r.t. the module
-output, ``[K, *module.output.shape]`` — and its result is stored. A
+output, ``[K, *module.output.shape]`` — and its result is stored. (A module that
+defines ``output`` or ``input0`` itself keeps its own: the stored values are then
+read with ``packfunc.compat.stored_io(module)``.) A
 ``backpropagate`` method is accepted but not needed: packfunc propagates through
 any module with autograd.
 """

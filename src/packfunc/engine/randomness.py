@@ -1,0 +1,188 @@
+"""One forward, one randomness: which calls draw random numbers, and which runs must not.
+
+Every quantity comes from the forward pass whose loss it reports. The batch pass
+*is* that forward (in the shim, the user's own forward is), so whatever it draws
+(dropout masks in training mode) is part of the model being differentiated, and
+every statistic the rules compute from its recording is consistent with it.
+
+Other runs of the model are of two kinds:
+
+* probes (discovery, the piecewise-linearity test, the chain trace of KFRA): their
+  values are never used, so they run on a private copy of the random generators
+  (:func:`private_generators`) and leave the user's streams where they were;
+* re-runs whose values are used (the whole-model path's per-sample ``vmap``, the
+  Hessian's second derivatives, the shim's own pass when the user's forward cannot be
+  reused): they would draw other masks, so a model that draws random numbers is
+  refused there (:func:`refuse_rerun`), naming the call and the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from packfunc.engine.modes import dropout_rate
+from packfunc.engine.recurrent import RECURRENT_OPS
+
+RANDOM_FUNCTIONS = frozenset(
+    {
+        torch.rand,
+        torch.randn,
+        torch.randint,
+        torch.rand_like,
+        torch.randn_like,
+        torch.randint_like,
+        torch.randperm,
+        torch.bernoulli,
+        torch.multinomial,
+        torch.normal,
+        torch.poisson,
+        torch.rrelu,
+        Tensor.bernoulli,
+        Tensor.bernoulli_,
+        Tensor.uniform_,
+        Tensor.normal_,
+        Tensor.exponential_,
+        Tensor.geometric_,
+        Tensor.cauchy_,
+        Tensor.log_normal_,
+        Tensor.random_,
+        Tensor.multinomial,
+        F.gumbel_softmax,
+    }
+)
+"""Calls that always draw from a random generator."""
+
+
+class RandomModelError(ValueError):
+    """A model that draws random numbers would be run again where the values must match."""
+
+
+def random_call(func: Callable, args: tuple, kwargs: dict) -> str | None:
+    """Describe a call that draws random numbers, or return ``None``.
+
+    Dropout (functions, builtins, attention's ``dropout_p``) in training mode, recurrent
+    ops with inter-layer dropout in training mode, ``F.rrelu`` in training mode and the
+    sampling functions of :data:`RANDOM_FUNCTIONS`.
+
+    Args:
+        func: The function called.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
+
+    Returns:
+        A short description such as ``"dropout(p=0.1)"``.
+
+    Example:
+        >>> random_call(F.dropout, (torch.ones(2), 0.3), {}), random_call(F.relu, (), {})
+        ('dropout(p=0.3)', None)
+    """
+    name = getattr(func, "__name__", repr(func))
+    p = dropout_rate(func, args, kwargs)
+    if p:
+        return f"{name}(p={p:g})"
+    if func in RECURRENT_OPS:
+        p, train = _recurrent_dropout(args, kwargs)
+        return f"{name} with dropout={p:g}" if p and train else None
+    if func is F.rrelu:
+        return name if kwargs.get("training", args[3] if len(args) > 3 else False) else None
+    return name if func in RANDOM_FUNCTIONS else None
+
+
+def _recurrent_dropout(args: tuple, kwargs: dict) -> tuple[float, bool]:
+    """``(dropout, train)`` of a fused recurrent op: its first float argument and the next."""
+    if "dropout" in kwargs:
+        return float(kwargs["dropout"]), bool(kwargs.get("train", False))
+    for i, value in enumerate(args):
+        if isinstance(value, float):
+            return value, bool(args[i + 1]) if i + 1 < len(args) else False
+    return 0.0, False
+
+
+def _generator_states(devices: list[int]) -> list[Tensor]:
+    """The states of the CPU generator and of the default generators of CUDA ``devices``."""
+    return [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in devices]
+
+
+@contextlib.contextmanager
+def private_generators(tensors: list[Tensor]) -> Iterator[Callable[[], bool]]:
+    """Run a probe on a copy of the default random generators; theirs stay as they were.
+
+    Args:
+        tensors: Tensors the probe computes with (their CUDA devices' generators are
+            copied too).
+
+    Yields:
+        A function telling whether the probe drew random numbers so far.
+
+    Example:
+        >>> state = torch.get_rng_state()
+        >>> with private_generators([]) as drew:
+        ...     _ = torch.rand(3)
+        ...     drew()
+        True
+        >>> torch.equal(state, torch.get_rng_state())
+        True
+    """
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        before = _generator_states(devices)
+
+        def drew() -> bool:
+            after = _generator_states(devices)
+            return any(not torch.equal(a, b) for a, b in zip(before, after))
+
+        yield drew
+
+
+def refuse_rerun(random: str | None, rerun: str) -> None:
+    """Refuse to run a model that draws random numbers again where its values are used.
+
+    Args:
+        random: What the model draws (see :func:`random_call`), ``None`` if nothing.
+        rerun: What would run it again, e.g. ``"the whole-model path"``.
+
+    Raises:
+        RandomModelError: if ``random`` is set.
+
+    Example:
+        >>> refuse_rerun(None, "the whole-model path")
+    """
+    if random is not None:
+        raise random_model_error(random, rerun)
+
+
+def random_model_error(random: str, rerun: str) -> RandomModelError:
+    """The error :func:`refuse_rerun` raises, naming the random call and the fix.
+
+    Args:
+        random: What the model draws (see :func:`random_call`).
+        rerun: What would run it again.
+
+    Returns:
+        The error, to raise.
+
+    Example:
+        >>> str(random_model_error("dropout(p=0.1)", "KFRA's chain"))[:60]
+        'the model draws random numbers in its forward pass (dropout('
+    """
+    return RandomModelError(
+        f"the model draws random numbers in its forward pass ({random}), and {rerun} runs it "
+        "again, which would draw other values than the forward pass whose loss is reported. "
+        "Call model.eval() (or set the dropout probability to 0) before computing this, or "
+        "request only parameters on op-local paths (pf.explain shows each parameter's path)."
+    )
+
+
+__all__ = [
+    "RANDOM_FUNCTIONS",
+    "RandomModelError",
+    "private_generators",
+    "random_call",
+    "random_model_error",
+    "refuse_rerun",
+]
