@@ -117,7 +117,7 @@ def uncompiled(module: nn.Module) -> nn.Module:
         True
     """
     while is_compiled(module):
-        module = module._orig_mod
+        module = getattr(module, "_orig_mod")  # noqa: B009 (a Tensor | Module attribute)
     inner = [name for name, sub in module.named_modules() if name and is_compiled(sub)]
     if inner:
         raise ValueError(
