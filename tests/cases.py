@@ -638,3 +638,89 @@ def make_dataset(loss_name: str, reduction: str, n: int = 11, seed: int = 0) -> 
     return Problem(
         model, nn.MSELoss(reduction=reduction), X, torch.randn(n, 3, dtype=torch.float64)
     )
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+class Logits(nn.Module):
+    """A Hugging Face model's logits as a tensor (of the last position for language models).
+
+    Hugging Face models return a ``ModelOutput``; BackPACK-style code and packfunc's
+    model functions take the tensor the loss is applied to.
+    """
+
+    def __init__(self, model: nn.Module, last_position: bool):
+        super().__init__()
+        self.model = model
+        self.last_position = last_position
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = self.model(x).logits
+        return logits[:, -1] if self.last_position else logits
+
+
+def _hugging_face(name: str, dropout: float) -> nn.Module:
+    """A tiny randomly initialized Hugging Face model (configs only: nothing is downloaded)."""
+    import transformers as hf
+
+    small = {"vocab_size": 20, "hidden_size": 8, "num_hidden_layers": 1}
+    heads = {"num_attention_heads": 2, "intermediate_size": 16}
+    if name == "bert":
+        config = hf.BertConfig(
+            **small,
+            **heads,
+            max_position_embeddings=8,
+            num_labels=3,
+            hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
+        )
+        return Logits(hf.BertForSequenceClassification(config), last_position=False)
+    if name == "gpt2":
+        config = hf.GPT2Config(
+            vocab_size=20,
+            n_embd=8,
+            n_layer=1,
+            n_head=2,
+            n_positions=8,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+        )
+        return Logits(hf.GPT2LMHeadModel(config), last_position=True)
+    if name == "llama":
+        config = hf.LlamaConfig(
+            **small,
+            **heads,
+            num_key_value_heads=1,
+            max_position_embeddings=8,
+            attention_dropout=dropout,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        return Logits(hf.LlamaForCausalLM(config), last_position=True)
+    config = hf.ViTConfig(
+        image_size=4,
+        patch_size=2,
+        num_channels=2,
+        hidden_size=8,
+        num_hidden_layers=1,
+        **heads,
+        num_labels=3,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    return Logits(hf.ViTForImageClassification(config), last_position=False)
+
+
+HUGGING_FACE: dict[str, Callable[[float], nn.Module]] = {
+    name: functools.partial(_hugging_face, name) for name in ("bert", "gpt2", "llama", "vit")
+}
+"""Name -> ``build(dropout)``: BERT, GPT-2, LLaMA and ViT from tiny configs."""
+
+
+def hugging_face_inputs(name: str, n: int) -> Tensor:
+    """A batch for :data:`HUGGING_FACE`'s model ``name``: tokens, or 4x4 images."""
+    return torch.randn(n, 2, 4, 4) if name == "vit" else torch.randint(0, 20, (n, 5))

@@ -136,18 +136,7 @@ def _one_forward_oracle(model: nn.Module, out: Tensor, loss: nn.Module, y: Tenso
     return found
 
 
-FUNCTIONAL = [
-    "grad",
-    "batch_grad",
-    "batch_l2_grad",
-    "sum_grad_squared",
-    "variance",
-    "sqrt_ggn",
-    "diag_ggn",
-    "batch_diag_ggn",
-    "diag_hessian",
-    "batch_diag_hessian",
-]
+FUNCTIONAL = list(pf.QUANTITIES)  # every name compute() takes
 
 
 @settings(max_examples=60, deadline=None)

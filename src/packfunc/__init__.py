@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 from packfunc import kron, optim
 from packfunc.ekfac import ekfac
+from packfunc.engine.randomness import RandomModelError
 from packfunc.estimators import hutchinson_diagonal, hutchinson_trace, hutchpp_trace
 from packfunc.explain import explain
 from packfunc.firstorder import batch_grad, batch_l2_grad, sum_grad_squared, variance
@@ -30,6 +31,7 @@ __all__ = [
     "FIRST_ORDER",
     "QUANTITIES",
     "SECOND_ORDER",
+    "RandomModelError",
     "batch_diag_ggn",
     "batch_diag_hessian",
     "batch_grad",

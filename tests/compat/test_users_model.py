@@ -1,0 +1,177 @@
+"""The shim never changes the user's model, and runs models nobody here wrote.
+
+Stored inputs and outputs never overwrite or delete a parameter, buffer, child or
+attribute of the user's (``stored_io`` has them); Hugging Face models work in the shim
+with the functional API's values; compiled modules and changed losses are named.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import packfunc as pf
+from packfunc.compat import backpack, extend, stored_io
+from packfunc.compat.extensions import (
+    KFAC,
+    KFLR,
+    KFRA,
+    BatchGrad,
+    BatchL2Grad,
+    DiagGGNExact,
+    DiagGGNMC,
+)
+from packfunc.engine.randomness import RandomModelError
+from tests.cases import HUGGING_FACE, assert_trees_close, hugging_face_inputs
+
+
+class InputNamedChild(nn.Module):
+    """A module whose child is called ``input0`` and which keeps an attribute ``output``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input0 = nn.Linear(3, 4)
+        self.head = nn.Linear(4, 2)
+        self.output = "the user's own"
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.input0(x)))
+
+
+def _state(model: nn.Module) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: nn.Sequential(
+            OrderedDict(hidden=nn.Linear(3, 4), act=nn.ReLU(), output=nn.Linear(4, 2))
+        ),
+        InputNamedChild,
+    ],
+    ids=["child_output", "child_input0"],
+)
+def test_children_and_attributes_named_like_stored_fields_survive(build):
+    torch.manual_seed(0)
+    model = extend(build())
+    lossfunc = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    before, children = _state(model), dict(model.named_children())
+    expected = model(X).detach()
+    for _ in range(2):
+        model.zero_grad()
+        with backpack(BatchGrad(), BatchL2Grad()):
+            lossfunc(model(X), y).backward()
+    assert dict(model.named_children()) == children
+    assert_trees_close(_state(model), before)
+    assert torch.equal(model(X), expected)
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
+    if isinstance(model, InputNamedChild):
+        assert model.output == "the user's own"
+
+
+def test_stored_values_of_taken_names_are_in_stored_io():
+    layer = extend(nn.Linear(3, 2))
+    layer.register_buffer("output", torch.zeros(2))
+    seen = {}
+
+    def hook(module: nn.Module) -> None:
+        seen[module] = (module.output, stored_io(module))
+
+    x = torch.randn(4, 3, requires_grad=True)
+    with backpack(BatchGrad(), extension_hook=hook):
+        out = layer(x)
+        extend(nn.MSELoss())(out, torch.randn(4, 2)).backward()
+    own, stored = seen[layer]
+    assert torch.equal(own, torch.zeros(2))  # the buffer, not the stored output
+    assert stored["output"] is out and stored["input0"] is x
+    assert torch.equal(layer.output, torch.zeros(2)) and stored_io(layer) == {}
+    assert not hasattr(layer, "input0")  # the shim's own attribute is gone after backward
+
+
+def _shim_values(model: nn.Module, X: Tensor, y: Tensor) -> dict:
+    extend(model)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    found = {}
+    for ext in [BatchGrad(), BatchL2Grad(), DiagGGNExact(), KFLR()]:
+        model.zero_grad()
+        with backpack(ext), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # parameters without a Kronecker rule
+            lossfunc(model(X), y).backward()
+        found[ext.savefield] = {
+            k: getattr(p, ext.savefield)
+            for k, p in model.named_parameters()
+            if hasattr(p, ext.savefield)
+        }
+    return found
+
+
+@pytest.mark.parametrize("name", list(HUGGING_FACE))
+def test_hugging_face_models_in_the_shim_equal_the_functional_api(name):
+    torch.manual_seed(0)
+    model = HUGGING_FACE[name](0.1).double().eval()
+    X = hugging_face_inputs(name, 3)
+    X = X.double() if X.is_floating_point() else X
+    with torch.no_grad():
+        y = torch.randint(0, model(X).shape[1], (3,))
+    before = _state(model)
+    model_fn, params = pf.functional(model)
+    expected = {
+        "grad_batch": pf.batch_grad(model_fn, params, X, y),
+        "batch_l2": pf.batch_l2_grad(model_fn, params, X, y),
+        "diag_ggn_exact": pf.diag_ggn(model_fn, params, X, y),
+    }
+    kflr = pf.kflr(model_fn, params, X, y, on_unsupported="skip")
+    expected["kflr"] = {k: v for k, v in kflr.items() if v is not None}
+    # GPT-2's Conv1D (addmm) and tied embedding have no Kronecker rule yet (issue 20)
+    assert bool(expected["kflr"]) == (name != "gpt2")
+    found = _shim_values(model, X, y)
+    assert_trees_close(found, expected, name)
+    assert_trees_close(_state(model), before)
+    with backpack(KFAC()), pytest.warns(UserWarning, match="no Kronecker rule"):
+        extend(nn.CrossEntropyLoss())(model(X), y).backward()
+
+
+@pytest.mark.parametrize("name", list(HUGGING_FACE))
+def test_hugging_face_models_with_dropout_are_consistent_or_refused(name):
+    torch.manual_seed(0)
+    model = extend(HUGGING_FACE[name](0.3).train())
+    X = hugging_face_inputs(name, 3)
+    before = _state(model)
+    out = model(X)
+    y = torch.randint(0, out.shape[1], (3,))
+    try:
+        with backpack(BatchGrad()):
+            extend(nn.CrossEntropyLoss())(out, y).backward()
+    except RandomModelError as error:
+        assert "model.eval()" in str(error)
+    else:
+        for p in model.parameters():
+            torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
+    assert_trees_close(_state(model), before)
+
+
+def test_extend_refuses_a_compiled_module():
+    with pytest.raises(ValueError, match="torch.compile"):
+        extend(torch.compile(nn.Linear(2, 2)))
+
+
+@pytest.mark.parametrize("extension", [KFAC, KFRA, KFLR, DiagGGNExact, DiagGGNMC])
+@pytest.mark.parametrize("loss_cls", [nn.CrossEntropyLoss, nn.MSELoss])
+def test_second_order_extensions_warn_about_a_changed_loss(extension, loss_cls):
+    def loss(scale: float) -> Tensor:
+        prediction = torch.rand(5, 2, requires_grad=True)  # no extended model before it
+        target = torch.randint(0, 2, (5,)) if loss_cls is nn.CrossEntropyLoss else torch.rand(5, 2)
+        return extend(loss_cls())(prediction, target) * scale
+
+    with backpack(extension()), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss(1.0).backward()
+    with backpack(extension()), pytest.warns(UserWarning, match="modified"):
+        loss(2.0).backward()
