@@ -647,17 +647,24 @@ class Logits(nn.Module):
     """A Hugging Face model's logits as a tensor (of the last position for language models).
 
     Hugging Face models return a ``ModelOutput``; BackPACK-style code and packfunc's
-    model functions take the tensor the loss is applied to.
+    model functions take the tensor the loss is applied to. ``kind``: ``"masked"``
+    passes the padding mask of token id 0 (BERT, RoBERTa), ``"decoder"`` feeds the
+    first two tokens to the decoder (T5), ``"last"`` takes the last position (GPT-2,
+    LLaMA), ``"plain"`` the logits as they are (ViT).
     """
 
-    def __init__(self, model: nn.Module, last_position: bool):
+    def __init__(self, model: nn.Module, kind: str):
         super().__init__()
         self.model = model
-        self.last_position = last_position
+        self.kind = kind
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.kind == "masked":
+            return self.model(input_ids=x, attention_mask=(x != 0).long()).logits
+        if self.kind == "decoder":
+            return self.model(input_ids=x, decoder_input_ids=x[:, :2]).logits[:, -1]
         logits = self.model(x).logits
-        return logits[:, -1] if self.last_position else logits
+        return logits[:, -1] if self.kind == "last" else logits
 
 
 def _hugging_face(name: str, dropout: float) -> nn.Module:
@@ -666,61 +673,56 @@ def _hugging_face(name: str, dropout: float) -> nn.Module:
 
     small = {"vocab_size": 20, "hidden_size": 8, "num_hidden_layers": 1}
     heads = {"num_attention_heads": 2, "intermediate_size": 16}
+    encoder = {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+    tokens = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
     if name == "bert":
-        config = hf.BertConfig(
-            **small,
-            **heads,
-            max_position_embeddings=8,
-            num_labels=3,
-            hidden_dropout_prob=dropout,
-            attention_probs_dropout_prob=dropout,
+        config = hf.BertConfig(**small, **heads, **encoder, max_position_embeddings=8, num_labels=3)
+        return Logits(hf.BertForSequenceClassification(config), "masked")
+    if name == "roberta":
+        config = hf.RobertaConfig(
+            **small, **heads, **encoder, **tokens, max_position_embeddings=8, num_labels=3
         )
-        return Logits(hf.BertForSequenceClassification(config), last_position=False)
+        return Logits(hf.RobertaForSequenceClassification(config), "masked")
     if name == "gpt2":
-        config = hf.GPT2Config(
-            vocab_size=20,
-            n_embd=8,
-            n_layer=1,
-            n_head=2,
-            n_positions=8,
-            bos_token_id=0,
-            eos_token_id=0,
-            resid_pdrop=dropout,
-            embd_pdrop=dropout,
-            attn_pdrop=dropout,
-        )
-        return Logits(hf.GPT2LMHeadModel(config), last_position=True)
+        drop = {"resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout}
+        config = hf.GPT2Config(vocab_size=20, n_embd=8, n_layer=1, n_head=2, n_positions=8, **drop)
+        return Logits(hf.GPT2LMHeadModel(config), "last")
     if name == "llama":
         config = hf.LlamaConfig(
-            **small,
-            **heads,
-            num_key_value_heads=1,
-            max_position_embeddings=8,
-            attention_dropout=dropout,
-            bos_token_id=0,
-            eos_token_id=0,
+            **small, **heads, **tokens, num_key_value_heads=1, attention_dropout=dropout
         )
-        return Logits(hf.LlamaForCausalLM(config), last_position=True)
+        return Logits(hf.LlamaForCausalLM(config), "last")
+    if name == "t5":
+        config = hf.T5Config(
+            vocab_size=20,
+            d_model=8,
+            d_kv=4,
+            d_ff=16,
+            num_layers=1,
+            num_heads=2,
+            dropout_rate=dropout,
+            decoder_start_token_id=0,
+            **tokens,
+        )
+        return Logits(hf.T5ForConditionalGeneration(config), "decoder")
     config = hf.ViTConfig(
-        image_size=4,
-        patch_size=2,
-        num_channels=2,
-        hidden_size=8,
-        num_hidden_layers=1,
-        **heads,
-        num_labels=3,
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
+        image_size=4, patch_size=2, num_channels=2, **small, **heads, **encoder, num_labels=3
     )
-    return Logits(hf.ViTForImageClassification(config), last_position=False)
+    return Logits(hf.ViTForImageClassification(config), "plain")
 
 
 HUGGING_FACE: dict[str, Callable[[float], nn.Module]] = {
-    name: functools.partial(_hugging_face, name) for name in ("bert", "gpt2", "llama", "vit")
+    name: functools.partial(_hugging_face, name)
+    for name in ("bert", "roberta", "gpt2", "llama", "t5", "vit")
 }
-"""Name -> ``build(dropout)``: BERT, GPT-2, LLaMA and ViT from tiny configs."""
+"""Name -> ``build(dropout)``: BERT and RoBERTa (with padding masks), GPT-2, LLaMA, T5 and
+ViT from tiny configs."""
 
 
 def hugging_face_inputs(name: str, n: int) -> Tensor:
-    """A batch for :data:`HUGGING_FACE`'s model ``name``: tokens, or 4x4 images."""
-    return torch.randn(n, 2, 4, 4) if name == "vit" else torch.randint(0, 20, (n, 5))
+    """A batch for :data:`HUGGING_FACE`'s model ``name``: tokens (some padded), or images."""
+    if name == "vit":
+        return torch.randn(n, 2, 4, 4)
+    tokens = torch.randint(1, 20, (n, 5))
+    tokens[::2, -2:] = 0  # every other sequence ends in padding
+    return tokens

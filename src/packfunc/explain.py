@@ -90,4 +90,6 @@ def _name(call: TapCall) -> str:
     if call.family == "local":
         func = call.option("func")
         return getattr(func, "__name__", repr(func))
+    if call.family == "linear" and call.transposed:
+        return "x @ W + b (addmm)"
     return _FAMILIES.get(call.family, call.family)

@@ -203,6 +203,30 @@ def module_of(model_fn: Callable) -> nn.Module | None:
         return None
 
 
+def wraps_module_of(model_fn: Callable, wrapper: F) -> F:
+    """Let ``wrapper``, a function around ``model_fn``, count as running the same module.
+
+    Discovery reads the module's buffers and training flags (see :func:`module_of`).
+
+    Args:
+        model_fn: A model function from :func:`functional` (anything else: no effect).
+        wrapper: A function that calls it.
+
+    Returns:
+        ``wrapper``.
+
+    Example:
+        >>> layer = torch.nn.Linear(3, 2)
+        >>> fn = wraps_module_of(functional(layer)[0], lambda p, X: X)
+        >>> module_of(fn) is layer
+        True
+    """
+    module = module_of(model_fn)
+    if module is not None:
+        _MODULES[wrapper] = module
+    return wrapper
+
+
 def check_model_arguments(model_fn: Any, params: Any) -> None:
     """Check that ``model_fn`` and ``params`` are a pure function and its parameter pytree.
 

@@ -25,6 +25,7 @@ from packfunc.compat.extensions import (
     DiagGGNExact,
     DiagGGNMC,
 )
+from packfunc.engine import persample
 from packfunc.engine.randomness import RandomModelError
 from tests.cases import HUGGING_FACE, assert_trees_close, hugging_face_inputs
 
@@ -129,8 +130,7 @@ def test_hugging_face_models_in_the_shim_equal_the_functional_api(name):
     }
     kflr = pf.kflr(model_fn, params, X, y, on_unsupported="skip")
     expected["kflr"] = {k: v for k, v in kflr.items() if v is not None}
-    # GPT-2's Conv1D (addmm) and tied embedding have no Kronecker rule yet (issue 20)
-    assert bool(expected["kflr"]) == (name != "gpt2")
+    assert expected["kflr"], "no layer got Kronecker factors"
     found = _shim_values(model, X, y)
     assert_trees_close(found, expected, name)
     assert_trees_close(_state(model), before)
@@ -155,6 +155,22 @@ def test_hugging_face_models_with_dropout_are_consistent_or_refused(name):
         for p in model.parameters():
             torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
     assert_trees_close(_state(model), before)
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "vit"])
+def test_the_shim_reuses_the_users_forward_of_hugging_face_models(name, monkeypatch):
+    own_passes = []
+    monkeypatch.setattr(persample, "record", lambda *a, **k: own_passes.append(a))
+    torch.manual_seed(0)
+    model = extend(HUGGING_FACE[name](0.2).train())  # dropout: a re-run would be refused
+    X = hugging_face_inputs(name, 3)
+    out = model(X)
+    y = torch.randint(0, out.shape[1], (3,))
+    with backpack(BatchGrad(), DiagGGNExact()):
+        extend(nn.CrossEntropyLoss())(out, y).backward()
+    assert not own_passes
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
 
 
 def test_extend_refuses_a_compiled_module():

@@ -170,7 +170,7 @@ def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
             # leaves in packfunc's own order (optree sorts dict keys), as the plan numbers them
             parameters: dict[str, Tensor] = dict(module.named_parameters())
             leaves: list[Tensor] = optree.tree_leaves(parameters)  # type: ignore[arg-type]
-            recorder = ForwardRecorder(leaves, (args, kwargs))
+            recorder = ForwardRecorder(leaves, (args, kwargs), tuple(module.buffers()))
             recorder.__enter__()
         _recorders.append(recorder)
 

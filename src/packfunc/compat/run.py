@@ -24,6 +24,7 @@ from packfunc.compat.layout import SampleLayout
 from packfunc.engine.batch_pass import BatchRecord
 from packfunc.engine.discovery import Plan
 from packfunc.engine.persample import BatchPass
+from packfunc.functional import wraps_module_of
 from packfunc.losses import hessian_factors
 from packfunc.quantities import evaluate
 
@@ -133,6 +134,7 @@ def _second_order_problem(
         )
     fn = _composed(model_fn, route.stages)
 
+    @partial(wraps_module_of, model_fn)
     def ends_at_loss(params: Any, X: Any) -> Tensor:
         return call.output(fn(params, X))
 

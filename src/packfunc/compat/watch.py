@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from packfunc.engine.attention import ATTENTION_OPS
 from packfunc.engine.batch_pass import BatchRecord, autograd_record, sample_layout
-from packfunc.engine.discovery import Plan, Recorded, Use
+from packfunc.engine.discovery import Plan, Recorded, Use, keeps_fixed
 from packfunc.engine.local import (
     CallArguments,
     LocalInputs,
@@ -41,7 +41,7 @@ from packfunc.engine.modes import (
     remember_derivations,
     tensor_outputs,
 )
-from packfunc.engine.ops import SIGNATURES, make_call
+from packfunc.engine.ops import SIGNATURES, FlatRows, linear_in_out, make_call
 from packfunc.engine.recurrent import RECURRENT_OPS
 from packfunc.losses import check_loss_inputs
 
@@ -59,6 +59,9 @@ class WatchedCall:
         edge: The output's gradient edge (``None`` once released, or if it needs no grad).
         outputs: Every tensor it returned, for derivations (by position; ``None``: one tensor).
         carries_samples: Whether an argument carried samples (else parameters only).
+        shape: The shape of the call's output as packfunc's pass has it, where the output
+            is that laid out as flat rows (an ``addmm`` watched as
+            :func:`~packfunc.engine.ops.linear_in_out`); ``None``: the output's own.
     """
 
     func: Callable
@@ -69,6 +72,7 @@ class WatchedCall:
     edge: GradientEdge | None
     outputs: list[tuple[int | None, Tensor]]
     carries_samples: bool
+    shape: tuple[int, ...] | None = None
 
     def unchanged(self) -> bool:
         """Whether no tensor argument was changed in place since the call."""
@@ -88,6 +92,7 @@ class ForwardRecorder(TorchFunctionMode):
     Args:
         parameters: The model's parameters, in packfunc's leaf order.
         inputs: The forward's inputs (their dependents carry samples).
+        buffers: The model's buffers (they carry no samples; see discovery's fixed tensors).
 
     Example:
         >>> layer = torch.nn.Linear(3, 2)
@@ -97,7 +102,7 @@ class ForwardRecorder(TorchFunctionMode):
         1
     """
 
-    def __init__(self, parameters: list[Tensor], inputs: Any):
+    def __init__(self, parameters: list[Tensor], inputs: Any, buffers: tuple[Tensor, ...] = ()):
         super().__init__()
         self.leaf_of = LeafIndex(parameters)
         self.calls: list[WatchedCall] = []
@@ -108,6 +113,10 @@ class ForwardRecorder(TorchFunctionMode):
             {id(t): t for t in tensors}
         )
         self.made_of_parameters: dict[int, Tensor] = {}
+        self.fixed: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary(
+            {id(t): t for t in buffers}
+        )
+        self.rows = FlatRows()
 
     def __torch_function__(
         self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
@@ -116,6 +125,12 @@ class ForwardRecorder(TorchFunctionMode):
         out = func(*args, **kwargs)
         if is_metadata_query(func):
             return out
+        self.rows.remember(func, args, out)
+        layer = self.rows.linear_layer(func, args, kwargs, self.leaf_of.contains)
+        shape = None
+        if layer is not None:  # as packfunc's pass runs it: a linear layer on x itself
+            func, args, kwargs = linear_in_out, layer, {}
+            shape = (*layer[0].shape[:-1], layer[1].shape[-1])
         arguments = CallArguments.of(args, kwargs)
         values = arguments.values
         touches = any(
@@ -126,22 +141,27 @@ class ForwardRecorder(TorchFunctionMode):
         samples = any(self._carries_samples(v) for v in values)
         if samples:
             self._mark(out, self.samples)
+        elif not touches and keeps_fixed(func, values, out, self._is_fixed, (1, self.n or 1)):
+            self._mark(out, self.fixed)
         if not touches:
             return out
         if func in RECURRENT_OPS or func in ATTENTION_OPS:
             self.usable = False  # packfunc's own pass decomposes them: the calls differ
         if not samples and not any(out is v for v in values):
             self._mark(out, self.made_of_parameters)
-        self.calls.append(_watched(func, arguments, out, samples))
+        self.calls.append(_watched(func, arguments, out, samples, shape))
         return out
 
     def _carries_samples(self, value: Any) -> bool:
         """Depends on the inputs, or may be batch-shaped (see discovery's rule)."""
         if not isinstance(value, Tensor) or self.leaf_of.contains(value):
             return False
-        if self.made_of_parameters.get(id(value)) is value:
+        if self.made_of_parameters.get(id(value)) is value or self._is_fixed(value):
             return False
         return self.samples.get(id(value)) is value or value.shape[:1] in ((1,), (self.n,))
+
+    def _is_fixed(self, value: Any) -> bool:
+        return isinstance(value, Tensor) and self.fixed.get(id(value)) is value
 
     @staticmethod
     def _mark(out: Any, into: Any) -> None:
@@ -236,11 +256,12 @@ def _match(
         out = output if call.output is None else call.output
         edge = get_gradient_edge(output) if call.output is None else call.edge
         expected = (n, *plan.sites[k].tail)
+        shape = call.shape or tuple(out.shape)
         recorded = _recorded(call, use, plan, sources, leaf_of, leaves, n)
-        if edge is None or out.shape != expected or recorded is None:
+        if edge is None or shape != expected or recorded is None:
             failed.add(k)
         else:
-            inputs[k], shapes[k], edges[k] = recorded, tuple(out.shape), edge
+            inputs[k], shapes[k], edges[k] = recorded, shape, edge
     return inputs, edges, shapes, failed
 
 
@@ -276,11 +297,17 @@ def _recorded(
     return LocalInputs(call.func, call.arguments, sources, batched, narrow, values)
 
 
-def _watched(func: Callable, arguments: CallArguments, out: Any, samples: bool) -> WatchedCall:
+def _watched(
+    func: Callable,
+    arguments: CallArguments,
+    out: Any,
+    samples: bool,
+    shape: tuple[int, ...] | None = None,
+) -> WatchedCall:
     """Describe a call right after it ran."""
     versions = tuple(v._version if isinstance(v, Tensor) else None for v in arguments.values)
     outputs = tensor_outputs(out)
     tensor = out if isinstance(out, Tensor) else None
     edge = get_gradient_edge(tensor) if tensor is not None and tensor.requires_grad else None
     version = tensor._version if tensor is not None else 0
-    return WatchedCall(func, arguments, versions, tensor, version, edge, outputs, samples)
+    return WatchedCall(func, arguments, versions, tensor, version, edge, outputs, samples, shape)

@@ -525,11 +525,9 @@ def autograd_record(
             is_grads_batched=batched,
         )
         for k, g in zip(sites, pulled):
-            found[k] = (
-                g
-                if g is not None
-                else cotangent.new_zeros((*cotangent.shape[:batched], *shapes[k]))
-            )
+            shape = (*cotangent.shape[:batched], *shapes[k])
+            # an output laid out as flat rows (an addmm watched as a linear layer) is reshaped
+            found[k] = g.reshape(shape) if g is not None else cotangent.new_zeros(shape)
         return found
 
     if differentiable:

@@ -145,13 +145,17 @@ class _DiscoveryMode(ParameterMode):
     initial state; the batch pass tells for sure).
     """
 
-    def __init__(self, leaf_of: LeafIndex, X: Any):
+    def __init__(self, leaf_of: LeafIndex, X: Any, buffers: list[Tensor]):
         super().__init__(leaf_of)
         self.plan = Plan(uncovered=set(leaf_of.duplicated))
         self.plan.reasons = dict.fromkeys(leaf_of.duplicated, "the same tensor is two parameters")
         self.samples: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary(
             {id(t): t for t in optree.tree_leaves(X) if isinstance(t, Tensor)}
         )
+        self.fixed: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary(
+            {id(t): t for t in buffers}
+        )
+        """Tensors that certainly do not carry samples (see :func:`keeps_fixed`)."""
 
     def __torch_function__(
         self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
@@ -163,9 +167,12 @@ class _DiscoveryMode(ParameterMode):
         return super().__torch_function__(func, types, args, kwargs)
 
     def _carries_samples(self, value: Any, sources: dict[int, Source], position: int) -> bool:
-        if not isinstance(value, Tensor) or position in sources:
+        if not isinstance(value, Tensor) or position in sources or self._is_fixed(value):
             return False
         return self.samples.get(id(value)) is value or value.shape[:1] == (1,)
+
+    def _is_fixed(self, value: Any) -> bool:
+        return isinstance(value, Tensor) and self.fixed.get(id(value)) is value
 
     def _dispatch(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         if is_metadata_query(func):
@@ -184,12 +191,15 @@ class _DiscoveryMode(ParameterMode):
             out = func(*args, **kwargs)
             if any(self.samples.get(id(values[p])) is values[p] for p in carriers):
                 self._mark_samples(out)
+            elif keeps_fixed(func, values, out, self._is_fixed):
+                for _, tensor in tensor_outputs(out):
+                    self.fixed[id(tensor)] = tensor
             return out
         sig = SIGNATURES.get(func)
         if sig is not None and carriers and self._tapped_call(sig, args, kwargs, sources):
             return self._discover_tapped(func, sig, sig.bind(args, kwargs), args, kwargs)
         out = func(*args, **kwargs)
-        in_place = any(out is v for v in values)
+        in_place = func not in _CONVERSIONS and any(out is v for v in values)
         if not carriers and not in_place:
             self._derive(func, arguments, sources, out)
             self.plan.uses.append(Use(func, "derived"))
@@ -197,11 +207,15 @@ class _DiscoveryMode(ParameterMode):
         if carriers:
             self._mark_samples(out)
         per_sample = all(values[p].shape[:1] == (1,) for p in carriers)
-        if in_place or not (isinstance(out, Tensor) and out.shape[:1] == (1,) and per_sample):
+        random = random_call(func, args, kwargs)
+        keeps_samples = isinstance(out, Tensor) and out.shape[:1] == (1,) and per_sample
+        if in_place or random or not keeps_samples:
             name = getattr(func, "__name__", repr(func))
             reason = (
                 f"changed in place by {name}"
                 if in_place
+                else f"used by {random}, which a per-sample re-run would draw again"
+                if random
                 else f"used by {name}, whose tensors do not keep the sample index at dim 0"
             )
             self.plan.uncover(leaves_of(sources), reason)
@@ -247,6 +261,95 @@ class _DiscoveryMode(ParameterMode):
             self.samples[id(tensor)] = tensor
 
 
+_CONVERSIONS = frozenset(
+    {
+        Tensor.to,
+        Tensor.type,
+        Tensor.type_as,
+        Tensor.contiguous,
+        Tensor.cpu,
+        Tensor.cuda,
+        Tensor.float,
+        Tensor.double,
+        Tensor.half,
+        Tensor.bfloat16,
+    }
+)
+"""Calls that return their input itself when it already has the dtype, device or layout."""
+
+_SIZED_BY_ARGUMENTS = frozenset(
+    {
+        Tensor.expand,
+        Tensor.repeat,
+        Tensor.view,
+        Tensor.reshape,
+        torch.reshape,
+        Tensor.new_zeros,
+        Tensor.new_ones,
+        Tensor.new_full,
+        Tensor.new_empty,
+        Tensor.new_tensor,
+        Tensor.tile,
+        torch.tile,
+        torch.broadcast_to,
+        Tensor.unflatten,
+        torch.unflatten,
+    }
+)
+"""Calls whose output shape may come from Python ints, such as the batch size."""
+
+
+def keeps_fixed(
+    func: Callable,
+    values: tuple[Any, ...],
+    out: Any,
+    is_fixed: Callable[[Any], bool],
+    batch_sizes: tuple[int, ...] = (1,),
+) -> bool:
+    """Whether a call on fixed tensors only (or on none) certainly gives a fixed output.
+
+    A tensor is *fixed* if it cannot carry samples: a buffer, or computed from buffers
+    and constants only (``torch.arange(T).unsqueeze(0)``: position ids shared by the
+    batch). Discovery runs one sample, so any dim of size one may be the batch
+    (``torch.zeros(x.size(0), d)``): a call that sizes its output from Python ints (a
+    factory, ``expand``, ``view``) gives a fixed tensor only without such dims. Other
+    calls on fixed tensors (indexing, ``unsqueeze``, arithmetic, ``permute``) take their
+    shape from those tensors, which hold no batch dim: their output is fixed.
+
+    Args:
+        func: The function called.
+        values: Its flattened arguments.
+        out: Its output.
+        is_fixed: Whether a tensor is fixed.
+        batch_sizes: Sizes a batch dim may have here (discovery: one sample).
+
+    Returns:
+        Whether every tensor ``out`` holds is fixed.
+
+    Example:
+        >>> keeps_fixed(torch.arange, (3,), torch.arange(3), lambda t: False)
+        True
+        >>> keeps_fixed(torch.zeros, (1, 3), torch.zeros(1, 3), lambda t: False)
+        False
+    """
+    tensors = [v for v in values if isinstance(v, Tensor)]
+    if not isinstance(out, Tensor) or not all(is_fixed(t) for t in tensors):
+        return False
+    if tensors and (func not in _SIZED_BY_ARGUMENTS or _plain_view(func, values)):
+        return True
+    return not set(batch_sizes) & set(out.shape)
+
+
+def _plain_view(func: Callable, values: tuple[Any, ...]) -> bool:
+    """Whether a call is a ``view``/``reshape`` to explicit sizes (no ``-1``).
+
+    It keeps the number of elements, so a batch size among the sizes would fail for any
+    other batch; only ``-1`` could absorb one.
+    """
+    sizes = [v for v in values if isinstance(v, int)]
+    return func in (Tensor.view, Tensor.reshape, torch.reshape) and -1 not in sizes
+
+
 def _refuse_coupled_embedding(sig: OpSignature, bound: dict[str, Any]) -> None:
     if sig.family != "embedding":
         return
@@ -279,7 +382,9 @@ def discover(model_fn: Callable, params: Any, leaves: list[Tensor], X_first: Any
         >>> len(discover(fn, p, list(p.values()), torch.zeros(1, 3)).sites)
         1
     """
-    mode = _DiscoveryMode(LeafIndex(leaves), X_first)
+    module = module_of(model_fn)
+    buffers = list(module.buffers()) if module is not None else []
+    mode = _DiscoveryMode(LeafIndex(leaves), X_first, buffers)
     with private_generators(leaves) as drew:
         with torch.no_grad(), mode:
             out = model_fn(params, X_first)

@@ -102,6 +102,7 @@ def kronecker_layout(grads: Tensor, term: Term | None, sizes: tuple[int, ...]) -
 
     A transposed convolution's weight ``[C_in, C_out/G, k…]`` becomes, per group,
     ``[C_out/G, C_in/G·k…]`` (its factors' layout: ``weight.transpose(0, 1)`` for one group).
+    A linear weight stored ``[in, out]`` has its factors in that order already.
 
     Args:
         grads: Gradients ``[M, *param.shape]``.
@@ -120,7 +121,7 @@ def kronecker_layout(grads: Tensor, term: Term | None, sizes: tuple[int, ...]) -
         torch.Size([7, 3, 4])
     """
     m = grads.shape[0]
-    if len(sizes) == 2 and term is not None and term.call.transposed:
+    if len(sizes) == 2 and term is not None and term.call.transposed and term.call.family == "conv":
         groups = term.call.option("groups")
         c_in, c_out, *kernel = grads.shape[1:]
         grouped = grads.reshape(m, groups, c_in // groups, c_out, *kernel)

@@ -148,14 +148,15 @@ def _site_stats(
     x = bp.record.inputs[k]
     assert isinstance(x, Tensor), "_single_position_linear admits sites with recorded tensors"
     square = x.reshape(x.shape[0], -1).square() if role == "weight" else None
+    in_out = square is not None and bp.plan.sites[k].call.transposed  # a weight [in, out]
     found: Stats = {}
     if Statistic.DIAGONAL in stats:
-        found[Statistic.DIAGONAL] = curvature.sum(0) if square is None else curvature.T @ square
+        diagonal = curvature.sum(0) if square is None else curvature.T @ square
+        found[Statistic.DIAGONAL] = diagonal.T if in_out else diagonal
     if Statistic.DIAGONAL_PER_SAMPLE in stats:
         d = curvature[index]
-        found[Statistic.DIAGONAL_PER_SAMPLE] = (
-            d if square is None else d.unsqueeze(2) * square[index, None]
-        )
+        per_sample = d if square is None else d.unsqueeze(2) * square[index, None]
+        found[Statistic.DIAGONAL_PER_SAMPLE] = per_sample.transpose(1, 2) if in_out else per_sample
     return found
 
 

@@ -24,7 +24,7 @@ from packfunc.engine.memory import chunk_length, chunks
 from packfunc.engine.ops import TapCall
 from packfunc.engine.pch import summed_residual_curvature
 from packfunc.engine.persample import BatchPass, ColumnGradients, Term
-from packfunc.engine.rules import RULES
+from packfunc.engine.rules import rule_for
 from packfunc.losses import HessianFactors, hessian_factors
 
 APPROXIMATIONS = ("backpack", "expand", "reduce")
@@ -172,7 +172,7 @@ def _raw_layout(bp: BatchPass, leaf: int, term: Term, pulled: dict[int, Tensor])
 def _assemble(term: Term, output: Tensor, approx: str) -> list[Tensor]:
     if term.rule.kronecker(term.call) == 1:
         return [output]
-    return [output, term.rule.input_factor(term.x, approx)]
+    return term.rule.kronecker_order(output, term.rule.input_factor(term.x, approx))
 
 
 def _unsupported(bp: BatchPass) -> dict[int, str]:
@@ -249,7 +249,7 @@ def kfra_factors(bp: BatchPass, curvature: str = "ggn") -> Factors:
         call = link.call
         if call is not None:
             for role, leaf in call.leaves:
-                rule = RULES[(call.family, role)]
+                rule = rule_for(call, role)
                 if leaf in unsupported or not rule.kronecker(call) or uses[leaf] > 1:
                     unsupported.setdefault(leaf, "shared between layers, or no Kronecker rule")
                     continue
@@ -259,7 +259,7 @@ def kfra_factors(bp: BatchPass, curvature: str = "ggn") -> Factors:
                 per_leaf[leaf] = (
                     [output]
                     if rule.kronecker(call) == 1
-                    else [output, rule.input_factor(x, "backpack")]
+                    else rule.kronecker_order(output, rule.input_factor(x, "backpack"))
                 )
             remaining -= 1
         if not remaining:  # nothing upstream needs H

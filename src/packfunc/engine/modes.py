@@ -31,7 +31,7 @@ from packfunc.engine.local import (
     copies_along_batch,
     derive,
 )
-from packfunc.engine.ops import ROLES, SIGNATURES, OpSignature
+from packfunc.engine.ops import ROLES, SIGNATURES, FlatRows, OpSignature, linear_in_out
 from packfunc.engine.recurrent import RECURRENT_OPS, run_recurrent
 
 _METADATA_METHODS = frozenset(
@@ -133,7 +133,7 @@ class LeafIndex:
         return found
 
 
-REWRITTEN_OPS = RECURRENT_OPS | ATTENTION_OPS | {F.batch_norm}
+REWRITTEN_OPS = RECURRENT_OPS | ATTENTION_OPS | {F.batch_norm, torch.addmm}
 """Calls :class:`FunctionalMode` replaces by a decomposition, or refuses, or changes."""
 
 
@@ -155,6 +155,7 @@ class FunctionalMode(TorchFunctionMode):
     def __init__(self, batch_statistics: bool = False):
         super().__init__()
         self.batch_statistics = batch_statistics
+        self.rows = FlatRows()
 
     def __torch_function__(
         self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
@@ -166,17 +167,27 @@ class FunctionalMode(TorchFunctionMode):
         if func in ATTENTION_OPS and supports_attention(args, kwargs):
             with self:
                 return run_attention(args, kwargs)
+        layer = self.rows.linear_layer(func, args, kwargs, self._is_parameter)
+        if layer is not None:
+            x, weight, bias = layer
+            out = self._dispatch(linear_in_out, (x, weight, bias), {})
+            return out.reshape(-1, out.shape[-1])
         if func is F.batch_norm:
             args, kwargs = _batch_norm_arguments(args, kwargs, self.batch_statistics)
         if _counts_batches(func, args):
             # running statistics stay as they are, and so does their counter (also when
             # BatchNorm in training mode is refused right after: a refusal changes nothing)
             return args[0]
-        return self._dispatch(func, args, kwargs)
+        out = self._dispatch(func, args, kwargs)
+        self.rows.remember(func, args, out)
+        return out
 
     def _decomposes_recurrent(self, args: tuple, kwargs: dict) -> bool:
         """Whether a recurrent op runs decomposed (always: ``vmap`` cannot batch the fused op)."""
         return True
+
+    def _is_parameter(self, value: Any) -> bool:
+        return self.leaf_of is not None and self.leaf_of(value) is not None
 
     def _dispatch(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """Run a call that is neither decomposed nor refused: tapped ops go to :meth:`_tapped`."""

@@ -17,7 +17,10 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class OpSignature:
-    """Positional argument names of a tapped op, with defaults and its family."""
+    """Positional argument names of a tapped op, with defaults and its family.
+
+    ``transposed``: a transposed convolution, or a linear weight stored ``[in, out]``.
+    """
 
     family: str
     names: tuple[str, ...]
@@ -45,6 +48,107 @@ class OpSignature:
         return bound
 
 
+def linear_in_out(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``input @ weight + bias``: a linear layer whose weight is stored ``[in, out]``.
+
+    Hugging Face's ``Conv1D`` (GPT-2) computes ``torch.addmm(b, x.view(-1, d), W)`` on the
+    rows of ``x``; packfunc's modes run such calls as this op on ``x`` itself, whose
+    leading dim is the sample, with the same arithmetic (one ``addmm``).
+
+    Args:
+        input: ``[N, ..., in]``.
+        weight: ``[in, out]``.
+        bias: ``[out]`` or ``None``.
+
+    Returns:
+        ``[N, ..., out]``.
+
+    Example:
+        >>> linear_in_out(torch.ones(2, 3, 4), torch.ones(4, 5), torch.zeros(5)).shape
+        torch.Size([2, 3, 5])
+    """
+    rows = input.reshape(-1, input.shape[-1])
+    out = rows @ weight if bias is None else torch.addmm(bias, rows, weight)
+    return out.view(*input.shape[:-1], weight.shape[-1])
+
+
+_RESHAPES = frozenset(
+    {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten}
+)
+"""Calls that may lay the rows of a tensor out flat (``x.view(-1, d)``)."""
+
+
+class FlatRows:
+    """Recognizes a linear layer applied to the rows of ``x [N, ..., d]`` laid out flat.
+
+    Hugging Face's ``Conv1D`` computes ``torch.addmm(b, x.view(-1, d), W)``: a mode
+    remembers each reshape's output that lays out the rows of ``x`` (``[N·…, d]``: each
+    sample's rows together, in order), and such an ``addmm`` is then
+    :func:`linear_in_out` of ``x``.
+
+    Example:
+        >>> rows, x = FlatRows(), torch.ones(2, 3, 4)
+        >>> flat = x.view(-1, 4)
+        >>> rows.remember(torch.Tensor.view, (x, -1, 4), flat)
+        >>> w, b = torch.ones(4, 5), torch.zeros(5)
+        >>> rows.linear_layer(torch.addmm, (b, flat, w), {}, lambda v: v is w)[0] is x
+        True
+    """
+
+    def __init__(self) -> None:
+        self.of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def remember(self, func: Callable, args: tuple, out: Any) -> None:
+        """Note ``out`` if a reshape made it of the rows of its input ``x`` (``x.dim() > 2``).
+
+        Args:
+            func: The function called.
+            args: Its positional arguments (``x`` first).
+            out: Its output.
+        """
+        if func not in _RESHAPES or not args:
+            return
+        x = args[0]
+        if not (isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor) and x.dim() > 2):
+            return
+        if out.shape == (x.shape[:-1].numel(), x.shape[-1]):
+            self.of[id(out)] = (out, x)
+
+    def linear_layer(
+        self, func: Callable, args: tuple, kwargs: dict, is_parameter: Callable[[Any], bool]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(x, weight, bias)`` of ``torch.addmm(bias, rows, weight)`` on flat rows of ``x``.
+
+        Args:
+            func: The function called.
+            args: Its positional arguments.
+            kwargs: Its keyword arguments.
+            is_parameter: Whether a value is a parameter.
+
+        Returns:
+            The layer's arguments for :func:`linear_in_out`, or ``None``: not ``addmm``,
+            not on remembered rows, not a plain product (``beta = alpha = 1``), no
+            parameter as weight or bias, or not a vector bias.
+        """
+        if func is not torch.addmm:
+            return None
+        bound = dict(zip(("input", "mat1", "mat2", "beta", "alpha"), args)) | kwargs
+        rows, weight, bias = bound.get("mat1"), bound.get("mat2"), bound.get("input")
+        found = self.of.get(id(rows)) if isinstance(rows, torch.Tensor) else None
+        if found is None or found[0] is not rows:
+            return None
+        if bound.get("beta", 1) != 1 or bound.get("alpha", 1) != 1:
+            return None
+        if not (is_parameter(weight) or is_parameter(bias)):
+            return None
+        if not (isinstance(bias, torch.Tensor) and bias.dim() == 1):
+            return None
+        assert isinstance(weight, torch.Tensor)
+        return found[1], weight, bias
+
+
 _CONV = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _CONV_T = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
 _EMBEDDING = (
@@ -59,6 +163,7 @@ _EMBEDDING = (
 
 SIGNATURES: dict[Callable, OpSignature] = {
     F.linear: OpSignature("linear", ("input", "weight", "bias"), (None,)),
+    linear_in_out: OpSignature("linear", ("input", "weight", "bias"), (None,), transposed=True),
     **{
         conv: OpSignature("conv", _CONV, (None, 1, 0, 1, 1))
         for conv in (torch.conv1d, torch.conv2d, torch.conv3d)
@@ -83,7 +188,8 @@ class TapCall:
         family: ``"linear"``, ``"conv"`` or ``"embedding"``.
         leaves: Leaf index per role (``"weight"``, ``"bias"``) that is a parameter.
         options: The op's remaining arguments (stride, padding, ...), by name.
-        transposed: Whether a convolution is transposed.
+        transposed: Whether a convolution is transposed, or a linear weight is stored
+            ``[in, out]`` (:func:`linear_in_out`).
     """
 
     family: str

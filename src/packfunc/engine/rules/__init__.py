@@ -6,7 +6,7 @@ from packfunc.engine.ops import TapCall
 from packfunc.engine.rules.base import Rule
 from packfunc.engine.rules.conv import ConvWeight
 from packfunc.engine.rules.embedding import EmbeddingWeight
-from packfunc.engine.rules.linear import Bias, LinearWeight
+from packfunc.engine.rules.linear import Bias, LinearWeight, LinearWeightInOut
 from packfunc.engine.rules.local import LOCAL
 from packfunc.engine.rules.norm import NORM_RULES
 
@@ -20,6 +20,9 @@ RULES: dict[tuple[str, str], Rule] = {
 }
 """The rule for each (family, role) of :data:`packfunc.engine.ops.SIGNATURES`, and the local
 rule (family and role ``"local"``) of every other op that consumes a parameter."""
+
+LINEAR_WEIGHT_IN_OUT = LinearWeightInOut()
+"""The weight rule of :func:`~packfunc.engine.ops.linear_in_out` (``[in, out]`` layout)."""
 
 
 def rule_for(call: TapCall, role: str) -> Rule:
@@ -38,6 +41,8 @@ def rule_for(call: TapCall, role: str) -> Rule:
     """
     if call.family == "local":
         return NORM_RULES.get(call.option("func"), LOCAL)
+    if call.family == "linear" and call.transposed and role == "weight":
+        return LINEAR_WEIGHT_IN_OUT
     return RULES[(call.family, role)]
 
 

@@ -193,3 +193,19 @@ class Rule:
     def input_factor(self, x: Tensor, approx: str) -> Tensor:
         """Kronecker factor from the op's (canonical) input, ``[I, I]``."""
         raise NotImplementedError
+
+    def kronecker_order(self, output: Tensor, input: Tensor) -> list[Tensor]:
+        """The two factors in the order of the parameter's layout (``[out, in]``: output first).
+
+        Args:
+            output: The output-side factor.
+            input: The input-side factor.
+
+        Returns:
+            ``[output, input]``; rules of parameters stored ``[in, out]`` reverse it.
+
+        Example:
+            >>> Rule().kronecker_order("A", "B")
+            ['A', 'B']
+        """
+        return [output, input]

@@ -22,6 +22,33 @@ class LinearWeight(ProductWeight):
         return u, g.reshape(columns, n, 1, -1, g.shape[-1]).transpose(-1, -2)
 
 
+class LinearWeightInOut(LinearWeight):
+    """A linear weight stored ``[in, out]`` (:func:`~packfunc.engine.ops.linear_in_out`).
+
+    Its gradient ``Σ_l u_l v_lᵀ`` is the ``[out, in]`` one transposed: the canonical pair
+    is the linear one with input and cotangent swapped, so every closed form gives the
+    ``[in, out]`` layout. Kronecker factors are read from the unswapped pair and come in
+    the parameter's order: ``[in×in, out×out]``.
+    """
+
+    def canonical(
+        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The linear canonical pair, swapped: ``([K, N, 1, out, L], [1, N, 1, in, L])``."""
+        u, v = super().canonical(x, g, call, param)
+        return v, u
+
+    def kronecker_layout(
+        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+    ) -> tuple[Tensor, Tensor] | None:
+        """The unswapped pair: factors are of the input and the output as for ``F.linear``."""
+        return super().canonical(x, g, call, param)
+
+    def kronecker_order(self, output: Tensor, input: Tensor) -> list[Tensor]:
+        """``[input, output]``: the order of the weight's ``[in, out]`` layout."""
+        return [input, output]
+
+
 class Bias(Rule):
     """Bias of a linear or convolution op; canonical ``g``: column gradients ``[K, N, C]``."""
 

@@ -1,0 +1,123 @@
+"""Hugging Face models on packfunc's fast paths: GPT-2's ``Conv1D``, shared position ids.
+
+``Conv1D`` computes ``torch.addmm(b, x.view(-1, d), W)`` with ``W`` stored ``[in, out]``:
+packfunc runs it as a linear layer on ``x``. Every quantity must equal that of a copy
+whose ``Conv1D``s are ``nn.Linear``s (weights transposed); Kronecker factors come in
+the weight's own order, ``[in×in, out×out]``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import packfunc as pf
+from tests.cases import HUGGING_FACE, assert_trees_close, autograd_batch_grad, hugging_face_inputs
+
+transformers = pytest.importorskip("transformers")
+Conv1D = transformers.pytorch_utils.Conv1D
+
+
+class Blocks(nn.Module):
+    """Two token-wise layers and a pooled head; ``layer(in, out)`` builds each layer."""
+
+    def __init__(self, layer) -> None:
+        super().__init__()
+        self.first, self.second = layer(4, 6), layer(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.second(torch.tanh(self.first(x))).mean(1)
+
+
+def _conv1d_and_linear() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    conv = Blocks(lambda i, o: Conv1D(o, i)).double()
+    linear = Blocks(nn.Linear).double()
+    with torch.no_grad():
+        for name, p in linear.named_parameters():
+            p.copy_(
+                conv.get_parameter(name).T if name.endswith("weight") else conv.get_parameter(name)
+            )
+    return conv, linear
+
+
+def _transposed(tree: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Linear weights ``[..., out, in]`` in Conv1D's ``[..., in, out]`` layout."""
+    return {k: v.transpose(-1, -2) if k.endswith("weight") else v for k, v in tree.items()}
+
+
+QUANTITIES = {
+    "batch_grad": True,
+    "batch_l2_grad": False,
+    "sum_grad_squared": True,
+    "variance": True,
+    "diag_ggn": True,
+    "batch_diag_ggn": True,
+    "diag_hessian": True,
+    "batch_diag_hessian": True,
+}
+"""Quantity -> whether its weights come in the parameter's layout (else per-sample scalars)."""
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("quantity", list(QUANTITIES))
+def test_conv1d_equals_linear(quantity, reduction):
+    conv, linear = _conv1d_and_linear()
+    X, y = torch.randn(5, 7, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    loss = nn.CrossEntropyLoss(reduction=reduction)
+    conv_fn, conv_params = pf.functional(conv)
+    linear_fn, linear_params = pf.functional(linear)
+    assert set(pf.explain(conv_fn, conv_params, X).values()) == {"closed form (x @ W + b (addmm))"}
+    found = getattr(pf, quantity)(conv_fn, conv_params, X, y, loss=loss)
+    expected = getattr(pf, quantity)(linear_fn, linear_params, X, y, loss=loss)
+    assert_trees_close(found, _transposed(expected) if QUANTITIES[quantity] else expected, quantity)
+
+
+@pytest.mark.parametrize("function", ["kfac", "kflr", "ekfac"])
+def test_conv1d_kronecker_factors_are_linear_ones_in_the_weights_order(function):
+    conv, linear = _conv1d_and_linear()
+    X, y = torch.randn(5, 7, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+    def factors(model: nn.Module):
+        model_fn, params = pf.functional(model)
+        seeded = {} if function == "kflr" else {"generator": torch.Generator().manual_seed(0)}
+        return getattr(pf, function)(model_fn, params, X, y, **seeded)
+
+    found, expected = factors(conv), factors(linear)
+    if function == "ekfac":  # eigenvalues in each weight's layout; same bases
+        for name in found:
+            values = expected[name].eigenvalues
+            flip = name.endswith("weight")
+            assert_trees_close(found[name].eigenvalues, values.T if flip else values, name)
+        return
+    for name in found:
+        reordered = expected[name][::-1] if name.endswith("weight") else expected[name]
+        assert_trees_close(list(found[name]), list(reordered), name)
+
+
+def test_conv1d_kronecker_preconditioning_is_the_linear_one_transposed():
+    conv, linear = _conv1d_and_linear()
+    X, y = torch.randn(5, 7, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+    def preconditioned(model: nn.Module) -> dict[str, Tensor]:
+        model_fn, params = pf.functional(model)
+        grads = pf.compute(model_fn, params, X, y, quantities="grad")["grad"]
+        return pf.kron.matvec(pf.kron.inverse(pf.kflr(model_fn, params, X, y), 0.1), grads)
+
+    assert_trees_close(preconditioned(conv), _transposed(preconditioned(linear)))
+
+
+@pytest.mark.parametrize("name", list(HUGGING_FACE))
+def test_every_parameter_of_hugging_face_models_is_on_a_fast_path(name):
+    torch.manual_seed(0)
+    model = HUGGING_FACE[name](0.0).double().eval()
+    X = hugging_face_inputs(name, 3)
+    X = X.double() if X.is_floating_point() else X
+    model_fn, params = pf.functional(model)
+    paths = pf.explain(model_fn, params, X)
+    assert not [k for k, path in paths.items() if path.startswith("whole model")], paths
+    with torch.no_grad():
+        y = torch.randint(0, model(X).shape[1], (3,))
+    expected = autograd_batch_grad(model, nn.CrossEntropyLoss(), X, y)
+    assert_trees_close(pf.batch_grad(model_fn, params, X, y), expected, name)
