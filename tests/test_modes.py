@@ -1,19 +1,26 @@
-"""How people call models: under ``no_grad``/``inference_mode``, compiled, refused.
+"""How people call models: under ``no_grad``/``inference_mode``, compiled, checkpointed.
 
 Every public function works inside ``torch.no_grad()`` and ``torch.inference_mode()``
 (packfunc enables what it needs internally) with the values it has outside them; a
-model compiled with ``torch.compile`` runs as its original module; a refusal leaves the
-model's buffers as they were.
+model compiled with ``torch.compile`` runs as its original module; activation
+checkpointing (both variants) gives the values without it; a refusal leaves the model's
+buffers as they were.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
+import torch.utils.checkpoint as checkpoint_module
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import packfunc as pf
-from tests.cases import assert_trees_close
+from packfunc.compat import backpack, extend
+from packfunc.compat.extensions import BatchGrad, DiagGGNExact
+from tests.cases import HUGGING_FACE, assert_trees_close, hugging_face_inputs
 
 CALLS = {
     "batch_grad": lambda fn, p, X, y: pf.batch_grad(fn, p, X, y),
@@ -88,3 +95,112 @@ def test_a_refusal_leaves_the_buffers_alone(call):
         else:
             getattr(pf, call)(model_fn, params, X, y)
     assert_trees_close(dict(model.state_dict()), before)
+
+
+class Checkpointed(nn.Module):
+    """The MLP of these tests with its first layer under activation checkpointing."""
+
+    def __init__(self, reentrant: bool | None):
+        super().__init__()
+        self.first, self.second = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def block(t: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.first(t))
+
+        if self.reentrant is None:  # no checkpointing: the reference
+            return self.second(block(x))
+        return self.second(checkpoint(block, x, use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("call", [c for c in CALLS if c != "explain"])
+def test_activation_checkpointing_gives_the_values_without_it(reentrant, call):
+    torch.manual_seed(0)
+    model, reference = Checkpointed(reentrant), Checkpointed(None)
+    reference.load_state_dict(model.state_dict())
+    X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    found = CALLS[call](*pf.functional(model), X, y)
+    assert_trees_close(found, CALLS[call](*pf.functional(reference), X, y), call)
+    assert checkpoint_module.CheckpointFunction.__name__ == "CheckpointFunction"  # restored
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_in_the_shim(reentrant):
+    torch.manual_seed(0)
+    model, reference = Checkpointed(reentrant), Checkpointed(None)
+    reference.load_state_dict(model.state_dict())
+    X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    with backpack(BatchGrad(), DiagGGNExact()):
+        extend(nn.CrossEntropyLoss())(extend(model)(X), y).backward()
+    model_fn, params = pf.functional(reference)
+    expected = pf.compute(model_fn, params, X, y, quantities=("batch_grad", "diag_ggn"))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, expected["batch_grad"][name])
+        torch.testing.assert_close(p.diag_ggn_exact, expected["diag_ggn"][name])
+
+
+def test_hugging_face_gradient_checkpointing_gives_the_values_without_it():
+    torch.manual_seed(0)
+    model = HUGGING_FACE["gpt2"](0.0).double().train()
+    X, y = hugging_face_inputs("gpt2", 3), torch.randint(0, 20, (3,))
+    model_fn, params = pf.functional(model)
+    expected = pf.compute(model_fn, params, X, y, quantities=("batch_grad", "diag_ggn"))
+    model.model.gradient_checkpointing_enable()
+    found = pf.compute(model_fn, params, X, y, quantities=("batch_grad", "diag_ggn"))
+    assert_trees_close(found, expected)
+    with backpack(BatchGrad()):
+        extend(nn.CrossEntropyLoss())(extend(model)(X), y).backward()
+    assert_trees_close(
+        {k: p.grad_batch for k, p in model.named_parameters()}, expected["batch_grad"]
+    )
+
+
+def _quantity(name: str, fn, p, X, y):
+    return pf.compute(fn, p, X, y, quantities=name)[name]
+
+
+def _seeded() -> dict:
+    return {"generator": torch.Generator().manual_seed(0)}
+
+
+AUTOCAST_CALLS = {
+    **{name: partial(_quantity, name) for name in pf.QUANTITIES},
+    "mc_diag_ggn": lambda fn, p, X, y: pf.diag_ggn(fn, p, X, y, mc_samples=2, **_seeded()),
+    "kfac": lambda fn, p, X, y: pf.kfac(fn, p, X, y, on_unsupported="skip", **_seeded()),
+    "kflr": lambda fn, p, X, y: pf.kflr(fn, p, X, y, on_unsupported="skip"),
+    "ekfac": lambda fn, p, X, y: {
+        k: e.eigenvalues
+        for k, e in pf.ekfac(fn, p, X, y, on_unsupported="skip", **_seeded()).items()
+        if e is not None
+    },
+    "ggn_vector_product": lambda fn, p, X, y: pf.ggn_vector_product(
+        fn, p, X, y, {k: torch.ones_like(t) for k, t in p.items()}
+    ),
+    "hessian_vector_product": lambda fn, p, X, y: pf.hessian_vector_product(
+        fn, p, X, y, {k: torch.ones_like(t) for k, t in p.items()}
+    ),
+}
+AUTOCAST_TOLERANCE = 3e-2
+"""bfloat16 autocast against float32: the largest leaf error relative to the largest leaf."""
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "vit"])
+@pytest.mark.parametrize("call", list(AUTOCAST_CALLS))
+def test_quantities_under_autocast_are_float32_and_close_to_float32(name, call):
+    torch.manual_seed(0)
+    model = HUGGING_FACE[name](0.0).eval()
+    X = hugging_face_inputs(name, 4)
+    model_fn, params = pf.functional(model)
+    with torch.no_grad():
+        y = torch.randint(0, model(X).shape[1], (4,))
+    expected = AUTOCAST_CALLS[call](model_fn, params, X, y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        found = AUTOCAST_CALLS[call](model_fn, params, X, y)
+    found_leaves = [t for t in torch.utils._pytree.tree_leaves(found) if t is not None]
+    expected_leaves = [t for t in torch.utils._pytree.tree_leaves(expected) if t is not None]
+    assert all(t.dtype == torch.float32 for t in found_leaves)
+    scale = max(t.norm() for t in expected_leaves)
+    error = max((a - b).norm() for a, b in zip(found_leaves, expected_leaves))
+    assert error <= AUTOCAST_TOLERANCE * scale, (float(error), float(scale))

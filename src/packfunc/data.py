@@ -46,7 +46,7 @@ from packfunc.distributed import (
     sum_over_ranks,
     world_size,
 )
-from packfunc.functional import normal_tensors, outside_inference_mode
+from packfunc.functional import normal_tensors, public_entry
 from packfunc.losses import check_loss, default_loss, mean_normalizer
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -133,7 +133,7 @@ def over_data(quantity: str, required: tuple[str, ...] = ()) -> Callable[[F], F]
 
     def decorate(function: F) -> F:
         @functools.wraps(function)
-        @outside_inference_mode
+        @public_entry
         def wrapper(
             model_fn: Callable,
             params: Any,

@@ -12,7 +12,7 @@ from torch import nn
 from packfunc.engine.ekfac import fitted_eigenvalues
 from packfunc.engine.kronecker import APPROXIMATIONS, sqrt_factors
 from packfunc.engine.persample import BatchPass, ColumnGradients
-from packfunc.functional import outside_inference_mode
+from packfunc.functional import public_entry
 from packfunc.kron import Eigen, batched_eigh
 from packfunc.losses import default_loss
 from packfunc.types import (
@@ -29,7 +29,7 @@ from packfunc.types import (
 @shares_arguments(
     "model_fn", "params", "X", "y", "loss", "generator", "kfac_approx", "on_unsupported"
 )
-@outside_inference_mode
+@public_entry
 def ekfac(
     model_fn: ModelFn,
     params: Params,

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import vmap
 
-from packfunc.functional import outside_inference_mode
+from packfunc.functional import public_entry
 from packfunc.products import ggn_vector_product, hessian_vector_product
 from packfunc.types import Inputs, ModelFn, Params, shares_arguments
 
@@ -45,7 +45,7 @@ _PRODUCTS: dict[str, Callable[..., Any]] = {
 
 
 @shares_arguments("model_fn", "params", "X", "y", "loss")
-@outside_inference_mode
+@public_entry
 def hutchinson_trace(
     model_fn: ModelFn,
     params: Params,
@@ -85,7 +85,7 @@ def hutchinson_trace(
 
 
 @shares_arguments("model_fn", "params", "X", "y", "loss")
-@outside_inference_mode
+@public_entry
 def hutchinson_diagonal(
     model_fn: ModelFn,
     params: Params,
@@ -124,7 +124,7 @@ def hutchinson_diagonal(
 
 
 @shares_arguments("model_fn", "params", "X", "y", "loss")
-@outside_inference_mode
+@public_entry
 def hutchpp_trace(
     model_fn: ModelFn,
     params: Params,

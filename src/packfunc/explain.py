@@ -15,7 +15,7 @@ from packfunc.functional import (
     batch_size,
     check_model_arguments,
     flatten_params,
-    outside_inference_mode,
+    public_entry,
     select_samples,
 )
 from packfunc.types import Inputs, ModelFn, Params, shares_arguments
@@ -28,7 +28,7 @@ _FAMILIES = {
 
 
 @shares_arguments("model_fn", "params", "X")
-@outside_inference_mode
+@public_entry
 def explain(model_fn: ModelFn, params: Params, X: Inputs) -> Params:
     """Say, per parameter, how packfunc differentiates it per sample.
 

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from packfunc.engine.precision import forward_precision_only
 from packfunc.types import ModelFn
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -128,13 +129,15 @@ def uncompiled(module: nn.Module) -> nn.Module:
     return module
 
 
-def outside_inference_mode(function: F) -> F:
-    """Let a public function run under ``torch.inference_mode()`` (and ``torch.no_grad()``).
+def public_entry(function: F) -> F:
+    """Let a public function run inside ``torch.inference_mode()`` and ``torch.autocast``.
 
     packfunc differentiates internally, which inference mode forbids: the call runs
     with inference mode off, on normal copies of any inference tensors it was given
-    (tensors made inside ``torch.inference_mode()``). Gradient mode is handled by the
-    functions themselves.
+    (tensors made inside ``torch.inference_mode()``). Under ``torch.autocast`` only the
+    model's forward passes autocast; statistics are formed in the parameters' dtype
+    (see :mod:`packfunc.engine.precision`). Gradient mode is handled by the functions
+    themselves.
 
     Args:
         function: A public function.
@@ -143,19 +146,20 @@ def outside_inference_mode(function: F) -> F:
         The same function, callable inside ``torch.inference_mode()``.
 
     Example:
-        >>> double = outside_inference_mode(lambda x: torch.func.grad(lambda t: t.square())(x))
+        >>> double = public_entry(lambda x: torch.func.grad(lambda t: t.square())(x))
         >>> with torch.inference_mode():
         ...     double(torch.tensor(3.0))
         tensor(6.)
     """
+    precise = forward_precision_only(function)
 
     @functools.wraps(function)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_inference_mode_enabled():
-            return function(*args, **kwargs)
+            return precise(*args, **kwargs)
         with torch.inference_mode(False):
             args, kwargs = normal_tensors((args, kwargs))
-            return function(*args, **kwargs)
+            return precise(*args, **kwargs)
 
     return run  # type: ignore[return-value]
 

@@ -26,6 +26,7 @@ from packfunc.engine.autodiff import jvp, vjp
 from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.engine.pch import loss_hessian_product, pch_block_product
 from packfunc.engine.persample import BatchPass
+from packfunc.engine.precision import full_precision, to_dtype_of
 from packfunc.engine.randomness import random_model_error
 from packfunc.functional import check_model_arguments, flatten_params
 from packfunc.losses import check_loss, check_loss_inputs, default_loss, hessian_factors
@@ -263,8 +264,9 @@ def _model(model_fn: Callable, X: Any, params: Any, replaced: list[int]) -> Call
             current = list(leaves)
             current[replaced[0]] = chosen
             current = optree.tree_unflatten(treespec, current)
-        with functional_mode(batch_statistics=True):  # the products are of the whole batch
-            return model_fn(current, X)
+        # the products are of the whole batch, in full precision (see engine/precision.py)
+        with full_precision(), functional_mode(batch_statistics=True):
+            return to_dtype_of(model_fn(current, X), leaves[0])  # see engine/precision.py
 
     return forward
 

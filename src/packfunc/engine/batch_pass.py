@@ -29,6 +29,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.func import vmap
 
 from packfunc.engine.autodiff import vjp, vjp_with_aux
+from packfunc.engine.checkpointing import plain_checkpoints
 from packfunc.engine.discovery import Plan, Recorded, Use
 from packfunc.engine.local import CallArguments, Derivation, LocalInputs, Source
 from packfunc.engine.memory import is_plain
@@ -40,6 +41,7 @@ from packfunc.engine.modes import (
     leaves_of,
 )
 from packfunc.engine.ops import SIGNATURES, tapped_leaves
+from packfunc.engine.precision import forward_autocast, to_dtype_of
 from packfunc.losses import check_loss_inputs
 
 
@@ -261,7 +263,7 @@ def probed_forward(
         mode.finish()
         if failed is not None:
             failed.update(mode.failed)
-        return output, mode.inputs
+        return _in_parameter_dtype(output, leaves), mode.inputs
 
     return forward
 
@@ -413,6 +415,14 @@ def _watching(recorder: _RecordMode) -> Iterator[None]:
         stack.pop()
 
 
+def _in_parameter_dtype(output: Tensor, leaves: list[Tensor]) -> Tensor:
+    """The model output in the parameters' dtype (see ``engine/precision.py``).
+
+    A forward under autocast gives bfloat16; the loss and its curvature are formed in float32.
+    """
+    return to_dtype_of(output, leaves[0]) if leaves and isinstance(output, Tensor) else output
+
+
 def _record_with_autograd(
     model_fn: Callable,
     params: Any,
@@ -440,6 +450,7 @@ def _record_with_autograd(
             mode.finish()
         else:
             mode, output = watched
+        output = _in_parameter_dtype(output, leaves)
         check_loss_inputs(loss, output, y, n)
         if not output.requires_grad:  # no tapped call upstream
             output.requires_grad_()
@@ -467,7 +478,7 @@ def _watched_forward(
     alias_of = {id(leaf): alias for leaf, alias in zip(leaves, aliases)}
     mode = _RecordMode(LeafIndex(aliases), plan, probes, mark=True)
     try:
-        with _watching(mode):
+        with _watching(mode), plain_checkpoints(), forward_autocast():
             output = model_fn(optree.tree_map(lambda t: alias_of[id(t)], params), X)
         mode.finish()
     except PlanMismatch:  # e.g. a model that reaches its parameters not through params

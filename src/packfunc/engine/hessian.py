@@ -46,6 +46,7 @@ from packfunc.engine.memory import DEFAULT_BUDGET, chunks, index_length
 from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.engine.persample import BatchPass
 from packfunc.engine.piecewise import piecewise_affine_leaves
+from packfunc.engine.precision import full_precision, to_dtype_of
 from packfunc.engine.statistics import ggn_statistics
 from packfunc.engine.vocabulary import Statistic
 from packfunc.functional import select_samples
@@ -71,7 +72,7 @@ def diagonals(bp: BatchPass, stats: set[Statistic], index: slice | Tensor) -> li
         >>> diagonals(bp, {Statistic.DIAGONAL}, slice(0, 4))[1][Statistic.DIAGONAL].shape
         torch.Size([2, 3])
     """
-    with twice_differentiable():
+    with twice_differentiable(), full_precision():  # re-runs: see engine/precision.py
         return _diagonals(bp, stats, index)
 
 
@@ -231,8 +232,8 @@ def _with_leaves(bp: BatchPass, wanted: list[int], chosen: list[Tensor], X: Any)
     current = list(bp.leaves)
     for i, leaf in zip(wanted, chosen):
         current[i] = leaf
-    with functional_mode():
-        return bp.model_fn(optree.tree_unflatten(bp.treespec, current), X)
+    with functional_mode():  # the output in the parameters' dtype (see ``precision``)
+        return to_dtype_of(bp.model_fn(optree.tree_unflatten(bp.treespec, current), X), chosen[0])
 
 
 def _tangents_at_once(bp: BatchPass, samples: int | None = None) -> int:

@@ -24,6 +24,7 @@ from packfunc.engine.memory import chunk_length, chunks
 from packfunc.engine.ops import TapCall
 from packfunc.engine.pch import summed_residual_curvature
 from packfunc.engine.persample import BatchPass, ColumnGradients, Term
+from packfunc.engine.precision import to_dtype_of
 from packfunc.engine.rules import rule_for
 from packfunc.losses import HessianFactors, hessian_factors
 
@@ -151,7 +152,10 @@ def _raw_layout(bp: BatchPass, leaf: int, term: Term, pulled: dict[int, Tensor])
     sites = [k for k in bp.record.inputs if any(j == leaf for _, j in bp.plan.sites[k].call.leaves)]
     layouts = [
         term.rule.kronecker_layout(
-            cast(Tensor, bp.record.inputs[k]), pulled[k], bp.plan.sites[k].call, bp.leaves[leaf]
+            to_dtype_of(cast(Tensor, bp.record.inputs[k]), bp.leaves[leaf]),
+            to_dtype_of(pulled[k], bp.leaves[leaf]),
+            bp.plan.sites[k].call,
+            bp.leaves[leaf],
         )
         for k in sites
     ]

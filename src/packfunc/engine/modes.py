@@ -24,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from packfunc.engine.attention import ATTENTION_OPS, run_attention, supports_attention
+from packfunc.engine.checkpointing import plain_checkpoints
 from packfunc.engine.local import (
     CallArguments,
     Derivation,
@@ -32,6 +33,7 @@ from packfunc.engine.local import (
     derive,
 )
 from packfunc.engine.ops import ROLES, SIGNATURES, FlatRows, OpSignature, linear_in_out
+from packfunc.engine.precision import forward_autocast
 from packfunc.engine.recurrent import RECURRENT_OPS, run_recurrent
 
 _METADATA_METHODS = frozenset(
@@ -156,6 +158,7 @@ class FunctionalMode(TorchFunctionMode):
         super().__init__()
         self.batch_statistics = batch_statistics
         self.rows = FlatRows()
+        self._entered: list[contextlib.ExitStack] = []
 
     def __torch_function__(
         self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
@@ -181,6 +184,21 @@ class FunctionalMode(TorchFunctionMode):
         out = self._dispatch(func, args, kwargs)
         self.rows.remember(func, args, out)
         return out
+
+    def __enter__(self) -> FunctionalMode:
+        """Enter the mode, with checkpoints plain and the caller's autocast on.
+
+        See :mod:`packfunc.engine.checkpointing` and :mod:`packfunc.engine.precision`.
+        """
+        entered = contextlib.ExitStack()
+        entered.enter_context(plain_checkpoints())
+        entered.enter_context(forward_autocast())
+        self._entered.append(entered)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._entered.pop().__exit__(*exc)
 
     def _decomposes_recurrent(self, args: tuple, kwargs: dict) -> bool:
         """Whether a recurrent op runs decomposed (always: ``vmap`` cannot batch the fused op)."""

@@ -23,6 +23,7 @@ from packfunc.engine.batch_pass import BatchRecord, PlanMismatch, record
 from packfunc.engine.discovery import Plan, cached_discover, forget_plan
 from packfunc.engine.memory import chunk_length, index_length, is_plain, new_output, split_index
 from packfunc.engine.ops import TapCall
+from packfunc.engine.precision import to_dtype_of
 from packfunc.engine.randomness import refuse_rerun
 from packfunc.engine.rules import Rule, rule_for
 from packfunc.engine.rules.base import Route
@@ -232,8 +233,13 @@ class ColumnGradients:
             call = self.bp.plan.sites[k].call
             for role, leaf in call.leaves:
                 if leaf not in self.bp.whole_model:
+                    # statistics in the parameter's dtype (recorded in bfloat16 under autocast)
+                    param = self.bp.leaves[leaf]
+                    if isinstance(x, Tensor):
+                        x = to_dtype_of(x, param)
                     # a local site's rule receives the recorded call (LocalInputs) as its input
-                    term = Term(rule_for(call, role), cast(Tensor, x), sites[k], call)
+                    g = to_dtype_of(sites[k], param)
+                    term = Term(rule_for(call, role), cast(Tensor, x), g, call)
                     by_leaf.setdefault(leaf, []).append(term)
         return by_leaf
 

@@ -19,6 +19,7 @@ from torch.func import vmap
 
 from packfunc.engine.autodiff import vjp
 from packfunc.engine.modes import functional_mode, twice_differentiable
+from packfunc.engine.precision import to_dtype_of
 from packfunc.functional import select_samples
 
 
@@ -60,8 +61,9 @@ def column_grads(
             for i, leaf in zip(wanted, chosen):
                 current[i] = leaf
             x_batch = optree.tree_map(lambda t: t.unsqueeze(0), x)
-            with functional_mode():
-                return model_fn(optree.tree_unflatten(treespec, current), x_batch)
+            with functional_mode():  # the output in the parameters' dtype (``precision``)
+                output = model_fn(optree.tree_unflatten(treespec, current), x_batch)
+            return to_dtype_of(output, chosen[0])
 
         _, pullback = vjp(forward, [leaves[i] for i in wanted])
         return vmap(lambda c: pullback(c.unsqueeze(0))[0])(columns)

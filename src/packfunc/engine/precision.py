@@ -1,0 +1,134 @@
+"""Mixed precision: the forward under the caller's ``torch.autocast``, statistics in full precision.
+
+A public function called inside ``torch.autocast`` runs with autocast off
+(:func:`forward_precision_only`); only the model's forward passes — every one runs in a
+:class:`~packfunc.engine.modes.FunctionalMode` or the watched batch pass, which enter
+:func:`forward_autocast` — run under the caller's autocast again, so activations and
+output cotangents have the low-precision dtypes of mixed-precision training. The
+recorded inputs and cotangents are then brought to the parameters' dtype
+(:func:`to_dtype_of`) before any statistic is formed: sums over samples, squares and
+Kronecker factors accumulate in float32 and come back in the parameters' dtype.
+Second derivatives through the model re-run it in full precision (:func:`full_precision`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_DEVICE_TYPES = ("cpu", "cuda")
+_STATE = threading.local()
+
+
+def _captured() -> list[list[tuple[str, torch.dtype]]]:
+    """The caller's autocast settings, innermost public call first (empty: none)."""
+    stack = getattr(_STATE, "stack", None)
+    if stack is None:
+        stack = _STATE.stack = []
+    return stack
+
+
+def forward_precision_only(function: F) -> F:
+    """Run ``function`` with autocast off, remembering the caller's for the forward passes.
+
+    Args:
+        function: A public function.
+
+    Returns:
+        The same function; inside ``torch.autocast`` only its model forwards autocast.
+
+    Example:
+        >>> @forward_precision_only
+        ... def product(a, b):
+        ...     return (a @ b).dtype
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     product(torch.ones(2, 2), torch.ones(2, 2))
+        torch.float32
+    """
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        settings = [
+            (device, torch.get_autocast_dtype(device))
+            for device in _DEVICE_TYPES
+            if torch.is_autocast_enabled(device)
+        ]
+        if not settings:
+            return function(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for device, _ in settings:
+                stack.enter_context(torch.autocast(device, enabled=False))
+            _captured().append(settings)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                _captured().pop()
+
+    return run  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def forward_autocast() -> Iterator[None]:
+    """Within the block, the autocast of the public call being served (if any) is on again.
+
+    Example:
+        >>> with forward_autocast():
+        ...     torch.is_autocast_enabled("cpu")
+        False
+    """
+    stack = _captured()
+    with contextlib.ExitStack() as entered:
+        for device, dtype in stack[-1] if stack else ():
+            entered.enter_context(torch.autocast(device, dtype=dtype))
+        yield
+
+
+@contextlib.contextmanager
+def full_precision() -> Iterator[None]:
+    """Within the block, model forwards run without the caller's autocast.
+
+    For second derivatives through the model (Hessian diagonals, curvature products):
+    their backward-of-backward cannot mix the dtypes autocast leaves in the graph, so
+    these re-runs are in the parameters' precision.
+
+    Example:
+        >>> with full_precision(), forward_autocast():
+        ...     torch.is_autocast_enabled("cpu")
+        False
+    """
+    stack = _captured()
+    stack.append([])
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def to_dtype_of(tensor: Tensor, reference: Tensor) -> Tensor:
+    """``tensor`` in ``reference``'s floating dtype where it has a lower-precision one.
+
+    Args:
+        tensor: A recorded input or cotangent (bfloat16/float16 under autocast).
+        reference: The parameter (or the tensor whose dtype the result must have).
+
+    Returns:
+        ``tensor`` itself, or a copy in ``reference.dtype``.
+
+    Example:
+        >>> to_dtype_of(torch.ones(2, dtype=torch.bfloat16), torch.ones(1)).dtype
+        torch.float32
+    """
+    if tensor.dtype == reference.dtype or not tensor.is_floating_point():
+        return tensor
+    return tensor.to(reference.dtype)
+
+
+__all__ = ["forward_autocast", "forward_precision_only", "full_precision", "to_dtype_of"]
