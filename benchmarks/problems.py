@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -362,6 +364,79 @@ def resnet_hessian(n: int = 8, width: int = 8, size: int = 8) -> Problem:
     return Problem("ResNet-BN 5k", model, X, y, max_repeats=2)
 
 
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+class HuggingFaceLogits(nn.Module):
+    """A ``transformers`` model's logits as one tensor (the loss input).
+
+    Language models give ``[N, V, T]`` (next-token cross-entropy on every position, as
+    ``LM``); a classifier gets the padding mask of token id 0 and gives ``[N, C]``.
+    """
+
+    def __init__(self, model: nn.Module, masked: bool):
+        super().__init__()
+        self.model, self.masked = model, masked
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The logits of ``x``'s tokens."""
+        if self.masked:
+            return self.model(input_ids=x, attention_mask=(x != 0).long()).logits
+        return self.model(x).logits.transpose(1, 2)
+
+
+def _hf_config(kind: str, width: int, layers: int, vocab: int, length: int) -> Any:
+    """A small ``transformers`` config (random weights: nothing is downloaded)."""
+    import transformers as hf
+
+    if kind == "gpt2":
+        return hf.GPT2Config(
+            vocab_size=vocab,
+            n_embd=width,
+            n_layer=layers,
+            n_head=4,
+            n_positions=length,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    common = {
+        "vocab_size": vocab,
+        "hidden_size": width,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "intermediate_size": 2 * width,
+        "max_position_embeddings": length,
+    }
+    if kind == "llama":
+        return hf.LlamaConfig(**common, num_key_value_heads=2, pad_token_id=0)
+    return hf.BertConfig(
+        **common, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+    )
+
+
+def hugging_face(
+    kind: str, n: int = 16, length: int = 64, width: int = 128, layers: int = 2, vocab: int = 1000
+) -> Problem:
+    """GPT-2 or LLaMA (next-token LM) or BERT (classification, padded) from a small config."""
+    import transformers as hf
+
+    torch.manual_seed(SEED)
+    config = _hf_config(kind, width, layers, vocab, length)
+    classes = {"gpt2": hf.GPT2LMHeadModel, "llama": hf.LlamaForCausalLM}
+    model = classes.get(kind, hf.BertForSequenceClassification)(config).eval()
+    X = torch.randint(1, vocab, (n, length))
+    if kind == "bert":
+        X[::2, length // 2 :] = 0  # every other sequence is padded to half its length
+        y = torch.randint(0, 2, (n,))
+    else:
+        y = torch.randint(0, vocab, (n, length))
+    wrapped = HuggingFaceLogits(model, masked=kind == "bert")
+    name = {"gpt2": "GPT-2", "llama": "LLaMA", "bert": "BERT (mask)"}[kind]
+    kronecker = called_layer_parameters(wrapped, X)
+    return Problem(name, wrapped, X, y, kronecker=kronecker, kfac_approx="expand")
+
+
 PROBLEMS: list[Callable[[], Problem]] = [
     mlp,
     cnn,
@@ -371,5 +446,8 @@ PROBLEMS: list[Callable[[], Problem]] = [
     resnet_bn,
     lstm,
     resnet_hessian,
+    partial(hugging_face, "gpt2"),
+    partial(hugging_face, "llama"),
+    partial(hugging_face, "bert"),
 ]
 """Problem factories, in table order."""

@@ -69,6 +69,9 @@ QUANTITIES = {
     "ResNet-BN": MODERN,
     "LSTM": ["kfac"],
     "ResNet-BN 5k": ["diag_hessian"],
+    "GPT-2": ["grad", "batch_grad", "batch_l2_grad", "diag_ggn_mc"],
+    "LLaMA": ["grad", *MODERN],
+    "BERT (mask)": ["grad", *MODERN],
 }
 """Quantities per problem, in table order; ``grad`` is the plain-backward reference row,
 ``*_mc`` rows, ``kfac`` and ``ekfac`` draw one Monte-Carlo sample (their check compares

@@ -13,7 +13,13 @@ import torch
 from torch import Tensor, nn
 
 import packfunc as pf
-from tests.cases import HUGGING_FACE, assert_trees_close, autograd_batch_grad, hugging_face_inputs
+from tests.cases import (
+    HUGGING_FACE,
+    assert_trees_close,
+    autograd_batch_grad,
+    hugging_face_inputs,
+    moments,
+)
 
 transformers = pytest.importorskip("transformers")
 Conv1D = transformers.pytorch_utils.Conv1D
@@ -121,3 +127,61 @@ def test_every_parameter_of_hugging_face_models_is_on_a_fast_path(name):
         y = torch.randint(0, model(X).shape[1], (3,))
     expected = autograd_batch_grad(model, nn.CrossEntropyLoss(), X, y)
     assert_trees_close(pf.batch_grad(model_fn, params, X, y), expected, name)
+
+
+def _problem(name: str, n: int = 3):
+    torch.manual_seed(0)
+    model = HUGGING_FACE[name](0.0).double().eval()
+    X = hugging_face_inputs(name, n)
+    X = X.double() if X.is_floating_point() else X
+    with torch.no_grad():
+        y = torch.randint(0, model(X).shape[1], (n,))
+    return model, X, y
+
+
+TOLERANCES = {"rtol": 1e-5, "atol": 1e-8}
+"""LLaMA's RMSNorm and T5's layer norm compute in float32 even in a float64 model."""
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", list(HUGGING_FACE))
+def test_first_order_quantities_of_hugging_face_models_match_autograd(name, reduction):
+    model, X, y = _problem(name)
+    loss = nn.CrossEntropyLoss(reduction=reduction)
+    expected = moments(autograd_batch_grad(model, loss, X, y))
+    found = pf.compute(*pf.functional(model), X, y, quantities=list(expected), loss=loss)
+    for quantity, values in expected.items():
+        assert_trees_close(found[quantity], values, f"{name} {quantity}", **TOLERANCES)
+
+
+@pytest.mark.parametrize("name", list(HUGGING_FACE))
+def test_ggn_diagonals_of_hugging_face_models_match_jacobians(name):
+    model, X, y = _problem(name)
+    loss = nn.CrossEntropyLoss()
+    params = dict(model.named_parameters())
+    out = model(X)
+    hessian = torch.func.hessian(lambda f: loss(f, y))(out.detach())
+    expected = {k: torch.zeros(len(X), *p.shape, dtype=p.dtype) for k, p in params.items()}
+    for n in range(len(X)):  # sample n's GGN diagonal from its Jacobian rows
+        rows = [
+            torch.autograd.grad(out[n, c], list(params.values()), retain_graph=True)
+            for c in range(out.shape[1])
+        ]
+        for j, name_j in enumerate(params):
+            jac = torch.stack([row[j] for row in rows])
+            expected[name_j][n] = torch.einsum("cd,c...,d...->...", hessian[n, :, n], jac, jac)
+    found = pf.compute(
+        *pf.functional(model), X, y, quantities=("diag_ggn", "batch_diag_ggn", "sqrt_ggn")
+    )
+    assert_trees_close(found["batch_diag_ggn"], expected, "batch_diag_ggn", **TOLERANCES)
+    summed = {k: v.sum(0) for k, v in expected.items()}
+    assert_trees_close(found["diag_ggn"], summed, "diag_ggn", **TOLERANCES)
+    squares = {k: v.square().sum(0) for k, v in found["sqrt_ggn"].items()}
+    assert_trees_close(squares, expected, "sqrt_ggn", **TOLERANCES)
+
+
+def test_per_sample_runs_of_a_model_that_branches_on_its_mask_are_refused_clearly():
+    model, X, y = _problem("bert")  # Hugging Face's mask code calls .all() on the mask
+    model_fn, params = pf.functional(model)
+    with pytest.raises(ValueError, match=r"per-sample Hessian diagonal.*branches on tensor"):
+        pf.batch_diag_hessian(model_fn, params, X, y)

@@ -204,3 +204,16 @@ def test_quantities_under_autocast_are_float32_and_close_to_float32(name, call):
     scale = max(t.norm() for t in expected_leaves)
     error = max((a - b).norm() for a, b in zip(found_leaves, expected_leaves))
     assert error <= AUTOCAST_TOLERANCE * scale, (float(error), float(scale))
+
+
+def test_a_compiled_step_runs_packfunc_eagerly_around_its_graph():
+    model, X, y = _problem()
+    model_fn, params = pf.functional(model)
+
+    def step(p: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        norms = pf.batch_l2_grad(model_fn, p, X, y)
+        total = torch.stack(list(norms.values())).sum(0)
+        return {k: v - 0.1 * total.mean() for k, v in p.items()}
+
+    torch._dynamo.reset()
+    assert_trees_close(torch.compile(step)(params), step(params))

@@ -136,7 +136,9 @@ def public_entry(function: F) -> F:
     with inference mode off, on normal copies of any inference tensors it was given
     (tensors made inside ``torch.inference_mode()``). Under ``torch.autocast`` only the
     model's forward passes autocast; statistics are formed in the parameters' dtype
-    (see :mod:`packfunc.engine.precision`). Gradient mode is handled by the functions
+    (see :mod:`packfunc.engine.precision`). Inside a function compiled with
+    ``torch.compile``, the call runs eagerly (``torch.compiler.disable``): the compiled
+    code breaks its graph around it. Gradient mode is handled by the functions
     themselves.
 
     Args:
@@ -155,6 +157,8 @@ def public_entry(function: F) -> F:
 
     @functools.wraps(function)
     def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced by torch.compile: run eagerly, around it
+            return torch.compiler.disable(run)(*args, **kwargs)
         if not torch.is_inference_mode_enabled():
             return precise(*args, **kwargs)
         with torch.inference_mode(False):

@@ -71,3 +71,41 @@ def jvp(
         tensor([1., 1.])
     """
     return cast(tuple[Any, Any], torch.func.jvp(func, primals, tangents))
+
+
+def over_samples(func: Callable[..., Any], what: str, **options: Any) -> Callable[..., Any]:
+    """``torch.func.vmap(func, **options)`` over samples, with a clear error for branching.
+
+    A model that branches on tensor values (Hugging Face's mask code calls ``.all()``
+    on the padding mask) cannot be run per sample under ``vmap``; the error then says
+    which path needed it, instead of vmap's generic message.
+
+    Args:
+        func: The per-sample function.
+        what: The path that runs it, for the message (e.g. ``"the whole-model path"``).
+        **options: ``vmap``'s options (``in_dims``, ``randomness``).
+
+    Returns:
+        The vmapped function.
+
+    Example:
+        >>> over_samples(torch.sin, "an example")(torch.zeros(2))
+        tensor([0., 0.])
+    """
+    mapped = torch.func.vmap(func, **options)
+
+    def run(*args: Any) -> Any:
+        try:
+            return mapped(*args)
+        except RuntimeError as error:
+            if "data-dependent control flow" not in str(error):
+                raise
+            raise ValueError(
+                f"{what} runs the model once per sample under torch.func.vmap, and the model "
+                "branches on tensor values (e.g. Hugging Face's mask code calls .all() on "
+                "the padding mask), which vmap cannot follow. Quantities from op-local paths "
+                "work (pf.explain shows them); for this one, pass batches without padding "
+                "(no attention_mask) or compute it one sample at a time."
+            ) from error
+
+    return run

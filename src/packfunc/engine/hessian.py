@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 from torch.func import grad, vmap
 
-from packfunc.engine.autodiff import vjp
+from packfunc.engine.autodiff import over_samples, vjp
 from packfunc.engine.batch_pass import probed_forward, zero_probes
 from packfunc.engine.hessian_recursion import layer_output_curvature
 from packfunc.engine.memory import DEFAULT_BUDGET, chunks, index_length
@@ -220,7 +220,9 @@ def _parameter_curvature(
             return _hvp_diagonal(partial(phi, x, cotangent.unsqueeze(0)), chosen, at_once)
 
         xs = select_samples(bp.X, index)
-        per_sample = vmap(one_sample)(xs, bp.record.output_cotangent[index])
+        per_sample = over_samples(one_sample, "the per-sample Hessian diagonal")(
+            xs, bp.record.output_cotangent[index]
+        )
         for found, d, p in zip(results, per_sample, chosen):
             found[Statistic.DIAGONAL_PER_SAMPLE] = d.view(d.shape[0], *p.shape)
     return results
