@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import packfunc as pf
 from tests.cases import (
@@ -185,3 +186,43 @@ def test_per_sample_runs_of_a_model_that_branches_on_its_mask_are_refused_clearl
     model_fn, params = pf.functional(model)
     with pytest.raises(ValueError, match=r"per-sample Hessian diagonal.*branches on tensor"):
         pf.batch_diag_hessian(model_fn, params, X, y)
+
+
+@pytest.mark.parametrize("name", list(HUGGING_FACE))
+def test_curvature_products_of_hugging_face_models_match_autograd(name):
+    model, X, y = _problem(name)
+    loss = nn.CrossEntropyLoss()
+    params = dict(model.named_parameters())
+    v = {k: torch.randn_like(p) for k, p in params.items()}
+    with sdpa_kernel([SDPBackend.MATH]):  # CPU flash attention has no second derivatives
+        # Hessian-vector product: double backward of the loss
+        value = loss(model(X), y)
+        grads = torch.autograd.grad(value, list(params.values()), create_graph=True)
+        dot = sum((g * v[k]).sum() for g, k in zip(grads, params))
+        hv = dict(zip(params, torch.autograd.grad(dot, list(params.values()))))
+        # GGN-vector product: Jᵀ H J v from a forward-mode Jacobian-vector product
+        model_fn, detached = pf.functional(model)
+        out, jv = torch.func.jvp(lambda p: model_fn(p, X), (detached,), (v,))
+        hjv = torch.func.jvp(torch.func.grad(lambda f: loss(f, y)), (out,), (jv,))[1]
+        gv = dict(zip(params, torch.autograd.grad(model(X), list(params.values()), hjv)))
+    assert_trees_close(pf.ggn_vector_product(model_fn, detached, X, y, v), gv, **TOLERANCES)
+    assert_trees_close(pf.hessian_vector_product(model_fn, detached, X, y, v), hv, **TOLERANCES)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "vit"])
+def test_hessian_diagonal_of_hugging_face_models_matches_autograd(name):
+    model, X, y = _problem(name, n=2)
+    params = dict(model.named_parameters())
+    with sdpa_kernel([SDPBackend.MATH]):  # CPU flash attention has no second derivatives
+        value = nn.CrossEntropyLoss()(model(X), y)
+        grads = torch.autograd.grad(value, list(params.values()), create_graph=True)
+    expected = {}
+    for (k, p), g in zip(params.items(), grads):  # one double backward per coordinate
+        flat = g.reshape(-1)
+        rows = [
+            torch.autograd.grad(flat[i], p, retain_graph=True)[0].reshape(-1)[i]
+            for i in range(flat.numel())
+        ]
+        expected[k] = torch.stack(rows).view_as(p)
+    found = pf.diag_hessian(*pf.functional(model), X, y)
+    assert_trees_close(found, expected, **TOLERANCES)
