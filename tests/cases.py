@@ -692,6 +692,16 @@ def _hugging_face(name: str, dropout: float) -> nn.Module:
             **small, **heads, **tokens, num_key_value_heads=1, attention_dropout=dropout
         )
         return Logits(hf.LlamaForCausalLM(config), "last")
+    if name == "mistral":
+        config = hf.MistralConfig(
+            **small,
+            **heads,
+            **tokens,
+            num_key_value_heads=1,
+            sliding_window=3,
+            attention_dropout=dropout,
+        )
+        return Logits(hf.MistralForCausalLM(config), "last")
     if name == "t5":
         config = hf.T5Config(
             vocab_size=20,
@@ -713,10 +723,10 @@ def _hugging_face(name: str, dropout: float) -> nn.Module:
 
 HUGGING_FACE: dict[str, Callable[[float], nn.Module]] = {
     name: functools.partial(_hugging_face, name)
-    for name in ("bert", "roberta", "gpt2", "llama", "t5", "vit")
+    for name in ("bert", "roberta", "gpt2", "llama", "mistral", "t5", "vit")
 }
-"""Name -> ``build(dropout)``: BERT and RoBERTa (with padding masks), GPT-2, LLaMA, T5 and
-ViT from tiny configs."""
+"""Name -> ``build(dropout)``: BERT and RoBERTa (with padding masks), GPT-2, LLaMA, Mistral,
+T5 and ViT from tiny configs."""
 
 
 def hugging_face_inputs(name: str, n: int) -> Tensor:

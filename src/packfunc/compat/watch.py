@@ -41,7 +41,7 @@ from packfunc.engine.modes import (
     remember_derivations,
     tensor_outputs,
 )
-from packfunc.engine.ops import SIGNATURES, FlatRows, linear_in_out, make_call
+from packfunc.engine.ops import RESHAPES, SIGNATURES, FlatRows, linear_in_out, make_call
 from packfunc.engine.recurrent import RECURRENT_OPS
 from packfunc.losses import check_loss_inputs
 
@@ -125,8 +125,13 @@ class ForwardRecorder(TorchFunctionMode):
         out = func(*args, **kwargs)
         if is_metadata_query(func):
             return out
-        self.rows.remember(func, args, out)
-        layer = self.rows.linear_layer(func, args, kwargs, self.leaf_of.contains)
+        if func in RESHAPES:
+            self.rows.remember(func, args, out)
+        layer = (
+            self.rows.linear_layer(func, args, kwargs, self.leaf_of.contains)
+            if func is torch.addmm
+            else None
+        )
         shape = None
         if layer is not None:  # as packfunc's pass runs it: a linear layer on x itself
             func, args, kwargs = linear_in_out, layer, {}

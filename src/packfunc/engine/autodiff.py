@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, cast
 
+import optree
 import torch
 
 
@@ -73,23 +74,23 @@ def jvp(
     return cast(tuple[Any, Any], torch.func.jvp(func, primals, tangents))
 
 
-def over_samples(func: Callable[..., Any], what: str, **options: Any) -> Callable[..., Any]:
-    """``torch.func.vmap(func, **options)`` over samples, with a clear error for branching.
+def over_samples(func: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """``torch.func.vmap(func, **options)`` over samples, or a loop where vmap cannot go.
 
     A model that branches on tensor values (Hugging Face's mask code calls ``.all()``
-    on the padding mask) cannot be run per sample under ``vmap``; the error then says
-    which path needed it, instead of vmap's generic message.
+    on the padding mask) cannot run under ``vmap``; it then runs once per sample in a
+    Python loop, with the same results.
 
     Args:
         func: The per-sample function.
-        what: The path that runs it, for the message (e.g. ``"the whole-model path"``).
-        **options: ``vmap``'s options (``in_dims``, ``randomness``).
+        **options: ``vmap``'s options (``in_dims``; ``randomness`` applies to vmap only:
+            models that draw random numbers are refused before a re-run).
 
     Returns:
-        The vmapped function.
+        The mapped function (outputs stacked along dim 0, as vmap's).
 
     Example:
-        >>> over_samples(torch.sin, "an example")(torch.zeros(2))
+        >>> over_samples(torch.sin)(torch.zeros(2))
         tensor([0., 0.])
     """
     mapped = torch.func.vmap(func, **options)
@@ -100,12 +101,15 @@ def over_samples(func: Callable[..., Any], what: str, **options: Any) -> Callabl
         except RuntimeError as error:
             if "data-dependent control flow" not in str(error):
                 raise
-            raise ValueError(
-                f"{what} runs the model once per sample under torch.func.vmap, and the model "
-                "branches on tensor values (e.g. Hugging Face's mask code calls .all() on "
-                "the padding mask), which vmap cannot follow. Quantities from op-local paths "
-                "work (pf.explain shows them); for this one, pass batches without padding "
-                "(no attention_mask) or compute it one sample at a time."
-            ) from error
+        dims = options.get("in_dims", 0)
+        dims = dims if isinstance(dims, tuple) else (dims,) * len(args)
+        count = optree.tree_leaves(args[0])[0].shape[dims[0]]
+        results = [func(*_sample(args, dims, i)) for i in range(count)]
+        return optree.tree_map(lambda *rows: torch.stack(rows), *results)
 
     return run
+
+
+def _sample(args: tuple, dims: tuple[int, ...], i: int) -> list[Any]:
+    """Sample ``i`` of every argument (pytrees of tensors batched along ``dims``)."""
+    return [optree.tree_map(lambda t, d=d: t.select(d, i), a) for a, d in zip(args, dims)]

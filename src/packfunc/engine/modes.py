@@ -32,7 +32,14 @@ from packfunc.engine.local import (
     copies_along_batch,
     derive,
 )
-from packfunc.engine.ops import ROLES, SIGNATURES, FlatRows, OpSignature, linear_in_out
+from packfunc.engine.ops import (
+    RESHAPES,
+    ROLES,
+    SIGNATURES,
+    FlatRows,
+    OpSignature,
+    linear_in_out,
+)
 from packfunc.engine.precision import forward_autocast
 from packfunc.engine.recurrent import RECURRENT_OPS, run_recurrent
 
@@ -170,7 +177,11 @@ class FunctionalMode(TorchFunctionMode):
         if func in ATTENTION_OPS and supports_attention(args, kwargs):
             with self:
                 return run_attention(args, kwargs)
-        layer = self.rows.linear_layer(func, args, kwargs, self._is_parameter)
+        layer = (
+            self.rows.linear_layer(func, args, kwargs, self._is_parameter)
+            if func is torch.addmm
+            else None
+        )
         if layer is not None:
             x, weight, bias = layer
             out = self._dispatch(linear_in_out, (x, weight, bias), {})
@@ -182,7 +193,8 @@ class FunctionalMode(TorchFunctionMode):
             # BatchNorm in training mode is refused right after: a refusal changes nothing)
             return args[0]
         out = self._dispatch(func, args, kwargs)
-        self.rows.remember(func, args, out)
+        if func in RESHAPES:
+            self.rows.remember(func, args, out)
         return out
 
     def __enter__(self) -> FunctionalMode:

@@ -74,7 +74,7 @@ def linear_in_out(
     return out.view(*input.shape[:-1], weight.shape[-1])
 
 
-_RESHAPES = frozenset(
+RESHAPES = frozenset(
     {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten}
 )
 """Calls that may lay the rows of a tensor out flat (``x.view(-1, d)``)."""
@@ -108,7 +108,7 @@ class FlatRows:
             args: Its positional arguments (``x`` first).
             out: Its output.
         """
-        if func not in _RESHAPES or not args:
+        if func not in RESHAPES or not args:
             return
         x = args[0]
         if not (isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor) and x.dim() > 2):

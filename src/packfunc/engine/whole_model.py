@@ -72,7 +72,7 @@ def column_grads(
     # attention's math kernel has batching rules; the fused CPU kernels would run in a
     # loop over samples (and PyTorch warns about it on every call)
     with twice_differentiable():
-        per_sample = over_samples(
-            one_sample, "the whole-model path", in_dims=(0, 1), randomness="different"
-        )(xs, cotangents[:, index])
+        per_sample = over_samples(one_sample, in_dims=(0, 1), randomness="different")(
+            xs, cotangents[:, index]
+        )
     return [g.transpose(0, 1) for g in per_sample]
