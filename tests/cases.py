@@ -736,3 +736,15 @@ def hugging_face_inputs(name: str, n: int) -> Tensor:
     tokens = torch.randint(1, 20, (n, 5))
     tokens[::2, -2:] = 0  # every other sequence ends in padding
     return tokens
+
+
+def hugging_face_problem(name: str, n: int = 3) -> tuple[nn.Module, Tensor, Tensor]:
+    """``(model, X, y)``: :data:`HUGGING_FACE`'s model ``name`` in float64 and eval mode,
+    a batch and class targets."""
+    torch.manual_seed(0)
+    model = HUGGING_FACE[name](0.0).double().eval()
+    X = hugging_face_inputs(name, n)
+    X = X.double() if X.is_floating_point() else X
+    with torch.no_grad():
+        y = torch.randint(0, model(X).shape[1], (n,))
+    return model, X, y

@@ -18,7 +18,7 @@ from tests.cases import (
     HUGGING_FACE,
     assert_trees_close,
     autograd_batch_grad,
-    hugging_face_inputs,
+    hugging_face_problem,
     moments,
 )
 
@@ -117,27 +117,12 @@ def test_conv1d_kronecker_preconditioning_is_the_linear_one_transposed():
 
 @pytest.mark.parametrize("name", list(HUGGING_FACE))
 def test_every_parameter_of_hugging_face_models_is_on_a_fast_path(name):
-    torch.manual_seed(0)
-    model = HUGGING_FACE[name](0.0).double().eval()
-    X = hugging_face_inputs(name, 3)
-    X = X.double() if X.is_floating_point() else X
+    model, X, y = hugging_face_problem(name)
     model_fn, params = pf.functional(model)
     paths = pf.explain(model_fn, params, X)
     assert not [k for k, path in paths.items() if path.startswith("whole model")], paths
-    with torch.no_grad():
-        y = torch.randint(0, model(X).shape[1], (3,))
     expected = autograd_batch_grad(model, nn.CrossEntropyLoss(), X, y)
     assert_trees_close(pf.batch_grad(model_fn, params, X, y), expected, name)
-
-
-def _problem(name: str, n: int = 3):
-    torch.manual_seed(0)
-    model = HUGGING_FACE[name](0.0).double().eval()
-    X = hugging_face_inputs(name, n)
-    X = X.double() if X.is_floating_point() else X
-    with torch.no_grad():
-        y = torch.randint(0, model(X).shape[1], (n,))
-    return model, X, y
 
 
 TOLERANCES = {"rtol": 1e-5, "atol": 1e-8}
@@ -147,7 +132,7 @@ TOLERANCES = {"rtol": 1e-5, "atol": 1e-8}
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("name", list(HUGGING_FACE))
 def test_first_order_quantities_of_hugging_face_models_match_autograd(name, reduction):
-    model, X, y = _problem(name)
+    model, X, y = hugging_face_problem(name)
     loss = nn.CrossEntropyLoss(reduction=reduction)
     expected = moments(autograd_batch_grad(model, loss, X, y))
     found = pf.compute(*pf.functional(model), X, y, quantities=list(expected), loss=loss)
@@ -157,7 +142,7 @@ def test_first_order_quantities_of_hugging_face_models_match_autograd(name, redu
 
 @pytest.mark.parametrize("name", list(HUGGING_FACE))
 def test_ggn_diagonals_of_hugging_face_models_match_jacobians(name):
-    model, X, y = _problem(name)
+    model, X, y = hugging_face_problem(name)
     loss = nn.CrossEntropyLoss()
     params = dict(model.named_parameters())
     out = model(X)
@@ -182,7 +167,7 @@ def test_ggn_diagonals_of_hugging_face_models_match_jacobians(name):
 
 
 def test_per_sample_runs_of_a_model_that_branches_on_its_mask_loop_over_samples():
-    model, X, y = _problem("bert")  # Hugging Face's mask code calls .all() on the mask
+    model, X, y = hugging_face_problem("bert")  # Hugging Face's mask code calls .all() on the mask
     found = pf.batch_diag_hessian(*pf.functional(model), X, y)
     for n in range(len(X)):  # each sample's share alone: the same model on one sample
         alone = pf.diag_hessian(*pf.functional(model), X[n : n + 1], y[n : n + 1])
@@ -192,7 +177,7 @@ def test_per_sample_runs_of_a_model_that_branches_on_its_mask_loop_over_samples(
 
 @pytest.mark.parametrize("name", list(HUGGING_FACE))
 def test_curvature_products_of_hugging_face_models_match_autograd(name):
-    model, X, y = _problem(name)
+    model, X, y = hugging_face_problem(name)
     loss = nn.CrossEntropyLoss()
     params = dict(model.named_parameters())
     v = {k: torch.randn_like(p) for k, p in params.items()}
@@ -213,7 +198,7 @@ def test_curvature_products_of_hugging_face_models_match_autograd(name):
 
 @pytest.mark.parametrize("name", ["gpt2", "vit"])
 def test_hessian_diagonal_of_hugging_face_models_matches_autograd(name):
-    model, X, y = _problem(name, n=2)
+    model, X, y = hugging_face_problem(name, n=2)
     params = dict(model.named_parameters())
     with sdpa_kernel([SDPBackend.MATH]):  # CPU flash attention has no second derivatives
         value = nn.CrossEntropyLoss()(model(X), y)
@@ -232,7 +217,7 @@ def test_hessian_diagonal_of_hugging_face_models_matches_autograd(name):
 
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
 def test_monte_carlo_ggn_diagonal_of_hugging_face_models_approaches_the_exact_one(name):
-    model, X, y = _problem(name)
+    model, X, y = hugging_face_problem(name)
     model_fn, params = pf.functional(model)
     exact = pf.diag_ggn(model_fn, params, X, y)
     sampled = pf.diag_ggn(
@@ -240,3 +225,31 @@ def test_monte_carlo_ggn_diagonal_of_hugging_face_models_approaches_the_exact_on
     )
     scale = max(v.abs().max() for v in exact.values())
     assert max((sampled[k] - exact[k]).abs().max() for k in exact) < 0.1 * scale
+
+
+@pytest.mark.parametrize(("name", "layer"), [("bert", "classifier"), ("vit", "classifier")])
+def test_kflr_of_a_hugging_face_head_is_its_ggn_block_for_one_sample(name, layer):
+    model, X, y = hugging_face_problem(name, n=1)  # one sample, one position: A ⊗ B is exact
+    weight = model.model.get_parameter(f"{layer}.weight")
+    out = model(X)
+    hessian = torch.func.hessian(lambda f: nn.CrossEntropyLoss()(f, y))(out.detach())[0, :, 0]
+    rows = torch.stack(
+        [torch.autograd.grad(out[0, c], weight, retain_graph=True)[0].reshape(-1) for c in range(3)]
+    )
+    expected = rows.T @ hessian @ rows  # the exact GGN block of the weight
+    factors = pf.kflr(*pf.functional(model), X, y, on_unsupported="skip")
+    a, b = factors[f"model.{layer}.weight"]
+    torch.testing.assert_close(torch.kron(a, b), expected, **TOLERANCES)
+
+
+def test_a_compiled_step_has_no_graph_break_from_packfunc():
+    model, X, y = hugging_face_problem("gpt2")
+    model_fn, params = pf.functional(model)
+
+    def step(p: dict[str, Tensor]) -> Tensor:
+        norms = pf.batch_l2_grad(model_fn, p, X, y)
+        return torch.stack(list(norms.values())).sum()
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(params)
+    assert explained.graph_break_count == 0, explained.break_reasons

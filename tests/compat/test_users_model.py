@@ -27,7 +27,12 @@ from packfunc.compat.extensions import (
 )
 from packfunc.engine import persample
 from packfunc.engine.randomness import RandomModelError
-from tests.cases import HUGGING_FACE, assert_trees_close, hugging_face_inputs
+from tests.cases import (
+    HUGGING_FACE,
+    assert_trees_close,
+    hugging_face_inputs,
+    hugging_face_problem,
+)
 
 
 class InputNamedChild(nn.Module):
@@ -115,12 +120,7 @@ def _shim_values(model: nn.Module, X: Tensor, y: Tensor) -> dict:
 
 @pytest.mark.parametrize("name", list(HUGGING_FACE))
 def test_hugging_face_models_in_the_shim_equal_the_functional_api(name):
-    torch.manual_seed(0)
-    model = HUGGING_FACE[name](0.1).double().eval()
-    X = hugging_face_inputs(name, 3)
-    X = X.double() if X.is_floating_point() else X
-    with torch.no_grad():
-        y = torch.randint(0, model(X).shape[1], (3,))
+    model, X, y = hugging_face_problem(name)
     before = _state(model)
     model_fn, params = pf.functional(model)
     expected = {
