@@ -188,7 +188,7 @@ def test_result_is_a_pytree_usable_by_the_algebra():
 
 
 def test_unsupported_parameters_raise_or_are_skipped():
-    problem = make_problem("raw_parameter")
+    problem = make_problem("custom_module")  # a raw scale: no Kronecker rule
     model_fn, params = problem.functional()
     args = (model_fn, params, problem.X, problem.y)
     with pytest.raises(ValueError, match="on_unsupported='skip'"):

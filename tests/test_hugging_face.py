@@ -253,3 +253,42 @@ def test_a_compiled_step_has_no_graph_break_from_packfunc():
     torch._dynamo.reset()
     explained = torch._dynamo.explain(step)(params)
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+class HandWritten(nn.Module):
+    """``x @ W + b`` with raw parameters, then a head: the hand-written linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.randn(6))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (torch.tanh(x @ self.w + self.b)).mean(1)[:, :3]
+
+
+def test_a_hand_written_matmul_is_a_linear_layer():
+    torch.manual_seed(0)
+    model = HandWritten().double()
+    linear = nn.Linear(4, 6).double()
+    with torch.no_grad():
+        linear.weight.copy_(model.w.T)
+        linear.bias.copy_(model.b)
+    X, y = torch.randn(5, 7, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    model_fn, params = pf.functional(model)
+    assert pf.explain(model_fn, params, X)["w"] == "closed form (x @ W + b (addmm))"
+    found = pf.kflr(model_fn, params, X, y, on_unsupported="skip")["w"]
+    copy_fn, copy_params = pf.functional(nn.Sequential(linear, nn.Tanh(), Mean(), Slice()))
+    expected = pf.kflr(copy_fn, copy_params, X, y)["0.weight"]
+    assert_trees_close(list(found), list(expected[::-1]))
+    grads = pf.batch_grad(model_fn, params, X, y)["w"]
+    assert_trees_close(grads, pf.batch_grad(copy_fn, copy_params, X, y)["0.weight"].mT)
+
+
+class Mean(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mean(1)
+
+
+class Slice(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x[:, :3]

@@ -273,7 +273,7 @@ def test_kfra_refuses_residual_nets_with_a_clear_error():
 
 
 @pytest.mark.parametrize(
-    "case", ["raw_parameter", "layernorm_groupnorm", "tied_embedding"], indirect=True
+    "case", ["custom_module", "layernorm_groupnorm", "tied_embedding"], indirect=True
 )
 def test_parameters_without_a_kronecker_rule_are_reported(case):
     problem = make_problem(case, n=4)

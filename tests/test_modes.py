@@ -217,3 +217,19 @@ def test_a_compiled_step_runs_packfunc_eagerly_around_its_graph():
 
     torch._dynamo.reset()
     assert_trees_close(torch.compile(step)(params), step(params))
+
+
+def test_the_shim_under_autocast_is_float32_and_close_to_float32():
+    torch.manual_seed(0)
+    model = HUGGING_FACE["gpt2"](0.0).eval()
+    X, y = hugging_face_inputs("gpt2", 4), torch.randint(0, 20, (4,))
+    expected = pf.batch_grad(*pf.functional(model), X, y)
+    extend(model)
+    with backpack(BatchGrad()):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = extend(nn.CrossEntropyLoss())(model(X), y)
+        loss.backward()
+    scale = max(v.norm() for v in expected.values())
+    for name, p in model.named_parameters():
+        assert p.grad_batch.dtype == torch.float32
+        assert (p.grad_batch - expected[name]).norm() <= AUTOCAST_TOLERANCE * scale

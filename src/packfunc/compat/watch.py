@@ -41,7 +41,15 @@ from packfunc.engine.modes import (
     remember_derivations,
     tensor_outputs,
 )
-from packfunc.engine.ops import RESHAPES, SIGNATURES, FlatRows, linear_in_out, make_call
+from packfunc.engine.ops import (
+    MATMULS,
+    RESHAPES,
+    SIGNATURES,
+    FlatRows,
+    linear_in_out,
+    make_call,
+    matmul_layer,
+)
 from packfunc.engine.recurrent import RECURRENT_OPS
 from packfunc.losses import check_loss_inputs
 
@@ -127,15 +135,16 @@ class ForwardRecorder(TorchFunctionMode):
             return out
         if func in RESHAPES:
             self.rows.remember(func, args, out)
-        layer = (
-            self.rows.linear_layer(func, args, kwargs, self.leaf_of.contains)
-            if func is torch.addmm
-            else None
-        )
+        layer = None
+        if func is torch.addmm or func in MATMULS:
+            is_parameter = self.leaf_of.contains
+            layer = self.rows.linear_layer(func, args, kwargs, is_parameter) or matmul_layer(
+                func, args, kwargs, is_parameter
+            )
         shape = None
         if layer is not None:  # as packfunc's pass runs it: a linear layer on x itself
+            shape = (*layer[0].shape[:-1], layer[1].shape[-1]) if func is torch.addmm else None
             func, args, kwargs = linear_in_out, layer, {}
-            shape = (*layer[0].shape[:-1], layer[1].shape[-1])
         arguments = CallArguments.of(args, kwargs)
         values = arguments.values
         touches = any(

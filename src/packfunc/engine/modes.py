@@ -33,12 +33,14 @@ from packfunc.engine.local import (
     derive,
 )
 from packfunc.engine.ops import (
+    MATMULS,
     RESHAPES,
     ROLES,
     SIGNATURES,
     FlatRows,
     OpSignature,
     linear_in_out,
+    matmul_layer,
 )
 from packfunc.engine.precision import forward_autocast
 from packfunc.engine.recurrent import RECURRENT_OPS, run_recurrent
@@ -142,7 +144,7 @@ class LeafIndex:
         return found
 
 
-REWRITTEN_OPS = RECURRENT_OPS | ATTENTION_OPS | {F.batch_norm, torch.addmm}
+REWRITTEN_OPS = RECURRENT_OPS | ATTENTION_OPS | MATMULS | {F.batch_norm, torch.addmm}
 """Calls :class:`FunctionalMode` replaces by a decomposition, or refuses, or changes."""
 
 
@@ -177,15 +179,13 @@ class FunctionalMode(TorchFunctionMode):
         if func in ATTENTION_OPS and supports_attention(args, kwargs):
             with self:
                 return run_attention(args, kwargs)
-        layer = (
-            self.rows.linear_layer(func, args, kwargs, self._is_parameter)
-            if func is torch.addmm
-            else None
-        )
-        if layer is not None:
-            x, weight, bias = layer
-            out = self._dispatch(linear_in_out, (x, weight, bias), {})
-            return out.reshape(-1, out.shape[-1])
+        if func is torch.addmm or func in MATMULS:
+            layer = self.rows.linear_layer(func, args, kwargs, self._is_parameter) or matmul_layer(
+                func, args, kwargs, self._is_parameter
+            )
+            if layer is not None:  # a linear layer with its weight stored [in, out]
+                out = self._dispatch(linear_in_out, layer, {})
+                return out.reshape(-1, out.shape[-1]) if func is torch.addmm else out
         if func is F.batch_norm:
             args, kwargs = _batch_norm_arguments(args, kwargs, self.batch_statistics)
         if _counts_batches(func, args):

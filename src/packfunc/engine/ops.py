@@ -149,6 +149,42 @@ class FlatRows:
         return found[1], weight, bias
 
 
+MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__})
+"""``x @ W``: a linear layer where ``W`` is a matrix parameter (see :func:`matmul_layer`)."""
+
+
+def matmul_layer(
+    func: Callable, args: tuple, kwargs: dict, is_parameter: Callable[[Any], bool]
+) -> tuple[torch.Tensor, torch.Tensor, None] | None:
+    """``(x, W, None)`` of ``x @ W`` with ``W`` a matrix parameter and ``x`` at least 2-D.
+
+    Such a product is :func:`linear_in_out` of ``x`` (without bias): a hand-written
+    ``x @ W + b`` is a linear layer whose bias is added after it.
+
+    Args:
+        func: The function called.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
+        is_parameter: Whether a value is a parameter.
+
+    Returns:
+        The layer's arguments, or ``None`` for any other call.
+
+    Example:
+        >>> w = torch.ones(3, 2)
+        >>> matmul_layer(torch.matmul, (torch.ones(4, 3), w), {}, lambda v: v is w)[1] is w
+        True
+    """
+    if func not in MATMULS or kwargs or len(args) != 2:
+        return None
+    x, weight = args
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)):
+        return None
+    if not is_parameter(weight) or weight.dim() != 2 or x.dim() < 2:
+        return None
+    return x, weight, None
+
+
 _CONV = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _CONV_T = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
 _EMBEDDING = (
