@@ -14,7 +14,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 @pytest.mark.slow  # a fresh interpreter importing torch, BackPACK and laplace
 def test_readme_python_blocks_run():
-    """In a fresh interpreter: the README imports laplace under the BackPACK alias."""
+    """In a fresh interpreter, all blocks in order, sharing their names."""
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     assert len(blocks) >= 4
     check = "\nassert net[1].scale.diag_ggn_exact.shape == (16,)\nprint('README ok')\n"

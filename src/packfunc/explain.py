@@ -91,5 +91,5 @@ def _name(call: TapCall) -> str:
         func = call.option("func")
         return getattr(func, "__name__", repr(func))
     if call.family == "linear" and call.transposed:
-        return "x @ W + b (addmm)"
+        return "x @ W"
     return _FAMILIES.get(call.family, call.family)
