@@ -42,13 +42,13 @@ from packfunc.engine.modes import (
     tensor_outputs,
 )
 from packfunc.engine.ops import (
-    MATMULS,
+    LINEAR_CALLS,
     RESHAPES,
     SIGNATURES,
     FlatRows,
+    layer_of,
     linear_in_out,
     make_call,
-    matmul_layer,
 )
 from packfunc.engine.recurrent import RECURRENT_OPS
 from packfunc.losses import check_loss_inputs
@@ -136,11 +136,8 @@ class ForwardRecorder(TorchFunctionMode):
         if func in RESHAPES:
             self.rows.remember(func, args, out)
         layer = None
-        if func is torch.addmm or func in MATMULS:
-            is_parameter = self.leaf_of.contains
-            layer = self.rows.linear_layer(func, args, kwargs, is_parameter) or matmul_layer(
-                func, args, kwargs, is_parameter
-            )
+        if func in LINEAR_CALLS:
+            layer = layer_of(self.rows, func, args, kwargs, self.leaf_of.contains)
         shape = None
         if layer is not None:  # as packfunc's pass runs it: a linear layer on x itself
             shape = (*layer[0].shape[:-1], layer[1].shape[-1]) if func is torch.addmm else None

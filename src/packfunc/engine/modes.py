@@ -33,14 +33,14 @@ from packfunc.engine.local import (
     derive,
 )
 from packfunc.engine.ops import (
-    MATMULS,
+    LINEAR_CALLS,
     RESHAPES,
     ROLES,
     SIGNATURES,
     FlatRows,
     OpSignature,
+    layer_of,
     linear_in_out,
-    matmul_layer,
 )
 from packfunc.engine.precision import forward_autocast
 from packfunc.engine.recurrent import RECURRENT_OPS, run_recurrent
@@ -144,7 +144,7 @@ class LeafIndex:
         return found
 
 
-REWRITTEN_OPS = RECURRENT_OPS | ATTENTION_OPS | MATMULS | {F.batch_norm, torch.addmm}
+REWRITTEN_OPS = RECURRENT_OPS | ATTENTION_OPS | LINEAR_CALLS | {F.batch_norm}
 """Calls :class:`FunctionalMode` replaces by a decomposition, or refuses, or changes."""
 
 
@@ -179,10 +179,8 @@ class FunctionalMode(TorchFunctionMode):
         if func in ATTENTION_OPS and supports_attention(args, kwargs):
             with self:
                 return run_attention(args, kwargs)
-        if func is torch.addmm or func in MATMULS:
-            layer = self.rows.linear_layer(func, args, kwargs, self._is_parameter) or matmul_layer(
-                func, args, kwargs, self._is_parameter
-            )
+        if func in LINEAR_CALLS:
+            layer = layer_of(self.rows, func, args, kwargs, self._is_parameter)
             if layer is not None:  # a linear layer with its weight stored [in, out]
                 out = self._dispatch(linear_in_out, layer, {})
                 return out.reshape(-1, out.shape[-1]) if func is torch.addmm else out

@@ -185,6 +185,34 @@ def matmul_layer(
     return x, weight, None
 
 
+LINEAR_CALLS = MATMULS | {torch.addmm}
+"""Calls that may be a linear layer with its weight stored ``[in, out]`` (see :func:`layer_of`)."""
+
+
+def layer_of(
+    rows: FlatRows, func: Callable, args: tuple, kwargs: dict, is_parameter: Callable[[Any], bool]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """The arguments of :func:`linear_in_out` a call of :data:`LINEAR_CALLS` amounts to.
+
+    Args:
+        rows: The flat rows the pass has seen (for ``addmm``).
+        func: The function called.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
+        is_parameter: Whether a value is a parameter.
+
+    Returns:
+        ``(x, weight, bias)``, or ``None`` when the call is no such layer.
+
+    Example:
+        >>> w = torch.ones(3, 2)
+        >>> layer_of(FlatRows(), torch.matmul, (torch.ones(4, 3), w), {}, lambda v: v is w)[2]
+    """
+    if func is torch.addmm:
+        return rows.linear_layer(func, args, kwargs, is_parameter)
+    return matmul_layer(func, args, kwargs, is_parameter)
+
+
 _CONV = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _CONV_T = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
 _EMBEDDING = (
