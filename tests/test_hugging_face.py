@@ -292,3 +292,24 @@ class Mean(nn.Module):
 class Slice(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return x[:, :3]
+
+
+class StackedPositions(nn.Module):
+    """Position ids stacked once per sample (a batch-sized list): not fixed, yet exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(7, 4), nn.Embedding(5, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        ids = torch.stack([torch.arange(x.shape[1])] * x.shape[0])  # [N, T], from N copies
+        return self.head(torch.tanh(self.tokens(x) + self.positions(ids)).mean(1))
+
+
+def test_position_ids_built_per_sample_are_exact():
+    torch.manual_seed(0)
+    model = StackedPositions().double()
+    X, y = torch.randint(0, 7, (4, 5)), torch.randint(0, 3, (4,))
+    found = pf.batch_grad(*pf.functional(model), X, y)
+    assert_trees_close(found, autograd_batch_grad(model, nn.CrossEntropyLoss(), X, y))

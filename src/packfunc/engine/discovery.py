@@ -294,9 +294,15 @@ _SIZED_BY_ARGUMENTS = frozenset(
         torch.broadcast_to,
         Tensor.unflatten,
         torch.unflatten,
+        torch.cat,
+        torch.concat,
+        torch.stack,
+        Tensor.repeat_interleave,
+        torch.repeat_interleave,
     }
 )
-"""Calls whose output shape may come from Python ints, such as the batch size."""
+"""Calls whose output shape may come from Python ints, such as the batch size (``cat`` and
+``stack`` of a list as long as the batch)."""
 
 
 def keeps_fixed(
