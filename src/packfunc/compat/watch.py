@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from packfunc.engine.attention import ATTENTION_OPS
 from packfunc.engine.batch_pass import BatchRecord, autograd_record, sample_layout
-from packfunc.engine.discovery import Plan, Recorded, Use, keeps_fixed
+from packfunc.engine.discovery import FixedTensors, Plan, Recorded, Use
 from packfunc.engine.local import (
     CallArguments,
     LocalInputs,
@@ -46,7 +46,6 @@ from packfunc.engine.ops import (
     RESHAPES,
     SIGNATURES,
     FlatRows,
-    layer_of,
     linear_in_out,
     make_call,
 )
@@ -121,9 +120,7 @@ class ForwardRecorder(TorchFunctionMode):
             {id(t): t for t in tensors}
         )
         self.made_of_parameters: dict[int, Tensor] = {}
-        self.fixed: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary(
-            {id(t): t for t in buffers}
-        )
+        self.fixed = FixedTensors(buffers, (1, self.n or 1))
         self.rows = FlatRows()
 
     def __torch_function__(
@@ -137,7 +134,7 @@ class ForwardRecorder(TorchFunctionMode):
             self.rows.remember(func, args, out)
         layer = None
         if func in LINEAR_CALLS:
-            layer = layer_of(self.rows, func, args, kwargs, self.leaf_of.contains)
+            layer = self.rows.layer(func, args, kwargs, self.leaf_of.contains)
         shape = None
         if layer is not None:  # as packfunc's pass runs it: a linear layer on x itself
             shape = (*layer[0].shape[:-1], layer[1].shape[-1]) if func is torch.addmm else None
@@ -152,8 +149,8 @@ class ForwardRecorder(TorchFunctionMode):
         samples = any(self._carries_samples(v) for v in values)
         if samples:
             self._mark(out, self.samples)
-        elif not touches and keeps_fixed(func, values, out, self._is_fixed, (1, self.n or 1)):
-            self._mark(out, self.fixed)
+        elif not touches:
+            self.fixed.note(func, values, out)
         if not touches:
             return out
         if func in RECURRENT_OPS or func in ATTENTION_OPS:
@@ -167,12 +164,9 @@ class ForwardRecorder(TorchFunctionMode):
         """Depends on the inputs, or may be batch-shaped (see discovery's rule)."""
         if not isinstance(value, Tensor) or self.leaf_of.contains(value):
             return False
-        if self.made_of_parameters.get(id(value)) is value or self._is_fixed(value):
+        if self.made_of_parameters.get(id(value)) is value or value in self.fixed:
             return False
         return self.samples.get(id(value)) is value or value.shape[:1] in ((1,), (self.n,))
-
-    def _is_fixed(self, value: Any) -> bool:
-        return isinstance(value, Tensor) and self.fixed.get(id(value)) is value
 
     @staticmethod
     def _mark(out: Any, into: Any) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,10 +152,7 @@ class _DiscoveryMode(ParameterMode):
         self.samples: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary(
             {id(t): t for t in optree.tree_leaves(X) if isinstance(t, Tensor)}
         )
-        self.fixed: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary(
-            {id(t): t for t in buffers}
-        )
-        """Tensors that certainly do not carry samples (see :func:`keeps_fixed`)."""
+        self.fixed = FixedTensors(buffers)
 
     def __torch_function__(
         self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
@@ -167,12 +164,9 @@ class _DiscoveryMode(ParameterMode):
         return super().__torch_function__(func, types, args, kwargs)
 
     def _carries_samples(self, value: Any, sources: dict[int, Source], position: int) -> bool:
-        if not isinstance(value, Tensor) or position in sources or self._is_fixed(value):
+        if not isinstance(value, Tensor) or position in sources or value in self.fixed:
             return False
         return self.samples.get(id(value)) is value or value.shape[:1] == (1,)
-
-    def _is_fixed(self, value: Any) -> bool:
-        return isinstance(value, Tensor) and self.fixed.get(id(value)) is value
 
     def _dispatch(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         if is_metadata_query(func):
@@ -191,9 +185,8 @@ class _DiscoveryMode(ParameterMode):
             out = func(*args, **kwargs)
             if any(self.samples.get(id(values[p])) is values[p] for p in carriers):
                 self._mark_samples(out)
-            elif keeps_fixed(func, values, out, self._is_fixed):
-                for _, tensor in tensor_outputs(out):
-                    self.fixed[id(tensor)] = tensor
+            else:
+                self.fixed.note(func, values, out)
             return out
         sig = SIGNATURES.get(func)
         if sig is not None and carriers and self._tapped_call(sig, args, kwargs, sources):
@@ -344,6 +337,43 @@ def keeps_fixed(
     if tensors and (func not in _SIZED_BY_ARGUMENTS or _plain_view(func, values)):
         return True
     return not set(batch_sizes) & set(out.shape)
+
+
+class FixedTensors:
+    """Tensors that certainly do not carry samples: buffers and what calls on them make.
+
+    Args:
+        buffers: The model's buffers.
+        batch_sizes: Sizes a batch dim may have in the pass (discovery: one sample).
+
+    Example:
+        >>> fixed = FixedTensors([])
+        >>> ids = torch.arange(3)
+        >>> fixed.note(torch.arange, (3,), ids)
+        >>> ids in fixed, torch.zeros(3) in fixed
+        (True, False)
+    """
+
+    def __init__(self, buffers: Iterable[Tensor], batch_sizes: tuple[int, ...] = (1,)):
+        self._of: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary(
+            {id(t): t for t in buffers}
+        )
+        self.batch_sizes = batch_sizes
+
+    def __contains__(self, value: Any) -> bool:
+        return isinstance(value, Tensor) and self._of.get(id(value)) is value
+
+    def note(self, func: Callable, values: tuple[Any, ...], out: Any) -> None:
+        """Add the outputs of a call that :func:`keeps_fixed` says are fixed.
+
+        Args:
+            func: The function called.
+            values: Its flattened arguments.
+            out: Its output.
+        """
+        if keeps_fixed(func, values, out, self.__contains__, self.batch_sizes):
+            for _, tensor in tensor_outputs(out):
+                self._of[id(tensor)] = tensor
 
 
 def _plain_view(func: Callable, values: tuple[Any, ...]) -> bool:

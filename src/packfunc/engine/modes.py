@@ -39,7 +39,6 @@ from packfunc.engine.ops import (
     SIGNATURES,
     FlatRows,
     OpSignature,
-    layer_of,
     linear_in_out,
 )
 from packfunc.engine.precision import forward_autocast
@@ -180,7 +179,7 @@ class FunctionalMode(TorchFunctionMode):
             with self:
                 return run_attention(args, kwargs)
         if func in LINEAR_CALLS:
-            layer = layer_of(self.rows, func, args, kwargs, self._is_parameter)
+            layer = self.rows.layer(func, args, kwargs, self._is_parameter)
             if layer is not None:  # a linear layer with its weight stored [in, out]
                 out = self._dispatch(linear_in_out, layer, {})
                 return out.reshape(-1, out.shape[-1]) if func is torch.addmm else out

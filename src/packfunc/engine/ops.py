@@ -80,20 +80,30 @@ RESHAPES = frozenset(
 """Calls that may lay the rows of a tensor out flat (``x.view(-1, d)``)."""
 
 
-class FlatRows:
-    """Recognizes a linear layer applied to the rows of ``x [N, ..., d]`` laid out flat.
+MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__})
+"""``x @ W``: a linear layer where ``W`` is a matrix parameter."""
 
-    Hugging Face's ``Conv1D`` computes ``torch.addmm(b, x.view(-1, d), W)``: a mode
-    remembers each reshape's output that lays out the rows of ``x`` (``[N·…, d]``: each
-    sample's rows together, in order), and such an ``addmm`` is then
-    :func:`linear_in_out` of ``x``.
+LINEAR_CALLS = MATMULS | {torch.addmm}
+"""Calls that may be a linear layer with its weight stored ``[in, out]`` (see :class:`FlatRows`)."""
+
+
+class FlatRows:
+    """Recognizes linear layers whose weight is stored ``[in, out]``: ``x @ W`` and ``addmm``.
+
+    A hand-written ``x @ W`` (``W`` a matrix parameter, ``x`` at least 2-D) is
+    :func:`linear_in_out` of ``x`` without bias. Hugging Face's ``Conv1D`` computes
+    ``torch.addmm(b, x.view(-1, d), W)``: a mode remembers each reshape's output that lays
+    out the rows of ``x`` (``[N·…, d]``: each sample's rows together, in order), and such an
+    ``addmm`` is then :func:`linear_in_out` of ``x``.
 
     Example:
         >>> rows, x = FlatRows(), torch.ones(2, 3, 4)
         >>> flat = x.view(-1, 4)
         >>> rows.remember(torch.Tensor.view, (x, -1, 4), flat)
         >>> w, b = torch.ones(4, 5), torch.zeros(5)
-        >>> rows.linear_layer(torch.addmm, (b, flat, w), {}, lambda v: v is w)[0] is x
+        >>> rows.layer(torch.addmm, (b, flat, w), {}, lambda v: v is w)[0] is x
+        True
+        >>> rows.layer(torch.matmul, (x, w), {}, lambda v: v is w)[2] is None
         True
     """
 
@@ -116,22 +126,24 @@ class FlatRows:
         if out.shape == (x.shape[:-1].numel(), x.shape[-1]):
             self.of[id(out)] = (out, x)
 
-    def linear_layer(
+    def layer(
         self, func: Callable, args: tuple, kwargs: dict, is_parameter: Callable[[Any], bool]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``(x, weight, bias)`` of ``torch.addmm(bias, rows, weight)`` on flat rows of ``x``.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """The arguments ``(x, weight, bias)`` of :func:`linear_in_out` a call amounts to.
 
         Args:
-            func: The function called.
+            func: The function called (one of :data:`LINEAR_CALLS` to be a layer).
             args: Its positional arguments.
             kwargs: Its keyword arguments.
             is_parameter: Whether a value is a parameter.
 
         Returns:
-            The layer's arguments for :func:`linear_in_out`, or ``None``: not ``addmm``,
-            not on remembered rows, not a plain product (``beta = alpha = 1``), no
-            parameter as weight or bias, or not a vector bias.
+            The layer's arguments, or ``None``: another call, ``x @ W`` whose ``W`` is no
+            matrix parameter, or an ``addmm`` not on remembered rows, not a plain product
+            (``beta = alpha = 1``), with no parameter as weight or bias, or no vector bias.
         """
+        if func in MATMULS:
+            return _matmul_layer(args, kwargs, is_parameter)
         if func is not torch.addmm:
             return None
         bound = dict(zip(("input", "mat1", "mat2", "beta", "alpha"), args)) | kwargs
@@ -149,33 +161,11 @@ class FlatRows:
         return found[1], weight, bias
 
 
-MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__})
-"""``x @ W``: a linear layer where ``W`` is a matrix parameter (see :func:`matmul_layer`)."""
-
-
-def matmul_layer(
-    func: Callable, args: tuple, kwargs: dict, is_parameter: Callable[[Any], bool]
+def _matmul_layer(
+    args: tuple, kwargs: dict, is_parameter: Callable[[Any], bool]
 ) -> tuple[torch.Tensor, torch.Tensor, None] | None:
-    """``(x, W, None)`` of ``x @ W`` with ``W`` a matrix parameter and ``x`` at least 2-D.
-
-    Such a product is :func:`linear_in_out` of ``x`` (without bias): a hand-written
-    ``x @ W + b`` is a linear layer whose bias is added after it.
-
-    Args:
-        func: The function called.
-        args: Its positional arguments.
-        kwargs: Its keyword arguments.
-        is_parameter: Whether a value is a parameter.
-
-    Returns:
-        The layer's arguments, or ``None`` for any other call.
-
-    Example:
-        >>> w = torch.ones(3, 2)
-        >>> matmul_layer(torch.matmul, (torch.ones(4, 3), w), {}, lambda v: v is w)[1] is w
-        True
-    """
-    if func not in MATMULS or kwargs or len(args) != 2:
+    """``(x, W, None)`` of ``x @ W`` with ``W`` a matrix parameter and ``x`` at least 2-D."""
+    if kwargs or len(args) != 2:
         return None
     x, weight = args
     if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)):
@@ -183,34 +173,6 @@ def matmul_layer(
     if not is_parameter(weight) or weight.dim() != 2 or x.dim() < 2:
         return None
     return x, weight, None
-
-
-LINEAR_CALLS = MATMULS | {torch.addmm}
-"""Calls that may be a linear layer with its weight stored ``[in, out]`` (see :func:`layer_of`)."""
-
-
-def layer_of(
-    rows: FlatRows, func: Callable, args: tuple, kwargs: dict, is_parameter: Callable[[Any], bool]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """The arguments of :func:`linear_in_out` a call of :data:`LINEAR_CALLS` amounts to.
-
-    Args:
-        rows: The flat rows the pass has seen (for ``addmm``).
-        func: The function called.
-        args: Its positional arguments.
-        kwargs: Its keyword arguments.
-        is_parameter: Whether a value is a parameter.
-
-    Returns:
-        ``(x, weight, bias)``, or ``None`` when the call is no such layer.
-
-    Example:
-        >>> w = torch.ones(3, 2)
-        >>> layer_of(FlatRows(), torch.matmul, (torch.ones(4, 3), w), {}, lambda v: v is w)[2]
-    """
-    if func is torch.addmm:
-        return rows.linear_layer(func, args, kwargs, is_parameter)
-    return matmul_layer(func, args, kwargs, is_parameter)
 
 
 _CONV = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")

@@ -231,14 +231,14 @@ class ColumnGradients:
         by_leaf: dict[int, list[Term]] = {}
         for k, x in self.bp.record.inputs.items():
             call = self.bp.plan.sites[k].call
+            # statistics in the parameters' dtype (recorded in bfloat16 under autocast), once
+            # per call: its weight and bias share a dtype
+            param = self.bp.leaves[call.leaves[0][1]]
+            # a local site's rule receives the recorded call (LocalInputs) as its input
+            x = to_dtype_of(x, param) if isinstance(x, Tensor) else x
+            g = to_dtype_of(sites[k], param)
             for role, leaf in call.leaves:
                 if leaf not in self.bp.whole_model:
-                    # statistics in the parameter's dtype (recorded in bfloat16 under autocast)
-                    param = self.bp.leaves[leaf]
-                    if isinstance(x, Tensor):
-                        x = to_dtype_of(x, param)
-                    # a local site's rule receives the recorded call (LocalInputs) as its input
-                    g = to_dtype_of(sites[k], param)
                     term = Term(rule_for(call, role), cast(Tensor, x), g, call)
                     by_leaf.setdefault(leaf, []).append(term)
         return by_leaf
