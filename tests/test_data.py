@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import packfunc as pf
 import packfunc.quantities
-from packfunc.engine.persample import BatchPass
+from packfunc.engine.batch_pass import BatchPass
 from packfunc.losses import mean_normalizer
 from tests.cases import (
     DATASET_LOSSES,

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from torch.autograd.functional import hessian, jacobian
 
 import packfunc as pf
-from packfunc.ekfac import ekfac_and_factors
+from packfunc.eigen_kfac import ekfac_and_factors
 from packfunc.engine import memory
 from packfunc.losses import hessian_factors
 from tests.cases import Case, make_problem

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import packfunc as pf
-from packfunc.engine import persample
+from packfunc.engine import batch_pass
 from tests.cases import LOSSES, assert_trees_close, autograd_batch_grad, make_problem, moments
 
 TIGHT = {"rtol": 1e-9, "atol": 1e-11}
@@ -91,14 +91,14 @@ def test_chunking_gives_identical_results(case, chunk_size: int, monkeypatch):
     model_fn, params = problem.functional()
     X, y, loss = problem.X, problem.y, problem.loss
     splits: list[list[int]] = []  # per materialization: the lengths of its chunks
-    original = persample.split_index
+    original = batch_pass.split_index
 
     def spy(index, length):
         found = original(index, length)
-        splits.append([persample.index_length(chunk) for chunk in found])
+        splits.append([batch_pass.index_length(chunk) for chunk in found])
         return found
 
-    monkeypatch.setattr(persample, "split_index", spy)
+    monkeypatch.setattr(batch_pass, "split_index", spy)
     reference = pf.compute(model_fn, params, X, y, loss=loss, quantities=pf.FIRST_ORDER)
     assert splits and all(lengths == [5] for lengths in splits), splits  # one chunk: all 5
     splits.clear()

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 import packfunc as pf
 from packfunc.engine.piecewise import piecewise_affine_leaves
-from packfunc.functional import flatten_params
+from packfunc.functionalize import flatten_params
 from tests.cases import Dense, assert_trees_close, dense_curvature
 
 

@@ -68,7 +68,7 @@ def test_kronecker_factors_skip_the_loss_gradient(monkeypatch: pytest.MonkeyPatc
 
 def test_lazy_loss_gradient_matches_autograd() -> None:
     """The loss and ``∂L/∂output`` computed on demand equal plain autograd's."""
-    from packfunc.engine.persample import BatchPass
+    from packfunc.engine.batch_pass import BatchPass
 
     model, X, y = _mlp()
     model_fn, params = pf.functional(model)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import packfunc as pf
-from packfunc.engine.persample import BatchPass
+from packfunc.engine.batch_pass import BatchPass
 from tests.cases import CASES, assert_trees_close, dense_curvature, make_problem
 
 SECOND_ORDER_LOSSES = ["cross_entropy", "mse", "bce_with_logits"]

@@ -3,13 +3,13 @@
 __version__ = "0.1.0"
 
 from packfunc import kron, optim
-from packfunc.ekfac import ekfac
+from packfunc.eigen_kfac import ekfac
 from packfunc.engine.randomness import RandomModelError
 from packfunc.estimators import hutchinson_diagonal, hutchinson_trace, hutchpp_trace
-from packfunc.explain import explain
+from packfunc.explanation import explain
 from packfunc.firstorder import batch_grad, batch_l2_grad, sum_grad_squared, variance
-from packfunc.functional import functional
-from packfunc.kronecker import kfac, kflr, kfra
+from packfunc.functionalize import functional
+from packfunc.kronecker_factors import kfac, kflr, kfra
 from packfunc.privacy import clip_and_noise, clip_per_sample
 from packfunc.products import (
     ggn_block_products,

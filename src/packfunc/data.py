@@ -46,7 +46,7 @@ from packfunc.distributed import (
     sum_over_ranks,
     world_size,
 )
-from packfunc.functional import normal_tensors, public_entry
+from packfunc.functionalize import normal_tensors, public_entry
 from packfunc.losses import check_loss, default_loss, mean_normalizer
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import vmap
 
-from packfunc.functional import public_entry
+from packfunc.functionalize import public_entry
 from packfunc.products import ggn_vector_product, hessian_vector_product
 from packfunc.types import Inputs, ModelFn, Params, shares_arguments
 

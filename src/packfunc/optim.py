@@ -31,10 +31,10 @@ import torch
 from torch import Tensor, nn
 
 from packfunc import kron
-from packfunc.ekfac import ekfac, ekfac_and_factors
+from packfunc.eigen_kfac import ekfac, ekfac_and_factors
 from packfunc.engine.discovery import discover
-from packfunc.functional import flatten_params, functional, select_samples
-from packfunc.kronecker import kfac, kflr
+from packfunc.functionalize import flatten_params, functional, select_samples
+from packfunc.kronecker_factors import kfac, kflr
 from packfunc.losses import default_loss
 from packfunc.secondorder import diag_ggn
 from packfunc.types import KfacApprox, ModelFn

@@ -23,12 +23,12 @@ from torch.func import grad, vmap
 from packfunc.data import BatchToXY, over_data
 from packfunc.distributed import ProcessGroup
 from packfunc.engine.autodiff import jvp, vjp
+from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.engine.pch import loss_hessian_product, pch_block_product
-from packfunc.engine.persample import BatchPass
 from packfunc.engine.precision import full_precision, to_dtype_of
 from packfunc.engine.randomness import random_model_error
-from packfunc.functional import check_model_arguments, flatten_params
+from packfunc.functionalize import check_model_arguments, flatten_params
 from packfunc.losses import check_loss, check_loss_inputs, default_loss, hessian_factors
 from packfunc.types import (
     DATA_ARGUMENTS,

@@ -19,10 +19,10 @@ from torch import Tensor, nn
 from packfunc.data import BatchToXY, over_data
 from packfunc.distributed import ProcessGroup
 from packfunc.engine import hessian
-from packfunc.engine.persample import BatchPass, check_pass_arguments
+from packfunc.engine.batch_pass import BatchPass, check_pass_arguments
 from packfunc.engine.statistics import ggn_statistics, leaf_statistics
 from packfunc.engine.vocabulary import Statistic
-from packfunc.functional import as_index, batch_size
+from packfunc.functionalize import as_index, batch_size
 from packfunc.losses import check_loss_inputs, default_loss
 from packfunc.types import Targets
 
@@ -152,7 +152,7 @@ def plain_gradient(
 ) -> dict[str, Any]:
     """The gradient alone: one forward and one backward, nothing recorded.
 
-    Checks its arguments as :class:`~packfunc.engine.persample.BatchPass` does.
+    Checks its arguments as :class:`~packfunc.engine.batch_pass.BatchPass` does.
 
     Args:
         model_fn: As in :func:`compute`.

@@ -59,7 +59,7 @@ ARGUMENTS: dict[str, str] = {
     "chunk_size": "Samples per chunk where per-sample tensors are materialized (default: "
     "automatic, within a memory budget).",
     "kfac_approx": "``'backpack'``, ``'expand'`` or ``'reduce'``: how positions enter the "
-    "factors (see :mod:`packfunc.kronecker`).",
+    "factors (see :mod:`packfunc.kronecker_factors`).",
     "on_unsupported": "``'raise'`` for parameters without a Kronecker rule, or ``'skip'`` "
     "(``None`` for those).",
     "data": "An iterable of ``(X, y)`` batches (e.g. a ``DataLoader``) in place of ``X, y``: "

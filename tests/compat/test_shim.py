@@ -372,12 +372,12 @@ def test_block_products_are_functions_on_the_parameters():
 
 
 def test_the_users_own_forward_pass_is_reused(monkeypatch):
-    from packfunc.engine import persample
+    from packfunc.engine import batch_pass
 
     def refuse(*args):
         raise AssertionError("ran the model again")
 
-    monkeypatch.setattr(persample, "record", refuse)
+    monkeypatch.setattr(batch_pass, "record", refuse)
     torch.manual_seed(0)
     model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
     X, y = _data("mlp")

@@ -25,7 +25,7 @@ from packfunc.compat.extensions import (
     DiagGGNExact,
     DiagGGNMC,
 )
-from packfunc.engine import persample
+from packfunc.engine import batch_pass
 from packfunc.engine.randomness import RandomModelError
 from tests.cases import (
     HUGGING_FACE,
@@ -160,7 +160,7 @@ def test_hugging_face_models_with_dropout_are_consistent_or_refused(name):
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "vit"])
 def test_the_shim_reuses_the_users_forward_of_hugging_face_models(name, monkeypatch):
     own_passes = []
-    monkeypatch.setattr(persample, "record", lambda *a, **k: own_passes.append(a))
+    monkeypatch.setattr(batch_pass, "record", lambda *a, **k: own_passes.append(a))
     torch.manual_seed(0)
     model = extend(HUGGING_FACE[name](0.2).train())  # dropout: a re-run would be refused
     X = hugging_face_inputs(name, 3)

@@ -21,10 +21,10 @@ from torch.overrides import TorchFunctionMode
 import packfunc as pf
 from packfunc.compat.watch import ForwardRecorder
 from packfunc.engine.attention import ATTENTION_OPS, run_attention, supports_attention
+from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.modes import functional_mode
-from packfunc.engine.persample import BatchPass
 from packfunc.engine.whole_model import column_grads
-from packfunc.functional import flatten_params
+from packfunc.functionalize import flatten_params
 
 MASKS = ["none", "bool2d", "float2d", "bool3d", "float3d", "causal"]
 

@@ -14,7 +14,7 @@ from tests.test_properties import SETTINGS
 from torch import Tensor, nn
 
 import packfunc as pf
-from packfunc.engine import modes, persample
+from packfunc.engine import batch_pass, modes
 
 
 class Derived(nn.Module):
@@ -190,8 +190,8 @@ def test_the_shim_reuses_the_forward_of_models_with_norms(monkeypatch):
     expected = autograd_batch_grad(model, nn.CrossEntropyLoss(), X, y)
     diagonal = _diagonal(dense_curvature(model, nn.CrossEntropyLoss(), X, y))
     own_passes: list[object] = []
-    original = persample.record
-    monkeypatch.setattr(persample, "record", lambda *a: own_passes.append(a) or original(*a))
+    original = batch_pass.record
+    monkeypatch.setattr(batch_pass, "record", lambda *a: own_passes.append(a) or original(*a))
     extended, loss = extend(model), extend(nn.CrossEntropyLoss())
     with backpack(BatchGrad(), DiagGGNExact()):
         loss(extended(X), y).backward()

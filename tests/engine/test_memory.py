@@ -9,6 +9,7 @@ from torch import nn
 
 import packfunc as pf
 from packfunc.engine import memory, whole_model
+from packfunc.engine.batch_pass import ColumnGradients
 from packfunc.engine.memory import (
     chunk_length,
     chunks,
@@ -17,7 +18,6 @@ from packfunc.engine.memory import (
     new_output,
     split_index,
 )
-from packfunc.engine.persample import ColumnGradients
 
 
 def _raw_parameter_model():

@@ -39,7 +39,7 @@ from packfunc.compat.layout import RECORD_KEY, SampleLayout, find_layout, node_m
 from packfunc.compat.run import NO_OP_MODULES, forget_inputs_and_outputs, run_extensions
 from packfunc.compat.watch import ForwardRecorder
 from packfunc.engine.modes import FunctionalMode
-from packfunc.functional import is_compiled
+from packfunc.functionalize import is_compiled
 from packfunc.losses import CLASS_LOSSES
 
 _depth: list[int] = [0]

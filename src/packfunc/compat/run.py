@@ -21,10 +21,10 @@ from packfunc.compat._stored_io import memory_cleanup, stored_io
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
 from packfunc.compat.given_gradient import GivenGradient
 from packfunc.compat.layout import SampleLayout
-from packfunc.engine.batch_pass import BatchRecord
+from packfunc.engine.batch_pass import BatchPass
+from packfunc.engine.batch_record import BatchRecord
 from packfunc.engine.discovery import Plan
-from packfunc.engine.persample import BatchPass
-from packfunc.functional import wraps_module_of
+from packfunc.functionalize import wraps_module_of
 from packfunc.losses import hessian_factors
 from packfunc.quantities import evaluate
 

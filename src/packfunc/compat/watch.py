@@ -25,7 +25,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
 from packfunc.engine.attention import ATTENTION_OPS
-from packfunc.engine.batch_pass import BatchRecord, autograd_record, sample_layout
+from packfunc.engine.batch_record import BatchRecord, autograd_record, sample_layout
 from packfunc.engine.discovery import FixedTensors, Plan, Recorded, Use
 from packfunc.engine.local import (
     CallArguments,
@@ -213,7 +213,7 @@ class ForwardRecorder(TorchFunctionMode):
             differentiable: Keep the results' graphs (``create_graph=True``).
 
         Returns:
-            A :class:`~packfunc.engine.batch_pass.BatchRecord` pulling back through the watched
+            A :class:`~packfunc.engine.batch_record.BatchRecord` pulling back through the watched
             graph, or ``None`` when the watched calls differ from the plan's.
         """
         if not self.usable or len(self.calls) != len(plan.uses):

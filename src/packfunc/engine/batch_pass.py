@@ -1,555 +1,393 @@
-"""The batch pass: one forward of the whole batch, and pullbacks of any output cotangents.
+"""The engine: column gradients of every parameter leaf, from the cheapest source.
 
-The model runs once on the batch inside a :class:`~packfunc.engine.modes.ParameterMode`
-that matches every call consuming parameters with discovery's plan, in order,
-and records each site's input (tapped ops) or arguments (local calls). The
-sites' outputs are differentiated: outside ``torch.func`` transforms plain
-autograd differentiates them directly; otherwise a zero *probe* is added to each
-inside ``torch.func.vjp``. Pulling the loss gradient ``∂L/∂f`` back yields every
-site's output cotangent at once: ``g_k[n] = ∂L/∂z_k[n]`` is sample ``n``'s share,
-because the loss is a sum of per-sample terms and each row ``n`` of ``z_k``
-depends on sample ``n`` only. The pullback is kept: any other output cotangent
-(e.g. the columns of a loss Hessian's square root) is pulled back through the
-same forward pass.
+:class:`BatchPass` runs discovery and the batch pass once per ``(model_fn,
+params, X, y, loss)``. :meth:`BatchPass.columns` then pulls any stack of output
+cotangents ``[K, N, ...]`` back through it — the loss gradient (``K = 1``,
+first order) or the columns of the loss Hessian's square root (the GGN) — and
+returns :class:`ColumnGradients`, which answers per leaf: closed forms from the
+rules for tapped and local sites, column gradients in chunks (from the rules or
+the whole-model path) otherwise, zeros for unused leaves.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import cached_property, partial
-from typing import Any
+from typing import Any, cast
 
-import optree
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.func import vmap
 
-from packfunc.engine.autodiff import vjp, vjp_with_aux
-from packfunc.engine.checkpointing import plain_checkpoints
-from packfunc.engine.discovery import Plan, Recorded, Use
-from packfunc.engine.local import CallArguments, Derivation, LocalInputs, Source
-from packfunc.engine.memory import is_plain
-from packfunc.engine.modes import (
-    LeafIndex,
-    ParameterMode,
-    call_replacing,
-    is_metadata_query,
-    leaves_of,
+from packfunc.engine import whole_model
+from packfunc.engine.batch_record import BatchRecord, PlanMismatch, record
+from packfunc.engine.discovery import Plan, cached_discover, forget_plan
+from packfunc.engine.memory import chunk_length, index_length, is_plain, new_output, split_index
+from packfunc.engine.ops import TapCall
+from packfunc.engine.precision import to_dtype_of
+from packfunc.engine.randomness import refuse_rerun
+from packfunc.engine.rules import Rule, rule_for
+from packfunc.engine.rules.base import Route
+from packfunc.engine.vocabulary import Statistic
+from packfunc.functionalize import (
+    batch_size,
+    check_model_arguments,
+    flatten_params,
 )
-from packfunc.engine.ops import SIGNATURES, tapped_leaves
-from packfunc.engine.precision import forward_autocast, to_dtype_of
-from packfunc.losses import check_loss_inputs
+from packfunc.losses import check_loss
+
+_VMAPPED_COLUMNS = 32
+"""Above this many columns, one vmapped pullback beats a loop of pullbacks.
+
+A loop pays Python overhead per column; vmap pays batching rules, which for
+convolutional nets (max-pooling, convolution backward) copy the activations:
+3x slower per column on the benchmark CNN, while on an MLP vmap is slightly
+faster. Convolutional models below this many columns therefore loop.
+"""
 
 
-class PlanMismatch(RuntimeError):
-    """The batch pass called parameter-consuming ops other than discovery saw."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            "model_fn called its layers in a different order for one sample than for the "
-            "batch; packfunc needs the same sequence of layer calls for any batch size."
-        )
+_ADDITIVE = frozenset({Statistic.COLUMNS, Statistic.SUM})
+"""Statistics that add up over the calls of a leaf."""
 
 
-class _RecordMode(ParameterMode):
-    """Adds probes to site outputs (``torch.func``), or marks them for autograd.
+@dataclass(frozen=True)
+class Term:
+    """One tapped call's contribution to a leaf's gradient.
 
-    Calls that consume parameters are matched, in order, with discovery's
-    :attr:`Plan.uses`: each is handled as discovery classified it.
+    ``x`` and ``g`` are the call's recorded input ``[N, ...]`` and cotangents
+    ``[K, N, ...]``, or (in :meth:`ColumnGradients.leaf_terms`) these in the rule's
+    canonical layout.
+    """
+
+    rule: Rule
+    x: Tensor
+    g: Tensor
+    call: TapCall
+
+
+def _merge(terms: list[Term]) -> list[Term]:
+    """Combine the terms of several calls of one rule into one term, where the rule can."""
+    rule = terms[0].rule
+    if len(terms) == 1 or any(t.rule is not rule for t in terms):
+        return terms
+    merged = rule.merge([t.x for t in terms], [t.g for t in terms], [t.call.options for t in terms])
+    return terms if merged is None else [Term(rule, *merged, terms[0].call)]
+
+
+def check_pass_arguments(
+    model_fn: Callable, params: Any, loss: nn.Module, chunk_size: int | None
+) -> None:
+    """Check a model function, its params, the loss and ``chunk_size`` before any work.
+
+    Args:
+        model_fn: ``model_fn(params, X) -> output``.
+        params: Pytree of floating-point tensors.
+        loss: The loss module.
+        chunk_size: Samples per chunk, or ``None``.
+
+    Raises:
+        TypeError, ValueError: naming what to pass instead.
+
+    Example:
+        >>> check_pass_arguments(lambda p, X: X, {}, torch.nn.MSELoss(), None)
+    """
+    check_model_arguments(model_fn, params)
+    check_loss(loss)
+    chunk_length(1, 1, chunk_size)
+
+
+class BatchPass:
+    """Discovery and the batch pass of ``loss(model_fn(params, X), y)``.
+
+    Args:
+        model_fn: ``model_fn(params, X) -> output``.
+        params: Pytree of floating-point tensors.
+        X: Inputs (tensor or pytree) with leading batch dimension.
+        y: Targets with leading batch dimension.
+        loss: A supported ``torch.nn`` loss module.
+        chunk_size: Samples per chunk when column gradients are materialized
+            (``None``: automatic).
+        watched: Builds the batch pass's record from a forward pass that already ran
+            (the shim's watched forward): ``watched(plan, leaves, loss, y, n)`` returns a
+            :class:`~packfunc.engine.batch_record.BatchRecord`, or ``None`` if it cannot.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        ...               torch.nn.CrossEntropyLoss())
+        >>> bp.gradient_columns().leaf_columns(bp.names.index("weight"), slice(0, 4)).shape
+        torch.Size([1, 4, 2, 3])
     """
 
     def __init__(
-        self, leaf_of: LeafIndex, plan: Plan, probes: dict[int, Tensor], mark: bool = False
-    ):
-        super().__init__(leaf_of)
-        self.plan, self.probes, self.mark = plan, probes, mark
-        self.inputs: dict[int, Recorded] = {}
-        self.outputs: dict[int, GradientEdge] = {}
-        self.failed: set[int] = set()
-
-    def _dispatch(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        if is_metadata_query(func) or not self._touches_parameters(args, kwargs):
-            return func(*args, **kwargs)
-        u, self.uses_seen = self.uses_seen, self.uses_seen + 1
-        if u >= len(self.plan.uses) or self.plan.uses[u].func != func:
-            raise PlanMismatch()
-        use = self.plan.uses[u]
-        if use.kind == "tapped":
-            sig = SIGNATURES[func]
-            bound = sig.bind(args, kwargs)
-            run = partial(call_replacing, func, args, kwargs)
-            return self._record_tapped(use, tapped_leaves(bound, self.leaf_of), bound, run)
-        arguments = CallArguments.of(args, kwargs)
-        sources = self._sources(arguments.values) or {}
-        if use.kind == "derived":
-            out = func(*args, **kwargs)
-            self._derive(func, arguments, sources, out)
-            return out
-        if use.kind == "local" and use.site in self.probes:
-            return self._record_local(use.site, func, arguments, sources)
-        return func(*args, **kwargs)
-
-    def finish(self) -> None:
-        """Check, after the forward, that every call discovery saw was made."""
-        if self.uses_seen != len(self.plan.uses):
-            raise PlanMismatch()
-
-    def _record_tapped(
         self,
-        use: Use,
-        leaves: tuple[tuple[str, int], ...],
-        bound: dict[str, Any],
-        run: Callable[..., Tensor],
-    ) -> Tensor:
-        k = use.site
-        assert k is not None
-        if self.plan.sites[k].call.leaves != leaves:
-            raise PlanMismatch()
-        probe = self.probes.get(k)
-        if probe is None:
-            return run()
-        if self.mark and not any(isinstance(v, Tensor) and v.requires_grad for v in bound.values()):
-            # the output would be a leaf, which an in-place op after the call (ReLU(inplace=True))
-            # may not modify: compute it from a fresh leaf alias of a parameter instead
-            weight = bound[leaves[0][0]]
-            out = run(weight, weight.detach().requires_grad_())
-        else:
-            out = run()
-        if out.shape != probe.shape or bound["input"].shape[0] != probe.shape[0]:
-            self.failed.add(k)
-            return out
-        self.inputs[k] = bound["input"]
-        return self._probed(k, out, probe)
+        model_fn: Callable,
+        params: Any,
+        X: Any,
+        y: Tensor,
+        loss: nn.Module,
+        chunk_size: int | None = None,
+        watched: Callable[[Plan, list[Tensor], nn.Module, Any, int], BatchRecord | None]
+        | None = None,
+    ):
+        check_pass_arguments(model_fn, params, loss, chunk_size)
+        self.leaves, self.treespec, self.names = flatten_params(params)
+        self.n = batch_size(X)
+        self.model_fn, self.params, self.X, self.y, self.loss = model_fn, params, X, y, loss
+        self.chunk_size = chunk_size
+        self.plan, cached = cached_discover(model_fn, params, self.leaves, X)
+        try:
+            self.record = self._batch_pass(watched)
+        except PlanMismatch:
+            if not cached:
+                raise
+            forget_plan(model_fn)  # the code took another path: discover it again
+            self.plan, _ = cached_discover(model_fn, params, self.leaves, X)
+            self.record = self._batch_pass(watched)
+        failed = {leaf for k in self.record.failed for _, leaf in self.plan.sites[k].call.leaves}
+        self.whole_model = sorted(self.plan.uncovered | failed)
+        self._convolutional = any(site.call.family == "conv" for site in self.plan.sites)
 
-    def _record_local(
-        self, k: int, func: Callable, arguments: CallArguments, sources: dict[int, Source]
-    ) -> Tensor:
-        probe = self.probes[k]
-        values = list(arguments.values)
-        if self.mark and not any(isinstance(v, Tensor) and v.requires_grad for v in values):
-            first = min(sources)  # see _record_tapped: never let the output be a leaf
-            values[first] = values[first].detach().requires_grad_()
-        args, kwargs = arguments.rebuild(values)
-        out = func(*args, **kwargs)
-        shapes = self.plan.sites[k].shapes
-        layout = sample_layout(shapes, arguments.values, sources, probe.shape[0])
-        if layout is None or not isinstance(out, Tensor) or out.shape != probe.shape:
-            self.failed.add(k)
-            return out
-        batched, narrow = layout
-        leaves = {leaf: self.leaf_of.leaf(leaf) for leaf in leaves_of(sources)}
-        self.inputs[k] = LocalInputs(func, arguments, sources, batched, narrow, leaves)
-        return self._probed(k, out, probe)
-
-    def _probed(self, k: int, out: Tensor, probe: Tensor) -> Tensor:
-        if self.mark:  # autograd: the output itself is differentiated
-            self.outputs[k] = get_gradient_edge(out)  # still right if out is changed in place
-            return out
-        return out + probe
-
-
-def sample_layout(
-    shapes: tuple[torch.Size | None, ...],
-    values: tuple[Any, ...],
-    sources: dict[int, Source],
-    n: int,
-) -> tuple[tuple[int, ...], frozenset[int]] | None:
-    """Which arguments of a local call carry one row per sample, compared with discovery.
-
-    An argument whose leading dim was one for one sample and is ``n`` now is batched;
-    one whose shape did not change is the same for every sample. A derivation copied
-    along the batch (``cls.expand(N, 1, D)``) gives each sample its first row.
-
-    Returns:
-        ``(batched positions, narrowed derivations)``, or ``None`` if some argument
-        changed shape any other way (its samples cannot be told apart).
-
-    Raises:
-        ValueError: if a tensor made of parameters has one (different) row per sample.
-    """
-    batched, narrow = [], set()
-    for position, (before, value) in enumerate(zip(shapes, values)):
-        if before is None or not isinstance(value, Tensor) or value.shape == before:
-            continue
-        if before[:1] != (1,) or value.shape != (n, *before[1:]):
-            return None
-        source = sources.get(position)
-        if source is None:
-            batched.append(position)
-        elif isinstance(source, Derivation) and source.broadcast:
-            narrow.add(position)
-        else:
-            raise ValueError(
-                "model_fn uses its parameters differently for different batch sizes (a tensor "
-                "made of parameters has one row per sample, e.g. p[:N]): sample n's gradient "
-                "then depends on its position in the batch, which packfunc cannot compute. "
-                "Copy a parameter over the batch with expand/repeat instead."
+    def _batch_pass(
+        self,
+        watched: Callable[[Plan, list[Tensor], nn.Module, Any, int], BatchRecord | None] | None,
+    ) -> BatchRecord:
+        """The record of the watched forward if it fits the plan, else of packfunc's own pass."""
+        reused = watched(self.plan, self.leaves, self.loss, self.y, self.n) if watched else None
+        if reused is not None:
+            return reused
+        if watched is not None:
+            self.check_rerun(
+                "packfunc's own pass (the recorded forward pass cannot be reused: a "
+                "recurrent or attention layer, or calls packfunc runs differently)"
             )
-    return tuple(batched), frozenset(narrow)
-
-
-def zero_probes(plan: Plan, sites: list[int], n: int) -> dict[int, Tensor]:
-    """Zero probes for the outputs of the given sites of a batch of ``n`` samples.
-
-    Args:
-        plan: The result of :func:`discover`.
-        sites: Indices of the sites to probe.
-        n: Batch size.
-
-    Returns:
-        One stride-0 zero tensor ``[n, *tail]`` per site.
-
-    Example:
-        >>> from packfunc.engine.discovery import discover
-        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
-        >>> plan = discover(fn, p, list(p.values()), torch.zeros(1, 3))
-        >>> zero_probes(plan, [0], 5)[0].shape
-        torch.Size([5, 2])
-    """
-    zeros: dict[tuple[torch.dtype, torch.device], Tensor] = {}  # one scalar per dtype and device
-    probes = {}
-    for k in sites:
-        site = plan.sites[k]
-        zero = zeros.get((site.dtype, site.device))
-        if zero is None:
-            zero = zeros[(site.dtype, site.device)] = torch.zeros(
-                (), dtype=site.dtype, device=site.device
-            )
-        probes[k] = zero.expand(n, *site.tail)
-    return probes
-
-
-def probed_forward(
-    model_fn: Callable,
-    params: Any,
-    leaves: list[Tensor],
-    plan: Plan,
-    X: Any,
-    failed: set[int] | None = None,
-) -> Callable[[dict[int, Tensor]], tuple[Tensor, dict[int, Recorded]]]:
-    """Return ``probes -> (output, inputs)``: the model with probes added to tapped outputs.
-
-    Args:
-        model_fn: ``model_fn(params, X)``.
-        params: The parameter pytree.
-        leaves: Its flattened leaves.
-        plan: The result of :func:`discover`.
-        X: The batch of inputs.
-        failed: Collects sites whose output shape differed from the probe's.
-
-    Returns:
-        A function of a dict of probes (site index -> tensor shaped like the
-        site's output) returning the model output and each probed call's input.
-
-    Example:
-        >>> from packfunc.engine.discovery import discover
-        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
-        >>> plan = discover(fn, p, list(p.values()), torch.zeros(1, 3))
-        >>> out, inputs = probed_forward(fn, p, list(p.values()), plan, torch.ones(4, 3))(
-        ...     zero_probes(plan, [0], 4))
-        >>> out.shape, inputs[0].shape
-        (torch.Size([4, 2]), torch.Size([4, 3]))
-    """
-    leaf_of = LeafIndex(leaves)
-
-    def forward(probes: dict[int, Tensor]) -> tuple[Tensor, dict[int, Recorded]]:
-        mode = _RecordMode(leaf_of, plan, probes)
-        with mode:
-            output = model_fn(params, X)
-        mode.finish()
-        if failed is not None:
-            failed.update(mode.failed)
-        return _in_parameter_dtype(output, leaves), mode.inputs
-
-    return forward
-
-
-@dataclass
-class BatchRecord:
-    """Everything the batch pass produced.
-
-    The reduced loss and ``∂L/∂output`` are computed on first use: KFAC and KFLR
-    pull back other cotangents only and never pay for them.
-
-    Attributes:
-        output: The model output ``[N, ...]``.
-        inputs: Input of each recorded tapped call, by site index.
-        failed: Active sites whose shapes differed from discovery (their leaves must
-            take the whole-model path).
-        pullback: Maps an output cotangent ``[N, ...]`` to the cotangents of the
-            recorded calls' outputs.
-        pullback_columns: The same for a stack of output cotangents ``[K, N, ...]``.
-        loss_gradient: Returns ``(reduced loss, ∂L/∂output)``; called at most once.
-    """
-
-    output: Tensor
-    inputs: dict[int, Recorded]
-    failed: set[int]
-    pullback: Callable[[Tensor], dict[int, Tensor]]
-    pullback_columns: Callable[[Tensor], dict[int, Tensor]]
-    loss_gradient: Callable[[], tuple[Tensor, Tensor]]
-
-    @cached_property
-    def _loss_and_cotangent(self) -> tuple[Tensor, Tensor]:
-        return self.loss_gradient()
-
-    @property
-    def loss(self) -> Tensor:
-        """The reduced loss."""
-        return self._loss_and_cotangent[0]
-
-    @property
-    def output_cotangent(self) -> Tensor:
-        """``∂L/∂output``; row ``n`` is sample ``n``'s share."""
-        return self._loss_and_cotangent[1]
-
-
-def record(
-    model_fn: Callable,
-    params: Any,
-    leaves: list[Tensor],
-    plan: Plan,
-    X: Any,
-    y: Tensor,
-    loss: nn.Module,
-    n: int,
-) -> BatchRecord:
-    """Run the batch pass: one forward, one vector-Jacobian product of the loss.
-
-    Outside ``torch.func`` transforms, with nothing requiring gradients, plain
-    autograd differentiates the tapped outputs directly (about 30 % less
-    overhead on small models); otherwise ``torch.func.vjp`` differentiates zero
-    probes added to them, which composes with ``vmap`` and ``grad``.
-
-    Args:
-        model_fn: ``model_fn(params, X)``.
-        params: The parameter pytree.
-        leaves: Its flattened leaves.
-        plan: The result of :func:`discover`.
-        X: The batch of inputs.
-        y: The batch of targets.
-        loss: The loss module.
-        n: The batch size.
-
-    Returns:
-        The :class:`BatchRecord`.
-
-    Example:
-        >>> from packfunc.engine.discovery import discover
-        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
-        >>> X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
-        >>> plan = discover(fn, p, list(p.values()), X[:1])
-        >>> rec = record(fn, p, list(p.values()), plan, X, y, torch.nn.CrossEntropyLoss(), 4)
-        >>> rec.pullback(rec.output_cotangent)[0].shape
-        torch.Size([4, 2])
-    """
-    if is_plain(*leaves, *(t for t in optree.tree_leaves(X) if isinstance(t, Tensor))):
-        return _record_with_autograd(model_fn, params, leaves, plan, X, y, loss, n)
-    failed: set[int] = set()
-    forward = probed_forward(model_fn, params, leaves, plan, X, failed)
-
-    def output_of_probes(probes: dict[int, Tensor]) -> tuple[Tensor, dict[int, Recorded]]:
-        output, inputs = forward(probes)
-        check_loss_inputs(loss, output, y, n)
-        return output, inputs
-
-    probes = zero_probes(plan, plan.active(), n)
-    output, probe_pullback, inputs = vjp_with_aux(output_of_probes, probes)
-    value, loss_pullback = vjp(lambda out: loss(out, y), output)
-    (output_cotangent,) = loss_pullback(torch.ones_like(value))
-
-    def pullback(cotangent: Tensor) -> dict[int, Tensor]:
-        (found,) = probe_pullback(cotangent)
-        return {k: g for k, g in found.items() if k in inputs}
-
-    return BatchRecord(
-        output, inputs, failed, pullback, vmap(pullback), lambda: (value, output_cotangent)
-    )
-
-
-class _Watched(Tensor):
-    """A parameter leaf in a batch pass whose plan has tapped calls only (``Plan.tapped_only``).
-
-    Only the calls that receive it reach Python, where a ``TorchFunctionMode`` sees every
-    call of the model; :class:`_RecordMode` matches them with the plan as it does in its
-    mode (a call the plan does not have raises :class:`PlanMismatch`). Its calls return
-    plain tensors.
-    """
-
-    @classmethod
-    def __torch_function__(
-        cls, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
-    ) -> Any:
-        with torch._C.DisableTorchFunctionSubclass():
-            recorders = _recorders()
-            if not recorders:  # kept by the model beyond its pass: a plain tensor
-                return func(*args, **(kwargs or {}))
-            return recorders[-1]._dispatch(func, args, kwargs or {})
-
-
-_THREAD = threading.local()
-"""Per thread (as PyTorch's mode stack is), the records of the batch passes running with
-:class:`_Watched` leaves."""
-
-
-def _recorders() -> list[_RecordMode]:
-    """The calling thread's stack of records of watched batch passes (innermost last)."""
-    stack: list[_RecordMode] | None = getattr(_THREAD, "recorders", None)
-    if stack is None:
-        stack = _THREAD.recorders = []
-    return stack
-
-
-@contextlib.contextmanager
-def _watching(recorder: _RecordMode) -> Iterator[None]:
-    """Send this thread's calls that receive :class:`_Watched` leaves to ``recorder``."""
-    stack = _recorders()
-    stack.append(recorder)
-    try:
-        yield
-    finally:
-        stack.pop()
-
-
-def _in_parameter_dtype(output: Tensor, leaves: list[Tensor]) -> Tensor:
-    """The model output in the parameters' dtype (see ``engine/precision.py``).
-
-    A forward under autocast gives bfloat16; the loss and its curvature are formed in float32.
-    """
-    return to_dtype_of(output, leaves[0]) if leaves and isinstance(output, Tensor) else output
-
-
-def _record_with_autograd(
-    model_fn: Callable,
-    params: Any,
-    leaves: list[Tensor],
-    plan: Plan,
-    X: Any,
-    y: Tensor,
-    loss: nn.Module,
-    n: int,
-) -> BatchRecord:
-    """:func:`record` with plain autograd: tapped outputs are marked as requiring grad.
-
-    A plan of tapped calls only is followed through :class:`_Watched` leaves (the calls
-    of the model that consume no parameter run without Python in between), any other plan,
-    or a model that reaches its parameters another way than through ``params``, in a mode
-    that sees every call.
-    """
-    probes = zero_probes(plan, plan.active(), n)
-    with torch.enable_grad():
-        watched = _watched_forward(model_fn, params, leaves, plan, X, probes)
-        if watched is None:
-            mode = _RecordMode(LeafIndex(leaves), plan, probes, mark=True)
-            with mode:
-                output = model_fn(params, X)
-            mode.finish()
-        else:
-            mode, output = watched
-        output = _in_parameter_dtype(output, leaves)
-        check_loss_inputs(loss, output, y, n)
-        if not output.requires_grad:  # no tapped call upstream
-            output.requires_grad_()
-    shapes = {k: (n, *plan.sites[k].tail) for k in mode.outputs}
-    return autograd_record(output, mode.inputs, mode.outputs, shapes, mode.failed, loss, y)
-
-
-def _watched_forward(
-    model_fn: Callable,
-    params: Any,
-    leaves: list[Tensor],
-    plan: Plan,
-    X: Any,
-    probes: dict[int, Tensor],
-) -> tuple[_RecordMode, Tensor] | None:
-    """The forward with :class:`_Watched` aliases of the leaves, and its record.
-
-    Returns:
-        ``(record, output)``; ``None`` for a plan with other calls than tapped ones, or if
-        the calls that received the aliases were not the plan's (the mode then decides).
-    """
-    if not plan.tapped_only:
-        return None
-    aliases: list[Tensor] = [leaf.as_subclass(_Watched) for leaf in leaves]
-    alias_of = {id(leaf): alias for leaf, alias in zip(leaves, aliases)}
-    mode = _RecordMode(LeafIndex(aliases), plan, probes, mark=True)
-    try:
-        with _watching(mode), plain_checkpoints(), forward_autocast():
-            output = model_fn(optree.tree_map(lambda t: alias_of[id(t)], params), X)
-        mode.finish()
-    except PlanMismatch:  # e.g. a model that reaches its parameters not through params
-        return None
-    return mode, output
-
-
-def autograd_record(
-    output: Tensor,
-    inputs: dict[int, Recorded],
-    outputs: dict[int, GradientEdge],
-    shapes: dict[int, tuple[int, ...]],
-    failed: set[int],
-    loss: nn.Module,
-    y: Any,
-    differentiable: bool = False,
-) -> BatchRecord:
-    """A :class:`BatchRecord` whose pullbacks run backward through an existing autograd graph.
-
-    The recorded calls' outputs are given as gradient edges (their autograd nodes),
-    so an in-place op applied to an output later (``ReLU(inplace=True)``) does not
-    change what is differentiated. With ``differentiable``, every result keeps its
-    own graph (``backward(create_graph=True)``).
-    """
-
-    def loss_gradient() -> tuple[Tensor, Tensor]:
-        with torch.enable_grad():
-            value = loss(output, y)
-            (output_cotangent,) = torch.autograd.grad(
-                value, output, retain_graph=True, create_graph=differentiable
-            )
-        return (value, output_cotangent) if differentiable else (value.detach(), output_cotangent)
-
-    # a call whose output is the model output (a head) gets the cotangent itself
-    node, index = output.grad_fn, output.output_nr
-    direct = [
-        k
-        for k, e in outputs.items()
-        if node is not None and e.node is node and e.output_nr == index
-    ]
-    sites = [k for k in outputs if k not in direct]
-    edges = [outputs[k] for k in sites]
-
-    def gradients(cotangent: Tensor, batched: bool) -> dict[int, Tensor]:
-        found = dict.fromkeys(direct, cotangent)
-        if not edges:
-            return found
-        pulled = torch.autograd.grad(
-            output,
-            edges,
-            cotangent,
-            retain_graph=True,
-            create_graph=differentiable,
-            allow_unused=True,
-            is_grads_batched=batched,
+        return record(
+            self.model_fn, self.params, self.leaves, self.plan, self.X, self.y, self.loss, self.n
         )
-        for k, g in zip(sites, pulled):
-            shape = (*cotangent.shape[:batched], *shapes[k])
-            # an output laid out as flat rows (an addmm watched as a linear layer) is reshaped
-            found[k] = g.reshape(shape) if g is not None else cotangent.new_zeros(shape)
-        return found
 
-    if differentiable:
-        recorded, result = dict(inputs), output
-    else:  # values only: nothing to track
-        recorded, result = {k: x.detach() for k, x in inputs.items()}, output.detach()
-    return BatchRecord(
-        result,
-        recorded,
-        failed,
-        lambda c: gradients(c, False),
-        lambda c: gradients(c, True),
-        loss_gradient,
-    )
+    def check_rerun(self, rerun: str) -> None:
+        """Refuse to run the model again for values if it draws random numbers.
+
+        Args:
+            rerun: What would run it, for the message (e.g. ``"the whole-model path"``).
+
+        Raises:
+            RandomModelError: if discovery saw the model draw random numbers.
+        """
+        refuse_rerun(self.plan.random, rerun)
+
+    @property
+    def loss_value(self) -> Tensor:
+        """The reduced loss of the batch."""
+        return self.record.loss
+
+    def column_width(self) -> int:
+        """Elements one column of one sample occupies at the output and the recorded calls."""
+        sites = sum(self.plan.sites[k].tail.numel() for k in self.record.inputs)
+        return sites + self.record.output[0].numel()
+
+    def gradient_columns(self) -> ColumnGradients:
+        """Column gradients for the loss gradient: ``K = 1``, per-sample gradients."""
+        return self.columns(self.record.output_cotangent.unsqueeze(0))
+
+    def columns(self, cotangents: Tensor) -> ColumnGradients:
+        """Pull a stack of output cotangents ``[K, N, ...]`` back through the batch pass.
+
+        Args:
+            cotangents: ``K`` output cotangents for the whole batch.
+
+        Returns:
+            The :class:`ColumnGradients` of every leaf.
+        """
+        columns = cotangents.shape[0]
+        if not self.record.inputs:
+            sites = {}
+        elif columns == 1:
+            sites = {k: g[None] for k, g in self.record.pullback(cotangents[0]).items()}
+        elif columns > _VMAPPED_COLUMNS or not self._convolutional:
+            sites = self.record.pullback_columns(cotangents)
+        else:
+            pulled = [self.record.pullback(column) for column in cotangents.unbind(0)]
+            sites = {k: _stack([found[k] for found in pulled]) for k in pulled[0]}
+        return ColumnGradients(self, cotangents, sites)
+
+
+class ColumnGradients:
+    """Column gradients ``J_nᵀ c_{k,n}`` of every leaf for output cotangents ``c [K, N, ...]``.
+
+    Args:
+        backprop: The batch pass.
+        cotangents: Output cotangents ``[K, N, ...]``.
+        sites: Their pullback to every recorded tapped call, ``[K, N, ...]`` each.
+    """
+
+    def __init__(self, backprop: BatchPass, cotangents: Tensor, sites: dict[int, Tensor]):
+        self.bp, self.cotangents = backprop, cotangents
+        self.count = cotangents.shape[0]
+        self.recorded = self._recorded_calls(sites)
+        self._canonical: dict[int, list[Term]] = {}
+
+    def _recorded_calls(self, sites: dict[int, Tensor]) -> dict[int, list[Term]]:
+        """Each tapped leaf's calls with their recorded input and cotangents, not canonicalized."""
+        by_leaf: dict[int, list[Term]] = {}
+        for k, x in self.bp.record.inputs.items():
+            call = self.bp.plan.sites[k].call
+            # statistics in the parameters' dtype (recorded in bfloat16 under autocast), once
+            # per call: its weight and bias share a dtype
+            param = self.bp.leaves[call.leaves[0][1]]
+            # a local site's rule receives the recorded call (LocalInputs) as its input
+            x = to_dtype_of(x, param) if isinstance(x, Tensor) else x
+            g = to_dtype_of(sites[k], param)
+            for role, leaf in call.leaves:
+                if leaf not in self.bp.whole_model:
+                    term = Term(rule_for(call, role), cast(Tensor, x), g, call)
+                    by_leaf.setdefault(leaf, []).append(term)
+        return by_leaf
+
+    @property
+    def terms(self) -> dict[int, list[Term]]:
+        """Every tapped leaf's terms in its rule's canonical layout (see :meth:`leaf_terms`)."""
+        return {leaf: self.leaf_terms(leaf) for leaf in self.recorded}
+
+    def leaf_terms(self, leaf: int) -> list[Term]:
+        """A leaf's terms in its rule's canonical layout, canonicalized on first use.
+
+        Args:
+            leaf: Leaf index.
+
+        Returns:
+            One term per call, or one for several calls the rule merges; ``[]`` if unused.
+        """
+        if leaf not in self._canonical:
+            param = self.bp.leaves[leaf]
+            terms = [
+                Term(c.rule, *c.rule.canonical(c.x, c.g, c.call, param), c.call)
+                for c in self.recorded.get(leaf, [])
+            ]
+            self._canonical[leaf] = _merge(terms) if terms else []
+        return self._canonical[leaf]
+
+    def _route(self, leaf: int, stat: Statistic) -> Route:
+        """Where a tapped leaf's statistic comes from: every call's rule must agree.
+
+        Calls' statistics from the recorded call add up only for additive statistics.
+        """
+        calls, param = self.recorded[leaf], self.bp.leaves[leaf]
+        routes = {c.rule.route(stat, c.x, c.g, c.call, param) for c in calls}
+        route = routes.pop() if len(routes) == 1 else Route.CANONICAL
+        if route is Route.CALL and len(calls) > 1 and stat not in _ADDITIVE:
+            return Route.CANONICAL
+        return route
+
+    def _from_calls(self, leaf: int, stat: Statistic, index: slice | Tensor) -> Tensor:
+        """A statistic :meth:`_route` sends to the recorded calls, summed over them."""
+        param = self.bp.leaves[leaf]
+        return _total(
+            [
+                c.rule.from_call(stat, c.x[index], c.g[:, index], c.call, param)
+                for c in self.recorded[leaf]
+            ]
+        )
+
+    def closed_form(self, leaf: int, stat: Statistic, index: slice | Tensor) -> Tensor | None:
+        """Return a statistic of a leaf in closed form, or ``None``.
+
+        Args:
+            leaf: Leaf index.
+            stat: Any statistic but :attr:`~Statistic.COLUMNS`.
+            index: Samples the statistic covers.
+
+        Returns:
+            The statistic, or ``None`` if it needs materialized column gradients.
+        """
+        if leaf in self.bp.whole_model:
+            return None
+        param = self.bp.leaves[leaf]
+        if leaf not in self.recorded:
+            return _zeros_of(param, stat, index_length(index))
+        route = self._route(leaf, stat)
+        if route is Route.MATERIALIZED:
+            return None
+        if route is Route.CALL:
+            return self._from_calls(leaf, stat, index)
+        terms = self.leaf_terms(leaf)
+        if stat is Statistic.SUM:
+            sums = [t.rule.column_sum(t.x[:, index], t.g[:, index], t.call, param) for t in terms]
+            return _total(sums)
+        if len(terms) != 1:
+            return None
+        (t,) = terms
+        return getattr(t.rule, stat.value)(t.x[:, index], t.g[:, index], t.call, param)
+
+    def leaf_columns(self, leaf: int, index: slice | Tensor) -> Tensor:
+        """Column gradients ``[K, n, *leaf.shape]`` of a tapped or unused leaf.
+
+        Args:
+            leaf: Leaf index (not on the whole-model path).
+            index: Samples to compute.
+
+        Returns:
+            The column gradients of those samples.
+        """
+        param = self.bp.leaves[leaf]
+        if leaf not in self.recorded:
+            return param.new_zeros((self.count, index_length(index), *param.shape))
+        if self._route(leaf, Statistic.COLUMNS) is Route.CALL:
+            return self._from_calls(leaf, Statistic.COLUMNS, index)
+        terms = self.leaf_terms(leaf)
+        grads = [t.rule.columns(t.x[:, index], t.g[:, index], t.call, param) for t in terms]
+        return _total(grads)
+
+    def iter_leaf_columns(self, wanted: list[int], index: slice | Tensor) -> Iterator[list[Tensor]]:
+        """Yield column gradients ``[K, chunk, *p]`` of ``wanted`` leaves for chunks of ``index``.
+
+        Generic leaves come from one shared vmap pass per chunk; the others from
+        their rules.
+
+        Args:
+            wanted: Leaf indices, all on the whole-model path or none.
+            index: Samples to compute.
+
+        Yields:
+            Per chunk, one tensor per wanted leaf.
+        """
+        numel = self.count * sum(self.bp.leaves[i].numel() for i in wanted)
+        length = chunk_length(index_length(index), numel, self.bp.chunk_size)
+        for chunk in split_index(index, length):
+            if wanted and wanted[0] in self.bp.whole_model:
+                names = ", ".join(self.bp.names[i] for i in wanted)
+                self.bp.check_rerun(f"the whole-model path (for {names})")
+                yield whole_model.column_grads(
+                    self.bp.model_fn,
+                    self.bp.leaves,
+                    self.bp.treespec,
+                    wanted,
+                    self.bp.X,
+                    self.cotangents,
+                    chunk,
+                )
+            else:
+                yield [self.leaf_columns(i, chunk) for i in wanted]
+
+
+def _stack(tensors: list[Tensor]) -> Tensor:
+    """``torch.stack``, into huge-page memory when the result is large and plain."""
+    if not is_plain(*tensors):
+        return torch.stack(tensors)
+    return torch.stack(tensors, out=new_output((len(tensors), *tensors[0].shape), tensors[0]))
+
+
+def _zeros_of(param: Tensor, stat: Statistic, n: int) -> Tensor:
+    """Statistics of a leaf the output does not depend on."""
+    if stat is Statistic.SQUARED_NORMS:
+        return param.new_zeros(n)
+    if stat is Statistic.DIAGONAL_PER_SAMPLE:
+        return param.new_zeros((n, *param.shape))
+    return torch.zeros_like(param)
+
+
+def _total(tensors: list[Tensor]) -> Tensor:
+    """The sum of one or more tensors (the first itself if alone)."""
+    total = tensors[0]
+    for tensor in tensors[1:]:
+        total = total + tensor
+    return total

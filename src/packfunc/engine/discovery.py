@@ -44,7 +44,7 @@ from packfunc.engine.modes import (
 )
 from packfunc.engine.ops import ROLES, SIGNATURES, OpSignature, TapCall, make_call
 from packfunc.engine.randomness import private_generators, random_call
-from packfunc.functional import module_of, select_samples
+from packfunc.functionalize import module_of, select_samples
 
 Recorded = Tensor | LocalInputs
 """What the batch pass keeps of a site: a tapped op's input, or a local call's arguments."""
@@ -448,7 +448,7 @@ def cached_discover(
     structure, shapes, dtypes and devices, the inputs' structure and per-sample
     shapes, and (for :func:`packfunc.functional` models) every submodule's training
     flag. The batch pass checks every call against the plan and raises
-    :class:`~packfunc.engine.batch_pass.PlanMismatch` if the code took another path;
+    :class:`~packfunc.engine.batch_record.PlanMismatch` if the code took another path;
     callers then discover again. Training loops call the same ``model_fn`` on
     batches of one shape: they skip discovery's forward of one sample.
 

@@ -40,16 +40,16 @@ from torch import Tensor
 from torch.func import grad, vmap
 
 from packfunc.engine.autodiff import over_samples, vjp
-from packfunc.engine.batch_pass import probed_forward, zero_probes
+from packfunc.engine.batch_pass import BatchPass
+from packfunc.engine.batch_record import probed_forward, zero_probes
 from packfunc.engine.hessian_recursion import layer_output_curvature
 from packfunc.engine.memory import DEFAULT_BUDGET, chunks, index_length
 from packfunc.engine.modes import functional_mode, twice_differentiable
-from packfunc.engine.persample import BatchPass
 from packfunc.engine.piecewise import piecewise_affine_leaves
 from packfunc.engine.precision import full_precision, to_dtype_of
 from packfunc.engine.statistics import ggn_statistics
 from packfunc.engine.vocabulary import Statistic
-from packfunc.functional import select_samples
+from packfunc.functionalize import select_samples
 
 Stats = dict[Statistic, Tensor]
 

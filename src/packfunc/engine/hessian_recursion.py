@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.func import vmap
 
 from packfunc.engine.autodiff import jvp, vjp
+from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.chain import (
     ELEMENTWISE,
     RESHAPES,
@@ -24,7 +25,6 @@ from packfunc.engine.chain import (
 )
 from packfunc.engine.memory import DEFAULT_BUDGET
 from packfunc.engine.pch import modified_curvature
-from packfunc.engine.persample import BatchPass
 from packfunc.losses import hessian_factors
 
 

@@ -2,7 +2,7 @@
 
 KFRA (Botev et al., 2017) propagates one batch-averaged matrix ``H`` (the GGN
 w.r.t. the current chain tensor) from the output back to the input, op by op
-(``engine/kronecker.py`` reads a layer's factors off it on the way). Selections
+(``engine/layer_factors.py`` reads a layer's factors off it on the way). Selections
 (max pooling, padding, slicing) average their Jacobians with one gather and one
 matrix product instead of a pass per sample.
 """

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.func import grad, vmap
 
 from packfunc.engine.autodiff import jvp, vjp
+from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.chain import (
     ELEMENTWISE,
     Link,
@@ -23,7 +24,6 @@ from packfunc.engine.chain import (
     passes_recursions,
     trace_chain,
 )
-from packfunc.engine.persample import BatchPass
 
 
 def pch_block_product(bp: BatchPass, leaf: int, mats: Tensor, modify: str) -> Tensor:

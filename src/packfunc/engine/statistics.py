@@ -17,8 +17,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from packfunc.engine.batch_pass import BatchPass, ColumnGradients
 from packfunc.engine.memory import chunk_length, chunks
-from packfunc.engine.persample import BatchPass, ColumnGradients
 from packfunc.engine.vocabulary import PER_SAMPLE, Statistic
 from packfunc.losses import hessian_factors
 

@@ -20,7 +20,7 @@ from torch.func import vmap
 from packfunc.engine.autodiff import over_samples, vjp
 from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.engine.precision import to_dtype_of
-from packfunc.functional import select_samples
+from packfunc.functionalize import select_samples
 
 
 def column_grads(

@@ -42,7 +42,7 @@ except ImportError as error:  # pragma: no cover - exercised without laplace ins
     ) from error
 
 import packfunc as pf
-from packfunc.kronecker import sqrt_factors_and_loss
+from packfunc.kronecker_factors import sqrt_factors_and_loss
 from packfunc.types import Inputs, ModelFn
 
 
@@ -226,7 +226,7 @@ class PackfuncInterface(CurvatureInterface):
 
     @property
     def _kron_options(self) -> dict[str, Any]:
-        """:func:`packfunc.kronecker.sqrt_factors_and_loss`'s options of this curvature."""
+        """:func:`packfunc.kronecker_factors.sqrt_factors_and_loss`'s options of this curvature."""
         raise NotImplementedError
 
     def _unsupported_blocks(

@@ -183,7 +183,7 @@ class Rule:
 
         Args:
             g: Canonical cotangent columns.
-            approx: ``"backpack"``, ``"expand"`` or ``"reduce"`` (see ``packfunc.kronecker``).
+            approx: How positions enter (see :mod:`packfunc.kronecker_factors`).
 
         Returns:
             The output-side factor, ``[O, O]``.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
-from packfunc.engine.kronecker import CURVATURES
+from packfunc.engine.layer_factors import CURVATURES
 
 BOTEV_MARTENS = "E[J^T E(H) J]"
 """The expectation approximation packfunc implements (BackPACK's default)."""

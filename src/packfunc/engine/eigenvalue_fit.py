@@ -20,8 +20,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from packfunc.engine.batch_pass import BatchPass, ColumnGradients, Term
 from packfunc.engine.memory import chunk_length, chunks
-from packfunc.engine.persample import BatchPass, ColumnGradients, Term
 from packfunc.engine.rules.product import ProductWeight
 from packfunc.losses import hessian_factors
 
@@ -35,7 +35,7 @@ def fitted_eigenvalues(
 ) -> list[Tensor | None]:
     """Eigenvalues of every leaf's GGN block in its Kronecker eigenbasis.
 
-    The square-root columns are drawn exactly as :func:`~packfunc.engine.kronecker.sqrt_factors`
+    The square-root columns are drawn exactly as :func:`~packfunc.engine.layer_factors.sqrt_factors`
     draws them (same slices), so a generator in the same state gives the same samples.
 
     Args:
@@ -44,7 +44,7 @@ def fitted_eigenvalues(
         mc_samples: Monte-Carlo samples per sample, or ``None`` for the exact columns.
         generator: Random generator for the samples.
         columns: All column gradients of these samples, already pulled back (e.g. by
-            :func:`~packfunc.engine.kronecker.sqrt_factors`); ``None``: pull them back.
+            :func:`~packfunc.engine.layer_factors.sqrt_factors`); ``None``: pull them back.
 
     Returns:
         Per leaf, ``λ`` shaped ``[dim A, dim B]`` (or ``[dim A]``), or ``None``.

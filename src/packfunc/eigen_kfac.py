@@ -9,10 +9,10 @@ import optree
 import torch
 from torch import nn
 
-from packfunc.engine.ekfac import fitted_eigenvalues
-from packfunc.engine.kronecker import APPROXIMATIONS, sqrt_factors
-from packfunc.engine.persample import BatchPass, ColumnGradients
-from packfunc.functional import public_entry
+from packfunc.engine.batch_pass import BatchPass, ColumnGradients
+from packfunc.engine.eigenvalue_fit import fitted_eigenvalues
+from packfunc.engine.layer_factors import APPROXIMATIONS, sqrt_factors
+from packfunc.functionalize import public_entry
 from packfunc.kron import Eigen, batched_eigh
 from packfunc.losses import default_loss
 from packfunc.types import (

@@ -7,10 +7,10 @@ from tests.cases import RecurrentHead
 from torch import nn
 
 import packfunc as pf
-from packfunc.engine import batch_pass
-from packfunc.engine.batch_pass import PlanMismatch
+from packfunc.engine import batch_record
+from packfunc.engine.batch_record import PlanMismatch
 from packfunc.engine.discovery import Plan, discover
-from packfunc.functional import flatten_params
+from packfunc.functionalize import flatten_params
 
 
 class SelfAttention(nn.Module):
@@ -65,13 +65,13 @@ def test_which_plans_have_tapped_calls_only():
 def test_watched_leaves_give_the_results_of_the_mode(name, monkeypatch):
     _, model_fn, params, X, y = next(m for m in _models() if m[0] == name)
     passes = []
-    watching = batch_pass._watching
+    watching = batch_record._watching
 
     def counted(recorder):
         passes.append(recorder)
         return watching(recorder)
 
-    monkeypatch.setattr(batch_pass, "_watching", counted)
+    monkeypatch.setattr(batch_record, "_watching", counted)
 
     def everything():
         out = pf.compute(
@@ -115,7 +115,7 @@ def test_a_watched_leaf_kept_by_the_model_acts_as_a_plain_tensor():
 
     X, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
     pf.batch_grad(model_fn, {"w": w}, X, y)
-    assert isinstance(kept[-1], batch_pass._Watched)
+    assert isinstance(kept[-1], batch_record._Watched)
     doubled = kept[-1] * 2
     assert type(doubled) is torch.Tensor and torch.equal(doubled, 2 * w)
 

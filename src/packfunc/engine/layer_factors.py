@@ -18,12 +18,12 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from packfunc.engine.batch_pass import BatchPass, ColumnGradients, Term
 from packfunc.engine.chain import Link, NotSequentialError, trace_chain
 from packfunc.engine.kfra import expected_jacobian_sandwich
 from packfunc.engine.memory import chunk_length, chunks
 from packfunc.engine.ops import TapCall
 from packfunc.engine.pch import summed_residual_curvature
-from packfunc.engine.persample import BatchPass, ColumnGradients, Term
 from packfunc.engine.precision import to_dtype_of
 from packfunc.engine.rules import rule_for
 from packfunc.losses import HessianFactors, hessian_factors

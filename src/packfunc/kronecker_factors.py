@@ -38,14 +38,14 @@ from torch import Tensor, nn
 
 from packfunc.data import BatchToXY, over_data
 from packfunc.distributed import ProcessGroup
-from packfunc.engine.kronecker import (
+from packfunc.engine.batch_pass import BatchPass
+from packfunc.engine.layer_factors import (
     APPROXIMATIONS,
     CURVATURES,
     Factors,
     kfra_factors,
     sqrt_factors,
 )
-from packfunc.engine.persample import BatchPass
 from packfunc.losses import default_loss
 from packfunc.types import (
     DATA_ARGUMENTS,

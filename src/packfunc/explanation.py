@@ -5,13 +5,13 @@ from __future__ import annotations
 import optree
 import torch
 
-from packfunc.engine.batch_pass import probed_forward, zero_probes
+from packfunc.engine.batch_record import probed_forward, zero_probes
 from packfunc.engine.discovery import Plan, discover
 from packfunc.engine.ops import TapCall
 from packfunc.engine.randomness import private_generators
 from packfunc.engine.rules import rule_for
 from packfunc.engine.rules.local import LOCAL
-from packfunc.functional import (
+from packfunc.functionalize import (
     batch_size,
     check_model_arguments,
     flatten_params,

@@ -1,0 +1,555 @@
+"""The batch pass: one forward of the whole batch, and pullbacks of any output cotangents.
+
+The model runs once on the batch inside a :class:`~packfunc.engine.modes.ParameterMode`
+that matches every call consuming parameters with discovery's plan, in order,
+and records each site's input (tapped ops) or arguments (local calls). The
+sites' outputs are differentiated: outside ``torch.func`` transforms plain
+autograd differentiates them directly; otherwise a zero *probe* is added to each
+inside ``torch.func.vjp``. Pulling the loss gradient ``∂L/∂f`` back yields every
+site's output cotangent at once: ``g_k[n] = ∂L/∂z_k[n]`` is sample ``n``'s share,
+because the loss is a sum of per-sample terms and each row ``n`` of ``z_k``
+depends on sample ``n`` only. The pullback is kept: any other output cotangent
+(e.g. the columns of a loss Hessian's square root) is pulled back through the
+same forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import cached_property, partial
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.func import vmap
+
+from packfunc.engine.autodiff import vjp, vjp_with_aux
+from packfunc.engine.checkpointing import plain_checkpoints
+from packfunc.engine.discovery import Plan, Recorded, Use
+from packfunc.engine.local import CallArguments, Derivation, LocalInputs, Source
+from packfunc.engine.memory import is_plain
+from packfunc.engine.modes import (
+    LeafIndex,
+    ParameterMode,
+    call_replacing,
+    is_metadata_query,
+    leaves_of,
+)
+from packfunc.engine.ops import SIGNATURES, tapped_leaves
+from packfunc.engine.precision import forward_autocast, to_dtype_of
+from packfunc.losses import check_loss_inputs
+
+
+class PlanMismatch(RuntimeError):
+    """The batch pass called parameter-consuming ops other than discovery saw."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "model_fn called its layers in a different order for one sample than for the "
+            "batch; packfunc needs the same sequence of layer calls for any batch size."
+        )
+
+
+class _RecordMode(ParameterMode):
+    """Adds probes to site outputs (``torch.func``), or marks them for autograd.
+
+    Calls that consume parameters are matched, in order, with discovery's
+    :attr:`Plan.uses`: each is handled as discovery classified it.
+    """
+
+    def __init__(
+        self, leaf_of: LeafIndex, plan: Plan, probes: dict[int, Tensor], mark: bool = False
+    ):
+        super().__init__(leaf_of)
+        self.plan, self.probes, self.mark = plan, probes, mark
+        self.inputs: dict[int, Recorded] = {}
+        self.outputs: dict[int, GradientEdge] = {}
+        self.failed: set[int] = set()
+
+    def _dispatch(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        if is_metadata_query(func) or not self._touches_parameters(args, kwargs):
+            return func(*args, **kwargs)
+        u, self.uses_seen = self.uses_seen, self.uses_seen + 1
+        if u >= len(self.plan.uses) or self.plan.uses[u].func != func:
+            raise PlanMismatch()
+        use = self.plan.uses[u]
+        if use.kind == "tapped":
+            sig = SIGNATURES[func]
+            bound = sig.bind(args, kwargs)
+            run = partial(call_replacing, func, args, kwargs)
+            return self._record_tapped(use, tapped_leaves(bound, self.leaf_of), bound, run)
+        arguments = CallArguments.of(args, kwargs)
+        sources = self._sources(arguments.values) or {}
+        if use.kind == "derived":
+            out = func(*args, **kwargs)
+            self._derive(func, arguments, sources, out)
+            return out
+        if use.kind == "local" and use.site in self.probes:
+            return self._record_local(use.site, func, arguments, sources)
+        return func(*args, **kwargs)
+
+    def finish(self) -> None:
+        """Check, after the forward, that every call discovery saw was made."""
+        if self.uses_seen != len(self.plan.uses):
+            raise PlanMismatch()
+
+    def _record_tapped(
+        self,
+        use: Use,
+        leaves: tuple[tuple[str, int], ...],
+        bound: dict[str, Any],
+        run: Callable[..., Tensor],
+    ) -> Tensor:
+        k = use.site
+        assert k is not None
+        if self.plan.sites[k].call.leaves != leaves:
+            raise PlanMismatch()
+        probe = self.probes.get(k)
+        if probe is None:
+            return run()
+        if self.mark and not any(isinstance(v, Tensor) and v.requires_grad for v in bound.values()):
+            # the output would be a leaf, which an in-place op after the call (ReLU(inplace=True))
+            # may not modify: compute it from a fresh leaf alias of a parameter instead
+            weight = bound[leaves[0][0]]
+            out = run(weight, weight.detach().requires_grad_())
+        else:
+            out = run()
+        if out.shape != probe.shape or bound["input"].shape[0] != probe.shape[0]:
+            self.failed.add(k)
+            return out
+        self.inputs[k] = bound["input"]
+        return self._probed(k, out, probe)
+
+    def _record_local(
+        self, k: int, func: Callable, arguments: CallArguments, sources: dict[int, Source]
+    ) -> Tensor:
+        probe = self.probes[k]
+        values = list(arguments.values)
+        if self.mark and not any(isinstance(v, Tensor) and v.requires_grad for v in values):
+            first = min(sources)  # see _record_tapped: never let the output be a leaf
+            values[first] = values[first].detach().requires_grad_()
+        args, kwargs = arguments.rebuild(values)
+        out = func(*args, **kwargs)
+        shapes = self.plan.sites[k].shapes
+        layout = sample_layout(shapes, arguments.values, sources, probe.shape[0])
+        if layout is None or not isinstance(out, Tensor) or out.shape != probe.shape:
+            self.failed.add(k)
+            return out
+        batched, narrow = layout
+        leaves = {leaf: self.leaf_of.leaf(leaf) for leaf in leaves_of(sources)}
+        self.inputs[k] = LocalInputs(func, arguments, sources, batched, narrow, leaves)
+        return self._probed(k, out, probe)
+
+    def _probed(self, k: int, out: Tensor, probe: Tensor) -> Tensor:
+        if self.mark:  # autograd: the output itself is differentiated
+            self.outputs[k] = get_gradient_edge(out)  # still right if out is changed in place
+            return out
+        return out + probe
+
+
+def sample_layout(
+    shapes: tuple[torch.Size | None, ...],
+    values: tuple[Any, ...],
+    sources: dict[int, Source],
+    n: int,
+) -> tuple[tuple[int, ...], frozenset[int]] | None:
+    """Which arguments of a local call carry one row per sample, compared with discovery.
+
+    An argument whose leading dim was one for one sample and is ``n`` now is batched;
+    one whose shape did not change is the same for every sample. A derivation copied
+    along the batch (``cls.expand(N, 1, D)``) gives each sample its first row.
+
+    Returns:
+        ``(batched positions, narrowed derivations)``, or ``None`` if some argument
+        changed shape any other way (its samples cannot be told apart).
+
+    Raises:
+        ValueError: if a tensor made of parameters has one (different) row per sample.
+    """
+    batched, narrow = [], set()
+    for position, (before, value) in enumerate(zip(shapes, values)):
+        if before is None or not isinstance(value, Tensor) or value.shape == before:
+            continue
+        if before[:1] != (1,) or value.shape != (n, *before[1:]):
+            return None
+        source = sources.get(position)
+        if source is None:
+            batched.append(position)
+        elif isinstance(source, Derivation) and source.broadcast:
+            narrow.add(position)
+        else:
+            raise ValueError(
+                "model_fn uses its parameters differently for different batch sizes (a tensor "
+                "made of parameters has one row per sample, e.g. p[:N]): sample n's gradient "
+                "then depends on its position in the batch, which packfunc cannot compute. "
+                "Copy a parameter over the batch with expand/repeat instead."
+            )
+    return tuple(batched), frozenset(narrow)
+
+
+def zero_probes(plan: Plan, sites: list[int], n: int) -> dict[int, Tensor]:
+    """Zero probes for the outputs of the given sites of a batch of ``n`` samples.
+
+    Args:
+        plan: The result of :func:`discover`.
+        sites: Indices of the sites to probe.
+        n: Batch size.
+
+    Returns:
+        One stride-0 zero tensor ``[n, *tail]`` per site.
+
+    Example:
+        >>> from packfunc.engine.discovery import discover
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> plan = discover(fn, p, list(p.values()), torch.zeros(1, 3))
+        >>> zero_probes(plan, [0], 5)[0].shape
+        torch.Size([5, 2])
+    """
+    zeros: dict[tuple[torch.dtype, torch.device], Tensor] = {}  # one scalar per dtype and device
+    probes = {}
+    for k in sites:
+        site = plan.sites[k]
+        zero = zeros.get((site.dtype, site.device))
+        if zero is None:
+            zero = zeros[(site.dtype, site.device)] = torch.zeros(
+                (), dtype=site.dtype, device=site.device
+            )
+        probes[k] = zero.expand(n, *site.tail)
+    return probes
+
+
+def probed_forward(
+    model_fn: Callable,
+    params: Any,
+    leaves: list[Tensor],
+    plan: Plan,
+    X: Any,
+    failed: set[int] | None = None,
+) -> Callable[[dict[int, Tensor]], tuple[Tensor, dict[int, Recorded]]]:
+    """Return ``probes -> (output, inputs)``: the model with probes added to tapped outputs.
+
+    Args:
+        model_fn: ``model_fn(params, X)``.
+        params: The parameter pytree.
+        leaves: Its flattened leaves.
+        plan: The result of :func:`discover`.
+        X: The batch of inputs.
+        failed: Collects sites whose output shape differed from the probe's.
+
+    Returns:
+        A function of a dict of probes (site index -> tensor shaped like the
+        site's output) returning the model output and each probed call's input.
+
+    Example:
+        >>> from packfunc.engine.discovery import discover
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> plan = discover(fn, p, list(p.values()), torch.zeros(1, 3))
+        >>> out, inputs = probed_forward(fn, p, list(p.values()), plan, torch.ones(4, 3))(
+        ...     zero_probes(plan, [0], 4))
+        >>> out.shape, inputs[0].shape
+        (torch.Size([4, 2]), torch.Size([4, 3]))
+    """
+    leaf_of = LeafIndex(leaves)
+
+    def forward(probes: dict[int, Tensor]) -> tuple[Tensor, dict[int, Recorded]]:
+        mode = _RecordMode(leaf_of, plan, probes)
+        with mode:
+            output = model_fn(params, X)
+        mode.finish()
+        if failed is not None:
+            failed.update(mode.failed)
+        return _in_parameter_dtype(output, leaves), mode.inputs
+
+    return forward
+
+
+@dataclass
+class BatchRecord:
+    """Everything the batch pass produced.
+
+    The reduced loss and ``∂L/∂output`` are computed on first use: KFAC and KFLR
+    pull back other cotangents only and never pay for them.
+
+    Attributes:
+        output: The model output ``[N, ...]``.
+        inputs: Input of each recorded tapped call, by site index.
+        failed: Active sites whose shapes differed from discovery (their leaves must
+            take the whole-model path).
+        pullback: Maps an output cotangent ``[N, ...]`` to the cotangents of the
+            recorded calls' outputs.
+        pullback_columns: The same for a stack of output cotangents ``[K, N, ...]``.
+        loss_gradient: Returns ``(reduced loss, ∂L/∂output)``; called at most once.
+    """
+
+    output: Tensor
+    inputs: dict[int, Recorded]
+    failed: set[int]
+    pullback: Callable[[Tensor], dict[int, Tensor]]
+    pullback_columns: Callable[[Tensor], dict[int, Tensor]]
+    loss_gradient: Callable[[], tuple[Tensor, Tensor]]
+
+    @cached_property
+    def _loss_and_cotangent(self) -> tuple[Tensor, Tensor]:
+        return self.loss_gradient()
+
+    @property
+    def loss(self) -> Tensor:
+        """The reduced loss."""
+        return self._loss_and_cotangent[0]
+
+    @property
+    def output_cotangent(self) -> Tensor:
+        """``∂L/∂output``; row ``n`` is sample ``n``'s share."""
+        return self._loss_and_cotangent[1]
+
+
+def record(
+    model_fn: Callable,
+    params: Any,
+    leaves: list[Tensor],
+    plan: Plan,
+    X: Any,
+    y: Tensor,
+    loss: nn.Module,
+    n: int,
+) -> BatchRecord:
+    """Run the batch pass: one forward, one vector-Jacobian product of the loss.
+
+    Outside ``torch.func`` transforms, with nothing requiring gradients, plain
+    autograd differentiates the tapped outputs directly (about 30 % less
+    overhead on small models); otherwise ``torch.func.vjp`` differentiates zero
+    probes added to them, which composes with ``vmap`` and ``grad``.
+
+    Args:
+        model_fn: ``model_fn(params, X)``.
+        params: The parameter pytree.
+        leaves: Its flattened leaves.
+        plan: The result of :func:`discover`.
+        X: The batch of inputs.
+        y: The batch of targets.
+        loss: The loss module.
+        n: The batch size.
+
+    Returns:
+        The :class:`BatchRecord`.
+
+    Example:
+        >>> from packfunc.engine.discovery import discover
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+        >>> plan = discover(fn, p, list(p.values()), X[:1])
+        >>> rec = record(fn, p, list(p.values()), plan, X, y, torch.nn.CrossEntropyLoss(), 4)
+        >>> rec.pullback(rec.output_cotangent)[0].shape
+        torch.Size([4, 2])
+    """
+    if is_plain(*leaves, *(t for t in optree.tree_leaves(X) if isinstance(t, Tensor))):
+        return _record_with_autograd(model_fn, params, leaves, plan, X, y, loss, n)
+    failed: set[int] = set()
+    forward = probed_forward(model_fn, params, leaves, plan, X, failed)
+
+    def output_of_probes(probes: dict[int, Tensor]) -> tuple[Tensor, dict[int, Recorded]]:
+        output, inputs = forward(probes)
+        check_loss_inputs(loss, output, y, n)
+        return output, inputs
+
+    probes = zero_probes(plan, plan.active(), n)
+    output, probe_pullback, inputs = vjp_with_aux(output_of_probes, probes)
+    value, loss_pullback = vjp(lambda out: loss(out, y), output)
+    (output_cotangent,) = loss_pullback(torch.ones_like(value))
+
+    def pullback(cotangent: Tensor) -> dict[int, Tensor]:
+        (found,) = probe_pullback(cotangent)
+        return {k: g for k, g in found.items() if k in inputs}
+
+    return BatchRecord(
+        output, inputs, failed, pullback, vmap(pullback), lambda: (value, output_cotangent)
+    )
+
+
+class _Watched(Tensor):
+    """A parameter leaf in a batch pass whose plan has tapped calls only (``Plan.tapped_only``).
+
+    Only the calls that receive it reach Python, where a ``TorchFunctionMode`` sees every
+    call of the model; :class:`_RecordMode` matches them with the plan as it does in its
+    mode (a call the plan does not have raises :class:`PlanMismatch`). Its calls return
+    plain tensors.
+    """
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            recorders = _recorders()
+            if not recorders:  # kept by the model beyond its pass: a plain tensor
+                return func(*args, **(kwargs or {}))
+            return recorders[-1]._dispatch(func, args, kwargs or {})
+
+
+_THREAD = threading.local()
+"""Per thread (as PyTorch's mode stack is), the records of the batch passes running with
+:class:`_Watched` leaves."""
+
+
+def _recorders() -> list[_RecordMode]:
+    """The calling thread's stack of records of watched batch passes (innermost last)."""
+    stack: list[_RecordMode] | None = getattr(_THREAD, "recorders", None)
+    if stack is None:
+        stack = _THREAD.recorders = []
+    return stack
+
+
+@contextlib.contextmanager
+def _watching(recorder: _RecordMode) -> Iterator[None]:
+    """Send this thread's calls that receive :class:`_Watched` leaves to ``recorder``."""
+    stack = _recorders()
+    stack.append(recorder)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _in_parameter_dtype(output: Tensor, leaves: list[Tensor]) -> Tensor:
+    """The model output in the parameters' dtype (see ``engine/precision.py``).
+
+    A forward under autocast gives bfloat16; the loss and its curvature are formed in float32.
+    """
+    return to_dtype_of(output, leaves[0]) if leaves and isinstance(output, Tensor) else output
+
+
+def _record_with_autograd(
+    model_fn: Callable,
+    params: Any,
+    leaves: list[Tensor],
+    plan: Plan,
+    X: Any,
+    y: Tensor,
+    loss: nn.Module,
+    n: int,
+) -> BatchRecord:
+    """:func:`record` with plain autograd: tapped outputs are marked as requiring grad.
+
+    A plan of tapped calls only is followed through :class:`_Watched` leaves (the calls
+    of the model that consume no parameter run without Python in between), any other plan,
+    or a model that reaches its parameters another way than through ``params``, in a mode
+    that sees every call.
+    """
+    probes = zero_probes(plan, plan.active(), n)
+    with torch.enable_grad():
+        watched = _watched_forward(model_fn, params, leaves, plan, X, probes)
+        if watched is None:
+            mode = _RecordMode(LeafIndex(leaves), plan, probes, mark=True)
+            with mode:
+                output = model_fn(params, X)
+            mode.finish()
+        else:
+            mode, output = watched
+        output = _in_parameter_dtype(output, leaves)
+        check_loss_inputs(loss, output, y, n)
+        if not output.requires_grad:  # no tapped call upstream
+            output.requires_grad_()
+    shapes = {k: (n, *plan.sites[k].tail) for k in mode.outputs}
+    return autograd_record(output, mode.inputs, mode.outputs, shapes, mode.failed, loss, y)
+
+
+def _watched_forward(
+    model_fn: Callable,
+    params: Any,
+    leaves: list[Tensor],
+    plan: Plan,
+    X: Any,
+    probes: dict[int, Tensor],
+) -> tuple[_RecordMode, Tensor] | None:
+    """The forward with :class:`_Watched` aliases of the leaves, and its record.
+
+    Returns:
+        ``(record, output)``; ``None`` for a plan with other calls than tapped ones, or if
+        the calls that received the aliases were not the plan's (the mode then decides).
+    """
+    if not plan.tapped_only:
+        return None
+    aliases: list[Tensor] = [leaf.as_subclass(_Watched) for leaf in leaves]
+    alias_of = {id(leaf): alias for leaf, alias in zip(leaves, aliases)}
+    mode = _RecordMode(LeafIndex(aliases), plan, probes, mark=True)
+    try:
+        with _watching(mode), plain_checkpoints(), forward_autocast():
+            output = model_fn(optree.tree_map(lambda t: alias_of[id(t)], params), X)
+        mode.finish()
+    except PlanMismatch:  # e.g. a model that reaches its parameters not through params
+        return None
+    return mode, output
+
+
+def autograd_record(
+    output: Tensor,
+    inputs: dict[int, Recorded],
+    outputs: dict[int, GradientEdge],
+    shapes: dict[int, tuple[int, ...]],
+    failed: set[int],
+    loss: nn.Module,
+    y: Any,
+    differentiable: bool = False,
+) -> BatchRecord:
+    """A :class:`BatchRecord` whose pullbacks run backward through an existing autograd graph.
+
+    The recorded calls' outputs are given as gradient edges (their autograd nodes),
+    so an in-place op applied to an output later (``ReLU(inplace=True)``) does not
+    change what is differentiated. With ``differentiable``, every result keeps its
+    own graph (``backward(create_graph=True)``).
+    """
+
+    def loss_gradient() -> tuple[Tensor, Tensor]:
+        with torch.enable_grad():
+            value = loss(output, y)
+            (output_cotangent,) = torch.autograd.grad(
+                value, output, retain_graph=True, create_graph=differentiable
+            )
+        return (value, output_cotangent) if differentiable else (value.detach(), output_cotangent)
+
+    # a call whose output is the model output (a head) gets the cotangent itself
+    node, index = output.grad_fn, output.output_nr
+    direct = [
+        k
+        for k, e in outputs.items()
+        if node is not None and e.node is node and e.output_nr == index
+    ]
+    sites = [k for k in outputs if k not in direct]
+    edges = [outputs[k] for k in sites]
+
+    def gradients(cotangent: Tensor, batched: bool) -> dict[int, Tensor]:
+        found = dict.fromkeys(direct, cotangent)
+        if not edges:
+            return found
+        pulled = torch.autograd.grad(
+            output,
+            edges,
+            cotangent,
+            retain_graph=True,
+            create_graph=differentiable,
+            allow_unused=True,
+            is_grads_batched=batched,
+        )
+        for k, g in zip(sites, pulled):
+            shape = (*cotangent.shape[:batched], *shapes[k])
+            # an output laid out as flat rows (an addmm watched as a linear layer) is reshaped
+            found[k] = g.reshape(shape) if g is not None else cotangent.new_zeros(shape)
+        return found
+
+    if differentiable:
+        recorded, result = dict(inputs), output
+    else:  # values only: nothing to track
+        recorded, result = {k: x.detach() for k, x in inputs.items()}, output.detach()
+    return BatchRecord(
+        result,
+        recorded,
+        failed,
+        lambda c: gradients(c, False),
+        lambda c: gradients(c, True),
+        loss_gradient,
+    )
