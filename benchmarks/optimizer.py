@@ -6,7 +6,7 @@ Usage (from the repository root)::
     python benchmarks/optimizer.py --models digits --repeats 3 --period 10
 
 A step is what a training loop pays per batch: ``zero_grad``, forward, backward and
-``step`` (packfunc's optimizers: ``step(X, y)``, which refreshes the curvature every
+``step`` (packfunc's optimizers: ``step(batch=(X, y))``, which refreshes the curvature every
 ``--period`` steps and its inverse or eigenbasis every ``--inverse-periods`` steps: each
 period listed gives each Kronecker optimizer a row, ``kfac@100`` for instance; 10 and 100
 by default, the second being KFAC-PyTorch's ``TCov=10, TInv=100``). Each optimizer trains
@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -108,23 +109,25 @@ def make_step(
             optimizer.step()
 
         return plain_step
-    method = "kfac" if name == "kfac_pi" else name
-    curvature = pf.optim.CurvatureOptimizer(
-        model,
-        lr=1e-4,
-        damping=1e-2,
-        method=method,
-        loss=loss,
-        update_period=period,
-        inverse_period=int(inverse) if inverse else period,
-        pi_damping=name == "kfac_pi",
-        generator=torch.Generator().manual_seed(0),
+    options: dict[str, Any] = {"loss": loss, "update_period": period}
+    if name in KRONECKER:
+        options["inverse_period"] = int(inverse)
+    if name == "kfac_pi":
+        options["pi_damping"] = True
+    optimizer_class = {
+        "diag_ggn": pf.optim.DiagGGN,
+        "kfac": pf.optim.KFAC,
+        "kfac_pi": pf.optim.KFAC,
+        "ekfac": pf.optim.EKFAC,
+    }[name]
+    curvature = optimizer_class(
+        model, lr=1e-4, damping=1e-2, generator=torch.Generator().manual_seed(0), **options
     )
 
     def curvature_step() -> None:
         curvature.zero_grad()
         loss(model(X), y).backward()
-        curvature.step(X, y)
+        curvature.step(batch=(X, y))
 
     return curvature_step
 

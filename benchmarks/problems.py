@@ -25,7 +25,8 @@ class Problem:
     ``trainable`` names the parameters every quantity is taken of (``None``:
     all; the rest is a frozen backbone). ``kronecker`` names those that
     Kronecker rows (``kfac``) are restricted to, so that every contender
-    computes the same set; ``kfac_approx`` is packfunc's convention for them.
+    computes the same set; ``kfac_approx`` is packfunc's convention for them
+    (``"sum"``: BackPACK's; ``"expand"`` where curvlinops is compared).
     ``max_repeats`` caps the timed repeats of an expensive problem.
     """
 
@@ -38,7 +39,7 @@ class Problem:
     )
     trainable: tuple[str, ...] | None = None
     kronecker: tuple[str, ...] | None = None
-    kfac_approx: str = "backpack"
+    kfac_approx: str = "sum"
     max_repeats: int | None = None
 
     @property

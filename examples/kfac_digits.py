@@ -3,9 +3,9 @@
 Trains the DP-SGD demo's 64-128-10 tanh MLP and a small CNN (the 8x8 digits as images)
 for the same number of steps with each optimizer and prints the final training loss
 (mean over the last 10 steps), the test accuracy and the time per step. KFAC and EKFAC
-are pf.optim.KFAC / pf.optim.EKFAC: loss.backward() as usual, then opt.step(X, y), which
-refreshes the Kronecker factors every step (moving average) and their damped inverse
-every --inverse-period steps.
+are pf.optim.KFAC / pf.optim.EKFAC: loss.backward() as usual, then opt.step(batch=(X, y)),
+which refreshes the Kronecker factors on the batch every step (moving average) and their
+damped inverse every --inverse-period steps.
 
 Needs scikit-learn: pip install -e ".[demo]"
 """
@@ -97,7 +97,7 @@ def train(
         loss = loss_fn(model(X), y)
         loss.backward()
         if isinstance(opt, pf.optim.CurvatureOptimizer):
-            opt.step(X, y)
+            opt.step(batch=(X, y))
         else:
             opt.step()
         losses.append(loss.item())

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import packfunc as pf
-import packfunc.quantities
+import packfunc.evaluation
 from packfunc.engine.batch_pass import BatchPass
 from packfunc.losses import mean_normalizer
 from tests.cases import (
@@ -185,7 +185,7 @@ def test_kronecker_over_data_equal_one_batch(loss_name: str, reduction: str) -> 
     assert_trees_close(found, pf.kflr(model_fn, params, problem.X, problem.y, **kw))
 
 
-@pytest.mark.parametrize("approx", ["backpack", "expand", "reduce"])
+@pytest.mark.parametrize("approx", ["sum", "expand", "reduce"])
 def test_kronecker_over_data_with_positions(approx: str) -> None:
     """Convolution factors (positions enter B) over uneven batches equal one batch's."""
     problem = make_problem("conv2d", "cross_entropy", "mean", n=7)
@@ -329,7 +329,7 @@ def test_one_batch_alive_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
             most[0] = max(most[0], len(alive))
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(packfunc.quantities, "BatchPass", Watched)
+    monkeypatch.setattr(packfunc.evaluation, "BatchPass", Watched)
     problem = make_dataset("cross_entropy", "mean", n=200)  # 100 batches of 2
     model_fn, params = problem.functional()
     gc.collect()

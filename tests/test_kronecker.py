@@ -163,7 +163,7 @@ def test_single_linear_layer_kflr_is_the_exact_ggn_block():
     torch.testing.assert_close(A_bias, _ggn_block(model, loss, X, y, "bias"))
 
 
-@pytest.mark.parametrize("kfac_approx", ["backpack", "expand", "reduce"])
+@pytest.mark.parametrize("kfac_approx", ["sum", "expand", "reduce"])
 def test_weight_and_bias_output_factors_are_their_exact_blocks_and_separate_tensors(kfac_approx):
     """The position-summed output factor is computed once per layer call, owned by each leaf."""
     model, X, y, loss = _per_position_problem()
@@ -240,8 +240,106 @@ def test_reduce_is_exact_when_every_position_sees_the_same_input():
     model_fn, params = pf.functional(model)
     A, B = pf.kflr(model_fn, params, X, y, loss=loss, kfac_approx="reduce")["layer.weight"]
     torch.testing.assert_close(torch.kron(A, B), _ggn_block(model, loss, X, y, "layer.weight"))
-    backpack_style = pf.kflr(model_fn, params, X, y, loss=loss)["layer.weight"]
-    torch.testing.assert_close(backpack_style[1], 4 * B)  # Σ over the 4 positions, / N
+    summed = pf.kflr(model_fn, params, X, y, loss=loss, kfac_approx="sum")["layer.weight"]
+    torch.testing.assert_close(summed[1], 4 * B)  # Σ over the 4 positions, / N
+
+
+def test_sum_is_the_default_and_reduces_a_with_expands_b_times_the_positions():
+    """``"sum"``: ``"reduce"``'s ``A`` and ``"expand"``'s ``B`` times the ``L`` positions."""
+    model, loss, X, y = _problem("conv1d", nn.CrossEntropyLoss, "mean")
+    model_fn, params = pf.functional(model)
+    found = {
+        approx: pf.kflr(model_fn, params, X, y, loss=loss, kfac_approx=approx)["0.weight"]
+        for approx in ("sum", "expand", "reduce")
+    }
+    positions = 3  # Conv1d(kernel 3, stride 2) over 8 entries
+    torch.testing.assert_close(found["sum"][0], found["reduce"][0])
+    torch.testing.assert_close(found["sum"][1], positions * found["expand"][1])
+    assert not torch.allclose(found["sum"][0], found["expand"][0])
+    assert not torch.allclose(found["sum"][1], found["reduce"][1])
+    for a, b in zip(pf.kflr(model_fn, params, X, y, loss=loss)["0.weight"], found["sum"]):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", ["cnn", "conv1d", "transposed2d"])
+def test_backpack_uses_the_sum_convention(name, backpack_oracle):
+    """BackPACK's KFLR (and KFAC's ``B``) on layers with positions is ``"sum"``, neither of
+    curvlinops' conventions."""
+    extensions = backpack_oracle.extensions
+    model, loss, X, y = _problem(name, nn.CrossEntropyLoss, "mean")
+    theirs = _backpack(backpack_oracle, model, loss, X, y, extensions.KFLR(), extensions.KFAC())
+    weight = dict(theirs.named_parameters())["0.weight"]
+    model_fn, params = pf.functional(model)
+    for approx in ("sum", "expand", "reduce"):
+        A, B = pf.kflr(model_fn, params, X, y, loss=loss, kfac_approx=approx)["0.weight"]
+        same = torch.allclose(A, weight.kflr[0]) and torch.allclose(B, weight.kflr[1])
+        assert same == (approx == "sum"), approx
+    sampled = pf.kfac(model_fn, params, X, y, loss=loss, kfac_approx="sum")["0.weight"]
+    torch.testing.assert_close(sampled[1], weight.kfac[1])
+
+
+@pytest.mark.parametrize("approx", ["backpack", "mean", "Sum"])
+def test_unknown_and_former_kfac_approx_names_are_refused(approx):
+    model, loss, X, y = _problem("conv1d", nn.CrossEntropyLoss, "mean")
+    model_fn, params = pf.functional(model)
+    match = "'sum'" if approx == "backpack" else "must be one of"
+    calls = (pf.kflr, pf.kfac, pf.ekfac)
+    for function in calls:
+        with pytest.raises(ValueError, match=match):
+            function(model_fn, params, X, y, loss=loss, kfac_approx=approx)
+
+
+CURVLINOPS_MODELS = {
+    "linear_over_sequences": (
+        lambda: nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(21, 3)),
+        (7, 4),
+    ),
+    "conv2d": (
+        lambda: nn.Sequential(
+            nn.Conv2d(2, 3, 3, padding=1, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(27, 3)
+        ),
+        (2, 6, 6),
+    ),
+}
+"""Layers with positions (7 sequence entries ``[N, L, d]``, 9 pixels) that curvlinops takes."""
+
+
+@pytest.mark.parametrize(
+    ("fisher_type", "reduction"), [("type-2", "sum"), ("type-2", "mean"), ("empirical", "sum")]
+)
+@pytest.mark.parametrize("loss_cls", [nn.CrossEntropyLoss, nn.MSELoss])
+@pytest.mark.parametrize("kfac_approx", ["expand", "reduce"])
+@pytest.mark.parametrize("name", list(CURVLINOPS_MODELS))
+def test_expand_and_reduce_equal_curvlinops(name, kfac_approx, loss_cls, fisher_type, reduction):
+    """Weight factors equal curvlinops' ``KFACLinearOperator`` (exact: ``"type-2"``, or the
+    empirical Fisher, whose scale for a mean-reduced loss differs from packfunc's)."""
+    curvlinops = pytest.importorskip("curvlinops")
+    torch.manual_seed(0)
+    build, shape = CURVLINOPS_MODELS[name]
+    model = build().double()
+    X = torch.randn(5, *shape, dtype=torch.float64)
+    loss, y = loss_and_targets(model, X, loss_cls, reduction)
+    operator = curvlinops.KFACLinearOperator(
+        model,
+        loss,
+        list(model.parameters()),
+        [(X, y)],
+        fisher_type=fisher_type,
+        kfac_approx=kfac_approx,
+        check_deterministic=False,
+    )
+    operator.compute_kronecker_factors()
+    model_fn, params = pf.functional(model)
+    if fisher_type == "type-2":
+        found = pf.kflr(model_fn, params, X, y, loss=loss, kfac_approx=kfac_approx)
+    else:
+        found = pf.kfac(
+            model_fn, params, X, y, loss=loss, kfac_approx=kfac_approx, fisher_type="empirical"
+        )
+    for layer in ("0", "3"):
+        A, B = found[f"{layer}.weight"]
+        torch.testing.assert_close(A, operator._gradient_covariances[layer])
+        torch.testing.assert_close(B, operator._input_covariances[layer])
 
 
 def test_layers_written_with_torch_functional_and_residual_nets_are_detected():

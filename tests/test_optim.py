@@ -1,8 +1,10 @@
-"""The curvature preconditioner against dense solves; the Optimizer wrapper against it."""
+"""pf.optim: the transformations against dense solves and against a written-out reference of
+the schedule; the torch optimizers against the transformations and torch.optim's protocol."""
 
 from __future__ import annotations
 
 import copy
+import io
 import runpy
 from pathlib import Path
 
@@ -12,11 +14,21 @@ import torch
 from torch import Tensor, nn
 
 import packfunc as pf
-from packfunc.optim import apply_updates, preconditioner
+from packfunc.optim import (
+    MissingBatchError,
+    apply_updates,
+    chain,
+    scale,
+    scale_by_diag_ggn,
+    scale_by_ekfac,
+    scale_by_kfac,
+)
 from tests.cases import make_problem
 from tests.test_ekfac import dense_ggn
 
 LR, DAMPING = 0.5, 0.1
+SCALE_BY = {"kfac": scale_by_kfac, "ekfac": scale_by_ekfac, "diag_ggn": scale_by_diag_ggn}
+OPTIMIZER = {"kfac": pf.optim.KFAC, "ekfac": pf.optim.EKFAC, "diag_ggn": pf.optim.DiagGGN}
 
 
 def gradient(model_fn, params, loss, X, y) -> dict[str, Tensor]:
@@ -42,12 +54,11 @@ def problem():
 
 
 def first_update(problem, method: str, **options) -> tuple[dict, dict, dict]:
+    """The first preconditioned gradient (no learning rate) of ``scale_by_<method>``."""
     model_fn, params = problem.functional()
-    pre = preconditioner(
-        model_fn, problem.loss, method=method, learning_rate=LR, damping=DAMPING, **options
-    )
+    t = SCALE_BY[method](model_fn, problem.loss, damping=DAMPING, **options)
     grads = gradient(model_fn, params, problem.loss, problem.X, problem.y)
-    updates, _ = pre.update(grads, pre.init(params), params, (problem.X, problem.y))
+    updates, _ = t.update(grads, t.init(params), params, (problem.X, problem.y))
     return updates, grads, params
 
 
@@ -57,7 +68,7 @@ def test_kfac_update_is_the_dense_damped_solve(problem):
     factors = pf.kflr(model_fn, params, problem.X, problem.y, loss=problem.loss)
     for key, g in grads.items():
         M = factors[key][0] if len(factors[key]) == 1 else torch.kron(*factors[key])
-        expected = -LR * torch.linalg.solve(damped(M), g.reshape(-1))
+        expected = torch.linalg.solve(damped(M), g.reshape(-1))
         torch.testing.assert_close(updates[key].reshape(-1), expected, msg=key)
 
 
@@ -65,17 +76,9 @@ def test_pi_damped_kfac_update_is_the_product_of_damped_factor_inverses(problem)
     updates, grads, params = first_update(problem, "kfac", mc_samples=None, pi_damping=True)
     factors = pf.kflr(problem.functional()[0], params, problem.X, problem.y, loss=problem.loss)
     for key, g in grads.items():
-        if len(factors[key]) == 1:
-            inverse = torch.linalg.inv(damped(factors[key][0]))
-        else:
-            A, B = factors[key]
-            pi = ((A.trace() / A.shape[0]) / (B.trace() / B.shape[0])).sqrt()
-            eye_a, eye_b = torch.eye(A.shape[0]).double(), torch.eye(B.shape[0]).double()
-            inverse = torch.kron(
-                torch.linalg.inv(A + pi * DAMPING**0.5 * eye_a),
-                torch.linalg.inv(B + DAMPING**0.5 / pi * eye_b),
-            )
-        torch.testing.assert_close(updates[key].reshape(-1), -LR * inverse @ g.reshape(-1))
+        torch.testing.assert_close(
+            updates[key].reshape(-1), pi_damped_inverse(factors[key]) @ g.reshape(-1)
+        )
 
 
 def test_ekfac_update_uses_the_dense_ggn_diagonal_in_the_kflr_basis(problem):
@@ -86,57 +89,219 @@ def test_ekfac_update_uses_the_dense_ggn_diagonal_in_the_kflr_basis(problem):
         Q = Qs[0] if len(Qs) == 1 else torch.kron(*Qs)
         values = (Q.T @ block @ Q).diagonal()
         M = Q @ torch.diag(values) @ Q.T
-        expected = -LR * torch.linalg.solve(damped(M), grads[key].reshape(-1))
+        expected = torch.linalg.solve(damped(M), grads[key].reshape(-1))
         torch.testing.assert_close(updates[key].reshape(-1), expected, msg=key)
 
 
 def test_diag_ggn_update_divides_by_the_damped_dense_diagonal(problem):
     updates, grads, _ = first_update(problem, "diag_ggn", mc_samples=None)
     for key, block in ggn_blocks(problem).items():
-        expected = -LR * grads[key].reshape(-1) / (block.diagonal() + DAMPING)
+        expected = grads[key].reshape(-1) / (block.diagonal() + DAMPING)
         torch.testing.assert_close(updates[key].reshape(-1), expected, msg=key)
 
 
-def test_moving_average_and_inverse_period(problem):
-    """Step 1 refreshes the average but reuses step 0's inverse; step 2 inverts the average."""
-    model_fn, params = problem.functional()
-    loss, ema = problem.loss, 0.7
-    pre = preconditioner(
-        model_fn,
-        loss,
-        learning_rate=LR,
-        damping=DAMPING,
-        ema=ema,
-        inverse_period=2,
-        mc_samples=None,
+# The values of the preconditioner before the split into transformations and optimizers,
+# written out: its schedule and moving averages, each refresh from packfunc's curvature
+# functions, each inverse a dense matrix.
+
+
+def pi_damped_inverse(entry: list[Tensor]) -> Tensor:
+    """``(A + π√d I)⁻¹ ⊗ (B + √d/π I)⁻¹`` (a bias: ``(A + d I)⁻¹``), dense."""
+    if len(entry) == 1:
+        return torch.linalg.inv(damped(entry[0]))
+    A, B = entry
+    pi = ((A.trace() / A.shape[0]) / (B.trace() / B.shape[0])).sqrt()
+    eye_a = torch.eye(A.shape[0], dtype=A.dtype)
+    eye_b = torch.eye(B.shape[0], dtype=B.dtype)
+    return torch.kron(
+        torch.linalg.inv(A + pi * DAMPING**0.5 * eye_a),
+        torch.linalg.inv(B + DAMPING**0.5 / pi * eye_b),
     )
-    state = pre.init(params)
-    batches = [(problem.X[i : i + 3], problem.y[i : i + 3]) for i in range(3)]
-    factors, steps = [], []
-    for X, y in batches:
+
+
+def reference_updates(
+    method, model_fn, loss, params, batches, *, ema, update_period, inverse_period, **options
+) -> list[dict[str, Tensor]]:
+    """Every step's ``-LR · (C + DAMPING·I)⁻¹ g`` of ``preconditioner(method=...)`` as it was.
+
+    Refreshes on step 0, on multiples of ``inverse_period`` (KFAC: invert; EKFAC: new
+    basis from the averaged factors, fresh eigenvalues) and on multiples of
+    ``update_period`` (average in the batch's curvature; EKFAC: its eigenvalues re-fitted
+    in the basis; DiagGGN: invert too). Exact curvatures except ``mc_samples`` with the
+    generator seeded 0 for KFAC and the diagonal.
+    """
+    mc_samples, pi_damping = options.get("mc_samples"), options.get("pi_damping", False)
+    generator = torch.Generator().manual_seed(0) if mc_samples else None
+    samples = {"mc_samples": mc_samples, "generator": generator} if mc_samples else {}
+
+    def average(old, new):
+        if old is None:
+            return new
+        return optree.tree_map(lambda o, n: ema * o + (1 - ema) * n, old, new)
+
+    curvature = factors = basis = inverse = None
+    found = []
+    for step, (X, y) in enumerate(batches):
+        full = step % inverse_period == 0
+        if full or step % update_period == 0:
+            if method == "diag_ggn":
+                diagonal = pf.diag_ggn(model_fn, params, X, y, loss=loss, **samples)
+                curvature = average(curvature, diagonal)
+                inverse = {
+                    k: torch.diag(1 / (d.reshape(-1) + DAMPING)) for k, d in curvature.items()
+                }
+            elif method == "kfac":
+                curvature = average(
+                    curvature,
+                    pf.kfac(model_fn, params, X, y, loss=loss, **samples)
+                    if mc_samples
+                    else pf.kflr(model_fn, params, X, y, loss=loss),
+                )
+                if full:
+                    inverse = {
+                        k: pi_damped_inverse(e)
+                        if pi_damping
+                        else torch.linalg.inv(damped(pf.kron.dense(e)))
+                        for k, e in curvature.items()
+                    }
+            else:
+                if full:
+                    factors = average(factors, pf.kflr(model_fn, params, X, y, loss=loss))
+                    basis = pf.kron.eigh(factors)
+                fitted = pf.ekfac(
+                    model_fn, params, X, y, loss=loss, mc_samples=None, eigenvectors=basis
+                )
+                if not full:
+                    fitted = {
+                        k: pf.kron.Eigen(
+                            e.eigenvectors, average(curvature[k].eigenvalues, e.eigenvalues)
+                        )
+                        for k, e in fitted.items()
+                    }
+                curvature = fitted
+                inverse = {
+                    k: torch.linalg.inv(damped(pf.kron.dense(e))) for k, e in curvature.items()
+                }
         grads = gradient(model_fn, params, loss, X, y)
-        factors.append(pf.kflr(model_fn, params, X, y, loss=loss))
-        updates, state = pre.update(grads, state, params, (X, y))
-        steps.append((grads, updates))
+        updates = {k: -LR * (inverse[k] @ g.reshape(-1)).reshape(g.shape) for k, g in grads.items()}
+        found.append(updates)
+        params = {k: params[k] + updates[k] for k in params}
+    return found
+
+
+SCHEDULES = [
+    ("kfac", {"mc_samples": None}),
+    ("kfac", {"mc_samples": None, "update_period": 2, "inverse_period": 3}),
+    ("kfac", {"mc_samples": None, "pi_damping": True}),
+    ("kfac", {"mc_samples": 2, "pi_damping": True, "update_period": 2}),
+    ("ekfac", {"mc_samples": None}),
+    ("ekfac", {"mc_samples": None, "update_period": 2, "inverse_period": 3}),
+    ("diag_ggn", {"mc_samples": None}),
+    ("diag_ggn", {"mc_samples": 1, "update_period": 2}),
+]
+
+
+def schedule_options(method: str, options: dict) -> dict:
+    """The options with defaults for the schedule (``diag_ggn`` has no ``inverse_period``)."""
+    found = {"ema": 0.7, "update_period": 1, "inverse_period": 2, **options}
+    if method == "diag_ggn":
+        found["inverse_period"] = found["update_period"]
+    return found
+
+
+def batches_of(case: str, size: int = 20) -> tuple:
+    """Six steps over three batches, each larger than any factor: the eigenvalues differ,
+    so the eigenbases (EKFAC's) are unique up to signs, the same whichever way computed."""
+    problem = make_problem(case, n=3 * size)
+    model_fn, params = problem.functional()
+    batches = [(problem.X[i : i + size], problem.y[i : i + size]) for i in (0, size, 2 * size)]
+    return problem, model_fn, {k: p.clone() for k, p in params.items()}, batches * 2
+
+
+@pytest.mark.parametrize("case", ["mlp", "conv1d"])
+@pytest.mark.parametrize(("method", "options"), SCHEDULES)
+def test_chain_with_scale_gives_the_values_of_the_old_preconditioner(case, method, options):
+    problem, model_fn, params, batches = batches_of(case)
+    options = schedule_options(method, options)
+    expected = reference_updates(method, model_fn, problem.loss, params, batches, **options)
+    if method == "diag_ggn":
+        del options["inverse_period"]
+    generator = torch.Generator().manual_seed(0) if options["mc_samples"] else None
+    t = chain(
+        SCALE_BY[method](model_fn, problem.loss, damping=DAMPING, generator=generator, **options),
+        scale(-LR),
+    )
+    state = t.init(params)
+    for step, (X, y) in enumerate(batches):
+        grads = gradient(model_fn, params, problem.loss, X, y)
+        updates, state = t.update(grads, state, params, (X, y))
         params = apply_updates(params, updates)
-    average = optree.tree_map(lambda a, b: ema * a + (1 - ema) * b, factors[0], factors[1])
-    average = optree.tree_map(lambda a, b: ema * a + (1 - ema) * b, average, factors[2])
-    for used, (grads, updates) in zip([factors[0], factors[0], average], steps):
-        for key, g in grads.items():
-            M = used[key][0] if len(used[key]) == 1 else torch.kron(*used[key])
-            expected = -LR * torch.linalg.solve(damped(M), g.reshape(-1))
-            torch.testing.assert_close(updates[key].reshape(-1), expected, msg=key)
-    assert int(state.step) == 3
+        for key, u in updates.items():
+            torch.testing.assert_close(u, expected[step][key], msg=f"step {step}: {key}")
+    assert int(state[0].step) == len(batches)
 
 
 def test_state_is_a_pytree_and_inputs_are_not_modified(problem):
     model_fn, params = problem.functional()
-    pre = preconditioner(model_fn, problem.loss, method="ekfac", damping=DAMPING)
+    t = chain(scale_by_ekfac(model_fn, problem.loss, damping=DAMPING), scale(-LR))
     grads = gradient(model_fn, params, problem.loss, problem.X, problem.y)
     before = copy.deepcopy((grads, params))
-    _, state = pre.update(grads, pre.init(params), params, (problem.X, problem.y))
+    _, state = t.update(grads, t.init(params), params, (problem.X, problem.y))
+    assert isinstance(state, tuple) and isinstance(state[0], pf.optim.CurvatureState)
+    assert isinstance(state[0].curvature, pf.optim.EkfacCurvature)
     assert all(isinstance(t, Tensor) for t in optree.tree_leaves(state))
     optree.tree_map(torch.testing.assert_close, (grads, params), before)
+
+
+def test_the_preconditioners_hold_no_learning_rate_and_scale_chains(problem):
+    """scale_by_* is (C + λI)⁻¹ g itself; chain(…, scale(s)) is s times it, any s."""
+    model_fn, params = problem.functional()
+    grads = gradient(model_fn, params, problem.loss, problem.X, problem.y)
+    batch = (problem.X, problem.y)
+    t = scale_by_kfac(model_fn, problem.loss, damping=DAMPING, mc_samples=None)
+    plain, _ = t.update(grads, t.init(params), params, batch)
+    for s in (-0.1, 3.0):
+        c = chain(t, scale(s), scale(2.0))
+        scaled, _ = c.update(grads, c.init(params), params, batch)
+        for key, u in plain.items():
+            torch.testing.assert_close(scaled[key], 2 * s * u)
+
+
+def test_steps_without_a_refresh_need_no_batch_and_refreshes_refuse_without_one(problem):
+    model_fn, params = problem.functional()
+    grads = gradient(model_fn, params, problem.loss, problem.X, problem.y)
+    t = chain(
+        scale_by_diag_ggn(model_fn, problem.loss, damping=DAMPING, update_period=2), scale(-LR)
+    )
+    state = t.init(params)
+    with pytest.raises(MissingBatchError, match="step 0 refreshes"):
+        t.update(grads, state, params)
+    first, state = t.update(grads, state, params, (problem.X, problem.y))
+    second, state = t.update(grads, state)  # step 1 reuses step 0's curvature
+    optree.tree_map(torch.testing.assert_close, second, first)
+    with pytest.raises(MissingBatchError, match="step 2 refreshes"):
+        t.update(grads, state, params)
+
+
+def test_chain_refuses_a_state_of_another_chain():
+    t = chain(scale(1.0), scale(2.0))
+    with pytest.raises(ValueError, match="2 transformations"):
+        t.update({"w": torch.ones(1)}, (pf.optim.EmptyState(),))
+
+
+def test_transformations_refuse_bad_hyperparameters():
+    model_fn = pf.functional(nn.Linear(3, 2))[0]
+    with pytest.raises(ValueError, match="damping"):
+        scale_by_kfac(model_fn, damping=0.0)
+    with pytest.raises(ValueError, match="ema"):
+        scale_by_ekfac(model_fn, ema=1.0)
+    with pytest.raises(ValueError, match="inverse_period"):
+        scale_by_kfac(model_fn, inverse_period=0)
+    with pytest.raises(ValueError, match="update_period"):
+        scale_by_diag_ggn(model_fn, update_period=1.5)  # type: ignore[arg-type]
+
+
+# The torch.optim optimizers.
 
 
 def digits_like(n: int = 64) -> tuple[Tensor, Tensor]:
@@ -147,53 +312,176 @@ def digits_like(n: int = 64) -> tuple[Tensor, Tensor]:
     return centers[y] + torch.randn(n, 10, generator=g), y
 
 
-@pytest.mark.parametrize("optimizer", [pf.optim.KFAC, pf.optim.EKFAC, pf.optim.DiagGGN])
-def test_optimizer_decreases_the_loss_and_follows_the_functional_path(optimizer):
+def small_model() -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 4))
-    twin = copy.deepcopy(model)
+    return nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+
+
+@pytest.mark.parametrize(("method", "options"), SCHEDULES)
+def test_optimizer_trajectory_is_the_old_one(method, options):
+    """step(batch=…) after backward moves the parameters as the old step(X, y) did."""
+    model = small_model()
+    model_fn, params = pf.functional(copy.deepcopy(model))
     X, y = digits_like()
+    X = X.double()
+    batches = [(X[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)] + [(X[:16], y[:16])]
     loss = nn.CrossEntropyLoss()
-    options = {"mc_samples": None, "inverse_period": 2}
-    opt = optimizer(model, lr=0.5, damping=DAMPING, loss=loss, **options)
-    model_fn, params = pf.functional(twin)
-    params = {k: p.clone() for k, p in params.items()}
-    pre = preconditioner(
-        model_fn,
-        loss,
-        method=opt.method,
-        learning_rate=0.5,
-        damping=DAMPING,
-        **options,
+    options = schedule_options(method, options)
+    expected = reference_updates(method, model_fn, loss, params, batches, **options)
+    if method == "diag_ggn":
+        del options["inverse_period"]
+    generator = torch.Generator().manual_seed(0) if options["mc_samples"] else None
+    opt = OPTIMIZER[method](
+        model, lr=LR, damping=DAMPING, loss=loss, generator=generator, **options
     )
-    state = pre.init(params)
+    for step, (Xb, yb) in enumerate(batches):
+        before = {k: p.detach().clone() for k, p in model.named_parameters()}
+        opt.zero_grad()
+        loss(model(Xb), yb).backward()
+        opt.step(batch=(Xb, yb))
+        for key, p in model.named_parameters():
+            torch.testing.assert_close(p.detach() - before[key], expected[step][key], msg=key)
+
+
+@pytest.mark.parametrize("method", ["kfac", "ekfac", "diag_ggn"])
+def test_optimizer_decreases_the_loss(method):
+    model, (X, y), loss = small_model().float(), digits_like(), nn.CrossEntropyLoss()
+    opt = OPTIMIZER[method](model, lr=0.5, damping=DAMPING, loss=loss, mc_samples=None)
     losses = []
     for _ in range(6):
         opt.zero_grad()
         value = loss(model(X), y)
         value.backward()
         losses.append(value.item())
-        opt.step(X, y)
-        grads = gradient(model_fn, params, loss, X, y)
-        updates, state = pre.update(grads, state, params, (X, y))
-        params = apply_updates(params, updates)
-        for key, p in model.named_parameters():
-            torch.testing.assert_close(p.detach(), params[key], msg=key)
+        opt.step(batch=(X, y))
     assert losses[-1] < 0.5 * losses[0]
 
 
-def test_optimizer_and_preconditioner_refuse_bad_input():
+def test_step_with_a_closure_returns_its_loss_and_uses_its_gradients():
+    """Under no_grad too: the closure runs with gradients enabled, before the step."""
+    X, y = digits_like(16)
+    loss = nn.CrossEntropyLoss()
+    model, twin = small_model().float(), small_model().float()
+    opt = pf.optim.EKFAC(model, lr=LR, damping=DAMPING, loss=loss, mc_samples=None)
+    twin_opt = pf.optim.EKFAC(twin, lr=LR, damping=DAMPING, loss=loss, mc_samples=None)
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        value = loss(model(X), y)
+        value.backward()
+        return value
+
+    for _ in range(2):
+        expected = loss(model(X), y).item()
+        with torch.no_grad():
+            returned = opt.step(closure, batch=(X, y))
+        assert returned.item() == pytest.approx(expected)
+        twin_opt.zero_grad()
+        loss(twin(X), y).backward()
+        assert twin_opt.step(batch=(X, y)) is None
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p, q)
+
+
+def test_the_learning_rate_is_read_at_every_step_so_schedulers_work():
+    """StepLR halves lr every 2 steps; the updates are −lr_k (C + λI)⁻¹ g_k, inverse reused."""
+    X, y = digits_like(32)
+    loss = nn.CrossEntropyLoss()
+    model = small_model().float()
+    opt = pf.optim.KFAC(
+        model, lr=LR, damping=DAMPING, loss=loss, mc_samples=None, inverse_period=10
+    )
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    model_fn, params = pf.functional(copy.deepcopy(model))
+    params = {k: p.clone() for k, p in params.items()}
+    t = scale_by_kfac(model_fn, loss, damping=DAMPING, mc_samples=None, inverse_period=10)
+    state = t.init(params)
+    for step in range(5):
+        opt.zero_grad()
+        loss(model(X), y).backward()
+        opt.step(batch=(X, y))
+        scheduler.step()
+        updates, state = t.update(gradient(model_fn, params, loss, X, y), state, params, (X, y))
+        lr = LR * 0.5 ** (step // 2)
+        params = apply_updates(params, optree.tree_map(lambda u, lr=lr: -lr * u, updates))
+        for key, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), params[key], msg=f"step {step}: {key}")
+    assert opt.param_groups[0]["lr"] == pytest.approx(LR * 0.5**2)
+
+
+def test_step_refuses_without_a_batch_when_it_refreshes_the_curvature():
+    X, y = digits_like(16)
+    model = small_model().float()
+    opt = pf.optim.KFAC(model, update_period=2, inverse_period=4)
+    nn.functional.cross_entropy(model(X), y).backward()
+    with pytest.raises(MissingBatchError, match=r"step 0 of KFAC .*opt.step\(batch=\(X, y\)\)"):
+        opt.step()
+    opt.step(batch=(X, y))
+    opt.step()  # step 1 refreshes nothing
+    with pytest.raises(MissingBatchError, match="step 2"):
+        opt.step()
+
+
+def test_optimizers_refuse_bad_input():
     model = nn.Linear(3, 2)
-    with pytest.raises(ValueError, match="method"):
-        pf.optim.CurvatureOptimizer(model, method="adam")
     with pytest.raises(ValueError, match="damping"):
         pf.optim.KFAC(model, damping=0.0)
     with pytest.raises(ValueError, match="inverse_period"):
-        pf.optim.KFAC(model, inverse_period=0)
-    with pytest.raises(ValueError, match="pi_damping"):
-        pf.optim.EKFAC(model, pi_damping=True)
+        pf.optim.EKFAC(model, inverse_period=0)
+    with pytest.raises(ValueError, match="lr"):
+        pf.optim.DiagGGN(model, lr=-1.0)
+    with pytest.raises(TypeError, match="pi_damping"):
+        pf.optim.EKFAC(model, pi_damping=True)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="backward"):
-        pf.optim.KFAC(model).step(torch.randn(4, 3), torch.tensor([0, 1, 0, 1]))
+        pf.optim.KFAC(model).step(batch=(torch.randn(4, 3), torch.tensor([0, 1, 0, 1])))
+    opt = pf.optim.KFAC(model)
+    opt.add_param_group({"params": [nn.Parameter(torch.ones(1))]})
+    with pytest.raises(ValueError, match="one parameter group"):
+        opt.step(batch=(torch.randn(4, 3), torch.tensor([0, 1, 0, 1])))
+
+
+def test_state_dict_round_trips_the_curvature_and_the_learning_rate():
+    X, y = digits_like(32)
+    loss = nn.CrossEntropyLoss()
+    model = small_model().float()
+    opt = pf.optim.EKFAC(
+        model, lr=LR, damping=DAMPING, loss=loss, mc_samples=None, inverse_period=3
+    )
+
+    def train(model, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            loss(model(X), y).backward()
+            opt.step(batch=(X, y))
+
+    train(model, opt, 2)
+    opt.param_groups[0]["lr"] = 0.25
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    twin = copy.deepcopy(model)
+    twin_opt = pf.optim.EKFAC(
+        twin, lr=LR, damping=DAMPING, loss=loss, mc_samples=None, inverse_period=3
+    )
+    saved.seek(0)
+    twin_opt.load_state_dict(torch.load(saved, weights_only=False))
+    assert twin_opt.param_groups[0]["lr"] == 0.25
+    assert int(twin_opt.transformation_state.step) == 2
+    train(model, opt, 3)
+    train(twin, twin_opt, 3)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_any_transformation_makes_an_optimizer():
+    model = small_model().float()
+    model_fn, _ = pf.functional(model)
+    opt = pf.optim.CurvatureOptimizer(model, chain(scale(2.0)), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    X, y = digits_like(8)
+    loss = opt.step(lambda: nn.functional.cross_entropy(model(X), y).backward())
+    assert loss is None
+    for p, b in zip(model.parameters(), before):
+        torch.testing.assert_close(p.detach(), b - 0.2 * p.grad)
 
 
 def test_digits_example_runs_and_kfac_learns():
@@ -215,6 +503,7 @@ def test_transposed_convolutions_are_refused_by_the_kronecker_methods():
     model = nn.Sequential(nn.ConvTranspose1d(2, 2, 3), nn.Flatten(), nn.Linear(10, 3))
     X, y = torch.randn(4, 2, 3), torch.tensor([0, 1, 2, 0])
     nn.functional.cross_entropy(model(X), y).backward()
-    with pytest.raises(ValueError, match="transposed"):
-        pf.optim.KFAC(model).step(X, y)
-    pf.optim.DiagGGN(model).step(X, y)
+    for optimizer in (pf.optim.KFAC, pf.optim.EKFAC):
+        with pytest.raises(ValueError, match="transposed"):
+            optimizer(model).step(batch=(X, y))
+    pf.optim.DiagGGN(model).step(batch=(X, y))

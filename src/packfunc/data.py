@@ -46,68 +46,22 @@ from packfunc.distributed import (
     sum_over_ranks,
     world_size,
 )
+from packfunc.evaluation import compute_batch, statistic_quantities
 from packfunc.functionalize import normal_tensors, public_entry
 from packfunc.losses import check_loss, default_loss, mean_normalizer
+from packfunc.specs import QUANTITIES, Combine, Family, Quantity
+from packfunc.types import ModelFn
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 BatchToXY = Callable[[Any], tuple[Any, Tensor]]
 """Turns one batch of ``data`` into ``(X, y)`` (e.g. for dict-shaped batches)."""
 
-LOSS_POWER: dict[str, float] = {
-    "loss": 1,
-    "grad": 1,
-    "sum_grad_squared": 2,
-    "diag_ggn": 1,
-    "diag_hessian": 1,
-    "ggn_vector_product": 1,
-    "hessian_vector_product": 1,
-    "ggn_block_products": 1,
-    "hessian_block_products": 1,
-    "pch_block_products": 1,
-    "kfac": 1,
-    "kflr": 1,
-    "batch_grad": 1,
-    "batch_l2_grad": 2,
-    "sqrt_ggn": 0.5,
-    "batch_diag_ggn": 1,
-    "batch_diag_hessian": 1,
-}
-"""How each quantity scales with the loss: ``power`` in ``× (1/Z)**power``."""
-
-PER_SAMPLE = frozenset(
-    {"batch_grad", "batch_l2_grad", "sqrt_ggn", "batch_diag_ggn", "batch_diag_hessian"}
-)
-"""Quantities with one entry per sample: streamed per batch over ``data=``."""
-
-KRONECKER = frozenset({"kfac", "kflr"})
-"""Quantities whose leaves are ``[A]`` or ``[A, B]`` factor lists."""
-
-NOT_ADDITIVE = frozenset({"kfra"})
-"""Quantities that are not sums over samples: one batch on one process only."""
-
-
-COMPUTED = frozenset(
-    {
-        "grad",
-        "batch_grad",
-        "batch_l2_grad",
-        "sum_grad_squared",
-        "variance",
-        "sqrt_ggn",
-        "diag_ggn",
-        "batch_diag_ggn",
-        "diag_hessian",
-        "batch_diag_hessian",
-    }
-)
-"""Quantities :func:`packfunc.compute` makes (the others are their own functions)."""
-
 PerBatch = Callable[[Any, Tensor, nn.Module], dict[str, Any]]
 """``(X, y, loss) -> {name: value}``: one batch's partial results."""
 
 
-def over_data(quantity: str, required: tuple[str, ...] = ()) -> Callable[[F], F]:
+def over_data(spec: Quantity | None, required: tuple[str, ...] = ()) -> Callable[[F], F]:
     """Let a one-batch public function take a dataset, a progress bar and a process group.
 
     The decorated function keeps computing one batch ``(X, y)``; its signature
@@ -115,15 +69,17 @@ def over_data(quantity: str, required: tuple[str, ...] = ()) -> Callable[[F], F]
     wrapper consumes them: without any of them the call goes straight through.
 
     Args:
-        quantity: The quantity's name: ``"compute"``, a name :func:`packfunc.compute`
-            takes, a Kronecker function's or a product's name (says how batches combine).
+        spec: The quantity the function computes (its :class:`~packfunc.specs.Quantity`
+            says how batches combine), or ``None`` for :func:`packfunc.compute` (the
+            quantities named by its ``quantities=``).
         required: Arguments the function needs besides ``X, y`` (e.g. ``"v"``).
 
     Returns:
         A decorator.
 
     Example:
-        >>> @over_data("ggn_vector_product")
+        >>> from packfunc.specs import SPECS
+        >>> @over_data(SPECS["ggn_vector_product"])
         ... def total_loss(model_fn, params, X=None, y=None, *, loss=None, data=None):
         ...     return {"w": loss(model_fn(params, X), y)}
         >>> batches = [(torch.ones(2, 1), torch.zeros(2, 1)), (torch.ones(1, 1), torch.ones(1, 1))]
@@ -135,7 +91,7 @@ def over_data(quantity: str, required: tuple[str, ...] = ()) -> Callable[[F], F]
         @functools.wraps(function)
         @public_entry
         def wrapper(
-            model_fn: Callable,
+            model_fn: ModelFn,
             params: Any,
             X: Any = None,
             y: Tensor | None = None,
@@ -163,7 +119,7 @@ def over_data(quantity: str, required: tuple[str, ...] = ()) -> Callable[[F], F]
                 return function(model_fn, params, X_b, y_b, *args, **batch_options)
 
             return _over_dataset(
-                quantity, function.__name__, one_call, model_fn, params, source, options
+                spec, function.__name__, one_call, model_fn, params, source, options
             )
 
         return wrapper  # type: ignore[return-value]
@@ -270,10 +226,10 @@ def default_batch_to_xy(batch: Any) -> tuple[Any, Tensor]:
 
 
 def _over_dataset(
-    quantity: str,
+    spec: Quantity | None,
     name: str,
     one_call: Callable[..., Any],
-    model_fn: Callable,
+    model_fn: ModelFn,
     params: Any,
     source: DataSource,
     options: dict[str, Any],
@@ -290,26 +246,26 @@ def _over_dataset(
         )
     device = _device(params)
     batches = source.batches(device, name)
-    if quantity in NOT_ADDITIVE:
+    if spec is not None and spec.combine is Combine.ONE_BATCH:
         return _one_batch_only(
             batches,
             source.group,
             name,
             lambda X_b, y_b: one_call(X_b, y_b, loss=loss, **options),
         )
-    names, options = _requested(quantity, options)
-    per_batch = _per_batch(quantity, names, one_call, model_fn, params, options)
-    if quantity in PER_SAMPLE:
+    specs, options = _requested(spec, options)
+    per_batch = _per_batch(spec, specs, one_call, model_fn, params, options)
+    if spec is not None and spec.combine is Combine.PER_SAMPLE:
         normalizer = _dataset_normalizer(loss, source, device)
-        stream = _streamed(quantity, batches, per_batch, _sum_reduced(loss), normalizer)
+        scale = (1 / normalizer) ** spec.power(options)
+        stream = _streamed(spec.name, batches, per_batch, _sum_reduced(loss), scale)
         return stream if source.data is not None else next(stream)  # X, y: the one result
-    totals, samples, normalizer = _summed(batches, per_batch, loss, source.group, device)
+    kronecker = {s.name for s in specs if s.combine is Combine.KRONECKER}
+    totals, samples, normalizer = _summed(batches, per_batch, loss, source.group, device, kronecker)
     scale = 1 / normalizer if loss.reduction == "mean" else 1.0
-    # the empirical Fisher's output factor is quadratic in the loss, the others linear
-    output_power = 2 if options.get("fisher_type") == "empirical" else 1
-    result = {name: _finish(name, totals, scale, samples, output_power) for name in names}
-    if quantity != "compute":
-        return result[quantity]
+    result = {s.name: _finish(s, totals, scale, samples, options) for s in specs}
+    if spec is not None:
+        return result[spec.name]
     return {"loss": totals["loss"] * scale} | result
 
 
@@ -332,43 +288,42 @@ def _sum_reduced(loss: nn.Module) -> nn.Module:
     return summed
 
 
-def _requested(quantity: str, options: dict[str, Any]) -> tuple[tuple[str, ...], dict[str, Any]]:
-    """The names to return (``compute``'s ``quantities=``, or one), and the other options."""
-    if quantity != "compute":
-        return (quantity,), options
+def _requested(
+    spec: Quantity | None, options: dict[str, Any]
+) -> tuple[tuple[Quantity, ...], dict[str, Any]]:
+    """The specs to return (``compute``'s ``quantities=``, or one), and the other options."""
+    if spec is not None:
+        return (spec,), options
     rest = {key: value for key, value in options.items() if key != "quantities"}
-    requested = options["quantities"]
-    names = (requested,) if isinstance(requested, str) else tuple(requested)
-    streamed = [name for name in names if name in PER_SAMPLE]
+    specs = tuple(QUANTITIES[name] for name in statistic_quantities(options["quantities"]))
+    streamed = [s.name for s in specs if s.combine is Combine.PER_SAMPLE]
     if streamed:
         raise ValueError(
             f"compute(data=...) sums over the dataset; the per-sample quantities {streamed} "
             "have one entry per sample: call their own functions (e.g. pf.batch_grad(..., "
             "data=...)), which yield one result per batch."
         )
-    return names, rest
+    return specs, rest
 
 
 def _per_batch(
-    quantity: str,
-    names: tuple[str, ...],
+    spec: Quantity | None,
+    specs: tuple[Quantity, ...],
     one_call: Callable[..., Any],
-    model_fn: Callable,
+    model_fn: ModelFn,
     params: Any,
     options: dict[str, Any],
 ) -> PerBatch:
-    """One batch's partial sums: ``compute`` for its quantities (``variance`` from its parts)."""
-    if quantity != "compute" and quantity not in COMPUTED:
-        return lambda X_b, y_b, loss: {quantity: one_call(X_b, y_b, loss=loss, **options)}
-    from packfunc.quantities import compute  # packfunc.quantities uses this module
-
+    """One batch's partial sums: statistics from one batch pass (moments from their parts)."""
+    if spec is not None and spec.family is not Family.STATISTIC:
+        return lambda X_b, y_b, loss: {spec.name: one_call(X_b, y_b, loss=loss, **options)}
     parts: list[str] = []
-    for name in names:
-        for part in ("grad", "sum_grad_squared") if name == "variance" else (name,):
+    for s in specs:
+        for part in s.parts if s.combine is Combine.MOMENTS else (s.name,):
             if part not in parts:
                 parts.append(part)
-    return lambda X_b, y_b, loss: compute(
-        model_fn, params, X_b, y_b, quantities=tuple(parts), loss=loss, **options
+    return lambda X_b, y_b, loss: compute_batch(
+        model_fn, params, X_b, y_b, tuple(parts), loss, **options
     )
 
 
@@ -388,10 +343,12 @@ def _summed(
     loss: nn.Module,
     group: ProcessGroup | None,
     device: torch.device,
+    kronecker: set[str],
 ) -> tuple[dict[str, Any], float, float]:
     """Partial results summed over batches and ranks; sample count ``N`` and normalizer ``Z``.
 
-    Kronecker ``B`` factors enter weighted by their batch's sample count.
+    The ``B`` factors of the ``kronecker`` quantities enter weighted by their batch's
+    sample count.
     """
     summed_loss = _sum_reduced(loss)
     totals: dict[str, Any] | None = None
@@ -399,7 +356,7 @@ def _summed(
     for X_b, y_b in batches:
         n = int(y_b.shape[0])
         part = {
-            name: _input_factors_times(value, n) if name in KRONECKER else value
+            name: _input_factors_times(value, n) if name in kronecker else value
             for name, value in per_batch(X_b, y_b, summed_loss).items()
         }
         totals = part if totals is None else _added(totals, part)
@@ -420,29 +377,23 @@ def _added(totals: Any, part: Any) -> dict[str, Any]:
 
 
 def _finish(
-    name: str, totals: dict[str, Any], scale: float, samples: float, output_power: int = 1
+    spec: Quantity, totals: dict[str, Any], scale: float, samples: float, options: dict[str, Any]
 ) -> Any:
-    """Rescale a summed quantity to the dataset's reduced loss (see the module docstring).
-
-    Kronecker output factors scale with ``scale ** output_power``.
-    """
-    if name == "variance":
+    """Rescale a summed quantity to the dataset's reduced loss (see the module docstring)."""
+    if spec.combine is Combine.MOMENTS:
+        from_parts = spec.from_parts
+        assert from_parts is not None
+        parts = [_finish(QUANTITIES[part], totals, scale, samples, options) for part in spec.parts]
+        return optree.tree_map(lambda *p: from_parts(p, samples), *parts)
+    power = spec.power(options)
+    if spec.combine is Combine.KRONECKER:
         return optree.tree_map(
-            lambda sq, g: sq * scale**2 / samples - (g * scale / samples) ** 2,
-            totals["sum_grad_squared"],
-            totals["grad"],
-        )
-    if name in KRONECKER:
-        return optree.tree_map(
-            lambda f: (
-                None if f is None else [f[0] * scale**output_power, *(b / samples for b in f[1:])]
-            ),
-            totals[name],
+            lambda f: None if f is None else [f[0] * scale**power, *(b / samples for b in f[1:])],
+            totals[spec.name],
             is_leaf=lambda x: x is None or isinstance(x, list),
             none_is_leaf=True,
         )
-    power = LOSS_POWER[name]
-    return optree.tree_map(lambda t: t * scale**power, totals[name])
+    return optree.tree_map(lambda t: t * scale**power, totals[spec.name])
 
 
 def _dataset_normalizer(loss: nn.Module, source: DataSource, device: torch.device) -> float:
@@ -454,16 +405,15 @@ def _dataset_normalizer(loss: nn.Module, source: DataSource, device: torch.devic
 
 
 def _streamed(
-    quantity: str,
+    name: str,
     batches: Iterator[tuple[Any, Tensor]],
     per_batch: PerBatch,
     summed_loss: nn.Module,
-    normalizer: float,
+    scale: float,
 ) -> Iterator[Any]:
-    """Each batch's per-sample quantity, scaled by the dataset's normalizer."""
-    scale = (1 / normalizer) ** LOSS_POWER[quantity]
+    """Each batch's per-sample quantity ``name``, times ``scale`` (for the whole dataset)."""
     for X_b, y_b in batches:
-        value = per_batch(X_b, y_b, summed_loss)[quantity]
+        value = per_batch(X_b, y_b, summed_loss)[name]
         yield optree.tree_map(lambda t: t * scale, value)
 
 

@@ -12,7 +12,7 @@ CUDA tensors.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -104,7 +104,7 @@ def _summed(tensor: Tensor, group: ProcessGroup) -> Tensor:
 
         with warnings.catch_warnings():  # deprecated in torch 2.13, with no public successor
             warnings.simplefilter("ignore", FutureWarning)
-            return all_reduce(tensor, group=group)
+            return cast(Tensor, all_reduce(tensor, group=group))
     total = tensor.clone()
     dist.all_reduce(total, group=group)
     return total

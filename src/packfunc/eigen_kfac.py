@@ -11,7 +11,7 @@ from torch import nn
 
 from packfunc.engine.batch_pass import BatchPass, ColumnGradients
 from packfunc.engine.eigenvalue_fit import fitted_eigenvalues
-from packfunc.engine.layer_factors import APPROXIMATIONS, sqrt_factors
+from packfunc.engine.layer_factors import checked_approx, sqrt_factors
 from packfunc.functionalize import public_entry
 from packfunc.kron import Eigen, batched_eigh
 from packfunc.losses import default_loss
@@ -39,7 +39,7 @@ def ekfac(
     loss: nn.Module | None = None,
     mc_samples: int | None = 1,
     generator: torch.Generator | None = None,
-    kfac_approx: KfacApprox = "backpack",
+    kfac_approx: KfacApprox = "sum",
     on_unsupported: OnUnsupported = "raise",
     eigenvectors: Any = None,
 ) -> Any:
@@ -102,7 +102,7 @@ def ekfac_and_factors(
     loss: nn.Module | None = None,
     mc_samples: int | None = 1,
     generator: torch.Generator | None = None,
-    kfac_approx: KfacApprox = "backpack",
+    kfac_approx: KfacApprox = "sum",
 ) -> tuple[Any, Any]:
     """EKFAC in the eigenbasis of ``combine(batch's KFAC factors)``, from one batch pass.
 
@@ -156,8 +156,7 @@ def _fit(
     """The (combined) factors, ``None`` for given eigenvectors, and the EKFAC pytree."""
     if on_unsupported not in ("raise", "skip"):
         raise ValueError(f"on_unsupported must be 'raise' or 'skip'; got {on_unsupported!r}.")
-    if kfac_approx not in APPROXIMATIONS:
-        raise ValueError(f"kfac_approx must be one of {APPROXIMATIONS}; got {kfac_approx!r}.")
+    checked_approx(kfac_approx)
     bp = BatchPass(model_fn, params, X, y, loss or default_loss())
     if mc_samples is not None and generator is None:  # both passes must see the same samples
         seed = int(torch.randint(0, 2**62, (1,)).item())

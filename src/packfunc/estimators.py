@@ -199,7 +199,7 @@ def _flat_products(
         return _flatten(result)
 
     def stacked(vectors: Tensor) -> Tensor:
-        return torch.cat([vmap(one)(chunk) for chunk in vectors.split(chunk_size)])
+        return torch.cat([vmap(one)(chunk) for chunk in torch.split(vectors, chunk_size)])
 
     return stacked
 
@@ -239,7 +239,7 @@ def _flatten(tree: Any) -> Tensor:
 def _unflatten(flat: Tensor, like: Any) -> Any:
     """Split a flat vector into a pytree shaped like ``like``."""
     leaves, treespec = optree.tree_flatten(like)
-    pieces = flat.split([p.numel() for p in leaves])
+    pieces = torch.split(flat, [p.numel() for p in leaves])
     return optree.tree_unflatten(treespec, [v.reshape(p.shape) for v, p in zip(pieces, leaves)])
 
 

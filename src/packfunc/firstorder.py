@@ -15,7 +15,8 @@ from torch import nn
 
 from packfunc.data import BatchToXY, over_data
 from packfunc.distributed import ProcessGroup
-from packfunc.quantities import compute_one
+from packfunc.evaluation import one_quantity
+from packfunc.specs import SPECS
 from packfunc.types import (
     DATA_ARGUMENTS,
     Inputs,
@@ -27,7 +28,7 @@ from packfunc.types import (
 )
 
 
-@over_data("batch_grad")
+@over_data(SPECS["batch_grad"])
 @shares_arguments(
     "model_fn", "params", "X", "y", "loss", "subsampling", "chunk_size", *DATA_ARGUMENTS
 )
@@ -57,19 +58,19 @@ def batch_grad(
         >>> g["weight"].shape
         torch.Size([5, 2, 3])
     """
-    return compute_one(
+    return one_quantity(
         "batch_grad",
         model_fn,
         params,
         X,
         y,
-        loss=loss,
+        loss,
         subsampling=subsampling,
         chunk_size=chunk_size,
     )
 
 
-@over_data("batch_l2_grad")
+@over_data(SPECS["batch_l2_grad"])
 @shares_arguments(
     "model_fn", "params", "X", "y", "loss", "subsampling", "chunk_size", *DATA_ARGUMENTS
 )
@@ -98,19 +99,19 @@ def batch_l2_grad(
         >>> l2["bias"].shape
         torch.Size([5])
     """
-    return compute_one(
+    return one_quantity(
         "batch_l2_grad",
         model_fn,
         params,
         X,
         y,
-        loss=loss,
+        loss,
         subsampling=subsampling,
         chunk_size=chunk_size,
     )
 
 
-@over_data("sum_grad_squared")
+@over_data(SPECS["sum_grad_squared"])
 @shares_arguments("model_fn", "params", "X", "y", "loss", "chunk_size", *DATA_ARGUMENTS)
 def sum_grad_squared(
     model_fn: ModelFn,
@@ -136,10 +137,10 @@ def sum_grad_squared(
         >>> s["weight"].shape
         torch.Size([2, 3])
     """
-    return compute_one("sum_grad_squared", model_fn, params, X, y, loss=loss, chunk_size=chunk_size)
+    return one_quantity("sum_grad_squared", model_fn, params, X, y, loss, chunk_size=chunk_size)
 
 
-@over_data("variance")
+@over_data(SPECS["variance"])
 @shares_arguments("model_fn", "params", "X", "y", "loss", "chunk_size", *DATA_ARGUMENTS)
 def variance(
     model_fn: ModelFn,
@@ -165,4 +166,4 @@ def variance(
         >>> v["bias"].shape
         torch.Size([2])
     """
-    return compute_one("variance", model_fn, params, X, y, loss=loss, chunk_size=chunk_size)
+    return one_quantity("variance", model_fn, params, X, y, loss, chunk_size=chunk_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import optree
 import torch
@@ -17,7 +17,7 @@ from packfunc.types import ModelFn
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_MODULES: weakref.WeakKeyDictionary[Callable, nn.Module] = weakref.WeakKeyDictionary()
+_MODULES: weakref.WeakKeyDictionary[ModelFn, nn.Module] = weakref.WeakKeyDictionary()
 """The module behind each ``model_fn`` that :func:`functional` returned."""
 
 
@@ -70,10 +70,10 @@ def functional(module: nn.Module) -> tuple[ModelFn, dict[str, Tensor]]:
 
     def model_fn(params: dict[str, Tensor], X: Any) -> Tensor:
         if isinstance(X, tuple):
-            return functional_call(module, params, X)
+            return cast(Tensor, functional_call(module, params, X))
         if isinstance(X, dict):
-            return functional_call(module, params, (), X)
-        return functional_call(module, params, (X,))
+            return cast(Tensor, functional_call(module, params, (), X))
+        return cast(Tensor, functional_call(module, params, (X,)))
 
     _MODULES[model_fn] = module
     return model_fn, params
@@ -191,7 +191,7 @@ def _normal_tensor(value: Any) -> Any:
     return value.clone() if isinstance(value, Tensor) and value.is_inference() else value
 
 
-def module_of(model_fn: Callable) -> nn.Module | None:
+def module_of(model_fn: ModelFn) -> nn.Module | None:
     """Return the module behind a ``model_fn`` made by :func:`functional`, else ``None``.
 
     Args:
@@ -211,7 +211,7 @@ def module_of(model_fn: Callable) -> nn.Module | None:
         return None
 
 
-def wraps_module_of(model_fn: Callable, wrapper: F) -> F:
+def wraps_module_of(model_fn: ModelFn, wrapper: F) -> F:
     """Let ``wrapper``, a function around ``model_fn``, count as running the same module.
 
     Discovery reads the module's buffers and training flags (see :func:`module_of`).

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import optree
 import torch
@@ -412,9 +412,11 @@ def _batched_power(matrices: list[Tensor], exponent: float) -> list[Tensor]:
     return [(q * v.pow(exponent)) @ q.T for v, q in batched_eigh(matrices)]
 
 
-def _by_shape(matrices: list[Tensor]) -> dict[tuple, list[int]]:
+def _by_shape(
+    matrices: list[Tensor],
+) -> dict[tuple[torch.Size, torch.dtype, torch.device], list[int]]:
     """Indices of the matrices, grouped by shape, dtype and device (to stack them)."""
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = {}
     for i, m in enumerate(matrices):
         groups.setdefault((m.shape, m.dtype, m.device), []).append(i)
     return groups
@@ -438,7 +440,7 @@ def _apply(entry: Any, vector: Any) -> Tensor | None:
         )
     if len(factors) == 1:  # a matrix-vector product
         v, (Q,) = vector.reshape(-1), factors
-        result = Q @ ((Q.T @ v) * entry.eigenvalues.reshape(-1)) if eigen else Q @ v
+        result: Tensor = Q @ ((Q.T @ v) * entry.eigenvalues.reshape(-1)) if eigen else Q @ v
         return result.view(vector.shape)
     V = vector if vector.shape == (sizes[0], sizes[1]) else vector.reshape(sizes)
     QA, QB = factors
@@ -454,16 +456,18 @@ def _apply(entry: Any, vector: Any) -> Tensor | None:
 
 def _factor_logdet(factors: list[Tensor]) -> Tensor:
     if len(factors) == 1:
-        return torch.linalg.slogdet(factors[0])[1]
+        return cast(Tensor, torch.linalg.slogdet(factors[0])[1])
     A, B = factors
-    return B.shape[0] * torch.linalg.slogdet(A)[1] + A.shape[0] * torch.linalg.slogdet(B)[1]
+    return cast(
+        Tensor, B.shape[0] * torch.linalg.slogdet(A)[1] + A.shape[0] * torch.linalg.slogdet(B)[1]
+    )
 
 
 def _trace(entry: Any, damping: float) -> Tensor:
     if isinstance(entry, Eigen):
         return entry.eigenvalues.sum() + damping * entry.eigenvalues.numel()
-    product = math.prod(f.shape[0] for f in entry)
-    value = entry[0].trace() if len(entry) == 1 else entry[0].trace() * entry[1].trace()
+    product: int = math.prod(f.shape[0] for f in entry)
+    value: Tensor = entry[0].trace() if len(entry) == 1 else entry[0].trace() * entry[1].trace()
     return value + damping * product
 
 

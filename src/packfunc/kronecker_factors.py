@@ -13,17 +13,22 @@ the calls of a layer used several times (which are concatenated) — follow
 ``kfac_approx``, with ``s`` the pulled-back square-root columns and ``u`` the
 (unfolded) inputs, ``N`` samples, ``L`` positions:
 
-* ``"backpack"`` (default; BackPACK's convolution convention): ``A = Σ_{k,n}
-  (Σ_l s)(Σ_l s)ᵀ``, ``B = Σ_{n,l} u uᵀ / N``;
+* ``"sum"`` (default; BackPACK's ``KFAC``/``KFLR`` for convolutions, its only
+  layers with positions): positions summed in both factors, none averaged,
+  ``A = Σ_{k,n} (Σ_l s)(Σ_l s)ᵀ``, ``B = Σ_{n,l} u uᵀ / N``;
 * ``"expand"`` (positions as extra samples; exact for a layer applied
   independently per position): ``A = Σ_{k,n,l} s sᵀ``, ``B = Σ_{n,l} u uᵀ / (N L)``;
 * ``"reduce"`` (positions summed; exact when the input is the same at every
   position): ``A = Σ_{k,n} (Σ_l s)(Σ_l s)ᵀ``, ``B = Σ_n ū ūᵀ / N`` with ``ū`` the
   mean over positions.
 
-With one position all three coincide. Grouped convolutions share ``B`` across
-groups (averaged). Parameters without a Kronecker rule (a raw parameter, a norm
-layer, an embedding, tied weights) raise a
+``"expand"`` and ``"reduce"`` are the conventions of curvlinops'
+``KFACLinearOperator(kfac_approx=...)``; ``"sum"`` is ``"reduce"``'s ``A`` with
+``"expand"``'s ``B`` times ``L``, so its ``A ⊗ B`` is ``L`` times that pair's.
+The former name ``"backpack"`` raises a ``ValueError`` naming ``"sum"``. With one
+position all three coincide. Grouped convolutions share ``B`` across groups
+(averaged). Parameters without a Kronecker rule (a raw parameter, a norm layer, an
+embedding, tied weights) raise a
 ``ValueError`` naming them, or get ``None`` with ``on_unsupported="skip"``.
 """
 
@@ -40,13 +45,14 @@ from packfunc.data import BatchToXY, over_data
 from packfunc.distributed import ProcessGroup
 from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.layer_factors import (
-    APPROXIMATIONS,
     CURVATURES,
     Factors,
+    checked_approx,
     kfra_factors,
     sqrt_factors,
 )
 from packfunc.losses import default_loss
+from packfunc.specs import SPECS
 from packfunc.types import (
     DATA_ARGUMENTS,
     Curvature,
@@ -63,7 +69,7 @@ FISHER_TYPES = ("mc", "empirical")
 """KFAC's output-side columns: sampled from the model (``"mc"``) or the loss gradient."""
 
 
-@over_data("kfac")
+@over_data(SPECS["kfac"])
 @shares_arguments(
     "model_fn",
     "params",
@@ -84,7 +90,7 @@ def kfac(
     loss: nn.Module | None = None,
     mc_samples: int = 1,
     generator: torch.Generator | None = None,
-    kfac_approx: KfacApprox = "backpack",
+    kfac_approx: KfacApprox = "sum",
     on_unsupported: OnUnsupported = "raise",
     fisher_type: str = "mc",
     data: Iterable[Any] | None = None,
@@ -113,7 +119,7 @@ def kfac(
     return _sqrt_factors(model_fn, params, X, y, loss, on_unsupported, *columns)[0]
 
 
-@over_data("kflr")
+@over_data(SPECS["kflr"])
 @shares_arguments(
     "model_fn", "params", "X", "y", "loss", "kfac_approx", "on_unsupported", *DATA_ARGUMENTS
 )
@@ -124,7 +130,7 @@ def kflr(
     y: Targets = None,
     *,
     loss: nn.Module | None = None,
-    kfac_approx: KfacApprox = "backpack",
+    kfac_approx: KfacApprox = "sum",
     on_unsupported: OnUnsupported = "raise",
     data: Iterable[Any] | None = None,
     batch_to_xy: BatchToXY | None = None,
@@ -147,7 +153,7 @@ def kflr(
     )[0]
 
 
-@over_data("kfra")
+@over_data(SPECS["kfra"])
 @shares_arguments("y", "loss", *DATA_ARGUMENTS)
 def kfra(
     model_fn: ModelFn,
@@ -209,7 +215,7 @@ def sqrt_factors_and_loss(
     loss: nn.Module,
     mc_samples: int | None,
     generator: torch.Generator | None = None,
-    kfac_approx: KfacApprox = "backpack",
+    kfac_approx: KfacApprox = "sum",
     fisher_type: str = "mc",
     on_unsupported: OnUnsupported = "raise",
 ) -> tuple[Any, Tensor]:
@@ -279,13 +285,11 @@ def _empirical(fisher_type: str) -> bool:
 
 
 def _approx(kfac_approx: str) -> str:
-    if kfac_approx not in APPROXIMATIONS:
-        raise ValueError(f"kfac_approx must be one of {APPROXIMATIONS}; got {kfac_approx!r}.")
-    return kfac_approx
+    return checked_approx(kfac_approx)
 
 
 def _factors(
-    model_fn: Callable,
+    model_fn: ModelFn,
     params: Any,
     X: Any,
     y: Tensor,

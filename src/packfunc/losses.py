@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -259,7 +260,7 @@ def hessian_factors(
 
 
 def _length(s: slice) -> int:
-    return s.stop - s.start
+    return cast(int, s.stop - s.start)
 
 
 def _diagonal_factors(root: Tensor) -> HessianFactors:
@@ -291,7 +292,7 @@ def _elementwise_curvature(loss: nn.Module, output: Tensor, target: Tensor) -> T
     # any other elementwise loss: its Hessian is diagonal (and symmetric), so 1ᵀH is the
     # diagonal; reverse over reverse, as some losses have no forward-mode backward rule
     def loss_of(f: Tensor) -> Tensor:
-        return loss(f, target)
+        return cast(Tensor, loss(f, target))
 
     _, pullback = vjp(torch.func.grad(loss_of), output)
     (hvp,) = pullback(torch.ones_like(output))
@@ -300,7 +301,7 @@ def _elementwise_curvature(loss: nn.Module, output: Tensor, target: Tensor) -> T
             f"{type(loss).__name__} has negative curvature at these outputs; the GGN needs a "
             "convex loss (positive semi-definite Hessian w.r.t. the output)."
         )
-    return hvp.clamp_min(0)
+    return cast(Tensor, hvp.clamp_min(0))
 
 
 def _mean_divisor(loss: nn.Module, count: float | Tensor) -> float | Tensor:

@@ -30,6 +30,7 @@ from packfunc.engine.precision import full_precision, to_dtype_of
 from packfunc.engine.randomness import random_model_error
 from packfunc.functionalize import check_model_arguments, flatten_params
 from packfunc.losses import check_loss, check_loss_inputs, default_loss, hessian_factors
+from packfunc.specs import SPECS
 from packfunc.types import (
     DATA_ARGUMENTS,
     Inputs,
@@ -41,7 +42,7 @@ from packfunc.types import (
 )
 
 
-@over_data("ggn_vector_product", required=("v",))
+@over_data(SPECS["ggn_vector_product"], required=("v",))
 @shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
 def ggn_vector_product(
     model_fn: ModelFn,
@@ -77,7 +78,7 @@ def ggn_vector_product(
     return _first_column(_ggn_products(forward, params, _stacked(v), loss, y))
 
 
-@over_data("hessian_vector_product", required=("v",))
+@over_data(SPECS["hessian_vector_product"], required=("v",))
 @shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
 def hessian_vector_product(
     model_fn: ModelFn,
@@ -113,7 +114,7 @@ def hessian_vector_product(
     return _first_column(_hessian_products(forward, params, _stacked(v), loss, y))
 
 
-@over_data("ggn_block_products", required=("mats",))
+@over_data(SPECS["ggn_block_products"], required=("mats",))
 @shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
 def ggn_block_products(
     model_fn: ModelFn,
@@ -150,7 +151,7 @@ def ggn_block_products(
     )
 
 
-@over_data("hessian_block_products", required=("mats",))
+@over_data(SPECS["hessian_block_products"], required=("mats",))
 @shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
 def hessian_block_products(
     model_fn: ModelFn,
@@ -191,7 +192,7 @@ def hessian_block_products(
     )
 
 
-@over_data("pch_block_products", required=("mats",))
+@over_data(SPECS["pch_block_products"], required=("mats",))
 @shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
 def pch_block_products(
     model_fn: ModelFn,
@@ -246,7 +247,7 @@ def pch_block_products(
     return optree.tree_unflatten(bp.treespec, results)
 
 
-def _checked(loss: nn.Module | None, model_fn: Callable, params: Any) -> nn.Module:
+def _checked(loss: nn.Module | None, model_fn: ModelFn, params: Any) -> nn.Module:
     check_model_arguments(model_fn, params)
     loss = loss or default_loss()
     check_loss(loss)
@@ -254,7 +255,7 @@ def _checked(loss: nn.Module | None, model_fn: Callable, params: Any) -> nn.Modu
     return loss
 
 
-def _model(model_fn: Callable, X: Any, params: Any, replaced: list[int]) -> Callable[[Any], Tensor]:
+def _model(model_fn: ModelFn, X: Any, params: Any, replaced: list[int]) -> Callable[[Any], Tensor]:
     """The model as a function of all params (``replaced=[]``) or of one leaf."""
     leaves, treespec = optree.tree_flatten(params)
 
@@ -272,11 +273,11 @@ def _model(model_fn: Callable, X: Any, params: Any, replaced: list[int]) -> Call
 
 
 def _per_block(
-    model_fn: Callable,
+    model_fn: ModelFn,
     params: Any,
     X: Any,
     mats: Any,
-    product: Callable[[Callable, Tensor, Tensor], Tensor],
+    product: Callable[[Callable[[Any], Tensor], Tensor, Tensor], Tensor],
 ) -> Any:
     leaves, treespec = optree.tree_flatten(params)
     blocks = optree.tree_leaves(mats, none_is_leaf=True)
@@ -290,7 +291,9 @@ def _per_block(
     return optree.tree_unflatten(treespec, results)
 
 
-def _ggn_products(forward: Callable, primal: Any, tangents: Any, loss: nn.Module, y: Tensor) -> Any:
+def _ggn_products(
+    forward: Callable[[Any], Tensor], primal: Any, tangents: Any, loss: nn.Module, y: Tensor
+) -> Any:
     """``Jᵀ (∇²_f L) J t`` for a stack of tangents (leading dim ``V``)."""
     with twice_differentiable():
         output, pullback = vjp(forward, primal)
@@ -312,7 +315,7 @@ def _ggn_products(forward: Callable, primal: Any, tangents: Any, loss: nn.Module
 
 
 def _hessian_products(
-    forward: Callable, primal: Any, tangents: Any, loss: nn.Module, y: Tensor
+    forward: Callable[[Any], Tensor], primal: Any, tangents: Any, loss: nn.Module, y: Tensor
 ) -> Any:
     """``∇²L t`` for a stack of tangents (leading dim ``V``), reverse-over-reverse.
 
@@ -324,7 +327,8 @@ def _hessian_products(
     def total(p: Any) -> Tensor:
         output = forward(p)
         check_loss_inputs(loss, output, y, output.shape[0])
-        return loss(output, y)
+        value: Tensor = loss(output, y)
+        return value
 
     with twice_differentiable():
         _, pullback = vjp(grad(total), primal)

@@ -19,7 +19,8 @@ from torch import nn
 
 from packfunc.data import BatchToXY, over_data
 from packfunc.distributed import ProcessGroup
-from packfunc.quantities import compute_one
+from packfunc.evaluation import one_quantity
+from packfunc.specs import SPECS
 from packfunc.types import (
     DATA_ARGUMENTS,
     Inputs,
@@ -31,7 +32,7 @@ from packfunc.types import (
 )
 
 
-@over_data("sqrt_ggn")
+@over_data(SPECS["sqrt_ggn"])
 @shares_arguments(
     "model_fn",
     "params",
@@ -72,13 +73,13 @@ def sqrt_ggn(
         >>> V["weight"].shape
         torch.Size([4, 5, 4, 3])
     """
-    return compute_one(
+    return one_quantity(
         "sqrt_ggn",
         model_fn,
         params,
         X,
         y,
-        loss=loss,
+        loss,
         mc_samples=mc_samples,
         generator=generator,
         subsampling=subsampling,
@@ -86,7 +87,7 @@ def sqrt_ggn(
     )
 
 
-@over_data("diag_ggn")
+@over_data(SPECS["diag_ggn"])
 @shares_arguments(
     "model_fn", "params", "X", "y", "loss", "mc_samples", "generator", "chunk_size", *DATA_ARGUMENTS
 )
@@ -116,20 +117,20 @@ def diag_ggn(
         >>> d["weight"].shape
         torch.Size([4, 3])
     """
-    return compute_one(
+    return one_quantity(
         "diag_ggn",
         model_fn,
         params,
         X,
         y,
-        loss=loss,
+        loss,
         mc_samples=mc_samples,
         generator=generator,
         chunk_size=chunk_size,
     )
 
 
-@over_data("batch_diag_ggn")
+@over_data(SPECS["batch_diag_ggn"])
 @shares_arguments(
     "model_fn",
     "params",
@@ -169,13 +170,13 @@ def batch_diag_ggn(
         >>> d["bias"].shape
         torch.Size([5, 4])
     """
-    return compute_one(
+    return one_quantity(
         "batch_diag_ggn",
         model_fn,
         params,
         X,
         y,
-        loss=loss,
+        loss,
         mc_samples=mc_samples,
         generator=generator,
         subsampling=subsampling,
@@ -183,7 +184,7 @@ def batch_diag_ggn(
     )
 
 
-@over_data("diag_hessian")
+@over_data(SPECS["diag_hessian"])
 @shares_arguments("model_fn", "params", "X", "y", "loss", "chunk_size", *DATA_ARGUMENTS)
 def diag_hessian(
     model_fn: ModelFn,
@@ -209,10 +210,10 @@ def diag_hessian(
         >>> h["weight"].shape
         torch.Size([4, 3])
     """
-    return compute_one("diag_hessian", model_fn, params, X, y, loss=loss, chunk_size=chunk_size)
+    return one_quantity("diag_hessian", model_fn, params, X, y, loss, chunk_size=chunk_size)
 
 
-@over_data("batch_diag_hessian")
+@over_data(SPECS["batch_diag_hessian"])
 @shares_arguments(
     "model_fn", "params", "X", "y", "loss", "subsampling", "chunk_size", *DATA_ARGUMENTS
 )
@@ -241,13 +242,13 @@ def batch_diag_hessian(
         >>> h["bias"].shape
         torch.Size([5, 4])
     """
-    return compute_one(
+    return one_quantity(
         "batch_diag_hessian",
         model_fn,
         params,
         X,
         y,
-        loss=loss,
+        loss,
         subsampling=subsampling,
         chunk_size=chunk_size,
     )

@@ -31,8 +31,9 @@ ModelFn = Callable[[Params, Inputs], Tensor]
 Samples = Sequence[int] | Tensor | None
 """Sample indices (``None``: every sample)."""
 
-KfacApprox = Literal["backpack", "expand", "reduce"]
-"""How positions (sequence entries, pixels, repeated calls) enter Kronecker factors."""
+KfacApprox = Literal["sum", "expand", "reduce"]
+"""How positions (sequence entries, pixels, repeated calls) enter Kronecker factors:
+summed in both factors (BackPACK's convention), or curvlinops' expand or reduce."""
 
 OnUnsupported = Literal["raise", "skip"]
 """What Kronecker functions do with parameters that have no Kronecker rule."""
@@ -58,8 +59,13 @@ ARGUMENTS: dict[str, str] = {
     "generator": "Random generator for the Monte-Carlo samples (on the outputs' device).",
     "chunk_size": "Samples per chunk where per-sample tensors are materialized (default: "
     "automatic, within a memory budget).",
-    "kfac_approx": "``'backpack'``, ``'expand'`` or ``'reduce'``: how positions enter the "
-    "factors (see :mod:`packfunc.kronecker_factors`).",
+    "kfac_approx": "How positions (sequence entries, pixels, repeated calls) enter the "
+    "factors: ``'sum'`` (default; BackPACK's convention: summed in both factors, "
+    "``A`` of the position-summed cotangents, ``B`` of the inputs' outer products summed "
+    "over positions, divided by ``N``), or curvlinops' ``'expand'`` (positions as samples) or "
+    "``'reduce'`` (cotangents summed, inputs averaged over positions); ``'sum'`` is "
+    "``'reduce'``'s ``A`` with ``'expand'``'s ``B`` times ``L`` positions (see "
+    ":mod:`packfunc.kronecker_factors`; the former ``'backpack'`` is refused).",
     "on_unsupported": "``'raise'`` for parameters without a Kronecker rule, or ``'skip'`` "
     "(``None`` for those).",
     "data": "An iterable of ``(X, y)`` batches (e.g. a ``DataLoader``) in place of ``X, y``: "

@@ -409,3 +409,9 @@ def test_hbp_configurations_are_kfac_kflr_and_kfra():
         _assert_same(p.mine, p.kflr, "HBP == KFLR")
     with pytest.raises(NotImplementedError, match="KFAC"):
         ours.HBP("hessian", "exact", "sqrt", "E[J^T E(H) J]")
+
+
+def test_kfac_and_kflr_ask_for_backpacks_position_convention_by_name():
+    """The shim names ``kfac_approx="sum"`` itself rather than rely on packfunc's default."""
+    for extension in (ours.KFAC(), ours.KFLR()):
+        assert dict(extension.job().options)["kfac_approx"] == "sum"

@@ -17,14 +17,7 @@ from torch import Tensor, nn
 
 from packfunc.compat.extensions.backprop_extension import BackpropExtension
 from packfunc.distributed import ProcessGroup, sum_over_ranks
-
-PER_SAMPLE_JOBS = frozenset(
-    {"batch_grad", "batch_l2_grad", "sqrt_ggn", "batch_diag_ggn", "batch_diag_hessian"}
-)
-"""Fields with one entry per local sample: left as they are."""
-
-LINEAR_JOBS = frozenset({"diag_ggn", "diag_hessian", "kfac", "kflr"})
-"""Fields linear in the loss (for Kronecker factors: the first, output-side factor)."""
+from packfunc.specs import Combine, Family
 
 
 def all_reduce_extensions(
@@ -77,16 +70,16 @@ def all_reduce_extensions(
     ranks = dist.get_world_size(group)
     parameters = [p for p in model.parameters() if p.requires_grad]
     for extension in extensions:
-        job = extension.job()
-        if job.kind not in ("quantity", "kronecker") or job.name in PER_SAMPLE_JOBS:
+        spec = extension.job().quantity
+        if spec.family is Family.PRODUCTS or spec.combine is Combine.PER_SAMPLE:
             continue
-        if job.name not in LINEAR_JOBS | {"sum_grad_squared"}:
+        if spec.combine not in (Combine.SUM, Combine.KRONECKER):
             raise ValueError(
                 f"{type(extension).__name__} is not a sum over samples, so ranks cannot be "
                 "combined; for Variance extend with SumGradSquared and combine it with .grad, "
                 "for KFRA use KFLR or KFAC."
             )
-        power = 2 if job.name == "sum_grad_squared" else 1
+        power = spec.power(dict(extension.job().options))
         scale = 1 / ranks**power if reduction == "mean" else 1.0
         for p in parameters:
             value = getattr(p, extension.savefield, None)

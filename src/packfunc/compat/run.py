@@ -24,9 +24,10 @@ from packfunc.compat.layout import SampleLayout
 from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.batch_record import BatchRecord
 from packfunc.engine.discovery import Plan
+from packfunc.evaluation import evaluate
 from packfunc.functionalize import wraps_module_of
 from packfunc.losses import hessian_factors
-from packfunc.quantities import evaluate
+from packfunc.specs import Family
 
 if TYPE_CHECKING:
     from packfunc.compat.context import Context
@@ -40,12 +41,10 @@ NO_OP_MODULES: tuple[type[nn.Module], ...] = (
 )
 """Containers that compute nothing themselves: no stored IO, no ``extension_hook`` call."""
 
-KRONECKER: dict[str, Callable[..., Any]] = {"kfac": pf.kfac, "kflr": pf.kflr, "kfra": pf.kfra}
-BLOCKS: dict[str, Callable[..., Any]] = {
-    "ggn": pf.ggn_block_products,
-    "hessian": pf.hessian_block_products,
-    "pch": pf.pch_block_products,
-}
+
+def _computes_statistic(job: Job) -> bool:
+    """Whether ``job`` is a statistic of column gradients (one batch pass serves them all)."""
+    return job.quantity.family is Family.STATISTIC
 
 
 def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route: LossRoute) -> None:
@@ -86,10 +85,10 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         else:
             fn, loss, y = model_fn, GivenGradient(gradient), gradient
             watched = partial(_watched, record, None, differentiable)
-        if job.kind == "quantity" and job.second_order not in passes:
+        if _computes_statistic(job) and job.second_order not in passes:
             passes[job.second_order] = BatchPass(fn, params, X, y, loss, watched=watched)
         with torch.set_grad_enabled(differentiable):
-            if job.kind == "quantity":
+            if _computes_statistic(job):
                 results[ext.savefield] = evaluate(
                     passes[job.second_order], (job.name,), **dict(job.options)
                 )[job.name]
@@ -104,7 +103,9 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
     if ctx.extension_hook is not None:
         for module in _backward_order(record, route):
             ctx.extension_hook(module)
-    if not ctx.retain_graph and not any(ext.job().kind == "block" for ext in ctx.extensions):
+    if not ctx.retain_graph and not any(
+        ext.job().quantity.family is Family.PRODUCTS for ext in ctx.extensions
+    ):
         forget_inputs_and_outputs(record, route.loss.module if route.loss else None)
 
 
@@ -191,15 +192,15 @@ def _compute(
 ) -> dict[str, Any]:
     """Run a Kronecker or block-product job with the functional API, by parameter name."""
     options = dict(job.options)
-    if job.kind == "kronecker":
-        factors = KRONECKER[job.name](
+    public_function = getattr(pf, job.name)  # every spec names its public function
+    if job.quantity.family is Family.FACTORS:
+        factors = public_function(
             model_fn, params, X, y, loss=loss, on_unsupported="skip", **options
         )
         _warn_about_unsupported(job.name, [name for name, f in factors.items() if f is None])
         return {name: f for name, f in factors.items() if f is not None}
-    product = BLOCKS[job.name]
     return {
-        name: partial(_block_product, product, name, model_fn, params, X, y, loss, options)
+        name: partial(_block_product, public_function, name, model_fn, params, X, y, loss, options)
         for name in params
     }
 
@@ -239,7 +240,7 @@ def _module_extensions(
     ext: BackpropExtension, job: Job, record: ForwardRecord, route: LossRoute, gradient: Tensor
 ) -> dict[str, Any]:
     """Results of the module extensions registered on ``ext``, by parameter name."""
-    if not ext.module_extensions or job.kind != "quantity":
+    if not ext.module_extensions or not _computes_statistic(job):
         return {}
     found: dict[str, Any] = {}
     output = _live_output(record)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,13 +39,13 @@ from torch import Tensor
 
 __all__ = ["ATTENTION_OPS", "run_attention", "supports_attention"]
 
-ATTENTION_OPS: frozenset = frozenset({F.multi_head_attention_forward})
+ATTENTION_OPS: frozenset[Callable[..., Any]] = frozenset({F.multi_head_attention_forward})
 """The functions :func:`run_attention` re-implements."""
 
 _SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 
-def _bind(args: tuple, kwargs: dict) -> dict[str, Any]:
+def _bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """Map a call's arguments onto ``F.multi_head_attention_forward``'s names, defaults filled."""
     bound = _SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()
@@ -94,7 +95,7 @@ def _reproducible(a: dict[str, Any]) -> bool:
     )
 
 
-def supports_attention(args: tuple, kwargs: dict) -> bool:
+def supports_attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether :func:`run_attention` reproduces this ``F.multi_head_attention_forward`` call.
 
     Not reproduced, and left to PyTorch: ``static_k``/``static_v``, nested tensors, and
@@ -251,7 +252,7 @@ def _attend(
     return weights @ v, weights if need_weights else None
 
 
-def run_attention(args: tuple, kwargs: dict) -> tuple[Tensor, Tensor | None]:
+def run_attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Tensor, Tensor | None]:
     """Evaluate ``F.multi_head_attention_forward`` out of place, from ``F.linear`` calls.
 
     Every ``F.linear`` input and output has the sample index at dim 0. Only for calls that
@@ -308,7 +309,7 @@ def run_attention(args: tuple, kwargs: dict) -> tuple[Tensor, Tensor | None]:
     mask = padding if attn_mask is None else attn_mask if padding is None else attn_mask + padding
 
     def heads_first(t: Tensor) -> Tensor:
-        return t.unflatten(-1, (heads, -1)).transpose(1, 2)  # [N, S, E] -> [N, H, S, E/H]
+        return torch.unflatten(t, -1, (heads, -1)).transpose(1, 2)  # [N, S, E] -> [N, H, S, E/H]
 
     dropout_p = float(a["dropout_p"]) if a["training"] else 0.0
     attended, weights = _attend(

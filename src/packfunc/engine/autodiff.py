@@ -110,6 +110,6 @@ def over_samples(func: Callable[..., Any], **options: Any) -> Callable[..., Any]
     return run
 
 
-def _sample(args: tuple, dims: tuple[int, ...], i: int) -> list[Any]:
+def _sample(args: tuple[Any, ...], dims: tuple[int, ...], i: int) -> list[Any]:
     """Sample ``i`` of every argument (pytrees of tensors batched along ``dims``)."""
     return [optree.tree_map(lambda t, d=d: t.select(d, i), a) for a, d in zip(args, dims)]

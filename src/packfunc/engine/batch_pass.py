@@ -34,6 +34,7 @@ from packfunc.functionalize import (
     flatten_params,
 )
 from packfunc.losses import check_loss
+from packfunc.types import ModelFn
 
 _VMAPPED_COLUMNS = 32
 """Above this many columns, one vmapped pullback beats a loop of pullbacks.
@@ -74,7 +75,7 @@ def _merge(terms: list[Term]) -> list[Term]:
 
 
 def check_pass_arguments(
-    model_fn: Callable, params: Any, loss: nn.Module, chunk_size: int | None
+    model_fn: ModelFn, params: Any, loss: nn.Module, chunk_size: int | None
 ) -> None:
     """Check a model function, its params, the loss and ``chunk_size`` before any work.
 
@@ -120,7 +121,7 @@ class BatchPass:
 
     def __init__(
         self,
-        model_fn: Callable,
+        model_fn: ModelFn,
         params: Any,
         X: Any,
         y: Tensor,
@@ -316,7 +317,9 @@ class ColumnGradients:
         if len(terms) != 1:
             return None
         (t,) = terms
-        return getattr(t.rule, stat.value)(t.x[:, index], t.g[:, index], t.call, param)
+        return cast(
+            Tensor | None, getattr(t.rule, stat.value)(t.x[:, index], t.g[:, index], t.call, param)
+        )
 
     def leaf_columns(self, leaf: int, index: slice | Tensor) -> Tensor:
         """Column gradients ``[K, n, *leaf.shape]`` of a tapped or unused leaf.

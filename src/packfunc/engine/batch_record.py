@@ -43,6 +43,7 @@ from packfunc.engine.modes import (
 from packfunc.engine.ops import SIGNATURES, tapped_leaves
 from packfunc.engine.precision import forward_autocast, to_dtype_of
 from packfunc.losses import check_loss_inputs
+from packfunc.types import ModelFn
 
 
 class PlanMismatch(RuntimeError):
@@ -71,7 +72,9 @@ class _RecordMode(ParameterMode):
         self.outputs: dict[int, GradientEdge] = {}
         self.failed: set[int] = set()
 
-    def _dispatch(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+    def _dispatch(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         if is_metadata_query(func) or not self._touches_parameters(args, kwargs):
             return func(*args, **kwargs)
         u, self.uses_seen = self.uses_seen, self.uses_seen + 1
@@ -126,8 +129,8 @@ class _RecordMode(ParameterMode):
         return self._probed(k, out, probe)
 
     def _record_local(
-        self, k: int, func: Callable, arguments: CallArguments, sources: dict[int, Source]
-    ) -> Tensor:
+        self, k: int, func: Callable[..., Any], arguments: CallArguments, sources: dict[int, Source]
+    ) -> object:
         probe = self.probes[k]
         values = list(arguments.values)
         if self.mark and not any(isinstance(v, Tensor) and v.requires_grad for v in values):
@@ -224,7 +227,7 @@ def zero_probes(plan: Plan, sites: list[int], n: int) -> dict[int, Tensor]:
 
 
 def probed_forward(
-    model_fn: Callable,
+    model_fn: ModelFn,
     params: Any,
     leaves: list[Tensor],
     plan: Plan,
@@ -309,7 +312,7 @@ class BatchRecord:
 
 
 def record(
-    model_fn: Callable,
+    model_fn: ModelFn,
     params: Any,
     leaves: list[Tensor],
     plan: Plan,
@@ -382,7 +385,7 @@ class _Watched(Tensor):
 
     @classmethod
     def __torch_function__(
-        cls, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
+        cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         with torch._C.DisableTorchFunctionSubclass():
             recorders = _recorders()
@@ -424,7 +427,7 @@ def _in_parameter_dtype(output: Tensor, leaves: list[Tensor]) -> Tensor:
 
 
 def _record_with_autograd(
-    model_fn: Callable,
+    model_fn: ModelFn,
     params: Any,
     leaves: list[Tensor],
     plan: Plan,
@@ -459,7 +462,7 @@ def _record_with_autograd(
 
 
 def _watched_forward(
-    model_fn: Callable,
+    model_fn: ModelFn,
     params: Any,
     leaves: list[Tensor],
     plan: Plan,

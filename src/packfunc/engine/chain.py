@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from torch import Tensor
 
 from packfunc.engine.modes import FunctionalMode, LeafIndex, is_metadata_query
 from packfunc.engine.ops import OpSignature, TapCall, make_call
+from packfunc.types import ModelFn
 
 ELEMENTWISE = frozenset(
     {
@@ -68,9 +69,9 @@ class Link:
         call: For a linear or convolution op with a parameter weight, its description.
     """
 
-    func: Callable
-    args: tuple
-    kwargs: dict
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
     position: int
     input: Tensor
     output: Tensor
@@ -78,7 +79,7 @@ class Link:
 
     def apply(self, chain: Tensor) -> Tensor:
         """The op as a function of the chain tensor, every other argument fixed."""
-        return self.with_argument(self.position, chain)
+        return cast(Tensor, self.with_argument(self.position, chain))
 
     def with_argument(self, position: int | str, value: Any) -> Any:
         """Call the op with one argument (an index, or a keyword) replaced."""
@@ -106,21 +107,27 @@ class _ChainMode(FunctionalMode):
         self.seen: set[int] = set()
 
     def _tapped(
-        self, func: Callable, sig: OpSignature, bound: dict[str, Any], run: Callable[[], Tensor]
+        self,
+        func: Callable[..., Any],
+        sig: OpSignature,
+        bound: dict[str, Any],
+        run: Callable[[], Tensor],
     ) -> Tensor:
         call = make_call(sig, bound, self.leaf_of)
-        return self._follow(func, (), bound, run, call)
+        return cast(Tensor, self._follow(func, (), bound, run, call))
 
-    def _other(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+    def _other(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         if is_metadata_query(func):
             return func(*args, **kwargs)
         return self._follow(func, args, kwargs, lambda: func(*args, **kwargs), None)
 
     def _follow(
         self,
-        func: Callable,
-        args: tuple,
-        kwargs: dict,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
         run: Callable[[], Any],
         call: TapCall | None,
     ) -> Any:
@@ -152,7 +159,7 @@ class _ChainMode(FunctionalMode):
         return out
 
 
-def trace_chain(model_fn: Callable, params: Any, leaves: list[Tensor], X: Tensor) -> list[Link]:
+def trace_chain(model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Tensor) -> list[Link]:
     """Record the ops of a sequential model applied to ``X``.
 
     Args:

@@ -28,7 +28,7 @@ class _PlainCheckpointFunction:
     """Stands in for ``CheckpointFunction`` (the reentrant variant): no checkpoint."""
 
     @staticmethod
-    def apply(function: Callable, preserve_rng_state: bool, *args: Any) -> Any:
+    def apply(function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
         return function(*args)
 
 

@@ -27,7 +27,7 @@ import contextlib
 import weakref
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -45,6 +45,7 @@ from packfunc.engine.modes import (
 from packfunc.engine.ops import ROLES, SIGNATURES, OpSignature, TapCall, make_call
 from packfunc.engine.randomness import private_generators, random_call
 from packfunc.functionalize import module_of, select_samples
+from packfunc.types import ModelFn
 
 Recorded = Tensor | LocalInputs
 """What the batch pass keeps of a site: a tapped op's input, or a local call's arguments."""
@@ -82,7 +83,7 @@ class Use:
         site: The site index of a tapped or local call.
     """
 
-    func: Callable
+    func: Callable[..., Any]
     kind: str
     site: int | None = None
 
@@ -155,7 +156,7 @@ class _DiscoveryMode(ParameterMode):
         self.fixed = FixedTensors(buffers)
 
     def __torch_function__(
-        self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         if self.plan.random is None:
             self.plan.random = random_call(func, args, kwargs or {})
@@ -168,7 +169,9 @@ class _DiscoveryMode(ParameterMode):
             return False
         return self.samples.get(id(value)) is value or value.shape[:1] == (1,)
 
-    def _dispatch(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+    def _dispatch(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         if is_metadata_query(func):
             return func(*args, **kwargs)
         arguments = CallArguments.of(args, kwargs)
@@ -222,7 +225,11 @@ class _DiscoveryMode(ParameterMode):
         return out
 
     def _tapped_call(
-        self, sig: OpSignature, args: tuple, kwargs: dict, sources: dict[int, Source]
+        self,
+        sig: OpSignature,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        sources: dict[int, Source],
     ) -> bool:
         """Whether a linear-like op takes parameter leaves as weight or bias, and nowhere else."""
         bound = sig.bind(args, kwargs)
@@ -233,10 +240,15 @@ class _DiscoveryMode(ParameterMode):
         )
 
     def _discover_tapped(
-        self, func: Callable, sig: OpSignature, bound: dict[str, Any], args: tuple, kwargs: dict
+        self,
+        func: Callable[..., Any],
+        sig: OpSignature,
+        bound: dict[str, Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Tensor:
         _refuse_coupled_embedding(sig, bound)
-        out = func(*args, **kwargs)
+        out: Tensor = func(*args, **kwargs)
         self._mark_samples(out)
         call = make_call(sig, bound, self.leaf_of)
         x = bound["input"]
@@ -299,7 +311,7 @@ _SIZED_BY_ARGUMENTS = frozenset(
 
 
 def keeps_fixed(
-    func: Callable,
+    func: Callable[..., Any],
     values: tuple[Any, ...],
     out: Any,
     is_fixed: Callable[[Any], bool],
@@ -363,7 +375,7 @@ class FixedTensors:
     def __contains__(self, value: Any) -> bool:
         return isinstance(value, Tensor) and self._of.get(id(value)) is value
 
-    def note(self, func: Callable, values: tuple[Any, ...], out: Any) -> None:
+    def note(self, func: Callable[..., Any], values: tuple[Any, ...], out: Any) -> None:
         """Add the outputs of a call that :func:`keeps_fixed` says are fixed.
 
         Args:
@@ -376,7 +388,7 @@ class FixedTensors:
                 self._of[id(tensor)] = tensor
 
 
-def _plain_view(func: Callable, values: tuple[Any, ...]) -> bool:
+def _plain_view(func: Callable[..., Any], values: tuple[Any, ...]) -> bool:
     """Whether a call is a ``view``/``reshape`` to explicit sizes (no ``-1``).
 
     It keeps the number of elements, so a batch size among the sizes would fail for any
@@ -401,7 +413,7 @@ def _refuse_coupled_embedding(sig: OpSignature, bound: dict[str, Any]) -> None:
         )
 
 
-def discover(model_fn: Callable, params: Any, leaves: list[Tensor], X_first: Any) -> Plan:
+def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any) -> Plan:
     """Run the model on one sample and plan which leaves the tapped path covers.
 
     Args:
@@ -435,12 +447,12 @@ def discover(model_fn: Callable, params: Any, leaves: list[Tensor], X_first: Any
     return mode.plan
 
 
-_PLANS: weakref.WeakKeyDictionary[Callable, tuple[Hashable, Plan]] = weakref.WeakKeyDictionary()
+_PLANS: weakref.WeakKeyDictionary[ModelFn, tuple[Hashable, Plan]] = weakref.WeakKeyDictionary()
 """Per model function, the signature of its latest discovery and the plan found."""
 
 
 def cached_discover(
-    model_fn: Callable, params: Any, leaves: list[Tensor], X: Any
+    model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Any
 ) -> tuple[Plan, bool]:
     """The plan of the last discovery for ``model_fn`` with the same signature, else a new one.
 
@@ -479,7 +491,7 @@ def cached_discover(
     return plan, False
 
 
-def forget_plan(model_fn: Callable) -> None:
+def forget_plan(model_fn: ModelFn) -> None:
     """Drop the cached plan of ``model_fn`` (its code took another path).
 
     Args:
@@ -489,7 +501,7 @@ def forget_plan(model_fn: Callable) -> None:
         _PLANS.pop(model_fn, None)
 
 
-def _signature(model_fn: Callable, params: Any, leaves: list[Tensor], X: Any) -> Hashable:
+def _signature(model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Any) -> Hashable:
     """What a plan depends on besides ``model_fn``'s code (see :func:`cached_discover`)."""
     inputs, input_spec = optree.tree_flatten(X)
     module = module_of(model_fn)
@@ -519,4 +531,4 @@ def _hashable(value: Any) -> Hashable:
         hash(value)
     except TypeError:
         return ("id", id(value))
-    return value
+    return cast(Hashable, value)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -42,6 +42,7 @@ from torch.func import grad, vmap
 from packfunc.engine.autodiff import over_samples, vjp
 from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.batch_record import probed_forward, zero_probes
+from packfunc.engine.discovery import Recorded
 from packfunc.engine.hessian_recursion import layer_output_curvature
 from packfunc.engine.memory import DEFAULT_BUDGET, chunks, index_length
 from packfunc.engine.modes import functional_mode, twice_differentiable
@@ -190,7 +191,7 @@ def _loss_curvature(bp: BatchPass, wanted: list[int]) -> list[Stats]:
     chosen = [bp.leaves[i] for i in wanted]
 
     def loss_of(leaves: list[Tensor]) -> Tensor:
-        return bp.loss(_with_leaves(bp, wanted, leaves, bp.X), bp.y)
+        return cast(Tensor, bp.loss(_with_leaves(bp, wanted, leaves, bp.X), bp.y))
 
     diagonal = _hvp_diagonal(loss_of, chosen, _tangents_at_once(bp))
     return [{Statistic.DIAGONAL: d.view(p.shape)} for d, p in zip(diagonal, chosen)]
@@ -273,6 +274,11 @@ def _hvp_diagonal(
     return diagonal
 
 
-def _loss_at_site(bp: BatchPass, forward: Callable, k: int, probe: Tensor) -> Tensor:
+def _loss_at_site(
+    bp: BatchPass,
+    forward: Callable[[dict[int, Tensor]], tuple[Tensor, dict[int, Recorded]]],
+    k: int,
+    probe: Tensor,
+) -> Tensor:
     """The loss as a function of the probe added to site ``k``'s output."""
-    return bp.loss(forward({k: probe})[0], bp.y)
+    return cast(Tensor, bp.loss(forward({k: probe})[0], bp.y))

@@ -28,8 +28,40 @@ from packfunc.engine.precision import to_dtype_of
 from packfunc.engine.rules import rule_for
 from packfunc.losses import HessianFactors, hessian_factors
 
-APPROXIMATIONS = ("backpack", "expand", "reduce")
-"""Conventions for positions (sequence entries, pixels, several calls of one layer)."""
+APPROXIMATIONS = ("sum", "expand", "reduce")
+"""Conventions for positions (sequence entries, pixels, several calls of one layer):
+``"sum"`` (BackPACK's), and curvlinops' ``"expand"`` and ``"reduce"``."""
+
+RENAMED_APPROXIMATIONS = {"backpack": "sum"}
+"""Former names of :data:`APPROXIMATIONS`, refused with a pointer to the new one."""
+
+
+def checked_approx(approx: str) -> str:
+    """``approx`` if it names a convention of :data:`APPROXIMATIONS`.
+
+    Args:
+        approx: The ``kfac_approx`` argument.
+
+    Returns:
+        ``approx``.
+
+    Raises:
+        ValueError: for any other value; a former name is refused with its new one.
+
+    Example:
+        >>> checked_approx("sum")
+        'sum'
+    """
+    if approx in APPROXIMATIONS:
+        return approx
+    if approx in RENAMED_APPROXIMATIONS:
+        raise ValueError(
+            f"kfac_approx={approx!r} is now kfac_approx={RENAMED_APPROXIMATIONS[approx]!r} "
+            "(BackPACK's convention, named for its mathematics: positions summed in both "
+            "factors); 'expand' and 'reduce' are curvlinops' conventions."
+        )
+    raise ValueError(f"kfac_approx must be one of {APPROXIMATIONS}; got {approx!r}.")
+
 
 CURVATURES = {"ggn": None, "hessian": "none", "pch-clip": "clip", "pch-abs": "abs"}
 """What KFRA propagates (BackPACK's ``curv_type``): the GGN, or the Hessian whose
@@ -72,7 +104,7 @@ def sqrt_factors(
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
         >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
         ...               torch.nn.CrossEntropyLoss())
-        >>> [f.shape for f in sqrt_factors(bp, "backpack", None, None).per_leaf[1]]
+        >>> [f.shape for f in sqrt_factors(bp, "sum", None, None).per_leaf[1]]
         [torch.Size([2, 2]), torch.Size([3, 3])]
     """
     roots = (
@@ -263,7 +295,7 @@ def kfra_factors(bp: BatchPass, curvature: str = "ggn") -> Factors:
                 per_leaf[leaf] = (
                     [output]
                     if rule.kronecker(call) == 1
-                    else rule.kronecker_order(output, rule.input_factor(x, "backpack"))
+                    else rule.kronecker_order(output, rule.input_factor(x, "sum"))
                 )
             remaining -= 1
         if not remaining:  # nothing upstream needs H
@@ -289,6 +321,7 @@ __all__ = [
     "CURVATURES",
     "Factors",
     "NotSequentialError",
+    "checked_approx",
     "kfra_factors",
     "sqrt_factors",
 ]

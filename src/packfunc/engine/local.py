@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -45,7 +45,7 @@ class CallArguments:
     keys: tuple[str, ...]
 
     @classmethod
-    def of(cls, args: tuple, kwargs: Mapping[str, Any]) -> CallArguments:
+    def of(cls, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> CallArguments:
         """Flatten ``(args, kwargs)``.
 
         Args:
@@ -70,7 +70,9 @@ class CallArguments:
                 values.append(value)
         return cls(tuple(values), tuple(layout), tuple(kwargs))
 
-    def rebuild(self, values: list[Any] | tuple[Any, ...]) -> tuple[tuple, dict[str, Any]]:
+    def rebuild(
+        self, values: list[Any] | tuple[Any, ...]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Return ``(args, kwargs)`` with the flattened ``values`` put back in place.
 
         Args:
@@ -115,7 +117,7 @@ class Derivation:
     broadcast: bool = False
 
 
-def copies_along_batch(func: Callable, arguments: CallArguments, out: Any) -> bool:
+def copies_along_batch(func: Callable[..., Any], arguments: CallArguments, out: Any) -> bool:
     """Whether a call copies its input along dim 0 (every row of the output the same).
 
     ``expand``/``broadcast_to``/``repeat`` of a tensor with fewer dims, or with a
@@ -146,7 +148,7 @@ Source = int | Derivation
 
 
 def derive(
-    func: Callable,
+    func: Callable[..., Any],
     arguments: CallArguments,
     sources: Mapping[int, Source],
     index: int | None,
@@ -177,7 +179,7 @@ def derive(
     def compute(values: Mapping[int, Tensor]) -> Tensor:
         args, kwargs = arguments.rebuild(_substituted(arguments, sources, values))
         out = func(*args, **kwargs)
-        return out if index is None else out[index]
+        return cast(Tensor, out if index is None else out[index])
 
     return Derivation(leaves, compute, broadcast)
 
@@ -215,7 +217,7 @@ class LocalInputs:
         leaf_values: The parameter leaves the call depends on, by index.
     """
 
-    func: Callable
+    func: Callable[..., Any]
     arguments: CallArguments
     sources: Mapping[int, Source]
     batched: tuple[int, ...]
@@ -260,7 +262,7 @@ class LocalInputs:
         narrow = self.narrow if samples is not None else frozenset()
         values = _substituted(self.arguments, self.sources, leaf_values, samples, narrow)
         args, kwargs = self.arguments.rebuild(values)
-        return self.func(*args, **kwargs)
+        return cast(Tensor, self.func(*args, **kwargs))
 
 
 def _flatten_local(local: LocalInputs) -> tuple[list[Tensor], tuple[LocalInputs, tuple[int, ...]]]:

@@ -82,7 +82,7 @@ def split_index(index: slice | Tensor, length: int) -> list[slice | Tensor]:
         [slice(2, 5, None), slice(5, 7, None)]
     """
     if isinstance(index, Tensor):
-        return list(index.split(length))
+        return list(torch.split(index, length))
     return [
         slice(s.start + index.start, s.stop + index.start)
         for s in chunks(index.stop - index.start, length)

@@ -14,7 +14,7 @@ import contextlib
 import inspect
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -88,7 +88,7 @@ _METADATA_ATTRIBUTES = frozenset(
 )
 
 
-def is_metadata_query(func: Callable) -> bool:
+def is_metadata_query(func: Callable[..., Any]) -> bool:
     """Whether ``func`` only reads a tensor's metadata (shape, dtype, ...)."""
     if func in _METADATA_METHODS:
         return True
@@ -169,7 +169,7 @@ class FunctionalMode(TorchFunctionMode):
         self._entered: list[contextlib.ExitStack] = []
 
     def __torch_function__(
-        self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
         if func in RECURRENT_OPS and self._decomposes_recurrent(args, kwargs):
@@ -203,20 +203,23 @@ class FunctionalMode(TorchFunctionMode):
         entered.enter_context(plain_checkpoints())
         entered.enter_context(forward_autocast())
         self._entered.append(entered)
-        return super().__enter__()
+        # TorchFunctionMode.__enter__ returns the mode itself
+        return cast(FunctionalMode, super().__enter__())  # type: ignore[no-untyped-call]
 
     def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
         self._entered.pop().__exit__(*exc)
 
-    def _decomposes_recurrent(self, args: tuple, kwargs: dict) -> bool:
+    def _decomposes_recurrent(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether a recurrent op runs decomposed (always: ``vmap`` cannot batch the fused op)."""
         return True
 
     def _is_parameter(self, value: Any) -> bool:
         return self.leaf_of is not None and self.leaf_of(value) is not None
 
-    def _dispatch(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+    def _dispatch(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         """Run a call that is neither decomposed nor refused: tapped ops go to :meth:`_tapped`."""
         sig = SIGNATURES.get(func)
         if sig is not None and self.leaf_of is not None:
@@ -226,15 +229,23 @@ class FunctionalMode(TorchFunctionMode):
         return self._other(func, args, kwargs)
 
     def _tapped(
-        self, func: Callable, sig: OpSignature, bound: dict[str, Any], run: Callable[..., Tensor]
+        self,
+        func: Callable[..., Any],
+        sig: OpSignature,
+        bound: dict[str, Any],
+        run: Callable[..., Tensor],
     ) -> Tensor:
         return run()
 
-    def _other(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+    def _other(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         return func(*args, **kwargs)
 
 
-def _batch_norm_arguments(args: tuple, kwargs: dict, batch_statistics: bool) -> tuple[tuple, dict]:
+def _batch_norm_arguments(
+    args: tuple[Any, ...], kwargs: dict[str, Any], batch_statistics: bool
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``F.batch_norm``'s arguments; in training mode refused, or without running statistics.
 
     Without running statistics, training-mode BatchNorm normalizes with the batch's
@@ -253,7 +264,7 @@ def _batch_norm_arguments(args: tuple, kwargs: dict, batch_statistics: bool) -> 
     return (), bound | {"running_mean": None, "running_var": None}
 
 
-def _counts_batches(func: Callable, args: tuple) -> bool:
+def _counts_batches(func: Callable[..., Any], args: tuple[Any, ...]) -> bool:
     """Whether the call increments an integer counter such as ``num_batches_tracked``.
 
     ``nn.BatchNorm*`` in training mode counts batches in place (for its running
@@ -287,7 +298,7 @@ def functional_mode(batch_statistics: bool = False) -> TorchFunctionMode:
     return FunctionalMode(batch_statistics)
 
 
-def twice_differentiable() -> contextlib.AbstractContextManager:
+def twice_differentiable() -> contextlib.AbstractContextManager[None]:
     """Select kernels that support higher-order derivatives.
 
     Fused attention kernels (e.g. CPU flash attention) have neither forward-mode
@@ -326,7 +337,7 @@ _DROPOUT_BUILTINS = frozenset(
 )
 
 
-def dropout_rate(func: Callable, args: tuple, kwargs: dict) -> float:
+def dropout_rate(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
     """Return the drop probability of a call that drops activations at random, else 0.
 
     Dropout functions in training mode, ``torch.dropout`` and its variants, attention
@@ -359,14 +370,18 @@ def dropout_rate(func: Callable, args: tuple, kwargs: dict) -> float:
 
 
 def call_replacing(
-    func: Callable, args: tuple, kwargs: dict, old: Any = None, new: Any = None
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    old: Any = None,
+    new: Any = None,
 ) -> Tensor:
     """``func(*args, **kwargs)``, with the argument that is ``old`` (by identity) set to ``new``."""
     if old is None:
-        return func(*args, **kwargs)
+        return cast(Tensor, func(*args, **kwargs))
     args = tuple(new if a is old else a for a in args)
     kwargs = {key: new if v is old else v for key, v in kwargs.items()}
-    return func(*args, **kwargs)
+    return cast(Tensor, func(*args, **kwargs))
 
 
 class ParameterMode(FunctionalMode):
@@ -384,7 +399,7 @@ class ParameterMode(FunctionalMode):
         """Flat position -> leaf or derivation of every parameter argument (``None``: ambiguous)."""
         return parameter_sources(values, self.leaf_of, self.derived)
 
-    def _decomposes_recurrent(self, args: tuple, kwargs: dict) -> bool:
+    def _decomposes_recurrent(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Only when its weights are requested: a frozen RNN runs fused, at a plain RNN's cost.
 
         (The batch pass differentiates it with autograd or ``torch.func.vjp``, which both
@@ -392,7 +407,7 @@ class ParameterMode(FunctionalMode):
         """
         return self._touches_parameters(args, kwargs)
 
-    def _touches_parameters(self, args: tuple, kwargs: dict) -> bool:
+    def _touches_parameters(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """A cheap test whether any argument (or list item) is a parameter or derived from one."""
         for value in (*args, *kwargs.values()):
             items = value if isinstance(value, (list, tuple)) else (value,)
@@ -404,7 +419,11 @@ class ParameterMode(FunctionalMode):
         return False
 
     def _derive(
-        self, func: Callable, arguments: CallArguments, sources: dict[int, Source], out: Any
+        self,
+        func: Callable[..., Any],
+        arguments: CallArguments,
+        sources: dict[int, Source],
+        out: Any,
     ) -> None:
         """Remember the outputs of a call on parameters only as derivations."""
         remember_derivations(self.derived, func, arguments, sources, tensor_outputs(out))
@@ -455,7 +474,7 @@ def tensor_outputs(out: Any) -> list[tuple[int | None, Tensor]]:
 
 def remember_derivations(
     derived: Derived,
-    func: Callable,
+    func: Callable[..., Any],
     arguments: CallArguments,
     sources: dict[int, Source],
     outputs: list[tuple[int | None, Tensor]],

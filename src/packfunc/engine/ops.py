@@ -27,7 +27,7 @@ class OpSignature:
     defaults: tuple[Any, ...]
     transposed: bool = False
 
-    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """Map a call's positional and keyword arguments to argument names.
 
         Args:
@@ -110,7 +110,7 @@ class FlatRows:
     def __init__(self) -> None:
         self.of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def remember(self, func: Callable, args: tuple, out: Any) -> None:
+    def remember(self, func: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
         """Note ``out`` if a reshape made it of the rows of its input ``x`` (``x.dim() > 2``).
 
         Args:
@@ -127,7 +127,11 @@ class FlatRows:
             self.of[id(out)] = (out, x)
 
     def layer(
-        self, func: Callable, args: tuple, kwargs: dict, is_parameter: Callable[[Any], bool]
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        is_parameter: Callable[[Any], bool],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """The arguments ``(x, weight, bias)`` of :func:`linear_in_out` a call amounts to.
 
@@ -162,7 +166,7 @@ class FlatRows:
 
 
 def _matmul_layer(
-    args: tuple, kwargs: dict, is_parameter: Callable[[Any], bool]
+    args: tuple[Any, ...], kwargs: dict[str, Any], is_parameter: Callable[[Any], bool]
 ) -> tuple[torch.Tensor, torch.Tensor, None] | None:
     """``(x, W, None)`` of ``x @ W`` with ``W`` a matrix parameter and ``x`` at least 2-D."""
     if kwargs or len(args) != 2:
@@ -187,7 +191,7 @@ _EMBEDDING = (
     "sparse",
 )
 
-SIGNATURES: dict[Callable, OpSignature] = {
+SIGNATURES: dict[Callable[..., Any], OpSignature] = {
     F.linear: OpSignature("linear", ("input", "weight", "bias"), (None,)),
     linear_in_out: OpSignature("linear", ("input", "weight", "bias"), (None,), transposed=True),
     **{

@@ -9,7 +9,7 @@ from the curvature at its layer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -73,7 +73,7 @@ def pch_block_product(bp: BatchPass, leaf: int, mats: Tensor, modify: str) -> Te
     loss_hessian = loss_hessian_product(bp.loss, bp.record.output, bp.y)
 
     def through_layer(value: Tensor) -> Tensor:
-        return links[start].with_argument(role, value)
+        return cast(Tensor, links[start].with_argument(role, value))
 
     def one(m: Tensor) -> Tensor:
         t = jvp(through_layer, (bp.leaves[leaf],), (m,))[1]
@@ -86,7 +86,7 @@ def pch_block_product(bp: BatchPass, leaf: int, mats: Tensor, modify: str) -> Te
             c = vjp(link.apply, link.input)[1](c)[0]
             if r is not None:
                 c = c + r * t_in
-        return vjp(through_layer, bp.leaves[leaf])[1](c)[0]
+        return cast(Tensor, vjp(through_layer, bp.leaves[leaf])[1](c)[0])
 
     return vmap(one)(mats)
 
@@ -114,7 +114,7 @@ def loss_hessian_product(loss: nn.Module, output: Tensor, y: Any) -> Callable[[T
     """
 
     def loss_of(out: Tensor) -> Tensor:
-        return loss(out, y)
+        return cast(Tensor, loss(out, y))
 
     _, pullback = vjp(grad(loss_of), output)
     return lambda t: pullback(t)[0]
@@ -123,7 +123,7 @@ def loss_hessian_product(loss: nn.Module, output: Tensor, y: Any) -> Callable[[T
 def _second_derivative(apply: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     """``φ''(x)`` of an elementwise op, by forward-over-forward differentiation."""
     ones = torch.ones_like(x)
-    return jvp(lambda z: jvp(apply, (z,), (ones,))[1], (x,), (ones,))[1]
+    return cast(Tensor, jvp(lambda z: jvp(apply, (z,), (ones,))[1], (x,), (ones,))[1])
 
 
 def modified_curvature(bp: BatchPass, links: list[Link], modify: str) -> list[Tensor | None]:

@@ -19,7 +19,6 @@ know counts as curved.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -28,6 +27,7 @@ from torch import Tensor
 
 from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.engine.randomness import private_generators
+from packfunc.types import ModelFn
 
 AFFINE = frozenset(
     {
@@ -132,7 +132,7 @@ bilinear in its input and weight instead."""
 
 
 def piecewise_affine_leaves(
-    model_fn: Callable, leaves: list[Tensor], treespec: optree.PyTreeSpec, X: Any
+    model_fn: ModelFn, leaves: list[Tensor], treespec: optree.PyTreeSpec, X: Any
 ) -> set[int]:
     """Indices of the leaves along whose coordinates the model output is piecewise affine.
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,9 @@ class RandomModelError(ValueError):
     """A model that draws random numbers would be run again where the values must match."""
 
 
-def random_call(func: Callable, args: tuple, kwargs: dict) -> str | None:
+def random_call(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | None:
     """Describe a call that draws random numbers, or return ``None``.
 
     Dropout (functions, builtins, attention's ``dropout_p``) in training mode, recurrent
@@ -93,7 +96,7 @@ def random_call(func: Callable, args: tuple, kwargs: dict) -> str | None:
     return name if func in RANDOM_FUNCTIONS else None
 
 
-def _recurrent_dropout(args: tuple, kwargs: dict) -> tuple[float, bool]:
+def _recurrent_dropout(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, bool]:
     """``(dropout, train)`` of a fused recurrent op: its first float argument and the next."""
     if "dropout" in kwargs:
         return float(kwargs["dropout"]), bool(kwargs.get("train", False))

@@ -23,7 +23,9 @@ from torch import Tensor
 
 __all__ = ["RECURRENT_OPS", "run_recurrent"]
 
-RECURRENT_OPS: frozenset = frozenset({torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu})
+RECURRENT_OPS: frozenset[Callable[..., Any]] = frozenset(
+    {torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu}
+)
 
 # Names of the padded-input overload, e.g. ``lstm(input, hx, params, has_biases, ...)``.
 _ARG_NAMES = (
@@ -123,7 +125,7 @@ def _split_weights(params: Sequence[Tensor], has_biases: bool, groups: int) -> l
     return weights
 
 
-def _bind(args: tuple, kwargs: dict) -> dict[str, Any]:
+def _bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """Map positional and keyword arguments onto the names of the padded-input overload."""
     is_packed = "batch_sizes" in kwargs or (len(args) > 3 and isinstance(args[3], (list, tuple)))
     if is_packed:
@@ -139,7 +141,7 @@ def _bind(args: tuple, kwargs: dict) -> dict[str, Any]:
     return bound
 
 
-def run_recurrent(func: Any, args: tuple, kwargs: dict) -> tuple[Tensor, ...]:
+def run_recurrent(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Tensor, ...]:
     """Evaluate a recurrent op out of place; same outputs as ``func(*args, **kwargs)``.
 
     Args:

@@ -13,6 +13,7 @@ materialized in chunks, one pass serving every missing statistic.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -112,7 +113,7 @@ def _statistic(stat: Statistic, columns: Tensor) -> Tensor:
         return columns.sum((0, 1))
     if stat is Statistic.SQUARED_NORMS:
         per_sample = columns.transpose(0, 1).reshape(columns.shape[1], -1)
-        return torch.linalg.vector_norm(per_sample, dim=1).square()
+        return cast(Tensor, torch.linalg.vector_norm(per_sample, dim=1).square())
     if stat is Statistic.DIAGONAL_PER_SAMPLE:
         return columns.square().sum(0)
     flat = columns.reshape(-1, *columns.shape[2:])

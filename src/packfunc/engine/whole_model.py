@@ -10,8 +10,7 @@ smoothing, ``pos_weight``) exact by construction.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import optree
 from torch import Tensor
@@ -21,10 +20,11 @@ from packfunc.engine.autodiff import over_samples, vjp
 from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.engine.precision import to_dtype_of
 from packfunc.functionalize import select_samples
+from packfunc.types import ModelFn
 
 
 def column_grads(
-    model_fn: Callable,
+    model_fn: ModelFn,
     leaves: list[Tensor],
     treespec: optree.PyTreeSpec,
     wanted: list[int],
@@ -66,7 +66,7 @@ def column_grads(
             return to_dtype_of(output, chosen[0])
 
         _, pullback = vjp(forward, [leaves[i] for i in wanted])
-        return vmap(lambda c: pullback(c.unsqueeze(0))[0])(columns)
+        return cast(list[Tensor], vmap(lambda c: pullback(c.unsqueeze(0))[0])(columns))
 
     xs = select_samples(X, index)
     # attention's math kernel has batching rules; the fused CPU kernels would run in a

@@ -7,22 +7,27 @@ from typing import Any
 
 from torch import nn
 
+from packfunc.specs import Quantity
+
 
 @dataclass(frozen=True)
 class Job:
     """What packfunc computes for an extension.
 
     Attributes:
-        kind: ``"quantity"`` (:func:`packfunc.compute`), ``"kronecker"`` or ``"block"``.
-        name: The quantity, factorization or product name.
+        quantity: The quantity's spec (its family says which function computes it).
         options: Keyword arguments for the functional call.
         second_order: Whether the loss function (not only its gradient) is needed.
     """
 
-    kind: str
-    name: str
+    quantity: Quantity
     options: tuple[tuple[str, Any], ...] = ()
     second_order: bool = True
+
+    @property
+    def name(self) -> str:
+        """The quantity's name (that of its public function)."""
+        return self.quantity.name
 
 
 @dataclass

@@ -18,6 +18,7 @@ for :meth:`Rule.canonical` (for a convolution, unfolding the input).
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -56,7 +57,7 @@ class Rule:
     """Number of Kronecker factors of the parameter's curvature block (0: no Kronecker rule)."""
 
     def merge(
-        self, xs: list[Tensor], gs: list[Tensor], options: list[tuple]
+        self, xs: list[Tensor], gs: list[Tensor], options: list[tuple[tuple[str, Any], ...]]
     ) -> tuple[Tensor, Tensor] | None:
         """One canonical term for several calls of a layer, or ``None`` if they must add up.
 

@@ -85,6 +85,7 @@ def weight_gradient(x: Tensor, g: Tensor, call: TapCall, weight_shape: Sequence[
             pairs = [(0, 0)] * dims
         padding, output_padding = [before for before, _ in pairs], [0] * dims
     weight = g.new_empty(1).expand(*weight_shape)
+    grad: Tensor
     _, grad, _ = torch.ops.aten.convolution_backward(
         g,
         x,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -69,7 +71,7 @@ class Bias(Rule):
     kronecker_factors = 1
 
     def merge(
-        self, xs: list[Tensor], gs: list[Tensor], options: list[tuple]
+        self, xs: list[Tensor], gs: list[Tensor], options: list[tuple[tuple[str, Any], ...]]
     ) -> tuple[Tensor, Tensor] | None:
         """Several calls add their (position-summed) cotangents: the bias gradient's sum."""
         if len({g.shape for g in gs}) != 1:

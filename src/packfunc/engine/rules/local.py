@@ -7,7 +7,7 @@ column gradients are the vjp of that op alone, ``vmap``-ed over samples.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor
 from torch.func import vmap
@@ -35,8 +35,8 @@ class LocalRule(Rule):
             rows = {p: s.unsqueeze(0) for p, s in zip(local.batched, samples)}
             _, pullback = vjp(lambda value: local.evaluate(leaf, value, rows), param)
             if cotangents.shape[0] == 1:
-                return pullback(cotangents[0].unsqueeze(0))[0].unsqueeze(0)
-            return vmap(lambda c: pullback(c.unsqueeze(0))[0])(cotangents)
+                return cast(Tensor, pullback(cotangents[0].unsqueeze(0))[0].unsqueeze(0))
+            return cast(Tensor, vmap(lambda c: pullback(c.unsqueeze(0))[0])(cotangents))
 
         samples = [local.arguments.values[p] for p in local.batched]
         return vmap(one_sample, in_dims=(0, 1), out_dims=1)(samples, g)
@@ -47,8 +47,8 @@ class LocalRule(Rule):
         leaf = local.leaf_of(param)
         _, pullback = vjp(lambda value: local.evaluate(leaf, value, None), param)
         if g.shape[0] == 1:
-            return pullback(g[0])[0]
-        return vmap(lambda c: pullback(c)[0])(g).sum(0)
+            return cast(Tensor, pullback(g[0])[0])
+        return cast(Tensor, vmap(lambda c: pullback(c)[0])(g).sum(0))
 
 
 def as_local(x: Any) -> LocalInputs:

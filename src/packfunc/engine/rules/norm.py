@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch.nn.functional as F
 from torch import Tensor
@@ -60,7 +60,7 @@ def _role(local: LocalInputs, param: Tensor) -> tuple[str, dict[str, Any]] | Non
     return None
 
 
-def _normalized(func: Callable, bound: dict[str, Any]) -> Tensor:
+def _normalized(func: Callable[..., Any], bound: dict[str, Any]) -> Tensor:
     """``x̂``: the norm of the recorded input without its affine parameters."""
     arguments = {**bound, "weight": None}
     if "bias" in arguments:
@@ -68,10 +68,10 @@ def _normalized(func: Callable, bound: dict[str, Any]) -> Tensor:
     if func is F.instance_norm and arguments["use_input_stats"]:
         # with its own statistics, running averages would be updated a second time
         arguments["running_mean"] = arguments["running_var"] = None
-    return func(**arguments)
+    return cast(Tensor, func(**arguments))
 
 
-NORM_RULES: dict[Callable, LocalRule] = {
+NORM_RULES: dict[Callable[..., Any], LocalRule] = {
     func: AffineNorm()
     for func in (F.layer_norm, F.rms_norm, F.group_norm, F.batch_norm, F.instance_norm)
 }

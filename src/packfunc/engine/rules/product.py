@@ -100,7 +100,7 @@ class ProductWeight(Rule):
     def input_factor(self, x: Tensor, approx: str) -> Tensor:
         """Uncentered input covariance, averaged over samples and groups.
 
-        ``"backpack"``: ``Σ_{n,l} u uᵀ / N``; ``"expand"``: ``/ (N·L)``; ``"reduce"``:
+        ``"sum"``: ``Σ_{n,l} u uᵀ / N``; ``"expand"``: ``/ (N·L)``; ``"reduce"``:
         ``Σ_n ū ūᵀ / N`` with ``ū`` the mean over positions.
         """
         _, n, groups, n_in, length = x.shape

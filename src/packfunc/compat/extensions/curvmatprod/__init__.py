@@ -8,6 +8,7 @@ block of the GGN, the Hessian or the positive-curvature Hessian.
 from __future__ import annotations
 
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
+from packfunc.specs import SPECS
 
 
 class GGNMP(BackpropExtension):
@@ -26,7 +27,7 @@ class GGNMP(BackpropExtension):
 
     def job(self) -> Job:
         """GGN block products."""
-        return Job("block", "ggn")
+        return Job(SPECS["ggn_block_products"])
 
 
 class HMP(BackpropExtension):
@@ -45,7 +46,7 @@ class HMP(BackpropExtension):
 
     def job(self) -> Job:
         """Hessian block products."""
-        return Job("block", "hessian")
+        return Job(SPECS["hessian_block_products"])
 
 
 class PCHMP(BackpropExtension):
@@ -72,7 +73,7 @@ class PCHMP(BackpropExtension):
 
     def job(self) -> Job:
         """Positive-curvature Hessian block products."""
-        return Job("block", "pch", (("modify", self.modify),))
+        return Job(SPECS["pch_block_products"], (("modify", self.modify),))
 
 
 __all__ = ["GGNMP", "HMP", "PCHMP"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
+from packfunc.specs import SPECS
 
 
 class BatchGrad(BackpropExtension):
@@ -21,6 +22,4 @@ class BatchGrad(BackpropExtension):
 
     def job(self) -> Job:
         """Per-sample gradients, from the backward pass's own output gradient."""
-        return Job(
-            "quantity", "batch_grad", (("subsampling", self.subsampling),), second_order=False
-        )
+        return Job(SPECS["batch_grad"], (("subsampling", self.subsampling),), second_order=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
+from packfunc.specs import SPECS
 
 
 class BatchL2Grad(BackpropExtension):
@@ -13,9 +14,9 @@ class BatchL2Grad(BackpropExtension):
         'batch_l2'
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(savefield="batch_l2")
 
     def job(self) -> Job:
         """Squared per-sample gradient norms."""
-        return Job("quantity", "batch_l2_grad", second_order=False)
+        return Job(SPECS["batch_l2_grad"], second_order=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
+from packfunc.specs import SPECS
 
 
 class SumGradSquared(BackpropExtension):
@@ -13,9 +14,9 @@ class SumGradSquared(BackpropExtension):
         'sum_grad_squared'
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(savefield="sum_grad_squared")
 
     def job(self) -> Job:
         """The second moment of per-sample gradients, summed."""
-        return Job("quantity", "sum_grad_squared", second_order=False)
+        return Job(SPECS["sum_grad_squared"], second_order=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
+from packfunc.specs import SPECS
 
 
 class Variance(BackpropExtension):
@@ -13,9 +14,9 @@ class Variance(BackpropExtension):
         'variance'
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(savefield="variance")
 
     def job(self) -> Job:
         """The gradient variance over the batch."""
-        return Job("quantity", "variance", second_order=False)
+        return Job(SPECS["variance"], second_order=False)

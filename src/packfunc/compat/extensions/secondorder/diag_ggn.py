@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
+from packfunc.specs import SPECS
 
 
 class DiagGGNExact(BackpropExtension):
@@ -13,12 +14,12 @@ class DiagGGNExact(BackpropExtension):
         'diag_ggn_exact'
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(savefield="diag_ggn_exact")
 
     def job(self) -> Job:
         """The exact GGN diagonal."""
-        return Job("quantity", "diag_ggn")
+        return Job(SPECS["diag_ggn"])
 
 
 class DiagGGNMC(BackpropExtension):
@@ -42,7 +43,7 @@ class DiagGGNMC(BackpropExtension):
 
     def job(self) -> Job:
         """The sampled GGN diagonal."""
-        return Job("quantity", "diag_ggn", (("mc_samples", self.mc_samples),))
+        return Job(SPECS["diag_ggn"], (("mc_samples", self.mc_samples),))
 
 
 class BatchDiagGGNExact(BackpropExtension):
@@ -53,12 +54,12 @@ class BatchDiagGGNExact(BackpropExtension):
         'diag_ggn_exact_batch'
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(savefield="diag_ggn_exact_batch")
 
     def job(self) -> Job:
         """Per-sample exact GGN diagonals."""
-        return Job("quantity", "batch_diag_ggn")
+        return Job(SPECS["batch_diag_ggn"])
 
 
 class BatchDiagGGNMC(BackpropExtension):
@@ -82,4 +83,4 @@ class BatchDiagGGNMC(BackpropExtension):
 
     def job(self) -> Job:
         """Per-sample sampled GGN diagonals."""
-        return Job("quantity", "batch_diag_ggn", (("mc_samples", self.mc_samples),))
+        return Job(SPECS["batch_diag_ggn"], (("mc_samples", self.mc_samples),))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
+from packfunc.specs import SPECS
 
 
 class DiagHessian(BackpropExtension):
@@ -13,12 +14,12 @@ class DiagHessian(BackpropExtension):
         'diag_h'
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(savefield="diag_h")
 
     def job(self) -> Job:
         """The Hessian diagonal."""
-        return Job("quantity", "diag_hessian")
+        return Job(SPECS["diag_hessian"])
 
 
 class BatchDiagHessian(BackpropExtension):
@@ -29,9 +30,9 @@ class BatchDiagHessian(BackpropExtension):
         'diag_h_batch'
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(savefield="diag_h_batch")
 
     def job(self) -> Job:
         """Per-sample Hessian diagonals."""
-        return Job("quantity", "batch_diag_hessian")
+        return Job(SPECS["batch_diag_hessian"])

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
 from packfunc.engine.layer_factors import CURVATURES
+from packfunc.specs import SPECS
 
 BOTEV_MARTENS = "E[J^T E(H) J]"
 """The expectation approximation packfunc implements (BackPACK's default)."""
+
+BACKPACK_POSITIONS = "sum"
+"""BackPACK's ``kfac_approx`` for KFAC/KFLR: positions summed in both factors (see
+:mod:`packfunc.kronecker_factors`)."""
 
 
 class HBP(BackpropExtension):
@@ -78,11 +83,13 @@ class HBP(BackpropExtension):
     def job(self) -> Job:
         """The Kronecker factorization."""
         options: tuple[tuple[str, object], ...] = ()
-        if self.method == "kfac":
-            options = (("mc_samples", self.mc_samples),)
+        if self.method == "kflr":
+            options = (("kfac_approx", BACKPACK_POSITIONS),)
+        elif self.method == "kfac":
+            options = (("mc_samples", self.mc_samples), ("kfac_approx", BACKPACK_POSITIONS))
         elif self.method == "kfra" and self.curv_type != "ggn":
             options = (("curvature", self.curv_type),)
-        return Job("kronecker", self.method, options)
+        return Job(SPECS[self.method], options)
 
 
 class KFAC(HBP):
@@ -109,7 +116,7 @@ class KFLR(HBP):
         'kflr'
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__("ggn", "exact", "sqrt", BOTEV_MARTENS, savefield="kflr")
 
 
@@ -121,5 +128,5 @@ class KFRA(HBP):
         'kfra'
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__("ggn", "sum", "average", BOTEV_MARTENS, savefield="kfra")

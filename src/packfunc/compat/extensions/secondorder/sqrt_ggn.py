@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
+from packfunc.specs import SPECS
 
 
 class SqrtGGNExact(BackpropExtension):
@@ -21,7 +22,7 @@ class SqrtGGNExact(BackpropExtension):
 
     def job(self) -> Job:
         """The exact square root."""
-        return Job("quantity", "sqrt_ggn", (("subsampling", self.subsampling),))
+        return Job(SPECS["sqrt_ggn"], (("subsampling", self.subsampling),))
 
 
 class SqrtGGNMC(BackpropExtension):
@@ -47,7 +48,6 @@ class SqrtGGNMC(BackpropExtension):
     def job(self) -> Job:
         """The sampled square root."""
         return Job(
-            "quantity",
-            "sqrt_ggn",
+            SPECS["sqrt_ggn"],
             (("subsampling", self.subsampling), ("mc_samples", self.mc_samples)),
         )

@@ -1,0 +1,269 @@
+"""One batch: the statistic quantities of :mod:`packfunc.specs` from one shared batch pass.
+
+A statistic quantity is a reduction of *column gradients* (see
+``engine/statistics.py``) for one kind of output cotangents: the loss gradient
+(first order), the columns of the loss Hessian's square root (the GGN, exact or
+Monte-Carlo), or the exact Hessian (its diagonals, ``engine/hessian.py``). Every
+requested quantity shares one forward and one pullback; quantities made of others
+(:attr:`~packfunc.specs.Combine.MOMENTS`) are assembled from their parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor, nn
+
+from packfunc.engine import hessian
+from packfunc.engine.batch_pass import BatchPass, check_pass_arguments
+from packfunc.engine.statistics import ggn_statistics, leaf_statistics
+from packfunc.engine.vocabulary import Statistic
+from packfunc.functionalize import as_index, batch_size
+from packfunc.losses import check_loss_inputs, default_loss
+from packfunc.specs import QUANTITIES, SPECS, Combine, Cotangents, Quantity, Stats
+from packfunc.types import Inputs, Params, PyTree, Samples, Targets
+
+
+def statistic_quantities(quantities: str | Sequence[str]) -> tuple[str, ...]:
+    """The requested names as a tuple (one string is one name), each a statistic quantity.
+
+    Args:
+        quantities: The ``quantities=`` argument of :func:`packfunc.compute`.
+
+    Returns:
+        The names, in order.
+
+    Raises:
+        ValueError: for an unknown name; Kronecker factors and products are named
+            with the function that computes them.
+
+    Example:
+        >>> statistic_quantities("grad")
+        ('grad',)
+    """
+    names = (quantities,) if isinstance(quantities, str) else tuple(quantities)
+    unknown = [name for name in names if name not in QUANTITIES]
+    if not unknown:
+        return names
+    own = [name for name in unknown if name in SPECS]
+    hint = (
+        f" {own} are computed by their own functions: call "
+        + ", ".join(f"pf.{name}(...)" for name in own)
+        + " instead."
+        if own
+        else ""
+    )
+    raise ValueError(
+        f"unknown quantities {unknown}; compute() takes names from {list(QUANTITIES)}.{hint}"
+    )
+
+
+def compute_batch(
+    model_fn: Callable[[Params, Inputs], Tensor],
+    params: Params,
+    X: Inputs,
+    y: Targets,
+    names: Sequence[str],
+    loss: nn.Module,
+    *,
+    subsampling: Samples = None,
+    mc_samples: int | None = None,
+    generator: torch.Generator | None = None,
+    chunk_size: int | None = None,
+) -> dict[str, PyTree]:
+    """Statistic quantities of one batch (see :func:`packfunc.compute`).
+
+    Args:
+        model_fn: ``model_fn(params, X) -> output``.
+        params: Pytree of floating-point tensors.
+        X: Inputs with leading batch dimension.
+        y: Targets with leading batch dimension.
+        names: Names from :data:`~packfunc.specs.QUANTITIES`.
+        loss: A supported loss module.
+        subsampling: Sample indices for the per-sample quantities.
+        mc_samples: ``None`` (exact GGN) or the number of Monte-Carlo samples.
+        generator: Random generator for the samples.
+        chunk_size: Samples per chunk where per-sample tensors are materialized.
+
+    Returns:
+        ``{"loss": reduced loss, name: pytree like params, ...}``.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> out = compute_batch(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        ...                     ("grad", "variance"), torch.nn.CrossEntropyLoss())
+        >>> out["variance"]["weight"].shape
+        torch.Size([2, 3])
+    """
+    if set(names) == {"grad"}:
+        return plain_gradient(model_fn, params, X, y, loss, chunk_size)
+    bp = BatchPass(model_fn, params, X, y, loss, chunk_size)
+    return evaluate(bp, names, subsampling, mc_samples, generator)
+
+
+def one_quantity(
+    name: str,
+    model_fn: Callable[[Params, Inputs], Tensor],
+    params: Params,
+    X: Inputs,
+    y: Targets,
+    loss: nn.Module | None,
+    **options: Any,
+) -> PyTree:
+    """One statistic quantity of one batch; the public functions of each quantity call this.
+
+    Args:
+        name: A name from :data:`~packfunc.specs.QUANTITIES`.
+        model_fn: As in :func:`compute_batch`.
+        params: As in :func:`compute_batch`.
+        X: As in :func:`compute_batch`.
+        y: As in :func:`compute_batch`.
+        loss: A supported loss module (``None``: ``CrossEntropyLoss()``).
+        **options: Keyword arguments of :func:`compute_batch`.
+
+    Returns:
+        The quantity, a pytree like ``params``.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+        >>> one_quantity("grad", fn, p, X, y, None)["bias"].shape
+        torch.Size([2])
+    """
+    names = (name,)
+    return compute_batch(model_fn, params, X, y, names, loss or default_loss(), **options)[name]
+
+
+def plain_gradient(
+    model_fn: Callable[[Params, Inputs], Tensor],
+    params: Params,
+    X: Inputs,
+    y: Targets,
+    loss: nn.Module,
+    chunk_size: int | None,
+) -> dict[str, PyTree]:
+    """The gradient alone: one forward and one backward, nothing recorded.
+
+    Checks its arguments as :class:`~packfunc.engine.batch_pass.BatchPass` does.
+
+    Args:
+        model_fn: As in :func:`compute_batch`.
+        params: As in :func:`compute_batch`.
+        X: As in :func:`compute_batch`.
+        y: As in :func:`compute_batch`.
+        loss: A supported loss module.
+        chunk_size: Checked only (nothing is chunked).
+
+    Returns:
+        ``{"loss": reduced loss, "grad": pytree like params}``.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> plain_gradient(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        ...                torch.nn.CrossEntropyLoss(), None)["grad"]["weight"].shape
+        torch.Size([2, 3])
+    """
+    check_pass_arguments(model_fn, params, loss, chunk_size)
+    leaves, treespec = optree.tree_flatten(params)
+    n = batch_size(X)
+    with torch.enable_grad():
+        watched = [leaf.detach().requires_grad_() for leaf in leaves]
+        output = model_fn(optree.tree_unflatten(treespec, watched), X)
+        check_loss_inputs(loss, output, y, n)
+        value = loss(output, y)
+        grads = torch.autograd.grad(value, watched, allow_unused=True, materialize_grads=True)
+    return {"loss": value.detach(), "grad": optree.tree_unflatten(treespec, list(grads))}
+
+
+def evaluate(
+    bp: BatchPass,
+    names: Sequence[str],
+    subsampling: Samples = None,
+    mc_samples: int | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, PyTree]:
+    """Statistic quantities from an existing batch pass (see :func:`compute_batch`).
+
+    Args:
+        bp: The batch pass.
+        names: Names from :data:`~packfunc.specs.QUANTITIES`.
+        subsampling: Sample indices for the per-sample quantities.
+        mc_samples: ``None`` (exact GGN) or the number of Monte-Carlo samples.
+        generator: Random generator for the samples.
+
+    Returns:
+        As :func:`compute_batch`.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        ...               torch.nn.CrossEntropyLoss())
+        >>> evaluate(bp, ("grad",))["grad"]["bias"].shape
+        torch.Size([2])
+    """
+    specs = [QUANTITIES[name] for name in names]
+    made = [QUANTITIES[part] for spec in specs for part in spec.parts] + specs
+    index = as_index(subsampling, bp.n, bp.record.output.device)
+    wanted: dict[Cotangents, set[Statistic]] = {}
+    for spec in made:
+        if spec.statistic is not None and spec.cotangents is not None:
+            wanted.setdefault(spec.cotangents, set()).add(spec.statistic)
+    stats = {
+        kind: _statistics(bp, kind, needed, index, mc_samples, generator)
+        for kind, needed in wanted.items()
+    }
+    values: dict[str, PyTree] = {}
+    for spec in made:
+        if spec.name not in values:
+            values[spec.name] = optree.tree_unflatten(bp.treespec, _leaf_values(spec, stats, bp.n))
+    return {"loss": bp.loss_value} | {name: values[name] for name in names}
+
+
+def _leaf_values(spec: Quantity, stats: dict[Cotangents, Sequence[Stats]], n: int) -> list[Tensor]:
+    """One quantity's value per leaf: its statistic, or (moments) made of its parts."""
+    if spec.combine is Combine.MOMENTS:
+        assert spec.from_parts is not None and spec.cotangents is not None
+        parts = [QUANTITIES[part] for part in spec.parts]
+        return [
+            spec.from_parts(tuple(_one_value(part, leaf) for part in parts), n)
+            for leaf in stats[spec.cotangents]
+        ]
+    assert spec.cotangents is not None
+    return [_one_value(spec, leaf) for leaf in stats[spec.cotangents]]
+
+
+def _one_value(spec: Quantity, leaf: Stats) -> Tensor:
+    """A statistic quantity's value on one leaf (gradient columns: ``K = 1`` dropped)."""
+    assert spec.statistic is not None
+    value = leaf[spec.statistic]
+    if spec.cotangents is Cotangents.GRADIENT and spec.statistic is Statistic.COLUMNS:
+        return value[0]  # the one column: the loss gradient
+    return value
+
+
+def _statistics(
+    bp: BatchPass,
+    kind: Cotangents,
+    stats: set[Statistic],
+    index: slice | Tensor,
+    mc_samples: int | None,
+    generator: torch.Generator | None,
+) -> Sequence[Stats]:
+    """Statistics of every leaf for one kind of output cotangents."""
+    if kind is Cotangents.GRADIENT:
+        return leaf_statistics(bp.gradient_columns(), stats, index)
+    if kind is Cotangents.HESSIAN:
+        return hessian.diagonals(bp, stats, index)
+    return ggn_statistics(bp, stats, index, mc_samples, generator)
+
+
+__all__ = [
+    "compute_batch",
+    "evaluate",
+    "one_quantity",
+    "plain_gradient",
+    "statistic_quantities",
+]
