@@ -118,7 +118,9 @@ def test_first_order_over_data_match_autograd(loss_name: str, reduction: str) ->
         single = getattr(pf, name)(model_fn, params, data=loader(problem), loss=problem.loss)
         assert_trees_close(single, expected[name], name)
     for name in ("batch_grad", "batch_l2_grad"):
-        stream = getattr(pf, name)(model_fn, params, data=loader(problem), loss=problem.loss)
+        stream = pf.per_batch(
+            getattr(pf, name), model_fn, params, data=loader(problem), loss=problem.loss
+        )
         assert_trees_close(concatenated(list(stream)), expected[name], name)
 
 
@@ -135,11 +137,15 @@ def test_second_order_over_data_match_dense(loss_name: str, reduction: str) -> N
         pf.diag_hessian(model_fn, params, data=data, **kw),
         unflatten(oracle.hessian.diagonal(), oracle),
     )
-    batch_ggn = concatenated(list(pf.batch_diag_ggn(model_fn, params, data=data, **kw)))
+    batch_ggn = concatenated(
+        list(pf.per_batch(pf.batch_diag_ggn, model_fn, params, data=data, **kw))
+    )
     assert_trees_close(batch_ggn, unflatten(oracle.sample_ggn.diagonal(dim1=1, dim2=2), oracle))
-    batch_h = concatenated(list(pf.batch_diag_hessian(model_fn, params, data=data, **kw)))
+    batch_h = concatenated(
+        list(pf.per_batch(pf.batch_diag_hessian, model_fn, params, data=data, **kw))
+    )
     assert_trees_close(batch_h, unflatten(oracle.sample_hessian.diagonal(dim1=1, dim2=2), oracle))
-    roots = concatenated(list(pf.sqrt_ggn(model_fn, params, data=data, **kw)), dim=1)
+    roots = concatenated(list(pf.per_batch(pf.sqrt_ggn, model_fn, params, data=data, **kw)), dim=1)
     V = oracle.flatten(roots, leading=2).transpose(0, 1)  # [N, K, P]
     torch.testing.assert_close(V.transpose(1, 2) @ V, oracle.sample_ggn)
 
@@ -280,11 +286,15 @@ def test_argument_errors() -> None:
     with pytest.raises(TypeError, match="needs the argument 'v'"):
         pf.ggn_vector_product(model_fn, params, data=data, **kw)
     with pytest.raises(ValueError, match="subsampling"):
-        list(pf.batch_grad(model_fn, params, data=data, subsampling=[0], **kw))
+        list(pf.per_batch(pf.batch_grad, model_fn, params, data=data, subsampling=[0], **kw))
     with pytest.raises(ValueError, match="own functions"):
         pf.compute(model_fn, params, data=data, quantities=("grad", "batch_grad"), **kw)
     with pytest.raises(TypeError, match="re-iterable"):
-        pf.batch_grad(model_fn, params, data=iter(data), **kw)
+        pf.per_batch(pf.batch_grad, model_fn, params, data=iter(data), **kw)
+    with pytest.raises(TypeError, match="pf.per_batch"):
+        pf.batch_grad(model_fn, params, data=data, **kw)
+    with pytest.raises(TypeError, match="per-sample quantity"):
+        pf.per_batch(pf.diag_ggn, model_fn, params, data=data, **kw)
     with pytest.raises(RuntimeError, match="init_process_group"):
         pf.diag_ggn(model_fn, params, data=data, process_group=object(), **kw)
     with pytest.raises(ValueError, match="no batch"):
@@ -342,7 +352,9 @@ def test_one_batch_alive_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
             loss=problem.loss,
             quantities=("grad", "diag_ggn"),
         )
-        for _ in pf.batch_grad(model_fn, params, data=loader(problem, 20), loss=problem.loss):
+        for _ in pf.per_batch(
+            pf.batch_grad, model_fn, params, data=loader(problem, 20), loss=problem.loss
+        ):
             pass
     finally:
         gc.enable()

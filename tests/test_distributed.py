@@ -48,8 +48,8 @@ def results(loss_name: str, reduction: str, shard: slice | None, group) -> dict:
         found["batch_grad"] = pf.batch_grad(model_fn, params, **kw)
         found["sqrt_ggn"] = pf.sqrt_ggn(model_fn, params, **kw)
     else:
-        found["batch_grad"] = _rows(pf.batch_grad(model_fn, params, **kw), 0)
-        found["sqrt_ggn"] = _rows(pf.sqrt_ggn(model_fn, params, **kw), 1)
+        found["batch_grad"] = _rows(pf.per_batch(pf.batch_grad, model_fn, params, **kw), 0)
+        found["sqrt_ggn"] = _rows(pf.per_batch(pf.sqrt_ggn, model_fn, params, **kw), 1)
         # a shard passed as X, y (no data=) combines the same way
         found["diag_ggn_xy"] = pf.diag_ggn(
             model_fn, params, X, y, loss=problem.loss, process_group=group

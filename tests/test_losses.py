@@ -104,3 +104,30 @@ def test_mean_scaling_is_one_over_n_of_sum():
     total = pf.batch_grad(model_fn, params, X, y, loss=nn.CrossEntropyLoss(reduction="sum"))
     for name in params:
         torch.testing.assert_close(mean[name] * 5, total[name])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_given_output_gradient_gives_the_losss_first_order_quantities(reduction: str):
+    """A loss known by its output gradient gives that loss's per-sample gradients and norms."""
+    torch.manual_seed(0)
+    model = _model()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(6, 3).double(), _class_targets(6)
+    loss = nn.CrossEntropyLoss(reduction=reduction)
+    output = model(X).detach().requires_grad_()
+    (G,) = torch.autograd.grad(loss(output, y), output)
+    given = pf.losses.GivenOutputGradient(G)
+    for name in ("batch_grad", "batch_l2_grad", "sum_grad_squared"):
+        expected = getattr(pf, name)(model_fn, params, X, y, loss=loss)
+        found = getattr(pf, name)(model_fn, params, X, G, loss=given)
+        for key in expected:
+            torch.testing.assert_close(found[key], expected[key])
+
+
+def test_given_output_gradient_has_no_curvature():
+    model_fn, params = pf.functional(_model())
+    G = torch.randn(3, CLASSES).double()
+    with pytest.raises(ValueError, match="no curvature"):
+        pf.diag_ggn(
+            model_fn, params, torch.randn(3, 3).double(), G, loss=pf.losses.GivenOutputGradient(G)
+        )

@@ -2,7 +2,8 @@
 
 __version__ = "0.1.0"
 
-from packfunc import kron, optim
+from packfunc import kron, losses, optim
+from packfunc.data import per_batch
 from packfunc.eigen_kfac import ekfac
 from packfunc.engine.randomness import RandomModelError
 from packfunc.estimators import hutchinson_diagonal, hutchinson_trace, hutchpp_trace
@@ -55,8 +56,10 @@ __all__ = [
     "kflr",
     "kfra",
     "kron",
+    "losses",
     "optim",
     "pch_block_products",
+    "per_batch",
     "sqrt_ggn",
     "sum_grad_squared",
     "variance",

@@ -19,8 +19,8 @@ targets; ``Z = 1`` for ``reduction='sum'``):
 * Monte-Carlo quantities draw from the same distribution as for one batch (the
   generator is consumed batch by batch, so the draws differ from one big batch's).
 
-Per-sample quantities (``batch_grad`` ...) over ``data=`` return a generator of
-per-batch results scaled for the whole dataset; with ``reduction='mean'`` a first,
+Per-sample quantities (``batch_grad`` ...) over a dataset are :func:`per_batch`'s:
+an iterator over per-batch results scaled for the whole dataset; with ``reduction='mean'`` a first,
 targets-only pass over ``data`` finds ``Z``, so ``data`` must be re-iterable; over
 ranks, each rank yields its own shard's per-sample results, scaled for all shards.
 Only one batch's intermediate state is alive at a time.
@@ -32,6 +32,7 @@ import copy
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import optree
@@ -49,12 +50,12 @@ from packfunc.distributed import (
 from packfunc.evaluation import compute_batch, statistic_quantities
 from packfunc.functionalize import normal_tensors, public_entry
 from packfunc.losses import check_loss, default_loss, mean_normalizer
-from packfunc.specs import QUANTITIES, Combine, Family, Quantity
-from packfunc.types import ModelFn
+from packfunc.specs import QUANTITIES, SPECS, Combine, Family, Quantity
+from packfunc.types import BatchT, Inputs, ModelFn, ParamsT
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-BatchToXY = Callable[[Any], tuple[Any, Tensor]]
+BatchToXY = Callable[[BatchT], tuple[Inputs, Tensor]]
 """Turns one batch of ``data`` into ``(X, y)`` (e.g. for dict-shaped batches)."""
 
 PerBatch = Callable[[Any, Tensor, nn.Module], dict[str, Any]]
@@ -97,7 +98,7 @@ def over_data(spec: Quantity | None, required: tuple[str, ...] = ()) -> Callable
             y: Tensor | None = None,
             *args: Any,
             data: Iterable[Any] | None = None,
-            batch_to_xy: BatchToXY | None = None,
+            batch_to_xy: BatchToXY[Any] | None = None,
             progress: bool = False,
             process_group: ProcessGroup | None = None,
             **options: Any,
@@ -112,19 +113,95 @@ def over_data(spec: Quantity | None, required: tuple[str, ...] = ()) -> Callable
                         "of (X, y) batches such as a DataLoader)."
                     )
                 return function(model_fn, params, X, y, *args, **options)
+            if spec is not None and spec.combine is Combine.PER_SAMPLE and data is not None:
+                name = function.__name__
+                raise TypeError(
+                    f"{name}() has one entry per sample, so over data= it gives one result "
+                    f"per batch: iterate over pf.per_batch(pf.{name}, model_fn, params, "
+                    "data=...) instead."
+                )
             source = DataSource(X, y, data, batch_to_xy, progress, process_group)
-
-            def one_call(X_b: Any, y_b: Tensor, **batch_options: Any) -> Any:
-                X_b, y_b = normal_tensors((X_b, y_b))  # batches made in inference mode
-                return function(model_fn, params, X_b, y_b, *args, **batch_options)
-
-            return _over_dataset(
-                spec, function.__name__, one_call, model_fn, params, source, options
-            )
+            call = partial(_one_batch, function, model_fn, params, args)
+            return _over_dataset(spec, function.__name__, call, model_fn, params, source, options)
 
         return wrapper  # type: ignore[return-value]
 
     return decorate
+
+
+@public_entry
+def per_batch(
+    quantity: Callable[..., ParamsT],
+    model_fn: ModelFn,
+    params: ParamsT,
+    *,
+    data: Iterable[BatchT],
+    batch_to_xy: BatchToXY[BatchT] | None = None,
+    progress: bool = False,
+    process_group: ProcessGroup | None = None,
+    **options: Any,
+) -> Iterator[ParamsT]:
+    """A per-sample quantity over a dataset: one result per batch, scaled for the dataset.
+
+    Each result is what one batch holding every sample would give for that batch's
+    samples (for ``reduction='mean'``: divided by the whole dataset's normalizer,
+    found by a first pass over the targets, so ``data`` must be re-iterable). Only one
+    batch's intermediate state is alive at a time. Over ranks (``process_group=``),
+    each rank yields its own shard's results, scaled for all shards.
+
+    Args:
+        quantity: A per-sample function: ``pf.batch_grad``, ``pf.batch_l2_grad``,
+            ``pf.sqrt_ggn``, ``pf.batch_diag_ggn`` or ``pf.batch_diag_hessian``.
+        model_fn: ``model_fn(params, X) -> output``.
+        params: Pytree of floating-point tensors.
+        data: An iterable of ``(X, y)`` batches (e.g. a ``DataLoader``).
+        batch_to_xy: Function from one item of ``data`` to ``(X, y)``.
+        progress: Show a tqdm progress bar over the batches (needs ``tqdm``).
+        process_group: A ``torch.distributed`` group (see :mod:`packfunc.distributed`).
+        **options: ``quantity``'s other keyword arguments (``loss=``, ``mc_samples=`` ...).
+
+    Returns:
+        An iterator over the batches' results, each a pytree like ``params`` with the
+        batch's samples first.
+
+    Raises:
+        TypeError: for a function that is not a per-sample quantity.
+
+    Example:
+        >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> data = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(3)]
+        >>> [g["weight"].shape[0] for g in per_batch(packfunc.batch_grad, model_fn, params,
+        ...                                           data=data)]
+        [4, 4, 4]
+    """
+    spec = SPECS.get(getattr(quantity, "__name__", ""))
+    one_batch = getattr(quantity, "__wrapped__", None)
+    if spec is None or spec.combine is not Combine.PER_SAMPLE or one_batch is None:
+        names = [name for name, s in SPECS.items() if s.combine is Combine.PER_SAMPLE]
+        raise TypeError(
+            f"per_batch() takes a per-sample quantity ({', '.join(f'pf.{n}' for n in names)}); "
+            f"got {quantity!r}. Aggregate quantities take data= themselves."
+        )
+    source = DataSource(None, None, data, batch_to_xy, progress, process_group)
+    call = partial(_one_batch, one_batch, model_fn, params, ())
+    stream: Iterator[ParamsT] = _over_dataset(
+        spec, spec.name, call, model_fn, params, source, options
+    )
+    return stream
+
+
+def _one_batch(
+    function: Callable[..., Any],
+    model_fn: ModelFn,
+    params: Any,
+    args: tuple[Any, ...],
+    X_b: Any,
+    y_b: Tensor,
+    **options: Any,
+) -> Any:
+    """``function`` on one batch of a dataset (tensors made in inference mode made normal)."""
+    X_b, y_b = normal_tensors((X_b, y_b))
+    return function(model_fn, params, X_b, y_b, *args, **options)
 
 
 @dataclass(frozen=True)
@@ -134,7 +211,7 @@ class DataSource:
     X: Any
     y: Tensor | None
     data: Iterable[Any] | None
-    batch_to_xy: BatchToXY | None
+    batch_to_xy: BatchToXY[Any] | None
     progress: bool
     group: ProcessGroup | None
 
@@ -254,14 +331,14 @@ def _over_dataset(
             lambda X_b, y_b: one_call(X_b, y_b, loss=loss, **options),
         )
     specs, options = _requested(spec, options)
-    per_batch = _per_batch(spec, specs, one_call, model_fn, params, options)
+    partials = _per_batch(spec, specs, one_call, model_fn, params, options)
     if spec is not None and spec.combine is Combine.PER_SAMPLE:
         normalizer = _dataset_normalizer(loss, source, device)
         scale = (1 / normalizer) ** spec.power(options)
-        stream = _streamed(spec.name, batches, per_batch, _sum_reduced(loss), scale)
+        stream = _streamed(spec.name, batches, partials, _sum_reduced(loss), scale)
         return stream if source.data is not None else next(stream)  # X, y: the one result
     kronecker = {s.name for s in specs if s.combine is Combine.KRONECKER}
-    totals, samples, normalizer = _summed(batches, per_batch, loss, source.group, device, kronecker)
+    totals, samples, normalizer = _summed(batches, partials, loss, source.group, device, kronecker)
     scale = 1 / normalizer if loss.reduction == "mean" else 1.0
     result = {s.name: _finish(s, totals, scale, samples, options) for s in specs}
     if spec is not None:
@@ -437,4 +514,4 @@ def _one_batch_only(
     return one_batch(*first)
 
 
-__all__ = ["BatchToXY", "DataSource", "default_batch_to_xy", "over_data"]
+__all__ = ["BatchToXY", "DataSource", "default_batch_to_xy", "over_data", "per_batch"]

@@ -12,15 +12,17 @@ CUDA tensors.
 from __future__ import annotations
 
 import warnings
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import optree
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-ProcessGroup = Any
-"""A ``torch.distributed`` process group (e.g. ``torch.distributed.group.WORLD``)."""
+if TYPE_CHECKING or dist.is_available():
+    from torch.distributed import ProcessGroup
+else:  # a build without torch.distributed: no group can be passed
+    ProcessGroup = object
 
 
 def check_group(group: ProcessGroup | None) -> None:

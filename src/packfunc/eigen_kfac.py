@@ -13,14 +13,15 @@ from packfunc.engine.batch_pass import BatchPass, ColumnGradients
 from packfunc.engine.eigenvalue_fit import fitted_eigenvalues
 from packfunc.engine.layer_factors import checked_approx, sqrt_factors
 from packfunc.functionalize import public_entry
-from packfunc.kron import Eigen, batched_eigh
-from packfunc.losses import default_loss
+from packfunc.kron import Curvature, Eigen, batched_eigh
+from packfunc.losses import default_loss, given_targets
 from packfunc.types import (
     Inputs,
     KfacApprox,
     ModelFn,
     OnUnsupported,
     Params,
+    PyTree,
     Targets,
     shares_arguments,
 )
@@ -41,8 +42,8 @@ def ekfac(
     generator: torch.Generator | None = None,
     kfac_approx: KfacApprox = "sum",
     on_unsupported: OnUnsupported = "raise",
-    eigenvectors: Any = None,
-) -> Any:
+    eigenvectors: PyTree = None,
+) -> Curvature:
     """EKFAC (George et al., 2018): KFAC's eigenbasis, eigenvalues fitted to the gradients.
 
     Each weight with a Kronecker rule gets ``Eigen([Q_A, Q_B], λ)`` (a bias
@@ -77,7 +78,7 @@ def ekfac(
         >>> [q.shape for q in e.eigenvectors], e.eigenvalues.shape
         ([torch.Size([2, 2]), torch.Size([3, 3])], torch.Size([2, 3]))
     """
-    return _fit(
+    fitted = _fit(
         model_fn,
         params,
         X,
@@ -90,6 +91,7 @@ def ekfac(
         eigenvectors,
         combine=None,
     )[1]
+    return cast(Curvature, fitted)
 
 
 def ekfac_and_factors(
@@ -157,7 +159,7 @@ def _fit(
     if on_unsupported not in ("raise", "skip"):
         raise ValueError(f"on_unsupported must be 'raise' or 'skip'; got {on_unsupported!r}.")
     checked_approx(kfac_approx)
-    bp = BatchPass(model_fn, params, X, y, loss or default_loss())
+    bp = BatchPass(model_fn, params, X, given_targets(y, "ekfac"), loss or default_loss())
     if mc_samples is not None and generator is None:  # both passes must see the same samples
         seed = int(torch.randint(0, 2**62, (1,)).item())
         generator = torch.Generator(bp.record.output.device).manual_seed(seed)

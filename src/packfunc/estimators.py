@@ -21,7 +21,7 @@ Probes are multiplied in stacks of ``chunk_size`` at once by ``vmap`` over
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import optree
 import torch
@@ -30,7 +30,7 @@ from torch.func import vmap
 
 from packfunc.functionalize import public_entry
 from packfunc.products import ggn_vector_product, hessian_vector_product
-from packfunc.types import Inputs, ModelFn, Params, shares_arguments
+from packfunc.types import Inputs, ModelFn, Params, ParamsT, shares_arguments
 
 EstimatedCurvature = Literal["ggn", "hessian"]
 """The matrix an estimator probes: the GGN or the Hessian of the reduced loss."""
@@ -88,7 +88,7 @@ def hutchinson_trace(
 @public_entry
 def hutchinson_diagonal(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs,
     y: Tensor,
     *,
@@ -98,7 +98,7 @@ def hutchinson_diagonal(
     distribution: ProbeDistribution = "rademacher",
     generator: torch.Generator | None = None,
     chunk_size: int = 32,
-) -> Any:
+) -> ParamsT:
     """Estimate the diagonal of the GGN (or Hessian) from probes, ``mean_s v_s ⊙ A v_s``.
 
     Args:
@@ -120,7 +120,7 @@ def hutchinson_diagonal(
     _check_count("num_samples", num_samples, minimum=1)
     matvec = _flat_products(model_fn, params, X, y, loss, curvature, chunk_size)
     probes = _probes(params, num_samples, distribution, generator)
-    return _unflatten((probes * matvec(probes)).mean(0), params)
+    return cast(ParamsT, _unflatten((probes * matvec(probes)).mean(0), params))
 
 
 @shares_arguments("model_fn", "params", "X", "y", "loss")
@@ -208,7 +208,7 @@ def _probes(
     params: Params, count: int, distribution: str, generator: torch.Generator | None
 ) -> Tensor:
     """``count`` random flat vectors ``[count, D]`` with ``E[v vᵀ] = I``."""
-    leaves = optree.tree_leaves(params)
+    leaves: list[Tensor] = optree.tree_leaves(cast(Any, params))
     if not leaves or any(not torch.is_floating_point(p) for p in leaves):
         raise ValueError("params must be a non-empty pytree of floating-point tensors.")
     dtype, device = leaves[0].dtype, leaves[0].device

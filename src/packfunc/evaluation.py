@@ -10,8 +10,8 @@ requested quantity shares one forward and one pullback; quantities made of other
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import optree
 import torch
@@ -22,9 +22,9 @@ from packfunc.engine.batch_pass import BatchPass, check_pass_arguments
 from packfunc.engine.statistics import ggn_statistics, leaf_statistics
 from packfunc.engine.vocabulary import Statistic
 from packfunc.functionalize import as_index, batch_size
-from packfunc.losses import check_loss_inputs, default_loss
+from packfunc.losses import check_loss_inputs, default_loss, given_targets
 from packfunc.specs import QUANTITIES, SPECS, Combine, Cotangents, Quantity, Stats
-from packfunc.types import Inputs, Params, PyTree, Samples, Targets
+from packfunc.types import Inputs, ModelFn, Params, ParamsT, Samples, Targets
 
 
 def statistic_quantities(quantities: str | Sequence[str]) -> tuple[str, ...]:
@@ -62,7 +62,7 @@ def statistic_quantities(quantities: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def compute_batch(
-    model_fn: Callable[[Params, Inputs], Tensor],
+    model_fn: ModelFn,
     params: Params,
     X: Inputs,
     y: Targets,
@@ -73,7 +73,7 @@ def compute_batch(
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
     chunk_size: int | None = None,
-) -> dict[str, PyTree]:
+) -> dict[str, Any]:
     """Statistic quantities of one batch (see :func:`packfunc.compute`).
 
     Args:
@@ -98,21 +98,22 @@ def compute_batch(
         >>> out["variance"]["weight"].shape
         torch.Size([2, 3])
     """
+    targets = given_targets(y, "compute")
     if set(names) == {"grad"}:
-        return plain_gradient(model_fn, params, X, y, loss, chunk_size)
-    bp = BatchPass(model_fn, params, X, y, loss, chunk_size)
+        return plain_gradient(model_fn, params, X, targets, loss, chunk_size)
+    bp = BatchPass(model_fn, params, X, targets, loss, chunk_size)
     return evaluate(bp, names, subsampling, mc_samples, generator)
 
 
 def one_quantity(
     name: str,
-    model_fn: Callable[[Params, Inputs], Tensor],
-    params: Params,
+    model_fn: ModelFn,
+    params: ParamsT,
     X: Inputs,
     y: Targets,
     loss: nn.Module | None,
     **options: Any,
-) -> PyTree:
+) -> ParamsT:
     """One statistic quantity of one batch; the public functions of each quantity call this.
 
     Args:
@@ -134,17 +135,18 @@ def one_quantity(
         torch.Size([2])
     """
     names = (name,)
-    return compute_batch(model_fn, params, X, y, names, loss or default_loss(), **options)[name]
+    value = compute_batch(model_fn, params, X, y, names, loss or default_loss(), **options)[name]
+    return cast(ParamsT, value)  # a pytree like params
 
 
 def plain_gradient(
-    model_fn: Callable[[Params, Inputs], Tensor],
-    params: Params,
+    model_fn: ModelFn,
+    params: Any,
     X: Inputs,
-    y: Targets,
+    y: Tensor,
     loss: nn.Module,
     chunk_size: int | None,
-) -> dict[str, PyTree]:
+) -> dict[str, Any]:
     """The gradient alone: one forward and one backward, nothing recorded.
 
     Checks its arguments as :class:`~packfunc.engine.batch_pass.BatchPass` does.
@@ -184,7 +186,7 @@ def evaluate(
     subsampling: Samples = None,
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
-) -> dict[str, PyTree]:
+) -> dict[str, Any]:
     """Statistic quantities from an existing batch pass (see :func:`compute_batch`).
 
     Args:
@@ -215,7 +217,7 @@ def evaluate(
         kind: _statistics(bp, kind, needed, index, mc_samples, generator)
         for kind, needed in wanted.items()
     }
-    values: dict[str, PyTree] = {}
+    values: dict[str, Any] = {}
     for spec in made:
         if spec.name not in values:
             values[spec.name] = optree.tree_unflatten(bp.treespec, _leaf_values(spec, stats, bp.n))

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import cast
+
 import optree
 import torch
 
 from packfunc.engine.batch_record import probed_forward, zero_probes
 from packfunc.engine.discovery import Plan, discover
-from packfunc.engine.ops import TapCall
+from packfunc.engine.ops import SiteCall
 from packfunc.engine.randomness import private_generators
 from packfunc.engine.rules import rule_for
-from packfunc.engine.rules.local import LOCAL
 from packfunc.functionalize import (
     batch_size,
     check_model_arguments,
@@ -20,16 +22,13 @@ from packfunc.functionalize import (
 )
 from packfunc.types import Inputs, ModelFn, Params, shares_arguments
 
-_FAMILIES = {
-    "linear": "F.linear",
-    "conv": "convolution",
-    "embedding": "F.embedding",
-}
+PathTree = str | Mapping[str, "PathTree"] | Sequence["PathTree"]
+"""A pytree like ``params`` whose leaves are the descriptions :func:`explain` gives."""
 
 
 @shares_arguments("model_fn", "params", "X")
 @public_entry
-def explain(model_fn: ModelFn, params: Params, X: Inputs) -> Params:
+def explain(model_fn: ModelFn, params: Params, X: Inputs) -> PathTree:
     """Say, per parameter, how packfunc differentiates it per sample.
 
     ``"closed form (F.linear)"``: a rule of a linear, convolution or embedding
@@ -57,39 +56,32 @@ def explain(model_fn: ModelFn, params: Params, X: Inputs) -> Params:
         forward = probed_forward(model_fn, params, leaves, plan, X, failed)
         forward(zero_probes(plan, plan.active(), batch_size(X)))
     paths = [_path(plan, failed, leaf) for leaf in range(len(leaves))]
-    return optree.tree_unflatten(treespec, paths)
+    return cast(PathTree, optree.tree_unflatten(treespec, paths))
 
 
 def _path(plan: Plan, failed: set[int], leaf: int) -> str:
     """The description of one leaf's path."""
     if leaf in plan.uncovered:
         return f"whole model: {plan.reasons.get(leaf, 'used outside the ops packfunc follows')}"
-    calls = [(k, site.call) for k, site in enumerate(plan.sites) if (leaf in _leaves(site.call))]
+    calls = [
+        (k, site.call, role)
+        for k, site in enumerate(plan.sites)
+        for role, used in site.call.leaves
+        if used == leaf
+    ]
     if not calls:
         return "unused"
-    broken = [call for k, call in calls if k in failed]
+    broken = [call for k, call, _ in calls if k in failed]
     if broken:
         return (
-            f"whole model: the arguments of {_name(broken[0])} change shape with the batch "
+            f"whole model: the arguments of {broken[0].name} change shape with the batch "
             "size in a way that does not keep one row per sample"
         )
-    names = sorted({_name(call) for _, call in calls})
-    kinds = {
-        "op-local" if call.family == "local" and rule_for(call, "local") is LOCAL else "closed form"
-        for _, call in calls
-    }
+    names = sorted({call.name for _, call, _ in calls})
+    kinds = {_kind(call, role) for _, call, role in calls}
     return f"{' and '.join(sorted(kinds))} ({', '.join(names)})"
 
 
-def _leaves(call: TapCall) -> set[int]:
-    return {leaf for _, leaf in call.leaves}
-
-
-def _name(call: TapCall) -> str:
-    """A readable name of the op of a site."""
-    if call.family == "local":
-        func = call.option("func")
-        return getattr(func, "__name__", repr(func))
-    if call.family == "linear" and call.transposed:
-        return "x @ W"
-    return _FAMILIES.get(call.family, call.family)
+def _kind(call: SiteCall, role: str) -> str:
+    """``"closed form"`` if the parameter's rule has closed forms, else ``"op-local"``."""
+    return "closed form" if rule_for(call, role).closed_form else "op-local"

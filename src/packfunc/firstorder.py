@@ -9,7 +9,6 @@ gives several quantities in one pass.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from torch import nn
 
@@ -19,9 +18,10 @@ from packfunc.evaluation import one_quantity
 from packfunc.specs import SPECS
 from packfunc.types import (
     DATA_ARGUMENTS,
+    BatchT,
     Inputs,
     ModelFn,
-    Params,
+    ParamsT,
     Samples,
     Targets,
     shares_arguments,
@@ -34,18 +34,18 @@ from packfunc.types import (
 )
 def batch_grad(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs = None,
     y: Targets = None,
     *,
     loss: nn.Module | None = None,
     subsampling: Samples = None,
     chunk_size: int | None = None,
-    data: Iterable[Any] | None = None,
-    batch_to_xy: BatchToXY | None = None,
+    data: Iterable[BatchT] | None = None,
+    batch_to_xy: BatchToXY[BatchT] | None = None,
     progress: bool = False,
     process_group: ProcessGroup | None = None,
-) -> Any:
+) -> ParamsT:
     """Per-sample gradients (BackPACK's ``BatchGrad``, ``grad_batch``).
 
     Returns:
@@ -76,18 +76,18 @@ def batch_grad(
 )
 def batch_l2_grad(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs = None,
     y: Targets = None,
     *,
     loss: nn.Module | None = None,
     subsampling: Samples = None,
     chunk_size: int | None = None,
-    data: Iterable[Any] | None = None,
-    batch_to_xy: BatchToXY | None = None,
+    data: Iterable[BatchT] | None = None,
+    batch_to_xy: BatchToXY[BatchT] | None = None,
     progress: bool = False,
     process_group: ProcessGroup | None = None,
-) -> Any:
+) -> ParamsT:
     """Squared L2 norm of each per-sample gradient, per leaf (BackPACK's ``BatchL2Grad``).
 
     Returns:
@@ -115,17 +115,17 @@ def batch_l2_grad(
 @shares_arguments("model_fn", "params", "X", "y", "loss", "chunk_size", *DATA_ARGUMENTS)
 def sum_grad_squared(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs = None,
     y: Targets = None,
     *,
     loss: nn.Module | None = None,
     chunk_size: int | None = None,
-    data: Iterable[Any] | None = None,
-    batch_to_xy: BatchToXY | None = None,
+    data: Iterable[BatchT] | None = None,
+    batch_to_xy: BatchToXY[BatchT] | None = None,
     progress: bool = False,
     process_group: ProcessGroup | None = None,
-) -> Any:
+) -> ParamsT:
     """Sum over samples of squared per-sample gradients (BackPACK's ``SumGradSquared``).
 
     Returns:
@@ -144,17 +144,17 @@ def sum_grad_squared(
 @shares_arguments("model_fn", "params", "X", "y", "loss", "chunk_size", *DATA_ARGUMENTS)
 def variance(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs = None,
     y: Targets = None,
     *,
     loss: nn.Module | None = None,
     chunk_size: int | None = None,
-    data: Iterable[Any] | None = None,
-    batch_to_xy: BatchToXY | None = None,
+    data: Iterable[BatchT] | None = None,
+    batch_to_xy: BatchToXY[BatchT] | None = None,
     progress: bool = False,
     process_group: ProcessGroup | None = None,
-) -> Any:
+) -> ParamsT:
     """Variance of the per-sample gradients over the batch (BackPACK's ``Variance``).
 
     Returns:

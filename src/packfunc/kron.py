@@ -20,12 +20,16 @@ factors of all layers are stacked and decomposed by one ``torch.linalg.eigh``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ForwardRef, NamedTuple, TypeVar, cast
 
 import optree
 import torch
 from torch import Tensor
+
+from packfunc.types import Factors, ParamsT, PyTree
+
+T = TypeVar("T")
 
 
 class Eigen(NamedTuple):
@@ -46,7 +50,18 @@ class Eigen(NamedTuple):
     eigenvalues: Tensor
 
 
-def is_entry(node: Any) -> bool:
+Entry = Factors | Eigen
+"""One parameter's curvature: Kronecker factors ``[A, B]``/``[A]`` or an :class:`Eigen`."""
+
+if TYPE_CHECKING:
+    Curvature = Entry | Mapping[str, "Curvature"] | Sequence["Curvature"] | None
+else:  # a forward reference that typing.get_type_hints resolves from any module
+    _Curvature = ForwardRef("Curvature", module=__name__)
+    Curvature = Entry | Mapping[str, _Curvature] | Sequence[_Curvature] | None
+"""A curvature pytree: shaped like ``params``, an :data:`Entry` (or ``None``) per parameter."""
+
+
+def is_entry(node: object) -> bool:
     """Whether ``node`` is one parameter's entry of a curvature pytree.
 
     Args:
@@ -68,7 +83,7 @@ def is_entry(node: Any) -> bool:
     )
 
 
-def eigh(curvature: Any) -> Any:
+def eigh(curvature: Curvature) -> Curvature:
     """Eigendecompose every entry: factors ``[A, B]`` become ``Eigen([Q_A, Q_B], λ_A λ_Bᵀ)``.
 
     Args:
@@ -94,7 +109,7 @@ def eigh(curvature: Any) -> Any:
         pairs = [next(decomposed) for _ in entry]
         values = pairs[0][0] if len(pairs) == 1 else torch.outer(pairs[0][0], pairs[1][0])
         found.append(Eigen([q for _, q in pairs], values))
-    return spec.unflatten(found)
+    return cast(Curvature, spec.unflatten(found))
 
 
 def batched_eigh(matrices: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
@@ -126,7 +141,7 @@ def batched_eigh(matrices: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
     return _per_distinct_matrix(matrices, decompose)
 
 
-def power(curvature: Any, exponent: float, damping: float = 0.0) -> Any:
+def power(curvature: Curvature, exponent: float, damping: float = 0.0) -> Curvature:
     """``(C + damping·I)^exponent`` of every entry, exactly, via its Kronecker eigenbasis.
 
     Args:
@@ -154,10 +169,10 @@ def power(curvature: Any, exponent: float, damping: float = 0.0) -> Any:
         None if e is None else Eigen(e.eigenvectors, (e.eigenvalues + damping).pow(exponent))
         for e in entries
     ]
-    return spec.unflatten(found)
+    return cast(Curvature, spec.unflatten(found))
 
 
-def inverse(curvature: Any, damping: float) -> Any:
+def inverse(curvature: Curvature, damping: float) -> Curvature:
     """The exactly damped inverse ``(A ⊗ B + damping·I)⁻¹`` of every entry (eigenbasis).
 
     Args:
@@ -174,7 +189,7 @@ def inverse(curvature: Any, damping: float) -> Any:
     return power(curvature, -1.0, damping)
 
 
-def inverse_sqrt(curvature: Any, damping: float) -> Any:
+def inverse_sqrt(curvature: Curvature, damping: float) -> Curvature:
     """The damped inverse square root ``(A ⊗ B + damping·I)^(-1/2)`` of every entry.
 
     Args:
@@ -191,7 +206,7 @@ def inverse_sqrt(curvature: Any, damping: float) -> Any:
     return power(curvature, -0.5, damping)
 
 
-def factor_damped_power(curvature: Any, damping: float, exponent: float = -1.0) -> Any:
+def factor_damped_power(curvature: Curvature, damping: float, exponent: float = -1.0) -> Curvature:
     """π-damped factor powers ``[(A + π√d·I)^e, (B + √d/π·I)^e]`` (Martens & Grosse, 2015).
 
     ``π = √((tr A / dim A) / (tr B / dim B))``; a bias ``[A]`` gets ``[(A + d·I)^e]``. For
@@ -242,10 +257,10 @@ def factor_damped_power(curvature: Any, damping: float, exponent: float = -1.0) 
         _batched_inverse(shifted) if exponent == -1 else _batched_power(shifted, exponent)
     )
     found = [None if e is None else [next(powered) for _ in e] for e in entries]
-    return spec.unflatten(found)
+    return cast(Curvature, spec.unflatten(found))
 
 
-def matvec(curvature: Any, vector: Any) -> Any:
+def matvec(curvature: Curvature, vector: ParamsT) -> ParamsT:
     """Multiply every entry with the matching leaf of a params-shaped pytree.
 
     ``[A, B]`` applied to ``V`` is ``A V Bᵀ`` (``V`` as ``[dim A, dim B]``); an
@@ -267,11 +282,11 @@ def matvec(curvature: Any, vector: Any) -> Any:
                 [2., 2., 2.]])
     """
     entries, spec = _flatten(curvature)
-    leaves = spec.flatten_up_to(vector)
-    return spec.unflatten([_apply(e, v) for e, v in zip(entries, leaves)])
+    leaves = spec.flatten_up_to(cast(Any, vector))
+    return cast(ParamsT, spec.unflatten([_apply(e, v) for e, v in zip(entries, leaves)]))
 
 
-def logdet(curvature: Any, damping: float = 0.0) -> Any:
+def logdet(curvature: Curvature, damping: float = 0.0) -> PyTree:
     """``log det(C + damping·I)`` of every entry (one scalar each).
 
     Undamped factors use ``log det(A ⊗ B) = dim B · log det A + dim A · log det B``.
@@ -290,13 +305,13 @@ def logdet(curvature: Any, damping: float = 0.0) -> Any:
     entries, spec = _flatten(curvature)
     if damping == 0 and all(not isinstance(e, Eigen) for e in entries):
         found = [None if e is None else _factor_logdet(e) for e in entries]
-        return spec.unflatten(found)
+        return cast(PyTree, spec.unflatten(found))
     entries = _flatten(eigh(curvature))[0]
     found = [None if e is None else (e.eigenvalues + damping).log().sum() for e in entries]
-    return spec.unflatten(found)
+    return cast(PyTree, spec.unflatten(found))
 
 
-def trace(curvature: Any, damping: float = 0.0) -> Any:
+def trace(curvature: Curvature, damping: float = 0.0) -> PyTree:
     """``tr(C + damping·I)`` of every entry: ``tr A · tr B`` for factors, ``Σ λ`` for Eigen.
 
     Args:
@@ -311,10 +326,12 @@ def trace(curvature: Any, damping: float = 0.0) -> Any:
         tensor(18.)
     """
     entries, spec = _flatten(curvature)
-    return spec.unflatten([None if e is None else _trace(e, damping) for e in entries])
+    return cast(
+        PyTree, spec.unflatten([None if e is None else _trace(e, damping) for e in entries])
+    )
 
 
-def dense(curvature: Any) -> Any:
+def dense(curvature: Curvature) -> PyTree:
     """The dense matrix of every entry (``torch.kron(A, B)``; ``Q diag(λ) Qᵀ``): for tests.
 
     Args:
@@ -331,10 +348,10 @@ def dense(curvature: Any) -> Any:
     if isinstance(curvature, Eigen) or (is_entry(curvature) and curvature is not None):
         return _dense(curvature)
     entries, spec = _flatten(curvature)
-    return spec.unflatten([None if e is None else _dense(e) for e in entries])
+    return cast(PyTree, spec.unflatten([None if e is None else _dense(e) for e in entries]))
 
 
-def map_entries(function: Callable[[Any], Any], curvature: Any) -> Any:
+def map_entries(function: Callable[[Entry], T], curvature: Curvature) -> object:
     """Apply ``function`` to every non-``None`` entry of a curvature pytree.
 
     Args:
@@ -349,7 +366,7 @@ def map_entries(function: Callable[[Any], Any], curvature: Any) -> Any:
         {'w': 2, 'b': None}
     """
     entries, spec = _flatten(curvature)
-    return spec.unflatten([None if e is None else function(e) for e in entries])
+    return cast(object, spec.unflatten([None if e is None else function(e) for e in entries]))
 
 
 def _flatten(curvature: Any) -> tuple[list[Any], optree.PyTreeSpec]:

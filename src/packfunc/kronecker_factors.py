@@ -35,7 +35,7 @@ embedding, tied weights) raise a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -51,16 +51,19 @@ from packfunc.engine.layer_factors import (
     kfra_factors,
     sqrt_factors,
 )
-from packfunc.losses import default_loss
+from packfunc.losses import default_loss, given_targets
 from packfunc.specs import SPECS
 from packfunc.types import (
     DATA_ARGUMENTS,
+    BatchT,
     Curvature,
+    FactorTree,
+    FisherType,
     Inputs,
     KfacApprox,
     ModelFn,
     OnUnsupported,
-    Params,
+    ParamsT,
     Targets,
     shares_arguments,
 )
@@ -83,7 +86,7 @@ FISHER_TYPES = ("mc", "empirical")
 )
 def kfac(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs = None,
     y: Targets = None,
     *,
@@ -92,12 +95,12 @@ def kfac(
     generator: torch.Generator | None = None,
     kfac_approx: KfacApprox = "sum",
     on_unsupported: OnUnsupported = "raise",
-    fisher_type: str = "mc",
-    data: Iterable[Any] | None = None,
-    batch_to_xy: BatchToXY | None = None,
+    fisher_type: FisherType = "mc",
+    data: Iterable[BatchT] | None = None,
+    batch_to_xy: BatchToXY[BatchT] | None = None,
     progress: bool = False,
     process_group: ProcessGroup | None = None,
-) -> Any:
+) -> FactorTree:
     """KFAC: Kronecker factors from Monte-Carlo square-root columns (BackPACK's ``KFAC``).
 
     Args:
@@ -116,7 +119,8 @@ def kfac(
         (torch.Size([2, 2]), torch.Size([3, 3]))
     """
     columns = (kfac_approx, mc_samples, generator, fisher_type)
-    return _sqrt_factors(model_fn, params, X, y, loss, on_unsupported, *columns)[0]
+    factors = _sqrt_factors(model_fn, params, X, y, loss, on_unsupported, *columns)[0]
+    return cast(FactorTree, factors)
 
 
 @over_data(SPECS["kflr"])
@@ -125,18 +129,18 @@ def kfac(
 )
 def kflr(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs = None,
     y: Targets = None,
     *,
     loss: nn.Module | None = None,
     kfac_approx: KfacApprox = "sum",
     on_unsupported: OnUnsupported = "raise",
-    data: Iterable[Any] | None = None,
-    batch_to_xy: BatchToXY | None = None,
+    data: Iterable[BatchT] | None = None,
+    batch_to_xy: BatchToXY[BatchT] | None = None,
     progress: bool = False,
     process_group: ProcessGroup | None = None,
-) -> Any:
+) -> FactorTree:
     """KFLR: Kronecker factors from the exact square-root columns (BackPACK's ``KFLR``).
 
     Returns:
@@ -148,27 +152,28 @@ def kflr(
         >>> A.shape
         torch.Size([2, 2])
     """
-    return _sqrt_factors(
+    factors = _sqrt_factors(
         model_fn, params, X, y, loss, on_unsupported, kfac_approx, None, None, "mc"
     )[0]
+    return cast(FactorTree, factors)
 
 
 @over_data(SPECS["kfra"])
 @shares_arguments("y", "loss", *DATA_ARGUMENTS)
 def kfra(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs = None,
     y: Targets = None,
     *,
     loss: nn.Module | None = None,
     curvature: Curvature = "ggn",
     on_unsupported: OnUnsupported = "raise",
-    data: Iterable[Any] | None = None,
-    batch_to_xy: BatchToXY | None = None,
+    data: Iterable[BatchT] | None = None,
+    batch_to_xy: BatchToXY[BatchT] | None = None,
     progress: bool = False,
     process_group: ProcessGroup | None = None,
-) -> Any:
+) -> FactorTree:
     """KFRA: Kronecker factors from the batch-averaged GGN of a sequential model.
 
     The loss Hessian summed over samples is propagated from the output to the
@@ -201,14 +206,15 @@ def kfra(
     """
     if curvature not in CURVATURES:
         raise ValueError(f"curvature must be one of {tuple(CURVATURES)}; got {curvature!r}.")
-    return _factors(
+    factors = _factors(
         model_fn, params, X, y, loss, on_unsupported, lambda bp: kfra_factors(bp, curvature)
     )[0]
+    return cast(FactorTree, factors)
 
 
 def sqrt_factors_and_loss(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs,
     y: Targets,
     *,
@@ -216,7 +222,7 @@ def sqrt_factors_and_loss(
     mc_samples: int | None,
     generator: torch.Generator | None = None,
     kfac_approx: KfacApprox = "sum",
-    fisher_type: str = "mc",
+    fisher_type: FisherType = "mc",
     on_unsupported: OnUnsupported = "raise",
 ) -> tuple[Any, Tensor]:
     """:func:`kfac` (``mc_samples``) or :func:`kflr` (``None``) and the batch's reduced loss.
@@ -254,7 +260,7 @@ def sqrt_factors_and_loss(
 
 def _sqrt_factors(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs,
     y: Targets,
     loss: nn.Module | None,
@@ -262,7 +268,7 @@ def _sqrt_factors(
     kfac_approx: str,
     mc_samples: int | None,
     generator: torch.Generator | None,
-    fisher_type: str,
+    fisher_type: FisherType,
 ) -> tuple[Any, BatchPass]:
     """KFAC/KFLR factors from square-root columns, and the batch pass they came from."""
     return _factors(
@@ -278,7 +284,7 @@ def _sqrt_factors(
     )
 
 
-def _empirical(fisher_type: str) -> bool:
+def _empirical(fisher_type: FisherType) -> bool:
     if fisher_type not in FISHER_TYPES:
         raise ValueError(f"fisher_type must be one of {FISHER_TYPES}; got {fisher_type!r}.")
     return fisher_type == "empirical"
@@ -292,7 +298,7 @@ def _factors(
     model_fn: ModelFn,
     params: Any,
     X: Any,
-    y: Tensor,
+    y: Targets,
     loss: nn.Module | None,
     on_unsupported: str,
     method: Callable[[BatchPass], Factors],
@@ -300,7 +306,7 @@ def _factors(
     """The factor pytree that ``method`` finds in the batch pass, and the pass."""
     if on_unsupported not in ("raise", "skip"):
         raise ValueError(f"on_unsupported must be 'raise' or 'skip'; got {on_unsupported!r}.")
-    bp = BatchPass(model_fn, params, X, y, loss or default_loss())
+    bp = BatchPass(model_fn, params, X, given_targets(y, "kfac"), loss or default_loss())
     found = method(bp)
     if found.unsupported and on_unsupported == "raise":
         listing = "; ".join(

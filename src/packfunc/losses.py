@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -32,19 +32,90 @@ ELEMENTWISE_LOSSES = (
 SUPPORTED_LOSSES = CLASS_LOSSES + ELEMENTWISE_LOSSES
 
 
-class OutputGradientLoss(nn.Module):
-    """A loss known only by its gradient w.r.t. the output, ``G``: first order only.
+class GivenOutputGradient(nn.Module):
+    """A loss known only by its gradient ``G = ∂L/∂f`` w.r.t. the model output: first order.
 
-    Subclasses return a scalar whose gradient w.r.t. ``output`` is :attr:`gradient`
-    (e.g. ``⟨G, output⟩``) and keep ``reduction = "sum"``: the per-sample scaling is
-    already in ``G``. They pass :func:`check_loss`; curvature is refused for them.
+    ``loss=GivenOutputGradient(G)`` gives the first-order quantities of any loss whose
+    output gradient you have (e.g. one computed by your own code, or a loss packfunc
+    does not support): it is the linear loss ``⟨G, f⟩``, whose gradient w.r.t. ``f`` is
+    ``G``. Row ``n`` of ``G`` is sample ``n``'s share, so the reduction's scaling is
+    already in ``G`` (``reduction`` is ``"sum"``). ``G`` may carry an autograd graph
+    (a backward pass with ``create_graph=True``); that dependence is not differentiated.
+    It has no curvature: second-order quantities refuse it.
 
-    Attributes:
-        gradient: ``∂L/∂f`` for the whole batch.
+    Args:
+        gradient: ``∂L/∂f`` for the whole batch, shaped like the model output.
+
+    Example:
+        >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> X = torch.randn(4, 3)
+        >>> G = torch.ones(4, 2)  # e.g. the output gradient of sum(f)
+        >>> g = packfunc.batch_grad(model_fn, params, X, G, loss=GivenOutputGradient(G))
+        >>> torch.allclose(g["weight"][0], torch.ones(2, 1) * X[0])
+        True
     """
 
     reduction = "sum"
-    gradient: Tensor
+
+    def __init__(self, gradient: Tensor):
+        super().__init__()
+        self.gradient = gradient
+
+    def forward(self, output: Tensor, target: object) -> Tensor:
+        """Return ``⟨G, output⟩`` (``target`` is ignored).
+
+        Args:
+            output: The model output.
+            target: Ignored (pass ``G`` itself, or anything with the batch first).
+
+        Returns:
+            The scalar ``⟨G, output⟩``; its gradient w.r.t. ``output`` is ``G``.
+        """
+        value: Tensor = _InnerProduct.apply(output, self.gradient)  # type: ignore[no-untyped-call]
+        return value
+
+
+class _InnerProduct(torch.autograd.Function):
+    """``⟨f, G⟩`` whose derivative w.r.t. ``f`` is ``G``, keeping ``G``'s own graph."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(output: Tensor, gradient: Tensor) -> Tensor:
+        return (output * gradient.detach()).sum()
+
+    @staticmethod
+    def setup_context(
+        ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Tensor, Tensor], output: Tensor
+    ) -> None:
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        (gradient,) = ctx.saved_tensors
+        return grad * gradient, None
+
+
+def given_targets(y: Tensor | None, function: str) -> Tensor:
+    """The targets ``y``, checked to be there (``None`` only where ``data=`` gives them).
+
+    Args:
+        y: The ``y`` argument of a public function.
+        function: The function's name, for the error.
+
+    Returns:
+        ``y``.
+
+    Raises:
+        TypeError: if ``y`` is ``None``.
+
+    Example:
+        >>> given_targets(torch.zeros(2), "diag_ggn").shape
+        torch.Size([2])
+    """
+    if y is None:
+        raise TypeError(f"{function}() needs the targets y (or data=, which gives them).")
+    return y
 
 
 def default_loss() -> nn.Module:
@@ -73,7 +144,7 @@ def check_loss(loss: nn.Module) -> None:
     Example:
         >>> check_loss(torch.nn.MSELoss(reduction="sum"))
     """
-    if not isinstance(loss, (*SUPPORTED_LOSSES, OutputGradientLoss)):
+    if not isinstance(loss, (*SUPPORTED_LOSSES, GivenOutputGradient)):
         names = ", ".join(cls.__name__ for cls in SUPPORTED_LOSSES)
         raise TypeError(
             f"loss={type(loss).__name__} is not supported; pass one of the torch.nn losses "
@@ -106,7 +177,7 @@ def check_loss_inputs(loss: nn.Module, output: Tensor, target: Tensor, n: int) -
     name = type(loss).__name__
     if not isinstance(output, Tensor):
         raise TypeError(f"model_fn must return a tensor for {name}; got {type(output).__name__}.")
-    if isinstance(loss, OutputGradientLoss):
+    if isinstance(loss, GivenOutputGradient):
         if output.shape != loss.gradient.shape:
             raise ValueError(
                 f"the model output {tuple(output.shape)} does not match the "
@@ -222,10 +293,10 @@ def hessian_factors(
     """
     if mc_samples is not None and (not isinstance(mc_samples, int) or mc_samples < 1):
         raise ValueError(f"mc_samples must be a positive integer or None; got {mc_samples!r}.")
-    if isinstance(loss, OutputGradientLoss):
+    if isinstance(loss, GivenOutputGradient):
         raise ValueError(
-            "second-order quantities need the loss function and targets; extend the loss "
-            "module (lossfunc = extend(lossfunc)) and apply it to the model's output."
+            "second-order quantities need the loss function and targets; a loss given by its "
+            "output gradient (GivenOutputGradient) has no curvature: pass the loss module."
         )
     if isinstance(loss, nn.NLLLoss):
         raise ValueError(

@@ -11,17 +11,19 @@ accounting (which ``σ`` buys which ``(ε, δ)``) is not part of packfunc.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
 from torch import Tensor
 
+from packfunc.types import ParamsT, PyTree
+
 _EPS = 1e-6
 """Added to each norm before dividing, so zero gradients stay finite (as in opacus)."""
 
 
-def clip_per_sample(batch_grads: Any, max_norm: float, *, batch_l2: Any = None) -> Any:
+def clip_per_sample(batch_grads: ParamsT, max_norm: float, *, batch_l2: PyTree = None) -> ParamsT:
     """Scale each sample's gradient, across all parameters, to norm at most ``max_norm``.
 
     Sample ``n`` is multiplied by ``min(1, max_norm / (‖g_n‖ + 1e-6))``, where ``‖g_n‖``
@@ -50,26 +52,26 @@ def clip_per_sample(batch_grads: Any, max_norm: float, *, batch_l2: Any = None) 
     """
     if max_norm <= 0:
         raise ValueError(f"max_norm must be positive, got {max_norm}")
-    leaves, treespec = optree.tree_flatten(batch_grads)
+    leaves, treespec = optree.tree_flatten(cast(Any, batch_grads))
     num_samples = _num_samples(leaves)
     if batch_l2 is None:
         squared_norms = [g.reshape(num_samples, -1).square().sum(1) for g in leaves]
     else:
-        squared_norms = optree.tree_leaves(batch_l2)
+        squared_norms = optree.tree_leaves(cast(Any, batch_l2))
     norms = torch.stack(squared_norms).sum(0).sqrt()
     factors = (max_norm / (norms + _EPS)).clamp(max=1.0)
     clipped = [g * factors.view(-1, *[1] * (g.dim() - 1)).to(g.dtype) for g in leaves]
-    return optree.tree_unflatten(treespec, clipped)
+    return cast(ParamsT, optree.tree_unflatten(treespec, clipped))
 
 
 def clip_and_noise(
-    batch_grads: Any,
+    batch_grads: ParamsT,
     max_norm: float,
     noise_multiplier: float,
     *,
-    batch_l2: Any = None,
+    batch_l2: PyTree = None,
     generator: torch.Generator | None = None,
-) -> Any:
+) -> ParamsT:
     """DP-SGD's private gradient: clip per sample, sum, add Gaussian noise, divide by ``N``.
 
     Returns ``(Σ_n clip(g_n) + σ·C·z) / N`` with ``z ~ N(0, I)`` drawn independently for
@@ -111,7 +113,7 @@ def clip_and_noise(
     if noise_multiplier < 0:
         raise ValueError(f"noise_multiplier must be non-negative, got {noise_multiplier}")
     leaves, treespec = optree.tree_flatten(
-        clip_per_sample(batch_grads, max_norm, batch_l2=batch_l2)
+        cast(Any, clip_per_sample(batch_grads, max_norm, batch_l2=batch_l2))
     )
     num_samples = leaves[0].shape[0]
     noisy = []
@@ -122,7 +124,7 @@ def clip_and_noise(
             z = torch.randn(summed.shape, generator=generator, dtype=summed.dtype, device=device)
             summed = summed + noise_multiplier * max_norm * z.to(summed.device)
         noisy.append(summed / num_samples)
-    return optree.tree_unflatten(treespec, noisy)
+    return cast(ParamsT, optree.tree_unflatten(treespec, noisy))
 
 
 def _num_samples(leaves: list[Tensor]) -> int:

@@ -14,7 +14,7 @@ BackPACK's, it is defined for sequential models.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import optree
 from torch import Tensor, nn
@@ -29,14 +29,22 @@ from packfunc.engine.pch import loss_hessian_product, pch_block_product
 from packfunc.engine.precision import full_precision, to_dtype_of
 from packfunc.engine.randomness import random_model_error
 from packfunc.functionalize import check_model_arguments, flatten_params
-from packfunc.losses import check_loss, check_loss_inputs, default_loss, hessian_factors
+from packfunc.losses import (
+    check_loss,
+    check_loss_inputs,
+    default_loss,
+    given_targets,
+    hessian_factors,
+)
 from packfunc.specs import SPECS
 from packfunc.types import (
     DATA_ARGUMENTS,
+    BatchT,
     Inputs,
     ModelFn,
     Modify,
-    Params,
+    ParamsT,
+    PyTree,
     Targets,
     shares_arguments,
 )
@@ -46,17 +54,17 @@ from packfunc.types import (
 @shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
 def ggn_vector_product(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs = None,
     y: Targets = None,
-    v: Any = None,
+    v: PyTree = None,
     *,
     loss: nn.Module | None = None,
-    data: Iterable[Any] | None = None,
-    batch_to_xy: BatchToXY | None = None,
+    data: Iterable[BatchT] | None = None,
+    batch_to_xy: BatchToXY[BatchT] | None = None,
     progress: bool = False,
     process_group: ProcessGroup | None = None,
-) -> Any:
+) -> ParamsT:
     """Multiply the GGN of the reduced loss with ``v`` (BackPACK's ``ggn_vector_product``).
 
     Args:
@@ -75,24 +83,24 @@ def ggn_vector_product(
     """
     loss = _checked(loss, model_fn, params)
     forward = _model(model_fn, X, params, [])
-    return _first_column(_ggn_products(forward, params, _stacked(v), loss, y))
+    return cast(ParamsT, _first_column(_ggn_products(forward, params, _stacked(v), loss, y)))
 
 
 @over_data(SPECS["hessian_vector_product"], required=("v",))
 @shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
 def hessian_vector_product(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs = None,
     y: Targets = None,
-    v: Any = None,
+    v: PyTree = None,
     *,
     loss: nn.Module | None = None,
-    data: Iterable[Any] | None = None,
-    batch_to_xy: BatchToXY | None = None,
+    data: Iterable[BatchT] | None = None,
+    batch_to_xy: BatchToXY[BatchT] | None = None,
     progress: bool = False,
     process_group: ProcessGroup | None = None,
-) -> Any:
+) -> ParamsT:
     """Multiply the Hessian of the reduced loss w.r.t. the parameters with ``v``.
 
     Args:
@@ -111,24 +119,24 @@ def hessian_vector_product(
     """
     loss = _checked(loss, model_fn, params)
     forward = _model(model_fn, X, params, [])
-    return _first_column(_hessian_products(forward, params, _stacked(v), loss, y))
+    return cast(ParamsT, _first_column(_hessian_products(forward, params, _stacked(v), loss, y)))
 
 
 @over_data(SPECS["ggn_block_products"], required=("mats",))
 @shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
 def ggn_block_products(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs = None,
     y: Targets = None,
-    mats: Any = None,
+    mats: PyTree = None,
     *,
     loss: nn.Module | None = None,
-    data: Iterable[Any] | None = None,
-    batch_to_xy: BatchToXY | None = None,
+    data: Iterable[BatchT] | None = None,
+    batch_to_xy: BatchToXY[BatchT] | None = None,
     progress: bool = False,
     process_group: ProcessGroup | None = None,
-) -> Any:
+) -> ParamsT:
     """Multiply each parameter's GGN block with a stack of matrices (BackPACK's ``GGNMP``).
 
     Args:
@@ -155,17 +163,17 @@ def ggn_block_products(
 @shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
 def hessian_block_products(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs = None,
     y: Targets = None,
-    mats: Any = None,
+    mats: PyTree = None,
     *,
     loss: nn.Module | None = None,
-    data: Iterable[Any] | None = None,
-    batch_to_xy: BatchToXY | None = None,
+    data: Iterable[BatchT] | None = None,
+    batch_to_xy: BatchToXY[BatchT] | None = None,
     progress: bool = False,
     process_group: ProcessGroup | None = None,
-) -> Any:
+) -> ParamsT:
     """Multiply each parameter's Hessian block with a stack of matrices (BackPACK's ``HMP``).
 
     Args:
@@ -196,18 +204,18 @@ def hessian_block_products(
 @shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
 def pch_block_products(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs = None,
     y: Targets = None,
-    mats: Any = None,
+    mats: PyTree = None,
     *,
     loss: nn.Module | None = None,
     modify: Modify = "clip",
-    data: Iterable[Any] | None = None,
-    batch_to_xy: BatchToXY | None = None,
+    data: Iterable[BatchT] | None = None,
+    batch_to_xy: BatchToXY[BatchT] | None = None,
     progress: bool = False,
     process_group: ProcessGroup | None = None,
-) -> Any:
+) -> ParamsT:
     """Multiply each parameter's positive-curvature Hessian block with matrices (``PCHMP``).
 
     The PCH is the Hessian with every elementwise nonlinearity's curvature term
@@ -238,13 +246,19 @@ def pch_block_products(
     """
     if modify not in ("clip", "abs", "none"):
         raise ValueError(f"modify must be 'clip', 'abs' or 'none'; got {modify!r}.")
-    bp = BatchPass(model_fn, params, X, y, _checked(loss, model_fn, params))
-    blocks = optree.tree_leaves(mats, none_is_leaf=True)
+    bp = BatchPass(
+        model_fn,
+        params,
+        X,
+        given_targets(y, "pch_block_products"),
+        _checked(loss, model_fn, params),
+    )
+    blocks = optree.tree_leaves(cast(Any, mats), none_is_leaf=True)
     with twice_differentiable():
         results = [
             None if m is None else pch_block_product(bp, i, m, modify) for i, m in enumerate(blocks)
         ]
-    return optree.tree_unflatten(bp.treespec, results)
+    return cast(ParamsT, optree.tree_unflatten(bp.treespec, results))
 
 
 def _checked(loss: nn.Module | None, model_fn: ModelFn, params: Any) -> nn.Module:
@@ -274,13 +288,13 @@ def _model(model_fn: ModelFn, X: Any, params: Any, replaced: list[int]) -> Calla
 
 def _per_block(
     model_fn: ModelFn,
-    params: Any,
+    params: ParamsT,
     X: Any,
     mats: Any,
     product: Callable[[Callable[[Any], Tensor], Tensor, Tensor], Tensor],
-) -> Any:
-    leaves, treespec = optree.tree_flatten(params)
-    blocks = optree.tree_leaves(mats, none_is_leaf=True)
+) -> ParamsT:
+    leaves, treespec = optree.tree_flatten(cast(Any, params))
+    blocks = optree.tree_leaves(cast(Any, mats), none_is_leaf=True)
     if len(blocks) != len(leaves):
         raise ValueError("mats must have one leaf (or None) per parameter leaf.")
     with twice_differentiable():
@@ -288,18 +302,19 @@ def _per_block(
             None if m is None else product(_model(model_fn, X, params, [i]), leaves[i], m)
             for i, m in enumerate(blocks)
         ]
-    return optree.tree_unflatten(treespec, results)
+    return cast(ParamsT, optree.tree_unflatten(treespec, results))
 
 
 def _ggn_products(
-    forward: Callable[[Any], Tensor], primal: Any, tangents: Any, loss: nn.Module, y: Tensor
+    forward: Callable[[Any], Tensor], primal: Any, tangents: Any, loss: nn.Module, y: Targets
 ) -> Any:
     """``Jᵀ (∇²_f L) J t`` for a stack of tangents (leading dim ``V``)."""
+    targets = given_targets(y, "ggn_vector_product")
     with twice_differentiable():
         output, pullback = vjp(forward, primal)
-        check_loss_inputs(loss, output, y, output.shape[0])
-        hessian_factors(loss, output.detach(), y)  # refuses losses without a usable curvature
-        loss_hessian = loss_hessian_product(loss, output, y)
+        check_loss_inputs(loss, output, targets, output.shape[0])
+        hessian_factors(loss, output.detach(), targets)  # refuses losses without a usable curvature
+        loss_hessian = loss_hessian_product(loss, output, targets)
 
         def one(t: Any) -> Any:
             jt = jvp(forward, (primal,), (t,))[1]  # J t, forward mode
@@ -315,7 +330,7 @@ def _ggn_products(
 
 
 def _hessian_products(
-    forward: Callable[[Any], Tensor], primal: Any, tangents: Any, loss: nn.Module, y: Tensor
+    forward: Callable[[Any], Tensor], primal: Any, tangents: Any, loss: nn.Module, y: Targets
 ) -> Any:
     """``∇²L t`` for a stack of tangents (leading dim ``V``), reverse-over-reverse.
 
@@ -323,11 +338,12 @@ def _hessian_products(
     unlike forward-over-reverse this needs no forward-mode formula for the loss's
     backward (``MSELoss(reduction='mean')`` and ``HuberLoss`` have none that works).
     """
+    targets = given_targets(y, "hessian_vector_product")
 
     def total(p: Any) -> Tensor:
         output = forward(p)
-        check_loss_inputs(loss, output, y, output.shape[0])
-        value: Tensor = loss(output, y)
+        check_loss_inputs(loss, output, targets, output.shape[0])
+        value: Tensor = loss(output, targets)
         return value
 
     with twice_differentiable():

@@ -17,13 +17,13 @@ from packfunc.distributed import ProcessGroup
 from packfunc.evaluation import compute_batch, statistic_quantities
 from packfunc.losses import default_loss
 from packfunc.specs import FIRST_ORDER, QUANTITIES, SECOND_ORDER
-from packfunc.types import Inputs, ModelFn, Params, PyTree, Samples, Targets
+from packfunc.types import BatchT, Inputs, ModelFn, ParamsT, Samples, Targets
 
 
 @over_data(None)
 def compute(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs = None,
     y: Targets = None,
     *,
@@ -33,11 +33,11 @@ def compute(
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
     chunk_size: int | None = None,
-    data: Iterable[Any] | None = None,
-    batch_to_xy: BatchToXY | None = None,
+    data: Iterable[BatchT] | None = None,
+    batch_to_xy: BatchToXY[BatchT] | None = None,
     progress: bool = False,
     process_group: ProcessGroup | None = None,
-) -> dict[str, PyTree]:
+) -> dict[str, Any]:
     """Compute several quantities in one pass over the model.
 
     One forward and one vector-Jacobian product are shared by all quantities;

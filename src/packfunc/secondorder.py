@@ -12,7 +12,6 @@ gives several quantities in one pass.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import nn
@@ -23,9 +22,10 @@ from packfunc.evaluation import one_quantity
 from packfunc.specs import SPECS
 from packfunc.types import (
     DATA_ARGUMENTS,
+    BatchT,
     Inputs,
     ModelFn,
-    Params,
+    ParamsT,
     Samples,
     Targets,
     shares_arguments,
@@ -47,7 +47,7 @@ from packfunc.types import (
 )
 def sqrt_ggn(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs = None,
     y: Targets = None,
     *,
@@ -56,11 +56,11 @@ def sqrt_ggn(
     generator: torch.Generator | None = None,
     subsampling: Samples = None,
     chunk_size: int | None = None,
-    data: Iterable[Any] | None = None,
-    batch_to_xy: BatchToXY | None = None,
+    data: Iterable[BatchT] | None = None,
+    batch_to_xy: BatchToXY[BatchT] | None = None,
     progress: bool = False,
     process_group: ProcessGroup | None = None,
-) -> Any:
+) -> ParamsT:
     """Square root of the GGN, per sample (BackPACK's ``SqrtGGNExact`` / ``SqrtGGNMC``).
 
     Returns:
@@ -93,7 +93,7 @@ def sqrt_ggn(
 )
 def diag_ggn(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs = None,
     y: Targets = None,
     *,
@@ -101,11 +101,11 @@ def diag_ggn(
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
     chunk_size: int | None = None,
-    data: Iterable[Any] | None = None,
-    batch_to_xy: BatchToXY | None = None,
+    data: Iterable[BatchT] | None = None,
+    batch_to_xy: BatchToXY[BatchT] | None = None,
     progress: bool = False,
     process_group: ProcessGroup | None = None,
-) -> Any:
+) -> ParamsT:
     """Diagonal of the GGN (BackPACK's ``DiagGGNExact`` / ``DiagGGNMC``).
 
     Returns:
@@ -145,7 +145,7 @@ def diag_ggn(
 )
 def batch_diag_ggn(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs = None,
     y: Targets = None,
     *,
@@ -154,11 +154,11 @@ def batch_diag_ggn(
     generator: torch.Generator | None = None,
     subsampling: Samples = None,
     chunk_size: int | None = None,
-    data: Iterable[Any] | None = None,
-    batch_to_xy: BatchToXY | None = None,
+    data: Iterable[BatchT] | None = None,
+    batch_to_xy: BatchToXY[BatchT] | None = None,
     progress: bool = False,
     process_group: ProcessGroup | None = None,
-) -> Any:
+) -> ParamsT:
     """Per-sample diagonals of the GGN (BackPACK's ``BatchDiagGGNExact`` / ``BatchDiagGGNMC``).
 
     Returns:
@@ -188,17 +188,17 @@ def batch_diag_ggn(
 @shares_arguments("model_fn", "params", "X", "y", "loss", "chunk_size", *DATA_ARGUMENTS)
 def diag_hessian(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs = None,
     y: Targets = None,
     *,
     loss: nn.Module | None = None,
     chunk_size: int | None = None,
-    data: Iterable[Any] | None = None,
-    batch_to_xy: BatchToXY | None = None,
+    data: Iterable[BatchT] | None = None,
+    batch_to_xy: BatchToXY[BatchT] | None = None,
     progress: bool = False,
     process_group: ProcessGroup | None = None,
-) -> Any:
+) -> ParamsT:
     """Diagonal of the loss Hessian w.r.t. the parameters (BackPACK's ``DiagHessian``).
 
     Returns:
@@ -219,18 +219,18 @@ def diag_hessian(
 )
 def batch_diag_hessian(
     model_fn: ModelFn,
-    params: Params,
+    params: ParamsT,
     X: Inputs = None,
     y: Targets = None,
     *,
     loss: nn.Module | None = None,
     subsampling: Samples = None,
     chunk_size: int | None = None,
-    data: Iterable[Any] | None = None,
-    batch_to_xy: BatchToXY | None = None,
+    data: Iterable[BatchT] | None = None,
+    batch_to_xy: BatchToXY[BatchT] | None = None,
     progress: bool = False,
     process_group: ProcessGroup | None = None,
-) -> Any:
+) -> ParamsT:
     """Per-sample diagonals of the loss Hessian (BackPACK's ``BatchDiagHessian``).
 
     Returns:

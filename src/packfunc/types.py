@@ -8,25 +8,46 @@ their ``Args:`` descriptions into each function's docstring from
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ForwardRef, Literal, TypeVar
 
 from torch import Tensor
 
-PyTree = Any
-"""A pytree of tensors (nested dicts, lists, tuples; see ``optree``)."""
+if TYPE_CHECKING:
+    PyTree = Tensor | Mapping[str, "PyTree"] | Sequence["PyTree"] | None
+else:  # forward references that typing.get_type_hints resolves from any module
+    _Tree = ForwardRef("PyTree", module=__name__)
+    PyTree = Tensor | Mapping[str, _Tree] | Sequence[_Tree] | None
+"""A pytree of tensors: a tensor, or nested dicts, lists and tuples of them (see ``optree``)."""
 
 Params = PyTree
 """The parameters: a pytree of floating-point tensors, e.g. ``dict(name -> tensor)``."""
 
-Inputs = Any
+ParamsT = TypeVar("ParamsT", bound=PyTree)
+"""The type of ``params``: a result shaped like ``params`` has this type too."""
+
+BatchT = TypeVar("BatchT")
+"""The type of one item of ``data=`` (what ``batch_to_xy`` receives)."""
+
+Inputs = PyTree
 """Model inputs: a tensor or a pytree of tensors, each with the batch dimension first."""
 
-Targets = Any
+Targets = Tensor | None
 """Targets: a tensor with the batch dimension first (``None`` where ``data=`` gives them)."""
 
-ModelFn = Callable[[Params, Inputs], Tensor]
-"""``model_fn(params, X) -> output`` with the batch dimension first."""
+ModelFn = Callable[..., Tensor]
+"""``model_fn(params, X) -> output`` with the batch dimension first (packfunc passes
+``params`` as given and ``X`` or one batch of ``data``)."""
+
+Factors = list[Tensor]
+"""Kronecker factors of one parameter: ``[A, B]`` (``A ⊗ B``, a weight) or ``[A]`` (a bias)."""
+
+if TYPE_CHECKING:
+    FactorTree = Factors | Mapping[str, "FactorTree"] | Sequence["FactorTree"] | None
+else:
+    _Factors = ForwardRef("FactorTree", module=__name__)
+    FactorTree = Factors | Mapping[str, _Factors] | Sequence[_Factors] | None
+"""Kronecker factors shaped like ``params`` (``None`` for a parameter without a rule)."""
 
 Samples = Sequence[int] | Tensor | None
 """Sample indices (``None``: every sample)."""
@@ -34,6 +55,10 @@ Samples = Sequence[int] | Tensor | None
 KfacApprox = Literal["sum", "expand", "reduce"]
 """How positions (sequence entries, pixels, repeated calls) enter Kronecker factors:
 summed in both factors (BackPACK's convention), or curvlinops' expand or reduce."""
+
+FisherType = Literal["mc", "empirical"]
+"""KFAC's output factor: the Monte-Carlo Fisher (labels sampled from the model), or the
+empirical Fisher (the gradients at the given labels)."""
 
 OnUnsupported = Literal["raise", "skip"]
 """What Kronecker functions do with parameters that have no Kronecker rule."""

@@ -1,4 +1,4 @@
-"""The batch pass: watched leaves for plans of tapped calls only, the mode for any other plan."""
+"""The batch pass: tapped leaves for plans of tapped calls only, the mode for any other plan."""
 
 import pytest
 import torch
@@ -62,16 +62,16 @@ def test_which_plans_have_tapped_calls_only():
 
 
 @pytest.mark.parametrize("name", ["mlp", "lstm head", "cnn"])
-def test_watched_leaves_give_the_results_of_the_mode(name, monkeypatch):
+def test_tapped_leaves_give_the_results_of_the_mode(name, monkeypatch):
     _, model_fn, params, X, y = next(m for m in _models() if m[0] == name)
     passes = []
-    watching = batch_record._watching
+    routing = batch_record._routing_tapped_leaves
 
     def counted(recorder):
         passes.append(recorder)
-        return watching(recorder)
+        return routing(recorder)
 
-    monkeypatch.setattr(batch_record, "_watching", counted)
+    monkeypatch.setattr(batch_record, "_routing_tapped_leaves", counted)
 
     def everything():
         out = pf.compute(
@@ -80,12 +80,12 @@ def test_watched_leaves_give_the_results_of_the_mode(name, monkeypatch):
         out["kfac"] = pf.kfac(model_fn, params, X, y, generator=torch.Generator().manual_seed(0))
         return out
 
-    watched = everything()
+    on_tapped_leaves = everything()
     assert len(passes) == 2  # one batch pass each
     monkeypatch.setattr(Plan, "tapped_only", property(lambda plan: False))
     in_mode = everything()
     assert len(passes) == 2
-    torch.testing.assert_close(watched, in_mode, rtol=0, atol=0)
+    torch.testing.assert_close(on_tapped_leaves, in_mode, rtol=0, atol=0)
 
 
 def test_a_use_the_plan_lacks_is_refused():
@@ -105,7 +105,7 @@ def test_a_use_the_plan_lacks_is_refused():
             pf.batch_grad(model_fn, {"w": w}, torch.randn(5, 4), torch.randint(0, 3, (5,)))
 
 
-def test_a_watched_leaf_kept_by_the_model_acts_as_a_plain_tensor():
+def test_a_tapped_leaf_kept_by_the_model_acts_as_a_plain_tensor():
     kept = []
     w = torch.randn(3, 4)
 
@@ -115,7 +115,7 @@ def test_a_watched_leaf_kept_by_the_model_acts_as_a_plain_tensor():
 
     X, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
     pf.batch_grad(model_fn, {"w": w}, X, y)
-    assert isinstance(kept[-1], batch_record._Watched)
+    assert isinstance(kept[-1], batch_record._TappedLeaf)
     doubled = kept[-1] * 2
     assert type(doubled) is torch.Tensor and torch.equal(doubled, 2 * w)
 
@@ -137,7 +137,7 @@ def test_a_model_that_reaches_its_parameters_not_through_params_falls_back_to_th
         torch.testing.assert_close(found, expected)
 
 
-def test_watched_passes_in_two_threads_give_the_results_of_one():
+def test_passes_on_tapped_leaves_in_two_threads_give_the_results_of_one():
     # a pure model function: pf.functional's model_fn swaps the module's parameters during a
     # call (torch.func.functional_call), which two threads must not do to one module at once
     from concurrent.futures import ThreadPoolExecutor

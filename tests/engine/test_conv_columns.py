@@ -13,7 +13,7 @@ from tests.cases import autograd_batch_grad, dense_curvature
 from torch import Tensor, nn
 
 import packfunc as pf
-from packfunc.engine.ops import TapCall
+from packfunc.engine.ops import SIGNATURES, SiteCall
 from packfunc.engine.rules import conv as conv_rules
 from packfunc.engine.rules.base import Route
 from packfunc.engine.rules.conv import ConvWeight, per_sample_weight_gradients, weight_gradient
@@ -40,7 +40,7 @@ OPTIONS = [
 ]
 
 
-def _conv(options: tuple, dtype: torch.dtype) -> tuple[Tensor, Tensor, TapCall, object]:
+def _conv(options: tuple, dtype: torch.dtype) -> tuple[Tensor, Tensor, SiteCall, object]:
     """A random input, weight, the call and the op ``(x, w) -> y`` for ``options``."""
     dims, transposed, kernel, stride, padding, dilation, groups = options
     c_in, c_out = 2 * groups, 3 * groups
@@ -60,7 +60,8 @@ def _conv(options: tuple, dtype: torch.dtype) -> tuple[Tensor, Tensor, TapCall, 
         def op(inputs: Tensor, w: Tensor) -> Tensor:
             return CONVS[dims - 1](inputs, w, None, **settings)
 
-    return x, weight, TapCall("conv", (), tuple(settings.items()), transposed), op
+    sig = SIGNATURES[(TRANSPOSED if transposed else CONVS)[dims - 1]]
+    return x, weight, SiteCall(sig, (), tuple(settings.items())), op
 
 
 def _looped_weight_gradients(x: Tensor, g: Tensor, weight: Tensor, op) -> Tensor:
@@ -177,7 +178,7 @@ def test_shared_convolution_adds_its_calls():
 
 def test_squared_norms_take_the_cheaper_route():
     """Gram form for few positions and many channels; materialized columns otherwise."""
-    rule, call = ConvWeight(), TapCall("conv", (), (("groups", 1),))
+    rule, call = ConvWeight(), SiteCall(SIGNATURES[torch.conv2d], (), (("groups", 1),))
     wide = torch.empty(64, 64, 3, 3)
     few = rule.route(
         Statistic.SQUARED_NORMS, torch.empty(2, 64, 4, 4), torch.empty(1, 2, 64, 2, 2), call, wide
@@ -194,7 +195,7 @@ def test_squared_norms_take_the_cheaper_route():
 
 
 def test_columns_come_from_the_grouped_convolution_for_one_column_and_enough_channels():
-    rule, call = ConvWeight(), TapCall("conv", (), (("groups", 1),))
+    rule, call = ConvWeight(), SiteCall(SIGNATURES[torch.conv2d], (), (("groups", 1),))
     x, one, three = torch.empty(2, 8, 6, 6), torch.empty(1, 2, 8, 6, 6), torch.empty(3, 2, 8, 6, 6)
     routes = [
         rule.route(Statistic.COLUMNS, x, one, call, torch.empty(8, 8, 3, 3)),

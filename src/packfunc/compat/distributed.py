@@ -10,7 +10,7 @@ batch (every rank's samples together), on every rank.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -66,7 +66,7 @@ def all_reduce_extensions(
         )
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum'; got {reduction!r}.")
-    group = process_group if process_group is not None else dist.group.WORLD
+    group = process_group if process_group is not None else cast(ProcessGroup, dist.group.WORLD)
     ranks = dist.get_world_size(group)
     parameters = [p for p in model.parameters() if p.requires_grad]
     for extension in extensions:

@@ -21,10 +21,8 @@ so second-order extensions use the loss actually being differentiated.
 
 from __future__ import annotations
 
-import itertools
 import warnings
 import weakref
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -36,15 +34,14 @@ from torch.nn.modules.loss import _Loss
 from packfunc.compat import context
 from packfunc.compat._stored_io import store_io
 from packfunc.compat.layout import RECORD_KEY, SampleLayout, find_layout, node_metadata
+from packfunc.compat.records import ForwardRecord, LossCall, LossRoute
 from packfunc.compat.run import NO_OP_MODULES, forget_inputs_and_outputs, run_extensions
 from packfunc.compat.watch import ForwardRecorder
-from packfunc.engine.modes import FunctionalMode
+from packfunc.engine.api import FunctionalMode
 from packfunc.functionalize import is_compiled
-from packfunc.losses import CLASS_LOSSES
 
 _depth: list[int] = [0]
 _recorders: list[ForwardRecorder | None] = []
-_serials = itertools.count()
 _LATEST = "_packfunc_latest_forward"
 """Attribute of an extended model: its latest recorded forward pass.
 
@@ -54,60 +51,6 @@ BackPACK's ``module.output`` does; an earlier pass backpropagated later is
 answered by packfunc's own forward pass on its recorded inputs."""
 _RUN = "_packfunc_extensions_ran"
 """Attribute of an extended model: ``(graph task, serial)`` of the last extensions run."""
-
-
-@dataclass
-class LossCall:
-    """An extended loss applied to (a rearrangement of) a recorded output.
-
-    Attributes:
-        module: The loss module.
-        target: Its targets, as passed.
-        layout: How its input rearranges the recorded output.
-        task: The autograd graph task of the last backward pass through it.
-    """
-
-    module: nn.Module
-    target: Any
-    layout: SampleLayout
-    task: int = -1
-
-    def output(self, out: Tensor) -> Tensor:
-        """The loss input in packfunc's per-sample form, from a model output ``out``."""
-        return self.layout.output(out, isinstance(self.module, CLASS_LOSSES))
-
-    def targets(self) -> Any:
-        """The targets in the per-sample form of :meth:`output`."""
-        probabilities = isinstance(self.module, CLASS_LOSSES) and self.target.is_floating_point()
-        return self.layout.target(self.target, probabilities)
-
-
-@dataclass(eq=False)
-class ForwardRecord:
-    """One forward pass of an extended model.
-
-    Attributes:
-        model: The outermost extended module that ran.
-        args: Its positional inputs.
-        kwargs: Its keyword inputs.
-        recorder: What it watched of its own forward pass.
-        output: Its output (dropped after the backward pass, unless the graph is retained).
-        output_shape: The shape of its output.
-        losses: Extended losses applied to its output.
-        consumers: Records of extended modules that took its output as their only input
-            (weak references, with the layout of that input).
-        serial: Numbers the forward passes: the model's latest one has the highest.
-    """
-
-    model: nn.Module
-    args: tuple
-    kwargs: dict
-    recorder: ForwardRecorder
-    output: Tensor | None
-    output_shape: torch.Size
-    losses: list[LossCall] = field(default_factory=list)
-    consumers: list[tuple[weakref.ref, SampleLayout]] = field(default_factory=list)
-    serial: int = field(default_factory=lambda: next(_serials))
 
 
 def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) -> nn.Module:
@@ -310,22 +253,6 @@ def _refuse_mixed_forwards(record: ForwardRecord, ctx: context.Context, task: in
             "extension_hook and custom module extensions would read. Backpropagate right "
             "after each forward (or backpropagate the latest forward's output)."
         )
-
-
-@dataclass(frozen=True)
-class LossRoute:
-    """How a recorded output reaches the loss of the running backward pass.
-
-    Attributes:
-        stages: Records of extended modules the output passes through first, each with
-            the layout of its input (empty when the loss takes the output itself).
-        loss: The loss call, or ``None`` if the pass goes through no extended loss.
-        error: Why the loss cannot be used, if so.
-    """
-
-    stages: tuple[tuple[ForwardRecord, SampleLayout], ...] = ()
-    loss: LossCall | None = None
-    error: str | None = None
 
 
 def _route_to_loss(record: ForwardRecord, task: int) -> LossRoute:

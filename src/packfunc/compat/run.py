@@ -19,19 +19,16 @@ import packfunc as pf
 from packfunc.compat import context
 from packfunc.compat._stored_io import memory_cleanup, stored_io
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
-from packfunc.compat.given_gradient import GivenGradient
 from packfunc.compat.layout import SampleLayout
-from packfunc.engine.batch_pass import BatchPass
-from packfunc.engine.batch_record import BatchRecord
-from packfunc.engine.discovery import Plan
+from packfunc.compat.records import ForwardRecord, LossRoute
+from packfunc.engine.api import BatchPass, BatchRecord, Plan
 from packfunc.evaluation import evaluate
 from packfunc.functionalize import wraps_module_of
-from packfunc.losses import hessian_factors
+from packfunc.losses import GivenOutputGradient, hessian_factors
 from packfunc.specs import Family
 
 if TYPE_CHECKING:
     from packfunc.compat.context import Context
-    from packfunc.compat.extend import ForwardRecord, LossRoute
 
 NO_OP_MODULES: tuple[type[nn.Module], ...] = (
     nn.Sequential,
@@ -83,10 +80,10 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
                 ext, job, record, route, model_fn, differentiable
             )
         else:
-            fn, loss, y = model_fn, GivenGradient(gradient), gradient
+            fn, loss, y = model_fn, GivenOutputGradient(gradient), gradient
             watched = partial(_watched, record, None, differentiable)
         if _computes_statistic(job) and job.second_order not in passes:
-            passes[job.second_order] = BatchPass(fn, params, X, y, loss, watched=watched)
+            passes[job.second_order] = BatchPass(fn, params, X, y, loss, reuse=watched)
         with torch.set_grad_enabled(differentiable):
             if _computes_statistic(job):
                 results[ext.savefield] = evaluate(

@@ -24,32 +24,34 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
-from packfunc.engine.attention import ATTENTION_OPS
-from packfunc.engine.batch_record import BatchRecord, autograd_record, sample_layout
-from packfunc.engine.discovery import FixedTensors, Plan, Recorded, Use
-from packfunc.engine.local import (
-    CallArguments,
-    LocalInputs,
-    Source,
-)
-from packfunc.engine.modes import (
-    Derived,
-    LeafIndex,
-    is_metadata_query,
-    leaves_of,
-    parameter_sources,
-    remember_derivations,
-    tensor_outputs,
-)
-from packfunc.engine.ops import (
+from packfunc.engine.api import (
+    ATTENTION_OPS,
     LINEAR_CALLS,
+    RECURRENT_OPS,
     RESHAPES,
     SIGNATURES,
+    BatchRecord,
+    CallArguments,
+    Derived,
+    FixedTensors,
     FlatRows,
+    LeafIndex,
+    LocalInputs,
+    Plan,
+    Recorded,
+    Source,
+    Use,
+    UseKind,
+    autograd_record,
+    is_metadata_query,
+    leaves_of,
     linear_in_out,
     make_call,
+    parameter_sources,
+    remember_derivations,
+    sample_layout,
+    tensor_outputs,
 )
-from packfunc.engine.recurrent import RECURRENT_OPS
 from packfunc.losses import check_loss_inputs
 
 
@@ -247,12 +249,12 @@ def _match(
     failed: set[int] = set()
     active = set(plan.active())
     for call, use in zip(calls, plan.uses):
-        if call.func != use.func or call.carries_samples != (use.kind != "derived"):
+        if call.func != use.func or call.carries_samples != (use.kind is not UseKind.DERIVED):
             return None
         if not call.unchanged():
             return None
         sources = parameter_sources(call.arguments.values, leaf_of, derived) or {}
-        if use.kind == "derived":
+        if use.kind is UseKind.DERIVED:
             remember_derivations(derived, call.func, call.arguments, sources, call.outputs)
             continue
         if use.site is None or use.site not in active:
@@ -281,7 +283,7 @@ def _recorded(
 ) -> Recorded | None:
     """What the batch pass keeps of a tapped or local call (``None``: its layout is off)."""
     args, kwargs = call.arguments.rebuild(list(call.arguments.values))
-    if use.kind == "tapped":
+    if use.kind is UseKind.TAPPED:
         sig = SIGNATURES.get(call.func)
         if sig is None:
             return None

@@ -22,7 +22,7 @@ from packfunc.engine import whole_model
 from packfunc.engine.batch_record import BatchRecord, PlanMismatch, record
 from packfunc.engine.discovery import Plan, cached_discover, forget_plan
 from packfunc.engine.memory import chunk_length, index_length, is_plain, new_output, split_index
-from packfunc.engine.ops import TapCall
+from packfunc.engine.ops import SiteCall
 from packfunc.engine.precision import to_dtype_of
 from packfunc.engine.randomness import refuse_rerun
 from packfunc.engine.rules import Rule, rule_for
@@ -49,6 +49,10 @@ faster. Convolutional models below this many columns therefore loop.
 _ADDITIVE = frozenset({Statistic.COLUMNS, Statistic.SUM})
 """Statistics that add up over the calls of a leaf."""
 
+ReusedRecord = Callable[[Plan, list[Tensor], nn.Module, Any, int], BatchRecord | None]
+"""``reuse(plan, leaves, loss, y, n)``: the record of a forward pass that already ran, or
+``None`` if that pass does not fit the plan (see :class:`BatchPass`)."""
+
 
 @dataclass(frozen=True)
 class Term:
@@ -62,7 +66,7 @@ class Term:
     rule: Rule
     x: Tensor
     g: Tensor
-    call: TapCall
+    call: SiteCall
 
 
 def _merge(terms: list[Term]) -> list[Term]:
@@ -107,9 +111,10 @@ class BatchPass:
         loss: A supported ``torch.nn`` loss module.
         chunk_size: Samples per chunk when column gradients are materialized
             (``None``: automatic).
-        watched: Builds the batch pass's record from a forward pass that already ran
-            (the shim's watched forward): ``watched(plan, leaves, loss, y, n)`` returns a
-            :class:`~packfunc.engine.batch_record.BatchRecord`, or ``None`` if it cannot.
+        reuse: A record of a forward pass that already ran, or ``None``:
+            ``reuse(plan, leaves, loss, y, n)`` returns its
+            :class:`~packfunc.engine.batch_record.BatchRecord`, or ``None`` if that pass does
+            not fit the plan (packfunc then runs its own).
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
@@ -127,8 +132,7 @@ class BatchPass:
         y: Tensor,
         loss: nn.Module,
         chunk_size: int | None = None,
-        watched: Callable[[Plan, list[Tensor], nn.Module, Any, int], BatchRecord | None]
-        | None = None,
+        reuse: ReusedRecord | None = None,
     ):
         check_pass_arguments(model_fn, params, loss, chunk_size)
         self.leaves, self.treespec, self.names = flatten_params(params)
@@ -137,26 +141,25 @@ class BatchPass:
         self.chunk_size = chunk_size
         self.plan, cached = cached_discover(model_fn, params, self.leaves, X)
         try:
-            self.record = self._batch_pass(watched)
+            self.record = self._batch_pass(reuse)
         except PlanMismatch:
             if not cached:
                 raise
             forget_plan(model_fn)  # the code took another path: discover it again
             self.plan, _ = cached_discover(model_fn, params, self.leaves, X)
-            self.record = self._batch_pass(watched)
+            self.record = self._batch_pass(reuse)
         failed = {leaf for k in self.record.failed for _, leaf in self.plan.sites[k].call.leaves}
         self.whole_model = sorted(self.plan.uncovered | failed)
-        self._convolutional = any(site.call.family == "conv" for site in self.plan.sites)
+        self._convolutional = any(
+            site.call.op is not None and site.call.op.is_convolution for site in self.plan.sites
+        )
 
-    def _batch_pass(
-        self,
-        watched: Callable[[Plan, list[Tensor], nn.Module, Any, int], BatchRecord | None] | None,
-    ) -> BatchRecord:
-        """The record of the watched forward if it fits the plan, else of packfunc's own pass."""
-        reused = watched(self.plan, self.leaves, self.loss, self.y, self.n) if watched else None
+    def _batch_pass(self, reuse: ReusedRecord | None) -> BatchRecord:
+        """The reused record if its forward pass fits the plan, else that of packfunc's own pass."""
+        reused = reuse(self.plan, self.leaves, self.loss, self.y, self.n) if reuse else None
         if reused is not None:
             return reused
-        if watched is not None:
+        if reuse is not None:
             self.check_rerun(
                 "packfunc's own pass (the recorded forward pass cannot be reused: a "
                 "recurrent or attention layer, or calls packfunc runs differently)"

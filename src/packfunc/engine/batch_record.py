@@ -30,7 +30,7 @@ from torch.func import vmap
 
 from packfunc.engine.autodiff import vjp, vjp_with_aux
 from packfunc.engine.checkpointing import plain_checkpoints
-from packfunc.engine.discovery import Plan, Recorded, Use
+from packfunc.engine.discovery import Plan, Recorded, Use, UseKind
 from packfunc.engine.local import CallArguments, Derivation, LocalInputs, Source
 from packfunc.engine.memory import is_plain
 from packfunc.engine.modes import (
@@ -81,18 +81,18 @@ class _RecordMode(ParameterMode):
         if u >= len(self.plan.uses) or self.plan.uses[u].func != func:
             raise PlanMismatch()
         use = self.plan.uses[u]
-        if use.kind == "tapped":
+        if use.kind is UseKind.TAPPED:
             sig = SIGNATURES[func]
             bound = sig.bind(args, kwargs)
             run = partial(call_replacing, func, args, kwargs)
             return self._record_tapped(use, tapped_leaves(bound, self.leaf_of), bound, run)
         arguments = CallArguments.of(args, kwargs)
         sources = self._sources(arguments.values) or {}
-        if use.kind == "derived":
+        if use.kind is UseKind.DERIVED:
             out = func(*args, **kwargs)
             self._derive(func, arguments, sources, out)
             return out
-        if use.kind == "local" and use.site in self.probes:
+        if use.kind is UseKind.LOCAL and use.site in self.probes:
             return self._record_local(use.site, func, arguments, sources)
         return func(*args, **kwargs)
 
@@ -374,7 +374,7 @@ def record(
     )
 
 
-class _Watched(Tensor):
+class _TappedLeaf(Tensor):
     """A parameter leaf in a batch pass whose plan has tapped calls only (``Plan.tapped_only``).
 
     Only the calls that receive it reach Python, where a ``TorchFunctionMode`` sees every
@@ -396,11 +396,11 @@ class _Watched(Tensor):
 
 _THREAD = threading.local()
 """Per thread (as PyTorch's mode stack is), the records of the batch passes running with
-:class:`_Watched` leaves."""
+:class:`_TappedLeaf` leaves."""
 
 
 def _recorders() -> list[_RecordMode]:
-    """The calling thread's stack of records of watched batch passes (innermost last)."""
+    """The calling thread's stack of records of batch passes on tapped leaves (innermost last)."""
     stack: list[_RecordMode] | None = getattr(_THREAD, "recorders", None)
     if stack is None:
         stack = _THREAD.recorders = []
@@ -408,8 +408,8 @@ def _recorders() -> list[_RecordMode]:
 
 
 @contextlib.contextmanager
-def _watching(recorder: _RecordMode) -> Iterator[None]:
-    """Send this thread's calls that receive :class:`_Watched` leaves to ``recorder``."""
+def _routing_tapped_leaves(recorder: _RecordMode) -> Iterator[None]:
+    """Send this thread's calls that receive :class:`_TappedLeaf` leaves to ``recorder``."""
     stack = _recorders()
     stack.append(recorder)
     try:
@@ -438,21 +438,21 @@ def _record_with_autograd(
 ) -> BatchRecord:
     """:func:`record` with plain autograd: tapped outputs are marked as requiring grad.
 
-    A plan of tapped calls only is followed through :class:`_Watched` leaves (the calls
+    A plan of tapped calls only is followed through :class:`_TappedLeaf` leaves (the calls
     of the model that consume no parameter run without Python in between), any other plan,
     or a model that reaches its parameters another way than through ``params``, in a mode
     that sees every call.
     """
     probes = zero_probes(plan, plan.active(), n)
     with torch.enable_grad():
-        watched = _watched_forward(model_fn, params, leaves, plan, X, probes)
-        if watched is None:
+        found = _tapped_leaves_forward(model_fn, params, leaves, plan, X, probes)
+        if found is None:
             mode = _RecordMode(LeafIndex(leaves), plan, probes, mark=True)
             with mode:
                 output = model_fn(params, X)
             mode.finish()
         else:
-            mode, output = watched
+            mode, output = found
         output = _in_parameter_dtype(output, leaves)
         check_loss_inputs(loss, output, y, n)
         if not output.requires_grad:  # no tapped call upstream
@@ -461,7 +461,7 @@ def _record_with_autograd(
     return autograd_record(output, mode.inputs, mode.outputs, shapes, mode.failed, loss, y)
 
 
-def _watched_forward(
+def _tapped_leaves_forward(
     model_fn: ModelFn,
     params: Any,
     leaves: list[Tensor],
@@ -469,7 +469,7 @@ def _watched_forward(
     X: Any,
     probes: dict[int, Tensor],
 ) -> tuple[_RecordMode, Tensor] | None:
-    """The forward with :class:`_Watched` aliases of the leaves, and its record.
+    """The forward with :class:`_TappedLeaf` aliases of the leaves, and its record.
 
     Returns:
         ``(record, output)``; ``None`` for a plan with other calls than tapped ones, or if
@@ -477,11 +477,11 @@ def _watched_forward(
     """
     if not plan.tapped_only:
         return None
-    aliases: list[Tensor] = [leaf.as_subclass(_Watched) for leaf in leaves]
+    aliases: list[Tensor] = [leaf.as_subclass(_TappedLeaf) for leaf in leaves]
     alias_of = {id(leaf): alias for leaf, alias in zip(leaves, aliases)}
     mode = _RecordMode(LeafIndex(aliases), plan, probes, mark=True)
     try:
-        with _watching(mode), plain_checkpoints(), forward_autocast():
+        with _routing_tapped_leaves(mode), plain_checkpoints(), forward_autocast():
             output = model_fn(optree.tree_map(lambda t: alias_of[id(t)], params), X)
         mode.finish()
     except PlanMismatch:  # e.g. a model that reaches its parameters not through params
@@ -540,7 +540,7 @@ def autograd_record(
         )
         for k, g in zip(sites, pulled):
             shape = (*cotangent.shape[:batched], *shapes[k])
-            # an output laid out as flat rows (an addmm watched as a linear layer) is reshaped
+            # an output laid out as flat rows (an addmm recorded as a linear layer) is reshaped
             found[k] = g.reshape(shape) if g is not None else cotangent.new_zeros(shape)
         return found
 

@@ -6,7 +6,8 @@ sequential when every op takes the current chain tensor once and nothing
 else ever reads an earlier one (no residual connections, no reuse); otherwise
 a clear error is raised. KFRA (``engine/kfra.py``), the PCH products
 (``engine/pch.py``) and the Hessian-diagonal recursion
-(``engine/hessian_recursion.py``) work on the traced chain.
+(``engine/hessian_recursion.py``) work on the traced chain; the op table
+(``engine/ops.py``) says which ops they understand.
 """
 
 from __future__ import annotations
@@ -16,43 +17,18 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from packfunc.engine.modes import FunctionalMode, LeafIndex, is_metadata_query
-from packfunc.engine.ops import OpSignature, TapCall, make_call
-from packfunc.types import ModelFn
-
-ELEMENTWISE = frozenset(
-    {
-        torch.relu,
-        F.relu,
-        torch.tanh,
-        torch.sigmoid,
-        F.elu,
-        F.leaky_relu,
-        F.gelu,
-        F.silu,
-        F.softplus,
-        F.selu,
-        F.celu,
-        F.hardtanh,
-        F.relu6,
-        F.logsigmoid,
-        F.hardswish,
-        F.mish,
-        torch.exp,
-        Tensor.relu,
-        Tensor.tanh,
-        Tensor.sigmoid,
-        F.dropout,
-    }
+from packfunc.engine.ops import (
+    ELEMENTWISE,
+    PIECEWISE_LINEAR,
+    RESHAPES,
+    OpSignature,
+    SiteCall,
+    make_call,
 )
-"""Ops known to act elementwise: their Jacobian is diagonal."""
-
-
-RESHAPES = frozenset({Tensor.view, Tensor.reshape, torch.reshape, torch.flatten, Tensor.flatten})
-"""Ops that keep the row-major order of a sample's entries: ``H`` passes unchanged."""
+from packfunc.types import ModelFn
 
 
 @dataclass
@@ -66,7 +42,7 @@ class Link:
         position: Index of the chain tensor among ``args`` then ``kwargs`` values.
         input: The chain tensor the op received (a copy, if the op was in place).
         output: The op's output.
-        call: For a linear or convolution op with a parameter weight, its description.
+        call: For a tapped op with a parameter weight or bias, its description.
     """
 
     func: Callable[..., Any]
@@ -75,7 +51,12 @@ class Link:
     position: int
     input: Tensor
     output: Tensor
-    call: TapCall | None = None
+    call: SiteCall | None = None
+
+    @property
+    def op(self) -> OpSignature | None:
+        """The tapped op's signature, or ``None`` for any other op."""
+        return self.call.op if self.call is not None else None
 
     def apply(self, chain: Tensor) -> Tensor:
         """The op as a function of the chain tensor, every other argument fixed."""
@@ -129,7 +110,7 @@ class _ChainMode(FunctionalMode):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         run: Callable[[], Any],
-        call: TapCall | None,
+        call: SiteCall | None,
     ) -> Any:
         arguments = list(args) + list(kwargs.values())
         positions = [i for i, a in enumerate(arguments) if a is self.current]
@@ -193,41 +174,6 @@ def trace_chain(model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Tensor)
             "only defined for sequential networks. Use kflr or kfac instead."
         )
     return mode.links
-
-
-PIECEWISE_LINEAR = frozenset(
-    {
-        F.max_pool1d,
-        F.max_pool2d,
-        F.max_pool3d,
-        F.adaptive_max_pool1d,
-        F.adaptive_max_pool2d,
-        F.adaptive_max_pool3d,
-        F.avg_pool1d,
-        F.avg_pool2d,
-        F.avg_pool3d,
-        F.adaptive_avg_pool1d,
-        F.adaptive_avg_pool2d,
-        F.adaptive_avg_pool3d,
-        F.pad,
-        F.dropout,
-    }
-)
-"""Ops whose second derivative vanishes almost everywhere: no curvature of their own."""
-
-
-SAMPLE_INDEPENDENT = frozenset(
-    {
-        F.avg_pool1d,
-        F.avg_pool2d,
-        F.avg_pool3d,
-        F.adaptive_avg_pool1d,
-        F.adaptive_avg_pool2d,
-        F.adaptive_avg_pool3d,
-        F.pad,
-    }
-)
-"""Affine ops whose Jacobian is the same at every sample: one sandwich serves the batch."""
 
 
 def passes_recursions(link: Link) -> bool:

@@ -5,9 +5,9 @@ the backward pass. packfunc's passes run models inside its own modes, which deco
 and rewrite calls, while a recomputation would run outside them and save other tensors
 (``CheckpointError: different metadata``) — and the reentrant variant keeps no graph
 that ``autograd.grad`` or ``torch.func`` can use. Inside :func:`plain_checkpoints`
-(entered by every :class:`~packfunc.engine.modes.FunctionalMode` and the watched batch
-pass) both variants call the function directly: the same values, the memory of a model
-without checkpointing, one forward and so one draw of any random op.
+(entered by every :class:`~packfunc.engine.modes.FunctionalMode` and the batch pass on
+tapped leaves) both variants call the function directly: the same values, the memory of
+a model without checkpointing, one forward and so one draw of any random op.
 """
 
 from __future__ import annotations

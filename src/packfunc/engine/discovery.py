@@ -4,14 +4,14 @@ Inside a :class:`~packfunc.engine.modes.ParameterMode`, every call whose
 arguments include a parameter leaf (by identity) or a tensor made of parameters
 only is one :class:`Use`, in call order:
 
-* ``"tapped"``: a linear-like op of ``engine/ops.py`` with leaves as weight or
-  bias — its rules have closed forms;
-* ``"local"``: any other op that meets the samples with the sample index at
+* tapped (:attr:`UseKind.TAPPED`): a linear-like op of ``engine/ops.py`` with leaves
+  as weight or bias — its rules have closed forms;
+* local (:attr:`UseKind.LOCAL`): any other op that meets the samples with the sample index at
   dim 0 (a norm layer, ``x + pos``, ``logits / t``, ``x @ W``) — differentiated
   on its own (``engine/rules/local.py``, ``engine/rules/norm.py``);
-* ``"derived"``: an op on parameters only (``pos[:T]``, ``W.t()``,
+* derived (:attr:`UseKind.DERIVED`): an op on parameters only (``pos[:T]``, ``W.t()``,
   ``cls.expand(N, 1, D)``), recomputed from the parameters where it is used;
-* ``"other"``: anything else; its parameters take the whole-model path.
+* other (:attr:`UseKind.OTHER`): anything else; its parameters take the whole-model path.
 
 Tapped and local calls are the plan's *sites*: the batch pass records their
 inputs and output cotangents. Running on one sample also checks that dim 0 is
@@ -27,6 +27,7 @@ import contextlib
 import weakref
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, cast
 
 import optree
@@ -42,7 +43,15 @@ from packfunc.engine.modes import (
     leaves_of,
     tensor_outputs,
 )
-from packfunc.engine.ops import ROLES, SIGNATURES, OpSignature, TapCall, make_call
+from packfunc.engine.ops import (
+    CONVERSIONS,
+    ROLES,
+    SIGNATURES,
+    SIZED_BY_ARGUMENTS,
+    OpSignature,
+    SiteCall,
+    make_call,
+)
 from packfunc.engine.randomness import private_generators, random_call
 from packfunc.functionalize import module_of, select_samples
 from packfunc.types import ModelFn
@@ -56,7 +65,7 @@ class Site:
     """A call seen during discovery whose parameters a rule differentiates on their own.
 
     Attributes:
-        call: The op family (``"local"`` for any op outside :data:`SIGNATURES`) and leaves.
+        call: The tapped op (its signature) or the local call (its function), and its leaves.
         tail: The per-sample shape of its output.
         dtype: The output's dtype.
         device: The output's device.
@@ -64,11 +73,27 @@ class Site:
             to tell the batch pass which arguments carry samples.
     """
 
-    call: TapCall
+    call: SiteCall
     tail: torch.Size
     dtype: torch.dtype
     device: torch.device
     shapes: tuple[torch.Size | None, ...] = ()
+
+
+class UseKind(Enum):
+    """How discovery classified a call that consumes parameters (see :class:`Use`)."""
+
+    TAPPED = "tapped"
+    """A tapped op of :data:`~packfunc.engine.ops.SIGNATURES`: its rules have closed forms."""
+
+    LOCAL = "local"
+    """Any other op that meets the samples: differentiated on its own (the op's own vjp)."""
+
+    DERIVED = "derived"
+    """An op on parameters only: recomputed from the parameters where its output is used."""
+
+    OTHER = "other"
+    """Anything else: its parameters take the whole-model path."""
 
 
 @dataclass(frozen=True)
@@ -77,14 +102,12 @@ class Use:
 
     Attributes:
         func: The function called.
-        kind: ``"tapped"`` (a rule of :data:`SIGNATURES`), ``"local"`` (the op's own vjp),
-            ``"derived"`` (parameters only: recomputed where used) or ``"other"`` (its
-            parameters take the whole-model path).
+        kind: How discovery classified it.
         site: The site index of a tapped or local call.
     """
 
     func: Callable[..., Any]
-    kind: str
+    kind: UseKind
     site: int | None = None
 
 
@@ -115,7 +138,7 @@ class Plan:
     def tapped_only(self) -> bool:
         """Whether every use of a parameter is a tapped call, none of them rewritten."""
         return not (self.rewritten or self.uncovered) and all(
-            use.kind == "tapped" for use in self.uses
+            use.kind is UseKind.TAPPED for use in self.uses
         )
 
     def covered(self) -> set[int]:
@@ -180,7 +203,7 @@ class _DiscoveryMode(ParameterMode):
         if sources is None:  # a leaf that is two parameters: ambiguous
             out = func(*args, **kwargs)
             self.plan.uncover(self.leaf_of.used_in(values), "the same tensor is two parameters")
-            self.plan.uses.append(Use(func, "other"))
+            self.plan.uses.append(Use(func, UseKind.OTHER))
             self._mark_samples(out)
             return out
         carriers = [p for p, v in enumerate(values) if self._carries_samples(v, sources, p)]
@@ -195,10 +218,10 @@ class _DiscoveryMode(ParameterMode):
         if sig is not None and carriers and self._tapped_call(sig, args, kwargs, sources):
             return self._discover_tapped(func, sig, sig.bind(args, kwargs), args, kwargs)
         out = func(*args, **kwargs)
-        in_place = func not in _CONVERSIONS and any(out is v for v in values)
+        in_place = func not in CONVERSIONS and any(out is v for v in values)
         if not carriers and not in_place:
             self._derive(func, arguments, sources, out)
-            self.plan.uses.append(Use(func, "derived"))
+            self.plan.uses.append(Use(func, UseKind.DERIVED))
             return out
         if carriers:
             self._mark_samples(out)
@@ -215,12 +238,11 @@ class _DiscoveryMode(ParameterMode):
                 else f"used by {name}, whose tensors do not keep the sample index at dim 0"
             )
             self.plan.uncover(leaves_of(sources), reason)
-            self.plan.uses.append(Use(func, "other"))
+            self.plan.uses.append(Use(func, UseKind.OTHER))
             return out
-        leaves = tuple(("local", leaf) for leaf in sorted(leaves_of(sources)))
         shapes = tuple(v.shape if isinstance(v, Tensor) else None for v in values)
-        call = TapCall("local", leaves, (("func", func),))
-        self.plan.uses.append(Use(func, "local", len(self.plan.sites)))
+        call = SiteCall.local(func, sorted(leaves_of(sources)))
+        self.plan.uses.append(Use(func, UseKind.LOCAL, len(self.plan.sites)))
         self.plan.sites.append(Site(call, out.shape[1:], out.dtype, out.device, shapes))
         return out
 
@@ -247,7 +269,7 @@ class _DiscoveryMode(ParameterMode):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Tensor:
-        _refuse_coupled_embedding(sig, bound)
+        sig.check_arguments(bound)
         out: Tensor = func(*args, **kwargs)
         self._mark_samples(out)
         call = make_call(sig, bound, self.leaf_of)
@@ -256,7 +278,7 @@ class _DiscoveryMode(ParameterMode):
             name = getattr(func, "__name__", repr(func))
             reason = f"used by {name} on tensors whose first dimension is not the sample"
             self.plan.uncover({leaf for _, leaf in call.leaves}, reason)
-        self.plan.uses.append(Use(func, "tapped", len(self.plan.sites)))
+        self.plan.uses.append(Use(func, UseKind.TAPPED, len(self.plan.sites)))
         self.plan.sites.append(Site(call, out.shape[1:], out.dtype, out.device))
         return out
 
@@ -264,50 +286,6 @@ class _DiscoveryMode(ParameterMode):
         """Record that the outputs of a call depend on the samples."""
         for _, tensor in tensor_outputs(out):
             self.samples[id(tensor)] = tensor
-
-
-_CONVERSIONS = frozenset(
-    {
-        Tensor.to,
-        Tensor.type,
-        Tensor.type_as,
-        Tensor.contiguous,
-        Tensor.cpu,
-        Tensor.cuda,
-        Tensor.float,
-        Tensor.double,
-        Tensor.half,
-        Tensor.bfloat16,
-    }
-)
-"""Calls that return their input itself when it already has the dtype, device or layout."""
-
-_SIZED_BY_ARGUMENTS = frozenset(
-    {
-        Tensor.expand,
-        Tensor.repeat,
-        Tensor.view,
-        Tensor.reshape,
-        torch.reshape,
-        Tensor.new_zeros,
-        Tensor.new_ones,
-        Tensor.new_full,
-        Tensor.new_empty,
-        Tensor.new_tensor,
-        Tensor.tile,
-        torch.tile,
-        torch.broadcast_to,
-        Tensor.unflatten,
-        torch.unflatten,
-        torch.cat,
-        torch.concat,
-        torch.stack,
-        Tensor.repeat_interleave,
-        torch.repeat_interleave,
-    }
-)
-"""Calls whose output shape may come from Python ints, such as the batch size (``cat`` and
-``stack`` of a list as long as the batch)."""
 
 
 def keeps_fixed(
@@ -346,7 +324,7 @@ def keeps_fixed(
     tensors = [v for v in values if isinstance(v, Tensor)]
     if not isinstance(out, Tensor) or not all(is_fixed(t) for t in tensors):
         return False
-    if tensors and (func not in _SIZED_BY_ARGUMENTS or _plain_view(func, values)):
+    if tensors and (func not in SIZED_BY_ARGUMENTS or _plain_view(func, values)):
         return True
     return not set(batch_sizes) & set(out.shape)
 
@@ -396,21 +374,6 @@ def _plain_view(func: Callable[..., Any], values: tuple[Any, ...]) -> bool:
     """
     sizes = [v for v in values if isinstance(v, int)]
     return func in (Tensor.view, Tensor.reshape, torch.reshape) and -1 not in sizes
-
-
-def _refuse_coupled_embedding(sig: OpSignature, bound: dict[str, Any]) -> None:
-    if sig.family != "embedding":
-        return
-    if bound["max_norm"] is not None:
-        raise ValueError(
-            "Embedding(max_norm=...) renormalizes the weight in place during the forward pass, "
-            "which a pure function cannot do; drop max_norm or renormalize the weight yourself."
-        )
-    if bound["scale_grad_by_freq"]:
-        raise ValueError(
-            "Embedding(scale_grad_by_freq=True) scales gradients by word counts over the whole "
-            "batch, which couples samples; per-sample gradients are not defined. Set it to False."
-        )
 
 
 def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any) -> Plan:

@@ -100,14 +100,16 @@ def _rotated_squares(columns: ColumnGradients, leaf: int, basis: list[Tensor]) -
 def kronecker_layout(grads: Tensor, term: Term | None, sizes: tuple[int, ...]) -> Tensor:
     """Parameter-shaped gradients ``[M, *p]`` in the Kronecker layout ``[M, *sizes]``.
 
-    A transposed convolution's weight ``[C_in, C_out/G, k…]`` becomes, per group,
-    ``[C_out/G, C_in/G·k…]`` (its factors' layout: ``weight.transpose(0, 1)`` for one group).
-    A linear weight stored ``[in, out]`` has its factors in that order already.
+    The leaf's rule puts the axes in its factors' order
+    (:meth:`~packfunc.engine.rules.base.Rule.kronecker_gradients`): a transposed
+    convolution's weight ``[C_in, C_out/G, k…]`` becomes, per group, ``[C_out/G, C_in/G·k…]``
+    (``weight.transpose(0, 1)`` for one group). A linear weight stored ``[in, out]`` has its
+    factors in that order already.
 
     Args:
         grads: Gradients ``[M, *param.shape]``.
-        term: The leaf's term (its call tells transposed convolutions apart), or ``None``
-            for a leaf without one (plain row-major layout).
+        term: The leaf's term (its rule and call), or ``None`` for a leaf without one
+            (plain row-major layout).
         sizes: The factors' sizes.
 
     Returns:
@@ -121,11 +123,8 @@ def kronecker_layout(grads: Tensor, term: Term | None, sizes: tuple[int, ...]) -
         torch.Size([7, 3, 4])
     """
     m = grads.shape[0]
-    if len(sizes) == 2 and term is not None and term.call.transposed and term.call.family == "conv":
-        groups = term.call.option("groups")
-        c_in, c_out, *kernel = grads.shape[1:]
-        grouped = grads.reshape(m, groups, c_in // groups, c_out, *kernel)
-        grads = grouped.transpose(2, 3)
+    if len(sizes) == 2 and term is not None:
+        grads = term.rule.kronecker_gradients(grads, term.call)
     return grads.reshape(m, *sizes)
 
 

@@ -48,6 +48,7 @@ from packfunc.engine.memory import DEFAULT_BUDGET, chunks, index_length
 from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.engine.piecewise import piecewise_affine_leaves
 from packfunc.engine.precision import full_precision, to_dtype_of
+from packfunc.engine.rules import rule_for
 from packfunc.engine.statistics import ggn_statistics
 from packfunc.engine.vocabulary import Statistic
 from packfunc.functionalize import select_samples
@@ -97,7 +98,7 @@ def _diagonals(bp: BatchPass, stats: set[Statistic], index: slice | Tensor) -> l
         if leaf not in bp.whole_model
         and leaf not in flat
         and len(ks) == 1
-        and _single_position_linear(bp, ks[0])
+        and _from_output_curvature(bp, ks[0])
     }
     others = sorted(used - set(by_site) - flat)
     result = [_zeros(leaf, stats, index) for leaf in bp.leaves]
@@ -123,10 +124,21 @@ def _diagonals(bp: BatchPass, stats: set[Statistic], index: slice | Tensor) -> l
     return result
 
 
-def _single_position_linear(bp: BatchPass, k: int) -> bool:
+def _from_output_curvature(bp: BatchPass, k: int) -> bool:
+    """Whether a site's Hessian diagonals follow from its output's curvature.
+
+    It must be a tapped call with one position per sample whose parameters' rules say so
+    (a linear layer on ``[N, in]``).
+    """
     site = bp.plan.sites[k]
     recorded = isinstance(bp.record.inputs.get(k), Tensor)
-    return recorded and site.call.family == "linear" and len(site.tail) == 1
+    return (
+        recorded
+        and len(site.tail) == 1
+        and all(
+            rule_for(site.call, role).hessian_from_output_curvature for role, _ in site.call.leaves
+        )
+    )
 
 
 def _zeros(param: Tensor, stats: set[Statistic], index: slice | Tensor) -> Stats:
@@ -148,7 +160,7 @@ def _site_stats(
 ) -> Stats:
     """Hessian diagonal of a linear weight or bias from ``d = diag(∂²L/∂z²)``, ``[N, O]``."""
     x = bp.record.inputs[k]
-    assert isinstance(x, Tensor), "_single_position_linear admits sites with recorded tensors"
+    assert isinstance(x, Tensor), "_from_output_curvature admits sites with recorded tensors"
     square = x.reshape(x.shape[0], -1).square() if role == "weight" else None
     in_out = square is not None and bp.plan.sites[k].call.transposed  # a weight [in, out]
     found: Stats = {}

@@ -9,21 +9,14 @@ linear layers of sequential models.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.func import vmap
 
 from packfunc.engine.autodiff import jvp, vjp
 from packfunc.engine.batch_pass import BatchPass
-from packfunc.engine.chain import (
-    ELEMENTWISE,
-    RESHAPES,
-    Link,
-    NotSequentialError,
-    passes_recursions,
-    trace_chain,
-)
+from packfunc.engine.chain import Link, NotSequentialError, passes_recursions, trace_chain
 from packfunc.engine.memory import DEFAULT_BUDGET
+from packfunc.engine.ops import ELEMENTWISE, RESHAPES
 from packfunc.engine.pch import modified_curvature
 from packfunc.losses import hessian_factors
 
@@ -56,7 +49,7 @@ def layer_output_curvature(bp: BatchPass, sites: list[int]) -> dict[int, Tensor]
         return None
     layers = [i for i, link in enumerate(links) if link.call is not None]
     called = [link.call.leaves for link in links if link.call is not None]
-    tapped = [k for k, site in enumerate(bp.plan.sites) if site.call.family != "local"]
+    tapped = [k for k, site in enumerate(bp.plan.sites) if not site.call.is_local]
     if called != [bp.plan.sites[k].call.leaves for k in tapped]:
         return None
     wanted = {layers[tapped.index(k)]: k for k in sites}
@@ -106,8 +99,8 @@ def layer_output_curvature(bp: BatchPass, sites: list[int]) -> dict[int, Tensor]
 
 
 def _is_matrix_product(link: Link) -> bool:
-    """Whether the link is ``F.linear`` on ``[N, features]`` inputs."""
-    return link.func is F.linear and link.input.dim() == 2
+    """Whether the link is ``x Wᵀ (+ b)`` (``F.linear``) on ``[N, features]`` inputs."""
+    return link.op is not None and link.op.input_jacobian_is_weight and link.input.dim() == 2
 
 
 def _diagonal_columns(diagonal: Tensor) -> tuple[Tensor, Tensor] | None:

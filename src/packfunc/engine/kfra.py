@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.func import vmap
 
 from packfunc.engine.autodiff import jvp, vjp
-from packfunc.engine.chain import ELEMENTWISE, PIECEWISE_LINEAR, RESHAPES, SAMPLE_INDEPENDENT, Link
+from packfunc.engine.chain import Link
 from packfunc.engine.memory import DEFAULT_BUDGET, chunks, is_plain, new_output
+from packfunc.engine.ops import ELEMENTWISE, PIECEWISE_LINEAR, RESHAPES, SAMPLE_INDEPENDENT
 
 
 def expected_jacobian_sandwich(link: Link, H: Tensor) -> Tensor:
@@ -41,7 +41,7 @@ def expected_jacobian_sandwich(link: Link, H: Tensor) -> Tensor:
     if link.func in ELEMENTWISE:
         _, slope = jvp(link.apply, (link.input,), (torch.ones_like(link.input),))
         return _masked_gram(slope.reshape(n, -1), lambda rows: H[rows], H)
-    if link.call is not None and link.func is F.linear:
+    if link.op is not None and link.op.input_jacobian_is_weight:
         weight = link.kwargs["weight"]
         positions = link.output[0].numel() // weight.shape[0]
         blocks = H.view(positions, weight.shape[0], positions, weight.shape[0])

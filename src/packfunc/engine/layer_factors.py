@@ -22,7 +22,7 @@ from packfunc.engine.batch_pass import BatchPass, ColumnGradients, Term
 from packfunc.engine.chain import Link, NotSequentialError, trace_chain
 from packfunc.engine.kfra import expected_jacobian_sandwich
 from packfunc.engine.memory import chunk_length, chunks
-from packfunc.engine.ops import TapCall
+from packfunc.engine.ops import SiteCall
 from packfunc.engine.pch import summed_residual_curvature
 from packfunc.engine.precision import to_dtype_of
 from packfunc.engine.rules import rule_for
@@ -216,7 +216,7 @@ def _unsupported(bp: BatchPass) -> dict[int, str]:
     used = {leaf for site in bp.plan.sites for _, leaf in site.call.leaves}
     reasons = {leaf: "used outside a linear or convolution layer" for leaf in bp.whole_model}
     for site in bp.plan.sites:
-        for _, leaf in site.call.leaves if site.call.family == "local" else ():
+        for _, leaf in site.call.leaves if site.call.is_local else ():
             reasons.setdefault(leaf, _no_rule(site.call))
     for leaf in range(len(bp.leaves)):
         if leaf not in used and leaf not in reasons:
@@ -230,12 +230,11 @@ def _reason(terms: list[Term]) -> str:
     return _no_rule(terms[0].call)
 
 
-def _no_rule(call: TapCall) -> str:
+def _no_rule(call: SiteCall) -> str:
     """Why a call's parameters have no Kronecker factors."""
-    if call.family == "local":
-        func = call.option("func")
-        return f"used by {getattr(func, '__name__', repr(func))} (no Kronecker rule)"
-    return f"an {call.family} (no Kronecker rule)"
+    if call.op is None:
+        return f"used by {call.name} (no Kronecker rule)"
+    return f"an {call.op.kind.value} (no Kronecker rule)"
 
 
 def kfra_factors(bp: BatchPass, curvature: str = "ggn") -> Factors:
@@ -309,7 +308,7 @@ def kfra_factors(bp: BatchPass, curvature: str = "ggn") -> Factors:
 def _channel_block(H: Tensor, link: Link) -> Tensor:
     """Sum ``H`` over positions: ``[C, C]`` for the output channels of a layer."""
     output = link.output
-    if link.call is not None and link.call.family == "conv":
+    if link.op is not None and link.op.channels_first:
         channels, positions = output.shape[1], output[0, 0].numel()
         return H.view(channels, positions, channels, positions).sum((1, 3))
     channels, positions = output.shape[-1], output[0].numel() // output.shape[-1]

@@ -25,8 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-BROADCASTS = frozenset({Tensor.expand, Tensor.expand_as, torch.broadcast_to, Tensor.repeat})
-"""Ops that copy a tensor along a dim of size one (e.g. a class token over the batch)."""
+from packfunc.engine.ops import BROADCASTS
 
 
 @dataclass(frozen=True)

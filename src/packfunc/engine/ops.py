@@ -1,51 +1,37 @@
-"""The linear-like ops that packfunc taps, and how to read their arguments.
+"""The op table: every torch function packfunc classifies, and the ops it taps.
 
-A tapped op is linear in its weight: ``z = op(x, W) + b``. Knowing its input
-``x`` and the cotangent ``g`` of its output per sample is enough to get every
-per-sample gradient of ``W`` and ``b`` in closed form (see ``rules/``).
+The tables say what a function does to a tensor (re-lays it out, acts elementwise,
+is piecewise linear, ...); the recursions over chains of ops (``engine/kfra.py``,
+``engine/pch.py``, ``engine/hessian_recursion.py``), discovery and the modes read
+them. A *tapped* op (:data:`SIGNATURES`) is linear in its weight: ``z = op(x, W) + b``.
+Knowing its input ``x`` and the cotangent ``g`` of its output per sample is enough to
+get every per-sample gradient of ``W`` and ``b`` in closed form (see ``rules/``); its
+:class:`OpSignature` says how to read its arguments and what kind of layer it is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 
-@dataclass(frozen=True)
-class OpSignature:
-    """Positional argument names of a tapped op, with defaults and its family.
+class LayerKind(Enum):
+    """The kind of layer a tapped op is; the rules (``engine/rules/``) are registered by it."""
 
-    ``transposed``: a transposed convolution, or a linear weight stored ``[in, out]``.
-    """
+    LINEAR = "linear"
+    """``F.linear`` and :func:`linear_in_out`: ``z = x Wᵀ + b`` over the last dim."""
 
-    family: str
-    names: tuple[str, ...]
-    defaults: tuple[Any, ...]
-    transposed: bool = False
+    CONVOLUTION = "convolution"
+    """``torch.convNd`` and ``torch.conv_transposeNd`` (1d, 2d, 3d)."""
 
-    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Map a call's positional and keyword arguments to argument names.
-
-        Args:
-            args: Positional arguments of the call.
-            kwargs: Keyword arguments of the call.
-
-        Returns:
-            A dict from every argument name to its value (defaults filled in).
-
-        Example:
-            >>> SIGNATURES[F.linear].bind((1, 2), {})["bias"] is None
-            True
-        """
-        required = len(self.names) - len(self.defaults)
-        bound = dict(zip(self.names[required:], self.defaults))
-        bound.update(zip(self.names, args))
-        bound.update(kwargs)
-        return bound
+    EMBEDDING = "embedding"
+    """``F.embedding``: row ``idx`` of the weight for every index ``idx``."""
 
 
 def linear_in_out(
@@ -74,17 +60,124 @@ def linear_in_out(
     return out.view(*input.shape[:-1], weight.shape[-1])
 
 
-RESHAPES = frozenset(
-    {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten}
-)
-"""Calls that may lay the rows of a tensor out flat (``x.view(-1, d)``)."""
+RESHAPES = frozenset({Tensor.view, Tensor.reshape, torch.reshape, Tensor.flatten, torch.flatten})
+"""Ops that keep the row-major order of a tensor's entries and only change its shape.
 
+A chain's curvature ``H`` passes them unchanged; a mode remembers those that lay the
+rows of a tensor out flat (``x.view(-1, d)``, see :class:`FlatRows`)."""
 
-MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__})
+MATMULS = frozenset({torch.matmul, Tensor.matmul, Tensor.__matmul__})
 """``x @ W``: a linear layer where ``W`` is a matrix parameter."""
 
 LINEAR_CALLS = MATMULS | {torch.addmm}
 """Calls that may be a linear layer with its weight stored ``[in, out]`` (see :class:`FlatRows`)."""
+
+
+ELEMENTWISE = frozenset(
+    {
+        torch.relu,
+        F.relu,
+        torch.tanh,
+        torch.sigmoid,
+        F.elu,
+        F.leaky_relu,
+        F.gelu,
+        F.silu,
+        F.softplus,
+        F.selu,
+        F.celu,
+        F.hardtanh,
+        F.relu6,
+        F.logsigmoid,
+        F.hardswish,
+        F.mish,
+        torch.exp,
+        Tensor.relu,
+        Tensor.tanh,
+        Tensor.sigmoid,
+        F.dropout,
+    }
+)
+"""Ops known to act elementwise: their Jacobian is diagonal."""
+
+PIECEWISE_LINEAR = frozenset(
+    {
+        F.max_pool1d,
+        F.max_pool2d,
+        F.max_pool3d,
+        F.adaptive_max_pool1d,
+        F.adaptive_max_pool2d,
+        F.adaptive_max_pool3d,
+        F.avg_pool1d,
+        F.avg_pool2d,
+        F.avg_pool3d,
+        F.adaptive_avg_pool1d,
+        F.adaptive_avg_pool2d,
+        F.adaptive_avg_pool3d,
+        F.pad,
+        F.dropout,
+    }
+)
+"""Ops whose second derivative vanishes almost everywhere: no curvature of their own."""
+
+SAMPLE_INDEPENDENT = frozenset(
+    {
+        F.avg_pool1d,
+        F.avg_pool2d,
+        F.avg_pool3d,
+        F.adaptive_avg_pool1d,
+        F.adaptive_avg_pool2d,
+        F.adaptive_avg_pool3d,
+        F.pad,
+    }
+)
+"""Affine ops whose Jacobian is the same at every sample: one sandwich serves the batch."""
+
+BROADCASTS = frozenset({Tensor.expand, Tensor.expand_as, torch.broadcast_to, Tensor.repeat})
+"""Ops that copy a tensor along a dim of size one (e.g. a class token over the batch)."""
+
+CONVERSIONS = frozenset(
+    {
+        Tensor.to,
+        Tensor.type,
+        Tensor.type_as,
+        Tensor.contiguous,
+        Tensor.cpu,
+        Tensor.cuda,
+        Tensor.float,
+        Tensor.double,
+        Tensor.half,
+        Tensor.bfloat16,
+    }
+)
+"""Calls that return their input itself when it already has the dtype, device or layout."""
+
+SIZED_BY_ARGUMENTS = frozenset(
+    {
+        Tensor.expand,
+        Tensor.repeat,
+        Tensor.view,
+        Tensor.reshape,
+        torch.reshape,
+        Tensor.new_zeros,
+        Tensor.new_ones,
+        Tensor.new_full,
+        Tensor.new_empty,
+        Tensor.new_tensor,
+        Tensor.tile,
+        torch.tile,
+        torch.broadcast_to,
+        Tensor.unflatten,
+        torch.unflatten,
+        torch.cat,
+        torch.concat,
+        torch.stack,
+        Tensor.repeat_interleave,
+        torch.repeat_interleave,
+    }
+)
+"""Calls whose output shape may come from Python ints, such as the batch size (``cat`` and
+``stack`` of a list as long as the batch)."""
 
 
 class FlatRows:
@@ -179,6 +272,110 @@ def _matmul_layer(
     return x, weight, None
 
 
+@dataclass(frozen=True)
+class OpSignature:
+    """A tapped op: its kind of layer, its positional arguments with defaults, its name.
+
+    Attributes:
+        kind: The kind of layer (the rules are registered by it).
+        display_name: How :func:`packfunc.explain` names the op.
+        names: Positional argument names.
+        defaults: Defaults of the last ``len(defaults)`` names.
+        transposed: A transposed convolution, or a linear weight stored ``[in, out]``.
+        check: Raises for arguments whose per-sample gradients are not defined or that a
+            pure function cannot honour (``None``: any arguments are fine).
+    """
+
+    kind: LayerKind
+    display_name: str
+    names: tuple[str, ...]
+    defaults: tuple[Any, ...]
+    transposed: bool = False
+    check: Callable[[dict[str, Any]], None] | None = None
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Map a call's positional and keyword arguments to argument names.
+
+        Args:
+            args: Positional arguments of the call.
+            kwargs: Keyword arguments of the call.
+
+        Returns:
+            A dict from every argument name to its value (defaults filled in).
+
+        Example:
+            >>> SIGNATURES[F.linear].bind((1, 2), {})["bias"] is None
+            True
+        """
+        required = len(self.names) - len(self.defaults)
+        bound = dict(zip(self.names[required:], self.defaults))
+        bound.update(zip(self.names, args))
+        bound.update(kwargs)
+        return bound
+
+    def check_arguments(self, bound: dict[str, Any]) -> None:
+        """Refuse a call whose arguments packfunc cannot differentiate per sample.
+
+        Args:
+            bound: The call's bound arguments (see :meth:`bind`).
+
+        Raises:
+            ValueError: naming the argument and what to do instead.
+        """
+        if self.check is not None:
+            self.check(bound)
+
+    @property
+    def is_convolution(self) -> bool:
+        """Whether the op is a convolution or a transposed one.
+
+        ``vmap``'s batching rules for its backward copy the activations: the batch pass
+        pulls a few cotangent columns back one at a time instead (``engine/batch_pass.py``).
+
+        Example:
+            >>> SIGNATURES[torch.conv2d].is_convolution, SIGNATURES[F.linear].is_convolution
+            (True, False)
+        """
+        return self.kind is LayerKind.CONVOLUTION
+
+    @property
+    def channels_first(self) -> bool:
+        """Whether the output's channels are dim 1 (``[N, C, *S]``) rather than the last.
+
+        Example:
+            >>> SIGNATURES[torch.conv1d].channels_first, SIGNATURES[F.embedding].channels_first
+            (True, False)
+        """
+        return self.kind is LayerKind.CONVOLUTION
+
+    @property
+    def input_jacobian_is_weight(self) -> bool:
+        """Whether the Jacobian w.r.t. the input is the weight ``[out, in]`` at every position.
+
+        ``F.linear``: ``z = x Wᵀ + b`` along the last dim, the weight stored ``[out, in]``.
+
+        Example:
+            >>> [SIGNATURES[f].input_jacobian_is_weight for f in (F.linear, linear_in_out)]
+            [True, False]
+        """
+        return self.kind is LayerKind.LINEAR and not self.transposed
+
+
+def _refuse_coupled_embedding(bound: dict[str, Any]) -> None:
+    """Refuse ``max_norm`` (renormalizes in place) and ``scale_grad_by_freq`` (couples samples)."""
+    if bound["max_norm"] is not None:
+        raise ValueError(
+            "Embedding(max_norm=...) renormalizes the weight in place during the forward pass, "
+            "which a pure function cannot do; drop max_norm or renormalize the weight yourself."
+        )
+    if bound["scale_grad_by_freq"]:
+        raise ValueError(
+            "Embedding(scale_grad_by_freq=True) scales gradients by word counts over the whole "
+            "batch, which couples samples; per-sample gradients are not defined. Set it to False."
+        )
+
+
+_LINEAR = ("input", "weight", "bias")
 _CONV = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _CONV_T = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
 _EMBEDDING = (
@@ -192,40 +389,90 @@ _EMBEDDING = (
 )
 
 SIGNATURES: dict[Callable[..., Any], OpSignature] = {
-    F.linear: OpSignature("linear", ("input", "weight", "bias"), (None,)),
-    linear_in_out: OpSignature("linear", ("input", "weight", "bias"), (None,), transposed=True),
+    F.linear: OpSignature(LayerKind.LINEAR, "F.linear", _LINEAR, (None,)),
+    linear_in_out: OpSignature(LayerKind.LINEAR, "x @ W", _LINEAR, (None,), transposed=True),
     **{
-        conv: OpSignature("conv", _CONV, (None, 1, 0, 1, 1))
+        conv: OpSignature(LayerKind.CONVOLUTION, "convolution", _CONV, (None, 1, 0, 1, 1))
         for conv in (torch.conv1d, torch.conv2d, torch.conv3d)
     },
     **{
-        conv: OpSignature("conv", _CONV_T, (None, 1, 0, 0, 1, 1), transposed=True)
+        conv: OpSignature(
+            LayerKind.CONVOLUTION, "convolution", _CONV_T, (None, 1, 0, 0, 1, 1), transposed=True
+        )
         for conv in (torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d)
     },
-    F.embedding: OpSignature("embedding", _EMBEDDING, (None, None, 2.0, False, False)),
+    F.embedding: OpSignature(
+        LayerKind.EMBEDDING,
+        "F.embedding",
+        _EMBEDDING,
+        (None, None, 2.0, False, False),
+        check=_refuse_coupled_embedding,
+    ),
 }
 """Every tapped function, keyed by the object ``__torch_function__`` receives."""
 
 ROLES = ("weight", "bias")
 """The arguments of a tapped op that can be parameters handled by a rule."""
 
+LOCAL_ROLE = "local"
+"""The role of every parameter of a local call (:meth:`SiteCall.local`)."""
+
 
 @dataclass(frozen=True)
-class TapCall:
-    """One call of a tapped op whose weight or bias is a parameter leaf.
+class SiteCall:
+    """The call of a site: a tapped op, or a local call (any other op consuming parameters).
+
+    Discovery classifies calls (see :mod:`packfunc.engine.discovery`): a tapped op takes
+    parameter leaves as weight or bias and has closed forms; a local call is any other op
+    that meets the samples, differentiated on its own (``engine/rules/local.py``).
 
     Attributes:
-        family: ``"linear"``, ``"conv"`` or ``"embedding"``.
-        leaves: Leaf index per role (``"weight"``, ``"bias"``) that is a parameter.
-        options: The op's remaining arguments (stride, padding, ...), by name.
-        transposed: Whether a convolution is transposed, or a linear weight is stored
-            ``[in, out]`` (:func:`linear_in_out`).
+        op: The tapped op's signature, or ``None`` for a local call.
+        leaves: Leaf index per role that is a parameter: ``"weight"``, ``"bias"`` of a
+            tapped op; :data:`LOCAL_ROLE` for every leaf of a local call.
+        options: A tapped op's remaining arguments (stride, padding, ...), by name; a
+            local call's function as ``"func"``.
     """
 
-    family: str
+    op: OpSignature | None
     leaves: tuple[tuple[str, int], ...]
     options: tuple[tuple[str, Any], ...]
-    transposed: bool = False
+
+    @classmethod
+    def local(cls, func: Callable[..., Any], leaves: Iterable[int]) -> SiteCall:
+        """The call of a local site: ``func`` consumes the given leaves.
+
+        Example:
+            >>> SiteCall.local(torch.mul, [2]).leaves
+            (('local', 2),)
+        """
+        return cls(None, tuple((LOCAL_ROLE, leaf) for leaf in leaves), (("func", func),))
+
+    @property
+    def is_local(self) -> bool:
+        """Whether this is a local call (no tapped op)."""
+        return self.op is None
+
+    @property
+    def transposed(self) -> bool:
+        """Whether a convolution is transposed, or a linear weight is stored ``[in, out]``.
+
+        See :func:`linear_in_out`; a local call is not.
+        """
+        return self.op is not None and self.op.transposed
+
+    @property
+    def name(self) -> str:
+        """A readable name of the op: the tapped op's display name, or the local function's.
+
+        Example:
+            >>> SiteCall(SIGNATURES[linear_in_out], (), ()).name, SiteCall.local(torch.mul, []).name
+            ('x @ W', 'mul')
+        """
+        if self.op is not None:
+            return self.op.display_name
+        func = self.option("func")
+        return str(getattr(func, "__name__", repr(func)))
 
     def option(self, name: str) -> Any:
         """Return the op argument ``name`` of this call.
@@ -237,7 +484,7 @@ class TapCall:
             Its value in this call.
 
         Example:
-            >>> TapCall("conv", (), (("stride", 2),)).option("stride")
+            >>> SiteCall(SIGNATURES[torch.conv1d], (), (("stride", 2),)).option("stride")
             2
         """
         return dict(self.options)[name]
@@ -245,8 +492,8 @@ class TapCall:
 
 def make_call(
     sig: OpSignature, bound: dict[str, Any], leaf_of: Callable[[Any], int | None]
-) -> TapCall:
-    """Describe a tapped call by family, parameter leaves and options.
+) -> SiteCall:
+    """Describe a tapped call by its signature, parameter leaves and options.
 
     Args:
         sig: The op's signature.
@@ -254,7 +501,7 @@ def make_call(
         leaf_of: Maps a value to its parameter leaf index, or ``None``.
 
     Returns:
-        The :class:`TapCall`.
+        The :class:`SiteCall`.
 
     Example:
         >>> sig = SIGNATURES[F.linear]
@@ -262,7 +509,7 @@ def make_call(
         (('weight', 1),)
     """
     options = tuple((k, v) for k, v in bound.items() if k not in ("input", *ROLES))
-    return TapCall(sig.family, tapped_leaves(bound, leaf_of), options, sig.transposed)
+    return SiteCall(sig, tapped_leaves(bound, leaf_of), options)
 
 
 def tapped_leaves(
@@ -275,7 +522,7 @@ def tapped_leaves(
         leaf_of: Maps a value to its parameter leaf index, or ``None``.
 
     Returns:
-        ``((role, leaf), ...)``, as in :attr:`TapCall.leaves`.
+        ``((role, leaf), ...)``, as in :attr:`SiteCall.leaves`.
 
     Example:
         >>> tapped_leaves({"weight": 3, "bias": None}, lambda v: v)

@@ -17,13 +17,8 @@ from torch.func import grad, vmap
 
 from packfunc.engine.autodiff import jvp, vjp
 from packfunc.engine.batch_pass import BatchPass
-from packfunc.engine.chain import (
-    ELEMENTWISE,
-    Link,
-    NotSequentialError,
-    passes_recursions,
-    trace_chain,
-)
+from packfunc.engine.chain import Link, NotSequentialError, passes_recursions, trace_chain
+from packfunc.engine.ops import ELEMENTWISE
 
 
 def pch_block_product(bp: BatchPass, leaf: int, mats: Tensor, modify: str) -> Tensor:

@@ -2,7 +2,7 @@
 
 A public function called inside ``torch.autocast`` runs with autocast off
 (:func:`forward_precision_only`); only the model's forward passes — every one runs in a
-:class:`~packfunc.engine.modes.FunctionalMode` or the watched batch pass, which enter
+:class:`~packfunc.engine.modes.FunctionalMode` or the batch pass on tapped leaves, which enter
 :func:`forward_autocast` — run under the caller's autocast again, so activations and
 output cotangents have the low-precision dtypes of mixed-precision training. The
 recorded inputs and cotangents are then brought to the parameters' dtype

@@ -17,10 +17,10 @@ Steps that do not refresh the curvature (``update_period > 1``) may omit the bat
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from packfunc.functionalize import functional
 from packfunc.optim.transforms import (
@@ -124,7 +124,9 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 ) from None
             lr = self.param_groups[0]["lr"]
             torch._foreach_add_(
-                list(self._named.values()), [updates[name] for name in self._named], alpha=-lr
+                list(self._named.values()),
+                [cast(Tensor, cast(Any, updates)[name]) for name in self._named],
+                alpha=-lr,
             )
         return loss
 

@@ -41,7 +41,7 @@ rule, and transposed convolutions, are refused by the Kronecker preconditioners.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 import optree
 import torch
@@ -54,7 +54,7 @@ from packfunc.functionalize import flatten_params, select_samples
 from packfunc.kronecker_factors import kfac, kflr
 from packfunc.losses import default_loss
 from packfunc.secondorder import diag_ggn
-from packfunc.types import Inputs, KfacApprox, ModelFn, Params, PyTree, Targets
+from packfunc.types import Inputs, KfacApprox, ModelFn, Params, ParamsT, PyTree, Targets
 
 Batch = tuple[Inputs, Targets]
 """A batch ``(X, y)``: the data a curvature is computed on."""
@@ -170,7 +170,7 @@ def scale(step_size: float) -> GradientTransformation:
         batch: Batch | None = None,
     ) -> tuple[Updates, Any]:
         """``step_size · updates``."""
-        return optree.tree_map(lambda u: step_size * u, updates), state
+        return cast(Updates, optree.tree_map(lambda u: step_size * u, cast(Any, updates))), state
 
     return GradientTransformation(init, update)
 
@@ -220,7 +220,7 @@ def chain(*transformations: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-def apply_updates(params: Params, updates: Updates) -> Params:
+def apply_updates(params: ParamsT, updates: Updates) -> ParamsT:
     """``params + updates``, leaf by leaf (new tensors; nothing modified).
 
     Args:
@@ -234,7 +234,7 @@ def apply_updates(params: Params, updates: Updates) -> Params:
         >>> apply_updates({"w": torch.ones(2)}, {"w": torch.ones(2)})
         {'w': tensor([2., 2.])}
     """
-    return optree.tree_map(torch.add, params, updates)
+    return cast(ParamsT, optree.tree_map(torch.add, cast(Any, params), cast(Any, updates)))
 
 
 def scale_by_kfac(
@@ -455,7 +455,7 @@ def scale_by_diag_ggn(
 
     def apply(inverse: Any, updates: Updates) -> Updates:
         """Multiply leaf by leaf."""
-        return optree.tree_map(torch.mul, inverse, updates)
+        return cast(Updates, optree.tree_map(torch.mul, inverse, cast(Any, updates)))
 
     return _scheduled(refresh, apply, update_period, update_period)
 
@@ -479,7 +479,7 @@ def _scheduled(
 
     def init(params: Params) -> CurvatureState:
         """The state before the first step (the curvature is computed at step 0)."""
-        leaves = optree.tree_leaves(params)
+        leaves: list[Tensor] = optree.tree_leaves(cast(Any, params))
         device = leaves[0].device if leaves else None
         return CurvatureState(torch.zeros((), dtype=torch.int64, device=device), None, None)
 

@@ -1,8 +1,8 @@
-"""Closed-form rules per (op family, parameter role)."""
+"""Closed-form rules per (kind of layer, parameter role), and the rules of local calls."""
 
 from __future__ import annotations
 
-from packfunc.engine.ops import TapCall
+from packfunc.engine.ops import LayerKind, SiteCall
 from packfunc.engine.rules.base import Rule
 from packfunc.engine.rules.conv import ConvWeight
 from packfunc.engine.rules.embedding import EmbeddingWeight
@@ -10,23 +10,24 @@ from packfunc.engine.rules.linear import Bias, LinearWeight, LinearWeightInOut
 from packfunc.engine.rules.local import LOCAL
 from packfunc.engine.rules.norm import NORM_RULES
 
-RULES: dict[tuple[str, str], Rule] = {
-    ("linear", "weight"): LinearWeight(),
-    ("linear", "bias"): Bias(channel_dim=-1),
-    ("conv", "weight"): ConvWeight(),
-    ("conv", "bias"): Bias(channel_dim=1),
-    ("embedding", "weight"): EmbeddingWeight(),
-    ("local", "local"): LOCAL,
+RULES: dict[tuple[LayerKind, str], Rule] = {
+    (LayerKind.LINEAR, "weight"): LinearWeight(),
+    (LayerKind.LINEAR, "bias"): Bias(channel_dim=-1, hessian_from_output_curvature=True),
+    (LayerKind.CONVOLUTION, "weight"): ConvWeight(),
+    (LayerKind.CONVOLUTION, "bias"): Bias(channel_dim=1),
+    (LayerKind.EMBEDDING, "weight"): EmbeddingWeight(),
 }
-"""The rule for each (family, role) of :data:`packfunc.engine.ops.SIGNATURES`, and the local
-rule (family and role ``"local"``) of every other op that consumes a parameter."""
+"""The rule for each (kind, role) of :data:`packfunc.engine.ops.SIGNATURES`."""
 
 LINEAR_WEIGHT_IN_OUT = LinearWeightInOut()
 """The weight rule of :func:`~packfunc.engine.ops.linear_in_out` (``[in, out]`` layout)."""
 
 
-def rule_for(call: TapCall, role: str) -> Rule:
+def rule_for(call: SiteCall, role: str) -> Rule:
     """The rule of a parameter role of a call: a closed form, or the local rule's vjp.
+
+    A local call gets the closed form of its function (:data:`NORM_RULES`), if any,
+    else :data:`~packfunc.engine.rules.local.LOCAL`.
 
     Args:
         call: A site's call.
@@ -36,14 +37,16 @@ def rule_for(call: TapCall, role: str) -> Rule:
         The :class:`Rule`.
 
     Example:
-        >>> rule_for(TapCall("linear", (("weight", 0),), ()), "weight") is RULES["linear", "weight"]
+        >>> from packfunc.engine.ops import SIGNATURES
+        >>> call = SiteCall(SIGNATURES[F.linear], (("weight", 0),), ())
+        >>> rule_for(call, "weight") is RULES[LayerKind.LINEAR, "weight"]
         True
     """
-    if call.family == "local":
+    if call.op is None:
         return NORM_RULES.get(call.option("func"), LOCAL)
-    if call.family == "linear" and call.transposed and role == "weight":
+    if call.op.kind is LayerKind.LINEAR and call.op.transposed and role == "weight":
         return LINEAR_WEIGHT_IN_OUT
-    return RULES[(call.family, role)]
+    return RULES[(call.op.kind, role)]
 
 
 __all__ = ["RULES", "Rule", "rule_for"]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from packfunc.engine.ops import TapCall
+from packfunc.engine.ops import SiteCall
 from packfunc.engine.vocabulary import Statistic
 
 
@@ -41,7 +41,7 @@ class Route(Enum):
 
 
 class Rule:
-    """Closed forms for one parameter role (weight or bias) of one op family.
+    """Closed forms for one parameter role (weight or bias) of one kind of layer.
 
     ``canonical`` receives the op's input ``x: [N, ...]`` and the cotangents of
     its output ``g: [K, N, ...]``; the other methods receive the canonical pair,
@@ -55,6 +55,15 @@ class Rule:
 
     kronecker_factors: int = 0
     """Number of Kronecker factors of the parameter's curvature block (0: no Kronecker rule)."""
+
+    closed_form: bool = True
+    """Whether the rule has closed forms of its own (``False``: the vjp of the op alone)."""
+
+    hessian_from_output_curvature: bool = False
+    """Whether, with one position per sample (an output ``[N, O]``), the parameter's Hessian
+    diagonal follows from the curvature of the layer's output ``diag(∂²L/∂z²)`` alone: a
+    linear layer's weight and bias, which enter ``z = W x + b`` with an input that does not
+    depend on them (see ``engine/hessian.py``)."""
 
     def merge(
         self, xs: list[Tensor], gs: list[Tensor], options: list[tuple[tuple[str, Any], ...]]
@@ -78,11 +87,11 @@ class Rule:
             return None
         return torch.cat(xs, dim=dim), torch.cat(gs, dim=dim)
 
-    def kronecker(self, call: TapCall) -> int:
+    def kronecker(self, call: SiteCall) -> int:
         """Number of Kronecker factors this rule gives for ``call`` (0: none)."""
         return self.kronecker_factors
 
-    def route(self, stat: Statistic, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Route:
+    def route(self, stat: Statistic, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Route:
         """Where ``stat`` is cheapest for this call, judged from the shapes alone.
 
         Args:
@@ -96,14 +105,15 @@ class Rule:
             :attr:`Route.CANONICAL` here; rules with a cheaper source override it.
 
         Example:
+            >>> from packfunc.engine.ops import SIGNATURES
             >>> Rule().route(Statistic.COLUMNS, torch.ones(2, 3), torch.ones(1, 2, 4),
-            ...              TapCall("linear", (), ()), torch.ones(4, 3))
+            ...              SiteCall(SIGNATURES[F.linear], (), ()), torch.ones(4, 3))
             <Route.CANONICAL: 'canonical'>
         """
         return Route.CANONICAL
 
     def from_call(
-        self, stat: Statistic, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+        self, stat: Statistic, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
     ) -> Tensor:
         """A statistic :meth:`route` sends to :attr:`Route.CALL`, from the recorded call.
 
@@ -121,13 +131,13 @@ class Rule:
         raise NotImplementedError(f"{type(self).__name__} routes nothing to the recorded call")
 
     def canonical(
-        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+        self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
     ) -> tuple[Tensor, Tensor]:
         """Bring ``(x [N, ...], g [K, N, ...])`` into the layout the other methods expect."""
         return x, g
 
     def kronecker_layout(
-        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+        self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
     ) -> tuple[Tensor, Tensor] | None:
         """The pair :meth:`input_factor` and :meth:`output_factor` read, if not the canonical one.
 
@@ -142,25 +152,25 @@ class Rule:
         """
         return None
 
-    def columns(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def columns(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """Column gradients ``[K, n, *param.shape]``."""
         raise NotImplementedError
 
-    def column_sum(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def column_sum(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """``Σ_{k,n} c[k, n]``."""
         return self.columns(x, g, call, param).sum((0, 1))
 
-    def diagonal(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor | None:
+    def diagonal(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor | None:
         """``Σ_{k,n} c[k, n]²`` in closed form, or ``None``."""
         return None
 
     def diagonal_per_sample(
-        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+        self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
     ) -> Tensor | None:
         """``Σ_k c[k, n]²`` per sample, ``[n, *param.shape]``, or ``None``."""
         return None
 
-    def squared_norms(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor | None:
+    def squared_norms(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor | None:
         """``Σ_k ‖c[k, n]‖²`` per sample, ``[n]``, or ``None``."""
         return None
 
@@ -194,6 +204,20 @@ class Rule:
     def input_factor(self, x: Tensor, approx: str) -> Tensor:
         """Kronecker factor from the op's (canonical) input, ``[I, I]``."""
         raise NotImplementedError
+
+    def kronecker_gradients(self, grads: Tensor, call: SiteCall) -> Tensor:
+        """Parameter-shaped gradients ``[M, *p]`` with their axes in the Kronecker factors' order.
+
+        Flattened (row-major) they are vectors in the factors' ``A ⊗ B`` layout.
+
+        Args:
+            grads: Gradients ``[M, *param.shape]``.
+            call: The op call.
+
+        Returns:
+            ``grads`` itself here; rules whose factors are of a rearranged parameter override it.
+        """
+        return grads
 
     def kronecker_order(self, output: Tensor, input: Tensor) -> list[Tensor]:
         """The two factors in the order of the parameter's layout (``[out, in]``: output first).

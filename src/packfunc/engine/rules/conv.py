@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from packfunc.engine.ops import TapCall
+from packfunc.engine.ops import SiteCall
 from packfunc.engine.rules.base import Route
 from packfunc.engine.rules.product import ProductWeight, gram_is_cheaper
 from packfunc.engine.vocabulary import Statistic
@@ -40,7 +40,7 @@ def _per_dim(value: int | tuple[int, ...] | list[int], dims: int) -> list[int]:
     return list(value) if isinstance(value, (tuple, list)) else [value] * dims
 
 
-def _padding_pairs(call: TapCall, kernel: list[int], dilation: list[int]) -> list[tuple[int, int]]:
+def _padding_pairs(call: SiteCall, kernel: list[int], dilation: list[int]) -> list[tuple[int, int]]:
     """(before, after) padding per spatial dim; ``'same'`` may be asymmetric."""
     padding = call.option("padding")
     if padding == "valid":
@@ -51,7 +51,7 @@ def _padding_pairs(call: TapCall, kernel: list[int], dilation: list[int]) -> lis
     return [(p, p) for p in _per_dim(padding, len(kernel))]
 
 
-def weight_gradient(x: Tensor, g: Tensor, call: TapCall, weight_shape: Sequence[int]) -> Tensor:
+def weight_gradient(x: Tensor, g: Tensor, call: SiteCall, weight_shape: Sequence[int]) -> Tensor:
     """The weight gradient of ``call`` summed over the batch, without unfolding.
 
     Args:
@@ -65,7 +65,9 @@ def weight_gradient(x: Tensor, g: Tensor, call: TapCall, weight_shape: Sequence[
         ``Σ_b`` of the weight gradients, ``weight_shape``.
 
     Example:
-        >>> call = TapCall("conv", (), (("stride", 1), ("padding", "same"), ("dilation", 1)))
+        >>> from packfunc.engine.ops import SIGNATURES
+        >>> options = (("stride", 1), ("padding", "same"), ("dilation", 1))
+        >>> call = SiteCall(SIGNATURES[torch.conv1d], (), options)
         >>> weight_gradient(torch.ones(1, 2, 4), torch.ones(1, 3, 4), call, (3, 2, 2)).shape
         torch.Size([3, 2, 2])
     """
@@ -102,7 +104,7 @@ def weight_gradient(x: Tensor, g: Tensor, call: TapCall, weight_shape: Sequence[
     return grad
 
 
-def per_sample_weight_gradients(x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+def per_sample_weight_gradients(x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
     """Column gradients ``[K, N, *param.shape]`` of a convolution weight, one grouped convolution.
 
     Every (column, sample) pair becomes its own set of groups, so the batch sum of
@@ -119,7 +121,9 @@ def per_sample_weight_gradients(x: Tensor, g: Tensor, call: TapCall, param: Tens
         The weight gradient of every column and sample.
 
     Example:
-        >>> call = TapCall("conv", (), (("stride", 1), ("padding", 0), ("dilation", 1)))
+        >>> from packfunc.engine.ops import SIGNATURES
+        >>> options = (("stride", 1), ("padding", 0), ("dilation", 1))
+        >>> call = SiteCall(SIGNATURES[torch.conv1d], (), options)
         >>> per_sample_weight_gradients(
         ...     torch.ones(5, 2, 4), torch.ones(3, 5, 6, 3), call, torch.ones(6, 1, 2)
         ... ).shape
@@ -184,7 +188,7 @@ def unfold(
     return windows.reshape(n, channels * math.prod(kernel), math.prod(positions))
 
 
-def unfold_transposed(x: Tensor, kernel: list[int], call: TapCall) -> Tensor:
+def unfold_transposed(x: Tensor, kernel: list[int], call: SiteCall) -> Tensor:
     """Unfold the input of a transposed convolution per *output* position.
 
     Column ``l`` holds, for every input channel and kernel entry, the input entry
@@ -228,7 +232,7 @@ def unfold_transposed(x: Tensor, kernel: list[int], call: TapCall) -> Tensor:
 class ConvWeight(ProductWeight):
     """Weight of ``torch.convNd`` / ``torch.conv_transposeNd``."""
 
-    def route(self, stat: Statistic, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Route:
+    def route(self, stat: Statistic, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Route:
         """One column and any sum from the call; squares in closed form only where cheaper.
 
         Several columns (the GGN's) share one unfolded input: the grouped convolution
@@ -256,7 +260,7 @@ class ConvWeight(ProductWeight):
         return Route.MATERIALIZED
 
     def from_call(
-        self, stat: Statistic, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+        self, stat: Statistic, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
     ) -> Tensor:
         """Column gradients (one grouped convolution) or their sum (one convolution backward)."""
         if stat is Statistic.COLUMNS:
@@ -266,7 +270,7 @@ class ConvWeight(ProductWeight):
         raise NotImplementedError(f"ConvWeight routes only columns and their sum, not {stat}")
 
     def canonical(
-        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+        self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
     ) -> tuple[Tensor, Tensor]:
         """Unfold the op's input (or, transposed, its cotangent) and group the channels."""
         kernel = list(param.shape[2:])
@@ -289,8 +293,27 @@ class ConvWeight(ProductWeight):
         other = target.reshape(-1, n, groups, target.shape[1] // groups, windows.shape[-1])
         return unfolded, other
 
+    def kronecker_gradients(self, grads: Tensor, call: SiteCall) -> Tensor:
+        """Transposed: per group, the kernel's channel axes swapped (see :meth:`kronecker_layout`).
+
+        A transposed convolution's weight ``[C_in, C_out/G, k…]`` becomes, per group,
+        ``[C_out/G, C_in/G, k…]`` (``weight.transpose(0, 1)`` for one group).
+
+        Example:
+            >>> from packfunc.engine.ops import SIGNATURES
+            >>> call = SiteCall(SIGNATURES[torch.conv_transpose1d], (), (("groups", 1),))
+            >>> ConvWeight().kronecker_gradients(torch.ones(7, 2, 3, 2), call).shape
+            torch.Size([7, 1, 3, 2, 2])
+        """
+        if not call.transposed:
+            return grads
+        groups = call.option("groups")
+        m, c_in, c_out, *kernel = grads.shape
+        grouped = grads.reshape(m, groups, c_in // groups, c_out, *kernel)
+        return grouped.transpose(2, 3)
+
     def kronecker_layout(
-        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+        self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
     ) -> tuple[Tensor, Tensor] | None:
         """Transposed: the input unfolded per output position, and the output cotangent.
 

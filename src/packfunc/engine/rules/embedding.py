@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from packfunc.engine.memory import is_plain, new_output
-from packfunc.engine.ops import TapCall
+from packfunc.engine.ops import SiteCall
 from packfunc.engine.rules.base import Rule
 
 
@@ -21,7 +21,7 @@ class EmbeddingWeight(Rule):
     merge_dim = 2
 
     def canonical(
-        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+        self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
     ) -> tuple[Tensor, Tensor]:
         """Flatten positions; zero the cotangents at ``padding_idx``."""
         n, columns, width = x.shape[0], g.shape[0], g.shape[-1]
@@ -31,7 +31,7 @@ class EmbeddingWeight(Rule):
             g = g * (x != padding_idx % param.shape[0]).unsqueeze(-1).to(g.dtype)
         return x, g
 
-    def columns(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def columns(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """Scatter-add each column's cotangents into its own copy of the weight."""
         columns, n, _, width = g.shape
         keys = _keys(x, columns, param.shape[0])
@@ -43,19 +43,19 @@ class EmbeddingWeight(Rule):
             out = g.new_zeros(size, width).index_add(0, keys, source)
         return out.view(columns, n, *param.shape)
 
-    def column_sum(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def column_sum(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """Scatter-add all cotangents into one weight."""
         return g.new_zeros(param.shape).index_add(
             0, x.reshape(-1), g.sum(0).reshape(-1, g.shape[-1])
         )
 
-    def diagonal(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def diagonal(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """Squared per-key sums, scattered into rows."""
         rows = param.shape[0]
         unique, sums = _key_sums(x, g, rows)
         return g.new_zeros(param.shape).index_add(0, unique % rows, sums.square())
 
-    def diagonal_per_sample(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def diagonal_per_sample(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """Squared per-key sums, scattered into each sample's rows."""
         n, rows = x.shape[1], param.shape[0]
         unique, sums = _key_sums(x, g, rows)
@@ -63,7 +63,7 @@ class EmbeddingWeight(Rule):
         out = g.new_zeros(n * rows, g.shape[-1]).index_add(0, target, sums.square())
         return out.view(n, *param.shape)
 
-    def squared_norms(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def squared_norms(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """Squared norms of the per-key sums, gathered per sample."""
         n, rows = x.shape[1], param.shape[0]
         unique, sums = _key_sums(x, g, rows)

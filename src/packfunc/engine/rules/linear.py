@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from packfunc.engine.ops import TapCall
+from packfunc.engine.ops import SiteCall
 from packfunc.engine.rules.base import Rule
 from packfunc.engine.rules.product import ProductWeight
 
@@ -15,8 +15,10 @@ from packfunc.engine.rules.product import ProductWeight
 class LinearWeight(ProductWeight):
     """Weight of ``F.linear``: one group, positions are the dims between samples and features."""
 
+    hessian_from_output_curvature = True
+
     def canonical(
-        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+        self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
     ) -> tuple[Tensor, Tensor]:
         """``x: [N, ..., in] -> [1, N, 1, in, L]``, ``g: [K, N, ..., out] -> [K, N, 1, out, L]``."""
         n, columns = x.shape[0], g.shape[0]
@@ -34,14 +36,14 @@ class LinearWeightInOut(LinearWeight):
     """
 
     def canonical(
-        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+        self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
     ) -> tuple[Tensor, Tensor]:
         """The linear canonical pair, swapped: ``([K, N, 1, out, L], [1, N, 1, in, L])``."""
         u, v = super().canonical(x, g, call, param)
         return v, u
 
     def kronecker_layout(
-        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+        self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
     ) -> tuple[Tensor, Tensor] | None:
         """The unswapped pair: factors are of the input and the output as for ``F.linear``."""
         return super().canonical(x, g, call, param)
@@ -52,13 +54,20 @@ class LinearWeightInOut(LinearWeight):
 
 
 class Bias(Rule):
-    """Bias of a linear or convolution op; canonical ``g``: column gradients ``[K, N, C]``."""
+    """Bias of a linear or convolution op; canonical ``g``: column gradients ``[K, N, C]``.
 
-    def __init__(self, channel_dim: int):
+    Args:
+        channel_dim: The dim of the op's output that holds the channels.
+        hessian_from_output_curvature: See :attr:`Rule.hessian_from_output_curvature`
+            (a linear layer's bias).
+    """
+
+    def __init__(self, channel_dim: int, hessian_from_output_curvature: bool = False):
         self.channel_dim = channel_dim
+        self.hessian_from_output_curvature = hessian_from_output_curvature
 
     def canonical(
-        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+        self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
     ) -> tuple[Tensor, Tensor]:
         """Sum ``g [K, N, ...]`` over every dim but columns, samples and channels.
 
@@ -78,7 +87,7 @@ class Bias(Rule):
             return None
         return xs[0], torch.stack(gs).sum(0)
 
-    def columns(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def columns(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """The canonical cotangent itself."""
         return g
 
@@ -91,14 +100,14 @@ class Bias(Rule):
         flat = g.reshape(-1, g.shape[-1])
         return flat.T @ flat
 
-    def diagonal(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def diagonal(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """``Σ_{k,n} g²``."""
         return g.square().sum((0, 1))
 
-    def diagonal_per_sample(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def diagonal_per_sample(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """``Σ_k g²`` per sample."""
         return g.square().sum(0)
 
-    def squared_norms(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def squared_norms(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """``Σ_k ‖g_kn‖²``."""
         return g.square().sum((0, 2))

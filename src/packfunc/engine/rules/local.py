@@ -14,7 +14,7 @@ from torch.func import vmap
 
 from packfunc.engine.autodiff import vjp
 from packfunc.engine.local import LocalInputs
-from packfunc.engine.ops import TapCall
+from packfunc.engine.ops import SiteCall
 from packfunc.engine.rules.base import Rule
 
 
@@ -26,7 +26,9 @@ class LocalRule(Rule):
     which have the parameter's size per sample (small for norm layers and scales).
     """
 
-    def columns(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    closed_form = False
+
+    def columns(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """Column gradients ``[K, n, *param.shape]``: vmap over samples of the op's vjp."""
         local = as_local(x)
         leaf = local.leaf_of(param)
@@ -41,7 +43,7 @@ class LocalRule(Rule):
         samples = [local.arguments.values[p] for p in local.batched]
         return vmap(one_sample, in_dims=(0, 1), out_dims=1)(samples, g)
 
-    def column_sum(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def column_sum(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """``Σ_{k,n}`` of the column gradients: one vjp of the op over the recorded batch."""
         local = as_local(x)
         leaf = local.leaf_of(param)

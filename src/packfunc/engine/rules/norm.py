@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from packfunc.engine.local import LocalInputs
-from packfunc.engine.ops import TapCall
+from packfunc.engine.ops import SiteCall
 from packfunc.engine.rules.local import LocalRule, as_local
 
 _TRAILING = frozenset({F.layer_norm, F.rms_norm})
@@ -28,7 +28,9 @@ _TRAILING = frozenset({F.layer_norm, F.rms_norm})
 class AffineNorm(LocalRule):
     """Affine weight and bias of the normalization functions of :data:`NORM_RULES`."""
 
-    def columns(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    closed_form = True
+
+    def columns(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """Column gradients ``[K, n, *param.shape]``: ``g`` (times ``x̂``) summed over positions."""
         found = _role(as_local(x), param)
         if found is None:

@@ -1,6 +1,6 @@
 """Weights of ops that multiply a (grouped) input matrix by the weight: linear and convolution.
 
-After canonicalization both families look alike per sample ``n`` and group:
+After canonicalization both kinds of layer look alike per sample ``n`` and group:
 ``u[n, g]`` is ``[I, L]`` (input features by positions) and ``v[k, n, g]`` is
 ``[O, L]`` (output cotangents by positions); column ``(k, n)``'s weight
 gradient is ``Σ_l v_l u_lᵀ``. For a linear layer ``u`` is the input itself, for
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from packfunc.engine.memory import is_plain, new_output
-from packfunc.engine.ops import TapCall
+from packfunc.engine.ops import SiteCall
 from packfunc.engine.rules.base import Rule
 
 
@@ -32,7 +32,7 @@ class ProductWeight(Rule):
     merge_dim = -1
     kronecker_factors = 2
 
-    def columns(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def columns(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """Column gradients ``Σ_l v_l u_lᵀ``, shaped ``[K, n, *param.shape]``."""
         columns, n, groups, n_out, _ = g.shape
         if max(columns, x.shape[0]) > 1:
@@ -46,18 +46,18 @@ class ProductWeight(Rule):
             torch.matmul(g, x.transpose(-1, -2), out=out)
         return out.view(1, n, *param.shape)
 
-    def column_sum(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor:
+    def column_sum(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """``Σ_{k,n,l} v u_lᵀ`` per group; the column dim is summed on its side first."""
         return _contract_samples(_column_sum(g), _column_sum(x)).reshape(param.shape)
 
-    def diagonal(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor | None:
+    def diagonal(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor | None:
         """``Σ_n (Σ_k v_kn²)(Σ_k u_kn²)ᵀ`` when every sample has one position."""
         if x.shape[-1] != 1:
             return None
         return _contract_samples(*_summed_squares(x, g)).reshape(param.shape)
 
     def diagonal_per_sample(
-        self, x: Tensor, g: Tensor, call: TapCall, param: Tensor
+        self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
     ) -> Tensor | None:
         """``(Σ_k v_kn²)(Σ_k u_kn²)ᵀ`` per sample when every sample has one position."""
         if x.shape[-1] != 1:
@@ -69,7 +69,7 @@ class ProductWeight(Rule):
         out = new_output((n, v2.shape[1], v2.shape[2], u2.shape[2]), like=v2)
         return torch.mul(v2, u2.transpose(-1, -2), out=out).view(n, *param.shape)
 
-    def squared_norms(self, x: Tensor, g: Tensor, call: TapCall, param: Tensor) -> Tensor | None:
+    def squared_norms(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor | None:
         """``Σ_k ‖v_kn‖²‖u_kn‖²`` over groups; the Gram form for one column and ``L > 1``."""
         n_in, n_out, length = x.shape[-2], g.shape[-2], x.shape[-1]
         if length == 1:

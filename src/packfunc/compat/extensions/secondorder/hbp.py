@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
-from packfunc.engine.layer_factors import CURVATURES
+from packfunc.engine.api import CURVATURES
 from packfunc.specs import SPECS
 
 BOTEV_MARTENS = "E[J^T E(H) J]"

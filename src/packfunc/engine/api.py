@@ -1,0 +1,65 @@
+"""The engine's interface for the BackPACK shim (``packfunc.compat``): one import for it all.
+
+The shim records the user's own forward pass with the engine's vocabulary (which
+calls consume parameters, how reshapes and linear layers look) and hands the
+record to a :class:`BatchPass`; it imports these names from here and nothing else
+of the engine, so what the shim depends on is listed in one place.
+"""
+
+from packfunc.engine.attention import ATTENTION_OPS
+from packfunc.engine.batch_pass import BatchPass
+from packfunc.engine.batch_record import BatchRecord, autograd_record, sample_layout
+from packfunc.engine.discovery import FixedTensors, Plan, Recorded, Use, UseKind
+from packfunc.engine.layer_factors import CURVATURES
+from packfunc.engine.local import CallArguments, LocalInputs, Source
+from packfunc.engine.modes import (
+    Derived,
+    FunctionalMode,
+    LeafIndex,
+    is_metadata_query,
+    leaves_of,
+    parameter_sources,
+    remember_derivations,
+    tensor_outputs,
+)
+from packfunc.engine.ops import (
+    LINEAR_CALLS,
+    RESHAPES,
+    SIGNATURES,
+    FlatRows,
+    linear_in_out,
+    make_call,
+)
+from packfunc.engine.recurrent import RECURRENT_OPS
+
+__all__ = [
+    "ATTENTION_OPS",
+    "CURVATURES",
+    "LINEAR_CALLS",
+    "RECURRENT_OPS",
+    "RESHAPES",
+    "SIGNATURES",
+    "BatchPass",
+    "BatchRecord",
+    "CallArguments",
+    "Derived",
+    "FixedTensors",
+    "FlatRows",
+    "FunctionalMode",
+    "LeafIndex",
+    "LocalInputs",
+    "Plan",
+    "Recorded",
+    "Source",
+    "Use",
+    "UseKind",
+    "autograd_record",
+    "is_metadata_query",
+    "leaves_of",
+    "linear_in_out",
+    "make_call",
+    "parameter_sources",
+    "remember_derivations",
+    "sample_layout",
+    "tensor_outputs",
+]
