@@ -33,7 +33,7 @@ import functools
 from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import optree
 import torch
@@ -57,6 +57,23 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 BatchToXY = Callable[[BatchT], tuple[Inputs, Tensor]]
 """Turns one batch of ``data`` into ``(X, y)`` (e.g. for dict-shaped batches)."""
+
+
+class DataOptions(TypedDict, total=False):
+    """The keyword arguments of every public quantity that :func:`over_data` consumes.
+
+    Attributes:
+        data: An iterable of ``(X, y)`` batches (e.g. a ``DataLoader``) in place of ``X, y``.
+        batch_to_xy: Function from one item of ``data`` to ``(X, y)``.
+        progress: Show a tqdm progress bar over the batches.
+        process_group: A ``torch.distributed`` group whose ranks' shards combine.
+    """
+
+    data: Iterable[object] | None
+    batch_to_xy: BatchToXY[Any] | None
+    progress: bool
+    process_group: ProcessGroup | None
+
 
 PerBatch = Callable[[Any, Tensor, nn.Module], dict[str, Any]]
 """``(X, y, loss) -> {name: value}``: one batch's partial results."""

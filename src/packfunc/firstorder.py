@@ -8,17 +8,14 @@ gives several quantities in one pass.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from torch import nn
+from typing_extensions import Unpack
 
-from packfunc.data import BatchToXY, over_data
-from packfunc.distributed import ProcessGroup
+from packfunc.data import DataOptions, over_data
 from packfunc.evaluation import one_quantity
 from packfunc.specs import SPECS
 from packfunc.types import (
     DATA_ARGUMENTS,
-    BatchT,
     Inputs,
     ModelFn,
     ParamsT,
@@ -41,10 +38,7 @@ def batch_grad(
     loss: nn.Module | None = None,
     subsampling: Samples = None,
     chunk_size: int | None = None,
-    data: Iterable[BatchT] | None = None,
-    batch_to_xy: BatchToXY[BatchT] | None = None,
-    progress: bool = False,
-    process_group: ProcessGroup | None = None,
+    **dataset: Unpack[DataOptions],
 ) -> ParamsT:
     """Per-sample gradients (BackPACK's ``BatchGrad``, ``grad_batch``).
 
@@ -83,10 +77,7 @@ def batch_l2_grad(
     loss: nn.Module | None = None,
     subsampling: Samples = None,
     chunk_size: int | None = None,
-    data: Iterable[BatchT] | None = None,
-    batch_to_xy: BatchToXY[BatchT] | None = None,
-    progress: bool = False,
-    process_group: ProcessGroup | None = None,
+    **dataset: Unpack[DataOptions],
 ) -> ParamsT:
     """Squared L2 norm of each per-sample gradient, per leaf (BackPACK's ``BatchL2Grad``).
 
@@ -121,10 +112,7 @@ def sum_grad_squared(
     *,
     loss: nn.Module | None = None,
     chunk_size: int | None = None,
-    data: Iterable[BatchT] | None = None,
-    batch_to_xy: BatchToXY[BatchT] | None = None,
-    progress: bool = False,
-    process_group: ProcessGroup | None = None,
+    **dataset: Unpack[DataOptions],
 ) -> ParamsT:
     """Sum over samples of squared per-sample gradients (BackPACK's ``SumGradSquared``).
 
@@ -150,10 +138,7 @@ def variance(
     *,
     loss: nn.Module | None = None,
     chunk_size: int | None = None,
-    data: Iterable[BatchT] | None = None,
-    batch_to_xy: BatchToXY[BatchT] | None = None,
-    progress: bool = False,
-    process_group: ProcessGroup | None = None,
+    **dataset: Unpack[DataOptions],
 ) -> ParamsT:
     """Variance of the per-sample gradients over the batch (BackPACK's ``Variance``).
 

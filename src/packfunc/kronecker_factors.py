@@ -34,15 +34,15 @@ embedding, tied weights) raise a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, cast
 
 import optree
 import torch
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
-from packfunc.data import BatchToXY, over_data
-from packfunc.distributed import ProcessGroup
+from packfunc.data import DataOptions, over_data
 from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.layer_factors import (
     CURVATURES,
@@ -55,7 +55,6 @@ from packfunc.losses import default_loss, given_targets
 from packfunc.specs import SPECS
 from packfunc.types import (
     DATA_ARGUMENTS,
-    BatchT,
     Curvature,
     FactorTree,
     FisherType,
@@ -91,20 +90,19 @@ def kfac(
     y: Targets = None,
     *,
     loss: nn.Module | None = None,
-    mc_samples: int = 1,
+    mc_samples: int | None = 1,
     generator: torch.Generator | None = None,
     kfac_approx: KfacApprox = "sum",
     on_unsupported: OnUnsupported = "raise",
     fisher_type: FisherType = "mc",
-    data: Iterable[BatchT] | None = None,
-    batch_to_xy: BatchToXY[BatchT] | None = None,
-    progress: bool = False,
-    process_group: ProcessGroup | None = None,
+    **dataset: Unpack[DataOptions],
 ) -> FactorTree:
     """KFAC: Kronecker factors from Monte-Carlo square-root columns (BackPACK's ``KFAC``).
 
     Args:
-        mc_samples: Targets sampled per sample from the model's predictive distribution.
+        mc_samples: Targets sampled per sample from the model's predictive distribution;
+            ``None``: the exact loss Hessian, i.e. :func:`kflr` (as ``mc_samples=None`` means
+            exact in every function).
         fisher_type: ``"mc"`` (the sampled Fisher), or ``"empirical"``: the factors of the
             empirical Fisher ``Σ_n g_n g_nᵀ`` (``g_n = batch_grad[n]``, at the given
             targets ``y``; ``mc_samples`` unused), as curvlinops' ``fisher_type``.
@@ -136,10 +134,7 @@ def kflr(
     loss: nn.Module | None = None,
     kfac_approx: KfacApprox = "sum",
     on_unsupported: OnUnsupported = "raise",
-    data: Iterable[BatchT] | None = None,
-    batch_to_xy: BatchToXY[BatchT] | None = None,
-    progress: bool = False,
-    process_group: ProcessGroup | None = None,
+    **dataset: Unpack[DataOptions],
 ) -> FactorTree:
     """KFLR: Kronecker factors from the exact square-root columns (BackPACK's ``KFLR``).
 
@@ -169,10 +164,7 @@ def kfra(
     loss: nn.Module | None = None,
     curvature: Curvature = "ggn",
     on_unsupported: OnUnsupported = "raise",
-    data: Iterable[BatchT] | None = None,
-    batch_to_xy: BatchToXY[BatchT] | None = None,
-    progress: bool = False,
-    process_group: ProcessGroup | None = None,
+    **dataset: Unpack[DataOptions],
 ) -> FactorTree:
     """KFRA: Kronecker factors from the batch-averaged GGN of a sequential model.
 

@@ -13,15 +13,15 @@ BackPACK's, it is defined for sequential models.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, cast
 
 import optree
 from torch import Tensor, nn
 from torch.func import grad, vmap
+from typing_extensions import Unpack
 
-from packfunc.data import BatchToXY, over_data
-from packfunc.distributed import ProcessGroup
+from packfunc.data import DataOptions, over_data
 from packfunc.engine.autodiff import jvp, vjp
 from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.modes import functional_mode, twice_differentiable
@@ -39,7 +39,6 @@ from packfunc.losses import (
 from packfunc.specs import SPECS
 from packfunc.types import (
     DATA_ARGUMENTS,
-    BatchT,
     Inputs,
     ModelFn,
     Modify,
@@ -60,10 +59,7 @@ def ggn_vector_product(
     v: PyTree = None,
     *,
     loss: nn.Module | None = None,
-    data: Iterable[BatchT] | None = None,
-    batch_to_xy: BatchToXY[BatchT] | None = None,
-    progress: bool = False,
-    process_group: ProcessGroup | None = None,
+    **dataset: Unpack[DataOptions],
 ) -> ParamsT:
     """Multiply the GGN of the reduced loss with ``v`` (BackPACK's ``ggn_vector_product``).
 
@@ -96,10 +92,7 @@ def hessian_vector_product(
     v: PyTree = None,
     *,
     loss: nn.Module | None = None,
-    data: Iterable[BatchT] | None = None,
-    batch_to_xy: BatchToXY[BatchT] | None = None,
-    progress: bool = False,
-    process_group: ProcessGroup | None = None,
+    **dataset: Unpack[DataOptions],
 ) -> ParamsT:
     """Multiply the Hessian of the reduced loss w.r.t. the parameters with ``v``.
 
@@ -132,10 +125,7 @@ def ggn_block_products(
     mats: PyTree = None,
     *,
     loss: nn.Module | None = None,
-    data: Iterable[BatchT] | None = None,
-    batch_to_xy: BatchToXY[BatchT] | None = None,
-    progress: bool = False,
-    process_group: ProcessGroup | None = None,
+    **dataset: Unpack[DataOptions],
 ) -> ParamsT:
     """Multiply each parameter's GGN block with a stack of matrices (BackPACK's ``GGNMP``).
 
@@ -169,10 +159,7 @@ def hessian_block_products(
     mats: PyTree = None,
     *,
     loss: nn.Module | None = None,
-    data: Iterable[BatchT] | None = None,
-    batch_to_xy: BatchToXY[BatchT] | None = None,
-    progress: bool = False,
-    process_group: ProcessGroup | None = None,
+    **dataset: Unpack[DataOptions],
 ) -> ParamsT:
     """Multiply each parameter's Hessian block with a stack of matrices (BackPACK's ``HMP``).
 
@@ -211,10 +198,7 @@ def pch_block_products(
     *,
     loss: nn.Module | None = None,
     modify: Modify = "clip",
-    data: Iterable[BatchT] | None = None,
-    batch_to_xy: BatchToXY[BatchT] | None = None,
-    progress: bool = False,
-    process_group: ProcessGroup | None = None,
+    **dataset: Unpack[DataOptions],
 ) -> ParamsT:
     """Multiply each parameter's positive-curvature Hessian block with matrices (``PCHMP``).
 

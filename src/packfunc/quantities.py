@@ -6,18 +6,18 @@ Which names it takes, and how each combines over batches and ranks, is in
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
-from packfunc.data import BatchToXY, over_data
-from packfunc.distributed import ProcessGroup
+from packfunc.data import DataOptions, over_data
 from packfunc.evaluation import compute_batch, statistic_quantities
 from packfunc.losses import default_loss
 from packfunc.specs import FIRST_ORDER, QUANTITIES, SECOND_ORDER
-from packfunc.types import BatchT, Inputs, ModelFn, ParamsT, Samples, Targets
+from packfunc.types import Inputs, ModelFn, ParamsT, Samples, Targets
 
 
 @over_data(None)
@@ -33,10 +33,7 @@ def compute(
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
     chunk_size: int | None = None,
-    data: Iterable[BatchT] | None = None,
-    batch_to_xy: BatchToXY[BatchT] | None = None,
-    progress: bool = False,
-    process_group: ProcessGroup | None = None,
+    **dataset: Unpack[DataOptions],
 ) -> dict[str, Any]:
     """Compute several quantities in one pass over the model.
 

@@ -11,18 +11,15 @@ gives several quantities in one pass.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
-from packfunc.data import BatchToXY, over_data
-from packfunc.distributed import ProcessGroup
+from packfunc.data import DataOptions, over_data
 from packfunc.evaluation import one_quantity
 from packfunc.specs import SPECS
 from packfunc.types import (
     DATA_ARGUMENTS,
-    BatchT,
     Inputs,
     ModelFn,
     ParamsT,
@@ -56,10 +53,7 @@ def sqrt_ggn(
     generator: torch.Generator | None = None,
     subsampling: Samples = None,
     chunk_size: int | None = None,
-    data: Iterable[BatchT] | None = None,
-    batch_to_xy: BatchToXY[BatchT] | None = None,
-    progress: bool = False,
-    process_group: ProcessGroup | None = None,
+    **dataset: Unpack[DataOptions],
 ) -> ParamsT:
     """Square root of the GGN, per sample (BackPACK's ``SqrtGGNExact`` / ``SqrtGGNMC``).
 
@@ -101,10 +95,7 @@ def diag_ggn(
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
     chunk_size: int | None = None,
-    data: Iterable[BatchT] | None = None,
-    batch_to_xy: BatchToXY[BatchT] | None = None,
-    progress: bool = False,
-    process_group: ProcessGroup | None = None,
+    **dataset: Unpack[DataOptions],
 ) -> ParamsT:
     """Diagonal of the GGN (BackPACK's ``DiagGGNExact`` / ``DiagGGNMC``).
 
@@ -154,10 +145,7 @@ def batch_diag_ggn(
     generator: torch.Generator | None = None,
     subsampling: Samples = None,
     chunk_size: int | None = None,
-    data: Iterable[BatchT] | None = None,
-    batch_to_xy: BatchToXY[BatchT] | None = None,
-    progress: bool = False,
-    process_group: ProcessGroup | None = None,
+    **dataset: Unpack[DataOptions],
 ) -> ParamsT:
     """Per-sample diagonals of the GGN (BackPACK's ``BatchDiagGGNExact`` / ``BatchDiagGGNMC``).
 
@@ -194,10 +182,7 @@ def diag_hessian(
     *,
     loss: nn.Module | None = None,
     chunk_size: int | None = None,
-    data: Iterable[BatchT] | None = None,
-    batch_to_xy: BatchToXY[BatchT] | None = None,
-    progress: bool = False,
-    process_group: ProcessGroup | None = None,
+    **dataset: Unpack[DataOptions],
 ) -> ParamsT:
     """Diagonal of the loss Hessian w.r.t. the parameters (BackPACK's ``DiagHessian``).
 
@@ -226,10 +211,7 @@ def batch_diag_hessian(
     loss: nn.Module | None = None,
     subsampling: Samples = None,
     chunk_size: int | None = None,
-    data: Iterable[BatchT] | None = None,
-    batch_to_xy: BatchToXY[BatchT] | None = None,
-    progress: bool = False,
-    process_group: ProcessGroup | None = None,
+    **dataset: Unpack[DataOptions],
 ) -> ParamsT:
     """Per-sample diagonals of the loss Hessian (BackPACK's ``BatchDiagHessian``).
 
