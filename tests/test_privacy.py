@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import packfunc as pf
-from tests.cases import autograd_batch_grad
+from tests.cases import assert_trees_close, autograd_batch_grad, make_problem
 
 
 def _problem() -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
@@ -95,3 +95,175 @@ def test_gradients_flow_through_clipping() -> None:
 def test_rejects_invalid_arguments(batch: dict, max_norm: float, noise: float, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         pf.clip_and_noise(batch, max_norm, noise)
+
+
+def _clipped_sum_by_loop(batch: dict[str, torch.Tensor], max_norm: float) -> dict:
+    """``Σ_n clip(g_n)``: the clipped mean of the loop times the batch size."""
+    num_samples = next(iter(batch.values())).shape[0]
+    return {k: g * num_samples for k, g in _clipped_mean_by_loop(batch, max_norm).items()}
+
+
+@pytest.mark.parametrize("clipped", ["all", "none", "mixed"])
+def test_clipped_grad_is_the_clipped_sum_of_per_sample_gradients(case, clipped: str) -> None:
+    """Against a per-sample autograd loop and ``clip_per_sample(batch_grad).sum(0)``, float64."""
+    problem = make_problem(case, "cross_entropy", "sum", n=4)
+    expected_batch = autograd_batch_grad(problem.model, problem.loss, problem.X, problem.y)
+    norms = torch.stack([g.reshape(len(g), -1).square().sum(1) for g in expected_batch.values()])
+    norms = norms.sum(0).sqrt()
+    max_norm = {"all": norms.min() / 2, "none": norms.max() * 2, "mixed": norms.median()}
+    bound = float(max_norm[clipped])
+    model_fn, params = problem.functional()
+    found = pf.clipped_grad(
+        model_fn, params, problem.X, problem.y, loss=problem.loss, max_norm=bound
+    )
+    assert_trees_close(found, _clipped_sum_by_loop(expected_batch, bound), "loop")
+    batch = pf.batch_grad(model_fn, params, problem.X, problem.y, loss=problem.loss)
+    by_clipping = {k: g.sum(0) for k, g in pf.clip_per_sample(batch, bound).items()}
+    assert_trees_close(found, by_clipping, "clip_per_sample")
+
+
+def test_clipped_grad_with_padding_and_ignore_index() -> None:
+    """A sequence model whose ignored tokens are padding: a sample's norm covers its tokens."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 6), nn.Linear(6, 5)).double()
+    X = torch.randint(0, 11, (5, 7))
+    y = torch.randint(0, 5, (5, 7))
+    y[:, 4:] = -100  # padding
+    y[2] = -100  # a sample with no tokens: zero gradient, zero norm
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    model_fn, params = pf.functional(model)
+
+    def forward(p, X):
+        return model_fn(p, X).transpose(1, 2)  # [N, C, T] for the loss
+
+    batch = autograd_batch_grad(_Transposed(model), loss, X, y)
+    batch = {k.removeprefix("inner."): g for k, g in batch.items()}
+    found = pf.clipped_grad(forward, params, X, y, loss=loss, max_norm=0.5)
+    assert_trees_close(found, _clipped_sum_by_loop(batch, 0.5))
+
+
+class _Transposed(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        return self.inner(X).transpose(1, 2)
+
+
+def test_clipped_grad_over_data_and_for_a_subset_of_parameters() -> None:
+    """Batches' clipped sums add up; frozen parameters are left out of the norm and the sum."""
+    model, loss, X, y = _problem()
+    model_fn, params = pf.functional(model)
+    head = {k: v for k, v in params.items() if k.startswith("2.")}
+    whole = pf.clipped_grad(model_fn, head, X, y, loss=loss, max_norm=0.3)
+    batches = [(X[:4], y[:4]), (X[4:], y[4:])]
+    over_data = pf.clipped_grad(model_fn, head, data=batches, loss=loss, max_norm=0.3)
+    assert_trees_close(over_data, whole)
+    expected = {k: g for k, g in autograd_batch_grad(model, loss, X, y).items() if k in head}
+    assert_trees_close(whole, _clipped_sum_by_loop(expected, 0.3))
+
+
+def test_clipped_grad_refuses_a_mean_and_a_bad_bound() -> None:
+    model, _, X, y = _problem()
+    model_fn, params = pf.functional(model)
+    with pytest.raises(ValueError, match="reduction='sum'"):
+        pf.clipped_grad(model_fn, params, X, y, loss=nn.CrossEntropyLoss(), max_norm=1.0)
+    with pytest.raises(ValueError, match="reduction='sum'"):
+        pf.clipped_grad(model_fn, params, data=[(X, y)], loss=nn.CrossEntropyLoss(), max_norm=1.0)
+    with pytest.raises(ValueError, match="max_norm > 0"):
+        pf.clipped_grad(model_fn, params, X, y, max_norm=0.0)
+    with pytest.raises(TypeError, match="max_norm"):
+        pf.clipped_grad(model_fn, params, data=[(X, y)])  # type: ignore[call-arg]
+
+
+def test_clipped_grad_with_norms_and_loss_in_one_pass() -> None:
+    model, loss, X, y = _problem()
+    model_fn, params = pf.functional(model)
+    out = pf.compute(
+        model_fn,
+        params,
+        X,
+        y,
+        loss=loss,
+        max_norm=0.3,
+        quantities=("clipped_grad", "batch_l2_grad"),
+    )
+    assert set(out) == {"loss", "clipped_grad", "batch_l2_grad"}
+    assert_trees_close(
+        out["clipped_grad"], pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=0.3)
+    )
+
+
+def test_add_noise_has_the_stated_distribution() -> None:
+    """``(noisy - sum) / (σ C)`` is standard normal (fixed generator); σ = 0 adds nothing."""
+    total = {"w": torch.randn(200, 100), "b": torch.randn(100)}
+    noisy = pf.privacy.add_noise(total, 0.5, 2.0, generator=torch.Generator().manual_seed(0))
+    z = torch.cat([((noisy[k] - total[k]) / (0.5 * 2.0)).flatten() for k in total])
+    assert abs(z.mean().item()) < 0.02 and abs(z.std().item() - 1) < 0.02
+    assert abs(((z**4).mean() - 3).item()) < 0.1  # Gaussian kurtosis
+    assert_trees_close(pf.privacy.add_noise(total, 0.5, 0.0), total)
+
+
+def test_poisson_batches_include_each_example_with_probability_q() -> None:
+    batches = pf.privacy.PoissonBatches(
+        50, 0.2, steps=400, generator=torch.Generator().manual_seed(0)
+    )
+    counts = torch.zeros(50)
+    sizes = []
+    for indices in batches:
+        counts[indices] += 1
+        sizes.append(len(indices))
+    assert abs(counts.mean().item() / 400 - 0.2) < 0.01
+    assert 0 in sizes or min(sizes) < 5  # variable sizes
+    assert len(set(sizes)) > 5
+    empty = next(iter(pf.privacy.PoissonBatches(3, 1e-9, steps=1)))
+    assert empty.numel() == 0
+
+
+def test_accounting_equals_opacus() -> None:
+    pytest.importorskip("opacus")
+    from opacus.accountants import PRVAccountant, RDPAccountant
+    from opacus.accountants.utils import get_noise_multiplier
+
+    for kind, accountant in (("rdp", RDPAccountant()), ("prv", PRVAccountant())):
+        for _ in range(300):
+            accountant.step(noise_multiplier=1.1, sample_rate=0.02)
+        expected = accountant.get_epsilon(delta=1e-5)
+        found = pf.privacy.epsilon(
+            noise_multiplier=1.1, sample_rate=0.02, steps=300, delta=1e-5, accountant=kind
+        )
+        assert found == pytest.approx(expected, rel=1e-6)
+    sigma = pf.privacy.noise_multiplier(epsilon=3.0, delta=1e-5, sample_rate=0.02, steps=300)
+    assert sigma == get_noise_multiplier(
+        target_epsilon=3.0, target_delta=1e-5, sample_rate=0.02, steps=300
+    )
+
+
+@pytest.mark.parametrize("shape", [(32,), (4, 32)])  # one position per sample, or a sequence
+def test_clipped_grad_materializes_no_per_sample_gradient(monkeypatch, shape) -> None:
+    """A linear weight gives its norms and clipped sum in closed form: no ``[N, out, in]``
+    tensor where the Gram form over positions is the cheaper (the narrow head's may be
+    formed, by the cost rule; a bias's ``[N, out]`` is the size of a layer output)."""
+    from packfunc.engine import batch_pass
+
+    leaf_columns = batch_pass.ColumnGradients.leaf_columns
+
+    def materialized(self, leaf, index):
+        wide = self.bp.leaves[leaf].shape == (48, 32)  # Gram form cheaper even with 4 positions
+        assert not wide, "a per-sample weight gradient was materialized"
+        return leaf_columns(self, leaf, index)
+
+    model = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 3)).double()
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    X = torch.randn(9, *shape, dtype=torch.float64)
+    y = torch.randint(0, 3, (9, *shape[:-1]))
+    model_fn, params = pf.functional(model)
+
+    def forward(p, X):
+        out = model_fn(p, X)
+        return out if out.dim() == 2 else out.transpose(1, 2)
+
+    expected = pf.clipped_grad(forward, params, X, y, loss=loss, max_norm=0.2)
+    monkeypatch.setattr(batch_pass.ColumnGradients, "leaf_columns", materialized)
+    assert_trees_close(pf.clipped_grad(forward, params, X, y, loss=loss, max_norm=0.2), expected)

@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from packfunc import kron, losses, optim
+from packfunc import kron, losses, optim, privacy
 from packfunc.data import per_batch
 from packfunc.eigen_kfac import ekfac
 from packfunc.engine.randomness import RandomModelError
@@ -11,7 +11,7 @@ from packfunc.explanation import explain
 from packfunc.firstorder import batch_grad, batch_l2_grad, sum_grad_squared, variance
 from packfunc.functionalize import functional
 from packfunc.kronecker_factors import kfac, kflr, kfra
-from packfunc.privacy import clip_and_noise, clip_per_sample
+from packfunc.privacy import clip_and_noise, clip_per_sample, clipped_grad
 from packfunc.products import (
     ggn_block_products,
     ggn_vector_product,
@@ -39,6 +39,7 @@ __all__ = [
     "batch_l2_grad",
     "clip_and_noise",
     "clip_per_sample",
+    "clipped_grad",
     "compute",
     "diag_ggn",
     "diag_hessian",
@@ -59,6 +60,7 @@ __all__ = [
     "losses",
     "optim",
     "pch_block_products",
+    "privacy",
     "per_batch",
     "sqrt_ggn",
     "sum_grad_squared",

@@ -47,7 +47,7 @@ from packfunc.distributed import (
     sum_over_ranks,
     world_size,
 )
-from packfunc.evaluation import compute_batch, statistic_quantities
+from packfunc.evaluation import check_per_sample_loss, compute_batch, statistic_quantities
 from packfunc.functionalize import normal_tensors, public_entry
 from packfunc.losses import check_loss, default_loss, mean_normalizer
 from packfunc.specs import QUANTITIES, SPECS, Combine, Family, Quantity
@@ -331,7 +331,7 @@ def _over_dataset(
     """The quantity over every batch of ``source`` (and every rank of its group)."""
     check_group(source.group)
     options = dict(options)
-    loss = options.pop("loss", None) or default_loss()
+    loss = options.pop("loss", None) or default_loss("sum" if _per_sample_loss(spec) else "mean")
     check_loss(loss)
     if options.get("subsampling") is not None:
         raise ValueError(
@@ -348,6 +348,7 @@ def _over_dataset(
             lambda X_b, y_b: one_call(X_b, y_b, loss=loss, **options),
         )
     specs, options = _requested(spec, options)
+    check_per_sample_loss(specs, loss)
     partials = _per_batch(spec, specs, one_call, model_fn, params, options)
     if spec is not None and spec.combine is Combine.PER_SAMPLE:
         normalizer = _dataset_normalizer(loss, source, device)
@@ -361,6 +362,11 @@ def _over_dataset(
     if spec is not None:
         return result[spec.name]
     return {"loss": totals["loss"] * scale} | result
+
+
+def _per_sample_loss(spec: Quantity | None) -> bool:
+    """Whether ``spec`` needs each sample's own loss (its default loss sums)."""
+    return spec is not None and spec.per_sample_loss
 
 
 def _device(params: Any) -> torch.device:

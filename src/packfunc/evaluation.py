@@ -18,13 +18,16 @@ import torch
 from torch import Tensor, nn
 
 from packfunc.engine import hessian
-from packfunc.engine.batch_pass import BatchPass, check_pass_arguments
+from packfunc.engine.batch_pass import BatchPass, ColumnGradients, check_pass_arguments
 from packfunc.engine.statistics import ggn_statistics, leaf_statistics
 from packfunc.engine.vocabulary import Statistic
 from packfunc.functionalize import as_index, batch_size
 from packfunc.losses import check_loss_inputs, default_loss, given_targets
 from packfunc.specs import QUANTITIES, SPECS, Combine, Cotangents, Quantity, Stats
 from packfunc.types import Inputs, ModelFn, Params, ParamsT, Samples, Targets
+
+CLIPPING_EPS = 1e-6
+"""Added to each norm before dividing, so zero gradients stay finite (as in opacus)."""
 
 
 def statistic_quantities(quantities: str | Sequence[str]) -> tuple[str, ...]:
@@ -73,6 +76,7 @@ def compute_batch(
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
     chunk_size: int | None = None,
+    max_norm: float | None = None,
 ) -> dict[str, Any]:
     """Statistic quantities of one batch (see :func:`packfunc.compute`).
 
@@ -87,6 +91,7 @@ def compute_batch(
         mc_samples: ``None`` (exact GGN) or the number of Monte-Carlo samples.
         generator: Random generator for the samples.
         chunk_size: Samples per chunk where per-sample tensors are materialized.
+        max_norm: The clipping bound of ``clipped_grad``.
 
     Returns:
         ``{"loss": reduced loss, name: pytree like params, ...}``.
@@ -102,7 +107,7 @@ def compute_batch(
     if set(names) == {"grad"}:
         return plain_gradient(model_fn, params, X, targets, loss, chunk_size)
     bp = BatchPass(model_fn, params, X, targets, loss, chunk_size)
-    return evaluate(bp, names, subsampling, mc_samples, generator)
+    return evaluate(bp, names, subsampling, mc_samples, generator, max_norm)
 
 
 def one_quantity(
@@ -186,6 +191,7 @@ def evaluate(
     subsampling: Samples = None,
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
+    max_norm: float | None = None,
 ) -> dict[str, Any]:
     """Statistic quantities from an existing batch pass (see :func:`compute_batch`).
 
@@ -195,6 +201,7 @@ def evaluate(
         subsampling: Sample indices for the per-sample quantities.
         mc_samples: ``None`` (exact GGN) or the number of Monte-Carlo samples.
         generator: Random generator for the samples.
+        max_norm: The clipping bound of ``clipped_grad``.
 
     Returns:
         As :func:`compute_batch`.
@@ -207,6 +214,7 @@ def evaluate(
         torch.Size([2])
     """
     specs = [QUANTITIES[name] for name in names]
+    check_per_sample_loss(specs, bp.loss)
     made = [QUANTITIES[part] for spec in specs for part in spec.parts] + specs
     index = as_index(subsampling, bp.n, bp.record.output.device)
     wanted: dict[Cotangents, set[Statistic]] = {}
@@ -214,7 +222,7 @@ def evaluate(
         if spec.statistic is not None and spec.cotangents is not None:
             wanted.setdefault(spec.cotangents, set()).add(spec.statistic)
     stats = {
-        kind: _statistics(bp, kind, needed, index, mc_samples, generator)
+        kind: _statistics(bp, kind, needed, index, mc_samples, generator, max_norm)
         for kind, needed in wanted.items()
     }
     values: dict[str, Any] = {}
@@ -253,13 +261,73 @@ def _statistics(
     index: slice | Tensor,
     mc_samples: int | None,
     generator: torch.Generator | None,
+    max_norm: float | None,
 ) -> Sequence[Stats]:
     """Statistics of every leaf for one kind of output cotangents."""
     if kind is Cotangents.GRADIENT:
         return leaf_statistics(bp.gradient_columns(), stats, index)
+    if kind is Cotangents.CLIPPED_GRADIENT:
+        return leaf_statistics(clipped_columns(bp, max_norm), stats, index)
     if kind is Cotangents.HESSIAN:
         return hessian.diagonals(bp, stats, index)
     return ggn_statistics(bp, stats, index, mc_samples, generator)
+
+
+def check_per_sample_loss(specs: Sequence[Quantity], loss: nn.Module) -> None:
+    """Refuse a mean-reduced loss for quantities of each sample's own loss (clipping).
+
+    Args:
+        specs: The quantities asked for.
+        loss: The loss module.
+
+    Raises:
+        ValueError: if one of them needs ``reduction='sum'`` and the loss has another.
+
+    Example:
+        >>> check_per_sample_loss([QUANTITIES["grad"]], torch.nn.CrossEntropyLoss())
+    """
+    needing = [spec.name for spec in specs if spec.per_sample_loss]
+    if needing and loss.reduction != "sum":
+        raise ValueError(
+            f"{needing} clip each sample's gradient of its own loss; with "
+            f"reduction={loss.reduction!r} the gradients are scaled by the batch's normalizer. "
+            "Pass the loss with reduction='sum' (and divide the result by the batch size "
+            "yourself, as DP-SGD does after adding noise)."
+        )
+
+
+def clipped_columns(bp: BatchPass, max_norm: float | None) -> ColumnGradients:
+    """The loss gradient's column gradients with each sample's scaled to norm ``≤ max_norm``.
+
+    The norm of sample ``n``'s gradient is taken over every leaf of ``params``
+    together, from the closed forms where layers allow (no ``[N, *p]`` tensor); its
+    factor ``min(1, max_norm / (‖g_n‖ + 1e-6))`` scales its output and recorded
+    cotangents (:meth:`ColumnGradients.reweighted`), so their sum is the clipped sum.
+
+    Args:
+        bp: The batch pass.
+        max_norm: The bound ``C > 0``.
+
+    Returns:
+        The clipped :class:`ColumnGradients`.
+
+    Raises:
+        ValueError: for a missing or non-positive ``max_norm``.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        ...               torch.nn.CrossEntropyLoss(reduction="sum"))
+        >>> clipped_columns(bp, 1.0).cotangents.shape
+        torch.Size([1, 4, 2])
+    """
+    if max_norm is None or not max_norm > 0:
+        raise ValueError(f"clipping needs max_norm > 0; got max_norm={max_norm!r}.")
+    columns = bp.gradient_columns()
+    everyone = slice(0, bp.n)
+    norms = leaf_statistics(columns, {Statistic.SQUARED_NORMS}, everyone)
+    total = torch.stack([leaf[Statistic.SQUARED_NORMS] for leaf in norms]).sum(0).sqrt()
+    return columns.reweighted((max_norm / (total + CLIPPING_EPS)).clamp(max=1.0))
 
 
 __all__ = [

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -118,17 +118,20 @@ def given_targets(y: Tensor | None, function: str) -> Tensor:
     return y
 
 
-def default_loss() -> nn.Module:
-    """Return the default loss, ``CrossEntropyLoss()`` with mean reduction.
+def default_loss(reduction: Literal["mean", "sum"] = "mean") -> nn.Module:
+    """Return the default loss, ``CrossEntropyLoss()`` (with mean reduction unless told).
+
+    Args:
+        reduction: ``'sum'`` for quantities of each sample's own loss (clipping).
 
     Returns:
         A fresh ``torch.nn.CrossEntropyLoss``.
 
     Example:
-        >>> default_loss().reduction
-        'mean'
+        >>> default_loss().reduction, default_loss("sum").reduction
+        ('mean', 'sum')
     """
-    return nn.CrossEntropyLoss()
+    return nn.CrossEntropyLoss(reduction=reduction)
 
 
 def check_loss(loss: nn.Module) -> None:

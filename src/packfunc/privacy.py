@@ -1,26 +1,276 @@
-"""Differentially private gradients from per-sample gradients: DP-SGD's clipping and noise.
+"""Differentially private training: DP-SGD's clipped sum, noise, Poisson batches, accounting.
 
 DP-SGD bounds every sample's influence on a step by clipping its gradient (over all
 parameters together) to norm ``C``, and hides what remains by adding Gaussian noise of
-standard deviation ``σ·C`` to the sum. Both functions take the per-sample gradients of
-:func:`packfunc.batch_grad` and, optionally, their squared norms from
-:func:`packfunc.batch_l2_grad`; :func:`packfunc.compute` gives both in one pass. Use a loss
-with ``reduction='sum'`` so that ``batch_grad[n]`` is sample ``n``'s own gradient. Privacy
-accounting (which ``σ`` buys which ``(ε, δ)``) is not part of packfunc.
+standard deviation ``σ·C`` to the sum. :func:`clipped_grad` gives the clipped sum from one
+forward and one backward, without per-sample gradients; :func:`add_noise` adds the noise;
+:class:`PoissonBatches` samples each example independently with probability ``q`` per step
+(the sampling the accountants assume); :func:`epsilon` and :func:`noise_multiplier` ask
+opacus' accountants (RDP or PRV; ``pip install opacus``) what a run spends. For per-sample
+gradients you already have, :func:`clip_per_sample` and :func:`clip_and_noise` do the same
+from :func:`packfunc.batch_grad`. Use a loss with ``reduction='sum'`` (each sample's own
+loss). The noise comes from ``torch``'s generator: for a deployment that must resist an
+attacker who could predict it, draw it from a cryptographically secure source instead.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+from collections.abc import Iterator
+from typing import Any, Literal, cast
 
 import optree
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from typing_extensions import Unpack
 
-from packfunc.types import ParamsT, PyTree
+from packfunc.data import DataOptions, over_data
+from packfunc.evaluation import CLIPPING_EPS, one_quantity
+from packfunc.losses import default_loss
+from packfunc.specs import SPECS
+from packfunc.types import (
+    DATA_ARGUMENTS,
+    Inputs,
+    ModelFn,
+    ParamsT,
+    PyTree,
+    Targets,
+    shares_arguments,
+)
 
-_EPS = 1e-6
-"""Added to each norm before dividing, so zero gradients stay finite (as in opacus)."""
+
+@over_data(SPECS["clipped_grad"], required=("max_norm",))
+@shares_arguments("model_fn", "params", "X", "y", "chunk_size", *DATA_ARGUMENTS)
+def clipped_grad(
+    model_fn: ModelFn,
+    params: ParamsT,
+    X: Inputs = None,
+    y: Targets = None,
+    *,
+    max_norm: float,
+    loss: nn.Module | None = None,
+    chunk_size: int | None = None,
+    **dataset: Unpack[DataOptions],
+) -> ParamsT:
+    """DP-SGD's clipped sum ``Σ_n g_n · min(1, C / (‖g_n‖ + 1e-6))``, without ``[N, *p]``.
+
+    ``g_n`` is sample ``n``'s gradient of its own loss, its norm taken over every leaf of
+    ``params`` together (pass a subset of the parameters to clip and train only those).
+    One forward and one backward: the norms come from the layers' closed forms (the
+    Gram form over positions where that is cheaper), and the clipped sum is one more
+    contraction of the same recorded inputs with the clipping-weighted output
+    gradients; parameters without a closed form take their op-local path. With
+    ``data=`` the batches' clipped sums add up.
+
+    Args:
+        max_norm: The bound ``C > 0`` on each sample's gradient norm.
+        loss: A ``torch.nn`` loss with ``reduction='sum'``, each sample's own loss
+            (default ``CrossEntropyLoss(reduction='sum')``); a mean is refused.
+
+    Returns:
+        Pytree like ``params``: the sum of the clipped per-sample gradients (add noise and
+        divide by the batch size for DP-SGD, e.g. with :func:`add_noise`).
+
+    Raises:
+        ValueError: for ``max_norm <= 0`` or a loss without ``reduction='sum'``.
+
+    Example:
+        >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> X, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+        >>> clipped_grad(model_fn, params, X, y, max_norm=1.0)["weight"].shape
+        torch.Size([2, 3])
+    """
+    return one_quantity(
+        "clipped_grad",
+        model_fn,
+        params,
+        X,
+        y,
+        loss or default_loss("sum"),
+        chunk_size=chunk_size,
+        max_norm=max_norm,
+    )
+
+
+def add_noise(
+    clipped_sum: ParamsT,
+    max_norm: float,
+    noise_multiplier: float,
+    *,
+    generator: torch.Generator | None = None,
+) -> ParamsT:
+    """The clipped sum plus Gaussian noise of standard deviation ``σ·C`` in every coordinate.
+
+    Divide the result by the (expected) batch size for DP-SGD's mean gradient.
+
+    Args:
+        clipped_sum: The clipped sum (e.g. from :func:`clipped_grad`).
+        max_norm: The clipping bound ``C``.
+        noise_multiplier: ``σ >= 0``.
+        generator: Random generator for the noise (on the sum's device).
+
+    Returns:
+        Pytree like ``clipped_sum``.
+
+    Raises:
+        ValueError: for a negative ``noise_multiplier`` or non-positive ``max_norm``.
+
+    Example:
+        >>> add_noise({"w": torch.zeros(3)}, 1.0, 0.0)["w"]
+        tensor([0., 0., 0.])
+    """
+    if noise_multiplier < 0 or not max_norm > 0:
+        raise ValueError(
+            f"add_noise needs noise_multiplier >= 0 and max_norm > 0; got {noise_multiplier!r}"
+            f" and {max_norm!r}."
+        )
+    leaves, treespec = optree.tree_flatten(cast(Any, clipped_sum))
+    noisy = [leaf + noise_multiplier * max_norm * _gaussian(leaf, generator) for leaf in leaves]
+    return cast(ParamsT, optree.tree_unflatten(treespec, noisy))
+
+
+def _gaussian(like: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Standard normal noise shaped like ``like``, drawn on the generator's device."""
+    device = like.device if generator is None else generator.device
+    z = torch.randn(like.shape, generator=generator, dtype=like.dtype, device=device)
+    return z.to(like.device)
+
+
+class PoissonBatches:
+    """Poisson sampling: each step includes every example independently with probability ``q``.
+
+    Iterating yields ``steps`` index tensors of varying length (possibly empty: the
+    clipped sum of an empty batch is zero, and the step is the noise alone). Use it as a
+    ``DataLoader``'s ``batch_sampler`` (with a ``collate_fn`` that accepts an empty list)
+    or index a tensor dataset yourself.
+
+    Args:
+        size: Number of examples ``n``.
+        sample_rate: ``q`` in ``(0, 1]``; the expected batch size is ``q·n``.
+        steps: Batches per pass (default ``round(1 / q)``: one epoch in expectation).
+        generator: Random generator for the draws.
+
+    Example:
+        >>> batches = PoissonBatches(100, 0.1, generator=torch.Generator().manual_seed(0))
+        >>> len(batches), all(len(b) <= 100 for b in batches)
+        (10, True)
+    """
+
+    def __init__(
+        self,
+        size: int,
+        sample_rate: float,
+        steps: int | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        if size < 1 or not 0 < sample_rate <= 1:
+            raise ValueError(
+                f"PoissonBatches needs size >= 1 and 0 < sample_rate <= 1; got {size!r} and "
+                f"{sample_rate!r}."
+            )
+        self.size, self.sample_rate, self.generator = size, sample_rate, generator
+        self.steps = steps if steps is not None else max(1, round(1 / sample_rate))
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[Tensor]:
+        for _ in range(self.steps):
+            drawn = torch.rand(self.size, generator=self.generator)
+            yield torch.nonzero(drawn < self.sample_rate).flatten()
+
+
+Accountant = Literal["rdp", "prv"]
+"""opacus' accountants: Rényi DP (``"rdp"``) or the privacy random variable (``"prv"``)."""
+
+
+def epsilon(
+    *,
+    noise_multiplier: float,
+    sample_rate: float,
+    steps: int,
+    delta: float,
+    accountant: Accountant = "rdp",
+) -> float:
+    """The privacy spent, ``ε`` at ``δ``, by ``steps`` DP-SGD steps with Poisson sampling.
+
+    Computed by opacus' accountant (the value opacus itself reports for the run).
+
+    Args:
+        noise_multiplier: ``σ``.
+        sample_rate: ``q``, each example's probability of being in a batch.
+        steps: Number of steps.
+        delta: ``δ``.
+        accountant: ``"rdp"`` or ``"prv"``.
+
+    Returns:
+        ``ε``.
+
+    Raises:
+        ImportError: without opacus.
+
+    Example:
+        >>> round(epsilon(noise_multiplier=1.1, sample_rate=0.01, steps=1000, delta=1e-5), 3)
+        1.712
+    """
+    accounting = _opacus_accountant(accountant)
+    accounting.history = [(noise_multiplier, sample_rate, steps)]
+    return float(accounting.get_epsilon(delta=delta))
+
+
+def noise_multiplier(
+    *,
+    epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: Accountant = "rdp",
+) -> float:
+    """The noise multiplier ``σ`` for which ``steps`` steps spend at most ``ε`` (opacus' search).
+
+    Args:
+        epsilon: The target ``ε``.
+        delta: ``δ``.
+        sample_rate: ``q``.
+        steps: Number of steps.
+        accountant: ``"rdp"`` or ``"prv"``.
+
+    Returns:
+        ``σ``.
+
+    Raises:
+        ImportError: without opacus.
+
+    Example:
+        >>> sigma = noise_multiplier(epsilon=2.0, delta=1e-5, sample_rate=0.01, steps=1000)
+        >>> 0.9 < sigma < 1.1
+        True
+    """
+    _opacus_accountant(accountant)  # the clear error without opacus
+    from opacus.accountants.utils import get_noise_multiplier
+
+    return float(
+        get_noise_multiplier(
+            target_epsilon=epsilon,
+            target_delta=delta,
+            sample_rate=sample_rate,
+            steps=steps,
+            accountant=accountant,
+        )
+    )
+
+
+def _opacus_accountant(kind: Accountant) -> Any:
+    """A fresh opacus accountant of that kind."""
+    try:
+        from opacus.accountants import create_accountant
+    except ImportError as error:
+        raise ImportError(
+            "privacy accounting uses opacus' accountants: pip install opacus (only its "
+            "accountants are used)."
+        ) from error
+    if kind not in ("rdp", "prv"):
+        raise ValueError(f"accountant must be 'rdp' or 'prv'; got {kind!r}.")
+    return create_accountant(kind)
 
 
 def clip_per_sample(batch_grads: ParamsT, max_norm: float, *, batch_l2: PyTree = None) -> ParamsT:
@@ -59,7 +309,7 @@ def clip_per_sample(batch_grads: ParamsT, max_norm: float, *, batch_l2: PyTree =
     else:
         squared_norms = optree.tree_leaves(cast(Any, batch_l2))
     norms = torch.stack(squared_norms).sum(0).sqrt()
-    factors = (max_norm / (norms + _EPS)).clamp(max=1.0)
+    factors = (max_norm / (norms + CLIPPING_EPS)).clamp(max=1.0)
     clipped = [g * factors.view(-1, *[1] * (g.dim() - 1)).to(g.dtype) for g in leaves]
     return cast(ParamsT, optree.tree_unflatten(treespec, clipped))
 
@@ -147,3 +397,15 @@ def _num_samples(leaves: list[Tensor]) -> int:
             f"dimensions {sorted(sizes)}"
         )
     return sizes.pop()
+
+
+__all__ = [
+    "Accountant",
+    "PoissonBatches",
+    "add_noise",
+    "clip_and_noise",
+    "clip_per_sample",
+    "clipped_grad",
+    "epsilon",
+    "noise_multiplier",
+]

@@ -33,6 +33,7 @@ def compute(
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
     chunk_size: int | None = None,
+    max_norm: float | None = None,
     **dataset: Unpack[DataOptions],
 ) -> dict[str, Any]:
     """Compute several quantities in one pass over the model.
@@ -58,6 +59,7 @@ def compute(
         generator: Random generator for the Monte-Carlo samples.
         chunk_size: Samples per chunk when per-sample tensors must be
             materialized (``None``: automatic, bounded memory).
+        max_norm: ``clipped_grad``'s bound on each sample's gradient norm.
         data: An iterable of ``(X, y)`` batches in place of ``X, y`` (aggregate
             quantities only; see :mod:`packfunc.data`).
         batch_to_xy: Function from one item of ``data`` to ``(X, y)``.
@@ -92,6 +94,7 @@ def compute(
         mc_samples=mc_samples,
         generator=generator,
         chunk_size=chunk_size,
+        max_norm=max_norm,
     )
 
 

@@ -37,6 +37,9 @@ class Cotangents(Enum):
     HESSIAN = "hessian"
     """The exact Hessian (second derivatives through the model): Hessian diagonals."""
 
+    CLIPPED_GRADIENT = "clipped gradient"
+    """The loss gradient with sample ``n``'s rows scaled by ``min(1, C / ‖g_n‖)``: DP-SGD."""
+
 
 class Combine(Enum):
     """How a quantity's per-batch values combine over batches and ranks."""
@@ -87,6 +90,8 @@ class Quantity:
         from_parts: :attr:`Combine.MOMENTS` only: ``(parts' values, sample count) -> value``.
         power_by_option: Options that change ``loss_power`` (``{("fisher_type",
             "empirical"): 2}``: the empirical Fisher is quadratic in the loss).
+        per_sample_loss: Whether it needs each sample's own loss (``reduction='sum'``),
+            as clipping does: a mean would clip gradients scaled by ``1/N``.
 
     Example:
         >>> SPECS["batch_l2_grad"].combine, SPECS["batch_l2_grad"].loss_power
@@ -105,6 +110,7 @@ class Quantity:
         default=None, repr=False
     )
     power_by_option: Mapping[tuple[str, object], float] = field(default_factory=dict)
+    per_sample_loss: bool = False
 
     def power(self, options: Mapping[str, object]) -> float:
         """``loss_power`` for a call with ``options`` (see :attr:`power_by_option`).
@@ -220,6 +226,15 @@ SPECS: dict[str, Quantity] = {
             Statistic.DIAGONAL_PER_SAMPLE,
             _PER_SAMPLE,
         ),
+        Quantity(
+            "clipped_grad",
+            "the sum of per-sample gradients clipped to norm max_norm (DP-SGD)",
+            Family.STATISTIC,
+            Combine.SUM,
+            cotangents=Cotangents.CLIPPED_GRADIENT,
+            statistic=Statistic.SUM,
+            per_sample_loss=True,
+        ),
         _own(
             "kfac",
             "Kronecker factors, Monte-Carlo or empirical Fisher (KFAC)",
@@ -261,7 +276,7 @@ QUANTITIES: dict[str, Quantity] = {
 FIRST_ORDER = tuple(name for name, spec in QUANTITIES.items() if spec.cotangents is GRADIENT)
 """The first-order quantities."""
 
-SECOND_ORDER = tuple(name for name, spec in QUANTITIES.items() if spec.cotangents is not GRADIENT)
+SECOND_ORDER = tuple(name for name, spec in QUANTITIES.items() if spec.cotangents in (GGN, HESSIAN))
 """The second-order quantities."""
 
 __all__ = [

@@ -227,8 +227,29 @@ class ColumnGradients:
     def __init__(self, backprop: BatchPass, cotangents: Tensor, sites: dict[int, Tensor]):
         self.bp, self.cotangents = backprop, cotangents
         self.count = cotangents.shape[0]
+        self.sites = sites
         self.recorded = self._recorded_calls(sites)
         self._canonical: dict[int, list[Term]] = {}
+
+    def reweighted(self, weights: Tensor) -> ColumnGradients:
+        """The column gradients of the output cotangents with sample ``n``'s scaled by ``w[n]``.
+
+        Every recorded call's cotangent keeps the samples at dim 1 (``[K, N, ...]``), so
+        scaling its rows is the pullback of the scaled output cotangents: no second
+        backward pass. ``Σ_n w[n] g_n`` is then the :attr:`~Statistic.SUM` statistic.
+
+        Args:
+            weights: One weight per sample, ``[N]``.
+
+        Returns:
+            The reweighted :class:`ColumnGradients`.
+        """
+
+        def scaled(t: Tensor) -> Tensor:
+            return t * weights.to(t.dtype).view(1, -1, *[1] * (t.dim() - 2))
+
+        sites = {k: scaled(g) for k, g in self.sites.items()}
+        return ColumnGradients(self.bp, scaled(self.cotangents), sites)
 
     def _recorded_calls(self, sites: dict[int, Tensor]) -> dict[int, list[Term]]:
         """Each tapped leaf's calls with their recorded input and cotangents, not canonicalized."""
