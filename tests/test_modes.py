@@ -166,7 +166,8 @@ def _seeded() -> dict:
 
 
 AUTOCAST_CALLS = {
-    **{name: partial(_quantity, name) for name in pf.QUANTITIES},
+    **{name: partial(_quantity, name) for name in pf.QUANTITIES if name != "clipped_grad"},
+    "clipped_grad": lambda fn, p, X, y: pf.clipped_grad(fn, p, X, y, max_norm=0.1),
     "mc_diag_ggn": lambda fn, p, X, y: pf.diag_ggn(fn, p, X, y, mc_samples=2, **_seeded()),
     "kfac": lambda fn, p, X, y: pf.kfac(fn, p, X, y, on_unsupported="skip", **_seeded()),
     "kflr": lambda fn, p, X, y: pf.kflr(fn, p, X, y, on_unsupported="skip"),

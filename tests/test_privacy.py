@@ -267,3 +267,27 @@ def test_clipped_grad_materializes_no_per_sample_gradient(monkeypatch, shape) ->
     expected = pf.clipped_grad(forward, params, X, y, loss=loss, max_norm=0.2)
     monkeypatch.setattr(batch_pass.ColumnGradients, "leaf_columns", materialized)
     assert_trees_close(pf.clipped_grad(forward, params, X, y, loss=loss, max_norm=0.2), expected)
+
+
+def test_dp_optimizer_steps_with_the_private_gradient() -> None:
+    """Without noise, ``.grad`` is the clipped sum over the expected batch size; the inner
+    optimizer steps; the module's parameters are the ones updated."""
+    model, loss, X, y = _problem()
+    model_fn, params = pf.functional(model)
+    expected = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=0.3)
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    opt = pf.privacy.DPOptimizer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        max_norm=0.3,
+        noise_multiplier=0.0,
+        expected_batch_size=6,
+        loss=loss,
+    )
+    opt.step(batch=(X, y))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name] / 6)
+        torch.testing.assert_close(p.detach(), before[name] - 0.5 * expected[name] / 6)
+    opt.zero_grad()
+    opt.step(batch=(X[:0], y[:0]))  # an empty Poisson batch: the noise alone (here zero)
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())

@@ -133,7 +133,13 @@ def _one_forward_oracle(model: nn.Module, out: Tensor, loss: nn.Module, y: Tenso
             diag[name][i] = torch.einsum("cd,c...,d...->...", h, rows_j, rows_j)
     found["batch_diag_ggn"] = diag
     found["diag_ggn"] = {name: d.sum(0) for name, d in diag.items()}
+    clipped = pf.clip_per_sample(batch, CLIP)
+    found["clipped_grad"] = {name: g.sum(0) for name, g in clipped.items()}
     return found
+
+
+CLIP = 0.5
+"""The clipping bound of ``clipped_grad``."""
 
 
 FUNCTIONAL = list(pf.QUANTITIES)  # every name compute() takes
@@ -153,10 +159,17 @@ def test_functional_quantities_come_from_the_forward_of_their_loss(
     model, X, y, loss, plain = _problem(name, n, reduction, seed)
     model_fn, params = pf.functional(model)
     torch.manual_seed(seed + 1)
+    options = {"max_norm": CLIP} if quantity == "clipped_grad" else {}
     try:
-        result = pf.compute(model_fn, params, X, y, quantities=("grad", quantity), loss=loss)
+        result = pf.compute(
+            model_fn, params, X, y, quantities=("grad", quantity), loss=loss, **options
+        )
     except RandomModelError as error:
         assert "model.eval()" in str(error)
+        return
+    except ValueError as error:  # clipping needs each sample's own (summed) loss
+        assert quantity == "clipped_grad" and reduction == "mean", error
+        assert "reduction='sum'" in str(error)
         return
     if plain:  # a plain forward from the same seed draws the same masks
         torch.manual_seed(seed + 1)

@@ -25,6 +25,7 @@ from typing_extensions import Unpack
 
 from packfunc.data import DataOptions, over_data
 from packfunc.evaluation import CLIPPING_EPS, one_quantity
+from packfunc.functionalize import functional
 from packfunc.losses import default_loss
 from packfunc.specs import SPECS
 from packfunc.types import (
@@ -177,6 +178,75 @@ class PoissonBatches:
         for _ in range(self.steps):
             drawn = torch.rand(self.size, generator=self.generator)
             yield torch.nonzero(drawn < self.sample_rate).flatten()
+
+
+class DPOptimizer:
+    """DP-SGD for an ordinary training loop: any ``torch.optim`` optimizer on private gradients.
+
+    ``step(batch=(X, y))`` sets each trainable parameter's ``.grad`` to
+    ``(clipped_grad + N(0, σ²C²)) / expected_batch_size`` for that batch (one forward and
+    one backward, no per-sample gradients; the model is only read) and steps the wrapped
+    optimizer. An empty batch (Poisson sampling) gives the noise alone.
+
+    Args:
+        model: The module being trained (its trainable parameters are clipped together).
+        optimizer: A ``torch.optim`` optimizer over those parameters.
+        max_norm: The clipping bound ``C``.
+        noise_multiplier: ``σ``.
+        expected_batch_size: ``q·n`` for Poisson sampling (the batch size otherwise).
+        loss: A loss with ``reduction='sum'`` (default ``CrossEntropyLoss(reduction='sum')``).
+        generator: Random generator for the noise.
+
+    Example:
+        >>> model = torch.nn.Linear(3, 2)
+        >>> opt = DPOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), max_norm=1.0,
+        ...                   noise_multiplier=1.0, expected_batch_size=4)
+        >>> opt.step(batch=(torch.randn(4, 3), torch.randint(0, 2, (4,))))
+        >>> model.weight.grad.shape
+        torch.Size([2, 3])
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_norm: float,
+        noise_multiplier: float,
+        expected_batch_size: float,
+        loss: nn.Module | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        if not expected_batch_size > 0:
+            raise ValueError(f"expected_batch_size must be positive; got {expected_batch_size!r}.")
+        self.optimizer, self.max_norm, self.noise_multiplier = optimizer, max_norm, noise_multiplier
+        self.expected_batch_size, self.generator = expected_batch_size, generator
+        self.loss = loss or default_loss("sum")
+        self.model_fn, params = functional(model)  # parameters that share the module's memory
+        self.trainable = {k: p for k, p in model.named_parameters() if p.requires_grad}
+        self.params = {k: params[k] for k in self.trainable}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the wrapped optimizer's gradients."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, *, batch: tuple[Inputs, Tensor]) -> None:
+        """One DP-SGD step on ``batch``: private gradients into ``.grad``, then the update.
+
+        Args:
+            batch: ``(X, y)``, possibly empty.
+        """
+        X, y = batch
+        if len(y) == 0:
+            total = {k: torch.zeros_like(p) for k, p in self.params.items()}
+        else:
+            total = clipped_grad(
+                self.model_fn, self.params, X, y, loss=self.loss, max_norm=self.max_norm
+            )
+        noisy = add_noise(total, self.max_norm, self.noise_multiplier, generator=self.generator)
+        for name, parameter in self.trainable.items():
+            parameter.grad = noisy[name] / self.expected_batch_size
+        self.optimizer.step()
 
 
 Accountant = Literal["rdp", "prv"]
@@ -401,6 +471,7 @@ def _num_samples(leaves: list[Tensor]) -> int:
 
 __all__ = [
     "Accountant",
+    "DPOptimizer",
     "PoissonBatches",
     "add_noise",
     "clip_and_noise",

@@ -1,0 +1,295 @@
+"""One DP-SGD step (clip each sample's gradient to C, add N(0, σ²C²), SGD update), per contender.
+
+Each contender of each problem runs alone in a fresh process (allocator state and the
+peak resident memory are its own): two warm-up steps, then ``--repeats`` timed steps.
+Time is the median step (min and max beside it); memory is the peak resident set
+size during the steps minus the resident set size after set-up (model, batch and
+contender built), i.e. what the steps themselves add.
+
+Contenders: plain training (forward, backward, SGD: no privacy), packfunc's
+``clipped_grad`` (no per-sample gradients), packfunc's ``batch_grad`` + ``clip_and_noise``,
+a hand-written ``vmap(grad)`` + clipping, opacus 1.6 hooks (``GradSampleModule`` +
+``DPOptimizer``) and opacus ghost clipping (``GradSampleModuleFastGradientClipping``,
+two backward passes). Contenders that refuse a model are listed as refusing.
+
+Run: ``python benchmarks/dp_step.py [--problems LM,ResNet-GN,GPT-2] [--large-lm]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import packfunc as pf  # noqa: E402
+import problems  # noqa: E402
+
+MAX_NORM, SIGMA, LR = 1.0, 1.0, 1e-3
+CONTENDERS = ("plain", "packfunc", "packfunc batch_grad", "vmap(grad)", "opacus", "opacus ghost")
+Step = Callable[[], None]
+
+
+def large_lm(n: int = 16) -> problems.Problem:
+    """The 55M-parameter pre-norm LM of issue 22: 6 layers, d=768, T=128, vocabulary 8000."""
+    torch.manual_seed(problems.SEED)
+    model = problems.TokenLM(8000, 768, 128, heads=12, hidden=4 * 768, layers=6)
+    X, y = torch.randint(0, 8000, (n, 128)), torch.randint(0, 8000, (n, 128))
+    return problems.Problem("LM-55M", model, X, y)
+
+
+PROBLEMS: dict[str, Callable[[], problems.Problem]] = {
+    "LM": problems.lm,
+    "ResNet-GN": problems.resnet_gn,
+    "GPT-2": lambda: problems.hugging_face("gpt2"),
+    "LM-55M": large_lm,
+}
+
+
+def _sgd(parameters: list[Tensor], updates: list[Tensor]) -> None:
+    """``p -= LR · update`` for every parameter, in place."""
+    with torch.no_grad():
+        torch._foreach_add_(parameters, updates, alpha=-LR)
+
+
+def plain_step(model: nn.Module, X: Tensor, y: Tensor) -> Step:
+    """Forward, backward, SGD on the summed loss divided by N: ordinary training."""
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    parameters = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        (loss(model(X), y) / len(X)).backward()
+        _sgd(parameters, [p.grad for p in parameters])  # type: ignore[misc]
+
+    return step
+
+
+def packfunc_step(model: nn.Module, X: Tensor, y: Tensor) -> Step:
+    """``pf.clipped_grad`` + ``add_noise``: no per-sample gradients."""
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    model_fn, params = pf.functional(model)
+    generator = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        clipped = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=MAX_NORM)
+        noisy = pf.privacy.add_noise(clipped, MAX_NORM, SIGMA, generator=generator)
+        _sgd(list(params.values()), [noisy[k] / len(X) for k in params])
+
+    return step
+
+
+def packfunc_batch_grad_step(model: nn.Module, X: Tensor, y: Tensor) -> Step:
+    """``pf.compute(batch_grad, batch_l2_grad)`` + ``clip_and_noise``: ``[N, *p]`` formed."""
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    model_fn, params = pf.functional(model)
+    generator = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        out = pf.compute(
+            model_fn, params, X, y, loss=loss, quantities=("batch_grad", "batch_l2_grad")
+        )
+        noisy = pf.clip_and_noise(
+            out["batch_grad"], MAX_NORM, SIGMA, batch_l2=out["batch_l2_grad"], generator=generator
+        )
+        _sgd(list(params.values()), [noisy[k] for k in params])
+
+    return step
+
+
+def vmap_step(model: nn.Module, X: Tensor, y: Tensor) -> Step:
+    """Hand-written ``vmap(grad(per-sample loss))``, then ``clip_and_noise``."""
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    generator = torch.Generator().manual_seed(0)
+
+    def sample_loss(p: dict[str, Tensor], x: Tensor, t: Tensor) -> Tensor:
+        out = torch.func.functional_call(model, p, (x.unsqueeze(0),))
+        return loss(out, t.unsqueeze(0))
+
+    per_sample = torch.func.vmap(torch.func.grad(sample_loss), in_dims=(None, 0, 0))
+
+    def step() -> None:
+        grads = per_sample(params, X, y)
+        noisy = pf.clip_and_noise(grads, MAX_NORM, SIGMA, generator=generator)
+        _sgd(list(params.values()), [noisy[k] for k in params])
+
+    return step
+
+
+def opacus_step(model: nn.Module, X: Tensor, y: Tensor) -> Step:
+    """Opacus' ``GradSampleModule`` + ``DPOptimizer``: per-sample gradients by hooks."""
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    wrapped = GradSampleModule(model, loss_reduction="sum")
+    sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    optimizer = DPOptimizer(
+        sgd,
+        noise_multiplier=SIGMA,
+        max_grad_norm=MAX_NORM,
+        expected_batch_size=len(X),
+        loss_reduction="sum",
+    )
+    loss = nn.CrossEntropyLoss(reduction="sum")
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss(wrapped(X), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def opacus_ghost_step(model: nn.Module, X: Tensor, y: Tensor) -> Step:
+    """Opacus ghost clipping: norms in a first backward, the clipped sum in a second."""
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    wrapped = GradSampleModuleFastGradientClipping(
+        model, loss_reduction="sum", max_grad_norm=MAX_NORM
+    )
+    sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    optimizer = DPOptimizerFastGradientClipping(
+        sgd,
+        noise_multiplier=SIGMA,
+        max_grad_norm=MAX_NORM,
+        expected_batch_size=len(X),
+        loss_reduction="sum",
+    )
+    criterion = DPLossFastGradientClipping(
+        wrapped, optimizer, nn.CrossEntropyLoss(reduction="sum"), loss_reduction="sum"
+    )
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        out = wrapped(X)
+        if y.dim() == 1:
+            criterion(out, y).backward()
+        else:  # a sequence ([N, V, T] logits): opacus wants [N·T, V] rows and their shape
+            rows = out.transpose(1, 2).reshape(-1, out.shape[1])
+            criterion(rows, y.reshape(-1), shape=(*y.shape, out.shape[1])).backward()
+        optimizer.step()
+
+    return step
+
+
+BUILDERS: dict[str, Callable[[nn.Module, Tensor, Tensor], Step]] = {
+    "plain": plain_step,
+    "packfunc": packfunc_step,
+    "packfunc batch_grad": packfunc_batch_grad_step,
+    "vmap(grad)": vmap_step,
+    "opacus": opacus_step,
+    "opacus ghost": opacus_ghost_step,
+}
+
+
+def measure(problem_name: str, contender: str, repeats: int) -> dict[str, object]:
+    """Time one contender's step in this process; the peak memory the steps add.
+
+    Args:
+        problem_name: A key of :data:`PROBLEMS`.
+        contender: A key of :data:`BUILDERS`.
+        repeats: Timed steps.
+
+    Returns:
+        ``{"median", "min", "max"}`` in seconds and ``"peak_mb"``, or ``{"refused": why}``.
+    """
+    torch.set_num_threads(2)
+    problem = PROBLEMS[problem_name]()
+    model, X, y = problem.model(), problem.X, problem.y
+    try:
+        step = BUILDERS[contender](model, X, y)
+        before = _rss_mb()
+        step()
+        step()
+    except Exception as error:  # noqa: BLE001 - a refusal is a result here
+        return {"refused": f"{type(error).__name__}: {str(error).splitlines()[0][:90]}"}
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {
+        "median": statistics.median(times),
+        "min": min(times),
+        "max": max(times),
+        "peak_mb": peak - before,
+    }
+
+
+def _rss_mb() -> float:
+    """The current resident set size of this process, in MB."""
+    with open("/proc/self/statm") as statm:
+        pages = int(statm.read().split()[1])
+    return pages * resource.getpagesize() / 2**20
+
+
+def main() -> None:
+    """Run every contender of every problem in a fresh process; print a markdown table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--problems", default="LM,ResNet-GN,GPT-2")
+    parser.add_argument("--large-lm", action="store_true", help="add the 55M LM (slow)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--one", nargs=2, metavar=("PROBLEM", "CONTENDER"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.one[0], args.one[1], args.repeats)))
+        return
+    names = args.problems.split(",") + (["LM-55M"] if args.large_lm else [])
+    print("| problem | contender | step ms (min–max) | × plain | peak MB added | × plain |")
+    print("|---|---|--:|--:|--:|--:|")
+    for name in names:
+        repeats = 3 if name == "LM-55M" else args.repeats
+        rows = {c: _fresh(name, c, repeats) for c in CONTENDERS}
+        plain = rows["plain"]
+        for contender, row in rows.items():
+            print(_row(name, contender, row, plain))
+
+
+def _fresh(problem_name: str, contender: str, repeats: int) -> dict[str, object]:
+    """``measure`` in a fresh interpreter."""
+    command = [
+        sys.executable,
+        __file__,
+        "--one",
+        problem_name,
+        contender,
+        "--repeats",
+        str(repeats),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        return {"refused": f"crashed: {done.stderr.strip().splitlines()[-1][:90]}"}
+    result: dict[str, object] = json.loads(lines[-1])
+    return result
+
+
+def _row(name: str, contender: str, row: dict[str, object], plain: dict[str, object]) -> str:
+    """One markdown row."""
+    if "refused" in row:
+        return f"| {name} | {contender} | refuses ({row['refused']}) | — | — | — |"
+    value = {key: float(str(row[key])) for key in ("median", "min", "max", "peak_mb")}
+    base = {key: float(str(plain.get(key, "nan"))) for key in ("median", "peak_mb")}
+    ms = f"{1000 * value['median']:.1f} ({1000 * value['min']:.1f}–{1000 * value['max']:.1f})"
+    return (
+        f"| {name} | {contender} | {ms} | {value['median'] / base['median']:.2f}× | "
+        f"{value['peak_mb']:.0f} | {value['peak_mb'] / max(base['peak_mb'], 1.0):.2f}× |"
+    )
+
+
+if __name__ == "__main__":
+    main()
