@@ -18,8 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from packfunc.engine import hessian
-from packfunc.engine.batch_pass import BatchPass, ColumnGradients, check_pass_arguments
-from packfunc.engine.statistics import ggn_statistics, leaf_statistics
+from packfunc.engine.batch_pass import BatchPass, check_pass_arguments
+from packfunc.engine.statistics import clipped_sums, ggn_statistics, leaf_statistics
 from packfunc.engine.vocabulary import Statistic
 from packfunc.functionalize import as_index, batch_size
 from packfunc.losses import check_loss_inputs, default_loss, given_targets
@@ -267,7 +267,7 @@ def _statistics(
     if kind is Cotangents.GRADIENT:
         return leaf_statistics(bp.gradient_columns(), stats, index)
     if kind is Cotangents.CLIPPED_GRADIENT:
-        return leaf_statistics(clipped_columns(bp, max_norm), stats, index)
+        return [{Statistic.SUM: s} for s in clipped_leaf_sums(bp, max_norm)]
     if kind is Cotangents.HESSIAN:
         return hessian.diagonals(bp, stats, index)
     return ggn_statistics(bp, stats, index, mc_samples, generator)
@@ -296,20 +296,19 @@ def check_per_sample_loss(specs: Sequence[Quantity], loss: nn.Module) -> None:
         )
 
 
-def clipped_columns(bp: BatchPass, max_norm: float | None) -> ColumnGradients:
-    """The loss gradient's column gradients with each sample's scaled to norm ``≤ max_norm``.
+def clipped_leaf_sums(bp: BatchPass, max_norm: float | None) -> list[Tensor]:
+    """Every leaf's clipped sum ``Σ_n g_n · min(1, max_norm / (‖g_n‖ + 1e-6))``.
 
     The norm of sample ``n``'s gradient is taken over every leaf of ``params``
-    together, from the closed forms where layers allow (no ``[N, *p]`` tensor); its
-    factor ``min(1, max_norm / (‖g_n‖ + 1e-6))`` scales its output and recorded
-    cotangents (:meth:`ColumnGradients.reweighted`), so their sum is the clipped sum.
+    together, from the closed forms where layers allow (no ``[N, *p]`` tensor); see
+    :func:`~packfunc.engine.statistics.clipped_sums`.
 
     Args:
         bp: The batch pass.
         max_norm: The bound ``C > 0``.
 
     Returns:
-        The clipped :class:`ColumnGradients`.
+        One clipped sum per leaf.
 
     Raises:
         ValueError: for a missing or non-positive ``max_norm``.
@@ -318,16 +317,12 @@ def clipped_columns(bp: BatchPass, max_norm: float | None) -> ColumnGradients:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
         >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
         ...               torch.nn.CrossEntropyLoss(reduction="sum"))
-        >>> clipped_columns(bp, 1.0).cotangents.shape
-        torch.Size([1, 4, 2])
+        >>> [s.shape for s in clipped_leaf_sums(bp, 1.0)]
+        [torch.Size([2]), torch.Size([2, 3])]
     """
     if max_norm is None or not max_norm > 0:
         raise ValueError(f"clipping needs max_norm > 0; got max_norm={max_norm!r}.")
-    columns = bp.gradient_columns()
-    everyone = slice(0, bp.n)
-    norms = leaf_statistics(columns, {Statistic.SQUARED_NORMS}, everyone)
-    total = torch.stack([leaf[Statistic.SQUARED_NORMS] for leaf in norms]).sum(0).sqrt()
-    return columns.reweighted((max_norm / (total + CLIPPING_EPS)).clamp(max=1.0))
+    return clipped_sums(bp.gradient_columns(), max_norm, CLIPPING_EPS)
 
 
 __all__ = [

@@ -231,7 +231,7 @@ class ColumnGradients:
         self.recorded = self._recorded_calls(sites)
         self._canonical: dict[int, list[Term]] = {}
 
-    def reweighted(self, weights: Tensor) -> ColumnGradients:
+    def reweighted(self, weights: Tensor, leaves: list[int]) -> ColumnGradients:
         """The column gradients of the output cotangents with sample ``n``'s scaled by ``w[n]``.
 
         Every recorded call's cotangent keeps the samples at dim 1 (``[K, N, ...]``), so
@@ -240,6 +240,8 @@ class ColumnGradients:
 
         Args:
             weights: One weight per sample, ``[N]``.
+            leaves: The leaves whose statistics will be asked (only their calls' cotangents
+                are scaled).
 
         Returns:
             The reweighted :class:`ColumnGradients`.
@@ -248,13 +250,21 @@ class ColumnGradients:
         def scaled(t: Tensor) -> Tensor:
             return t * weights.to(t.dtype).view(1, -1, *[1] * (t.dim() - 2))
 
-        sites = {k: scaled(g) for k, g in self.sites.items()}
+        wanted = set(leaves)
+        needed = [
+            k
+            for k in self.sites
+            if any(leaf in wanted for _, leaf in self.bp.plan.sites[k].call.leaves)
+        ]
+        sites = {k: scaled(self.sites[k]) for k in needed}
         return ColumnGradients(self.bp, scaled(self.cotangents), sites)
 
     def _recorded_calls(self, sites: dict[int, Tensor]) -> dict[int, list[Term]]:
         """Each tapped leaf's calls with their recorded input and cotangents, not canonicalized."""
         by_leaf: dict[int, list[Term]] = {}
         for k, x in self.bp.record.inputs.items():
+            if k not in sites:  # a reweighted subset (see reweighted)
+                continue
             call = self.bp.plan.sites[k].call
             # statistics in the parameters' dtype (recorded in bfloat16 under autocast), once
             # per call: its weight and bias share a dtype

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from packfunc.engine.batch_pass import BatchPass, ColumnGradients
-from packfunc.engine.memory import chunk_length, chunks
+from packfunc.engine.memory import DEFAULT_BUDGET, chunk_length, chunks
 from packfunc.engine.vocabulary import PER_SAMPLE, Statistic
 from packfunc.losses import hessian_factors
 
@@ -70,6 +70,65 @@ def leaf_statistics(
             for leaf, found in zip(group, _materialized(columns, group, missing, index)):
                 per_leaf[leaf].update(found)
     return per_leaf
+
+
+def clipped_sums(columns: ColumnGradients, max_norm: float, eps: float) -> list[Tensor]:
+    """``Σ_n c_n g_n`` per leaf, ``c_n = min(1, max_norm / (‖g_n‖ + eps))``: DP-SGD's clipped sum.
+
+    ``columns`` must be the loss gradient's (``K = 1``); ``‖g_n‖`` is taken over every
+    leaf together. A leaf whose squared norms have a closed form (a linear layer's
+    rank-one or Gram form) gets its sum as one contraction of the recorded input with
+    the reweighted cotangents (:meth:`ColumnGradients.reweighted`); a leaf whose norms
+    need its per-sample gradients anyway keeps them, within the memory budget, and sums
+    them with the factors (else they are formed again, reweighted).
+
+    Args:
+        columns: The loss gradient's column gradients.
+        max_norm: The bound ``C``.
+        eps: Added to each norm before dividing.
+
+    Returns:
+        One clipped sum per leaf, shaped like the leaf.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        ...               torch.nn.CrossEntropyLoss(reduction="sum"))
+        >>> [s.shape for s in clipped_sums(bp.gradient_columns(), 1.0, 1e-6)]
+        [torch.Size([2]), torch.Size([2, 3])]
+    """
+    bp, everyone = columns.bp, slice(0, columns.bp.n)
+    squares: dict[int, Tensor] = {}
+    kept: dict[int, Tensor] = {}
+    room = DEFAULT_BUDGET
+    for leaf in (i for i in range(len(bp.leaves)) if i not in bp.whole_model):
+        value = columns.closed_form(leaf, Statistic.SQUARED_NORMS, everyone)
+        if value is None:
+            found = columns.leaf_columns(leaf, everyone)[0]  # [N, *p], for the norms anyway
+            value = _statistic(Statistic.SQUARED_NORMS, found[None])
+            if found.numel() <= room:
+                kept[leaf], room = found, room - found.numel()
+        squares[leaf] = value
+    if bp.whole_model:
+        whole = _materialized(columns, bp.whole_model, {Statistic.SQUARED_NORMS}, everyone)
+        squares |= {leaf: f[Statistic.SQUARED_NORMS] for leaf, f in zip(bp.whole_model, whole)}
+    norms = torch.stack([squares[leaf] for leaf in sorted(squares)]).sum(0).sqrt()
+    factors = (max_norm / (norms + eps)).clamp(max=1.0)
+    rest = [leaf for leaf in range(len(bp.leaves)) if leaf not in kept]
+    reweighted = columns.reweighted(factors, rest) if rest else columns
+    sums = {leaf: torch.tensordot(factors.to(g.dtype), g, dims=1) for leaf, g in kept.items()}
+    for leaf in rest:
+        if leaf not in bp.whole_model:
+            value = reweighted.closed_form(leaf, Statistic.SUM, everyone)
+            if value is None:
+                value = _materialized(reweighted, [leaf], {Statistic.SUM}, everyone)[0][
+                    Statistic.SUM
+                ]
+            sums[leaf] = value
+    if bp.whole_model:
+        whole = _materialized(reweighted, bp.whole_model, {Statistic.SUM}, everyone)
+        sums |= {leaf: f[Statistic.SUM] for leaf, f in zip(bp.whole_model, whole)}
+    return [sums[leaf] for leaf in range(len(bp.leaves))]
 
 
 def _materialized(
