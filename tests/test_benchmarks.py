@@ -20,6 +20,7 @@ from torch.func import functional_call
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+import dp_step  # noqa: E402
 import laplace_fit  # noqa: E402
 import optimizer  # noqa: E402
 import peers  # noqa: E402
@@ -278,3 +279,16 @@ def test_optimizer_step_benchmark_runs_every_optimizer_in_process() -> None:
 @pytest.mark.parametrize("module", [peers, problems, timing, laplace_fit, optimizer])
 def test_doctests(module) -> None:
     assert doctest.testmod(module).failed == 0
+
+
+@pytest.mark.parametrize("contender", ["plain", "packfunc", "vmap(grad)", "opacus"])
+def test_dp_step_measures_or_names_the_refusal(contender: str):
+    """One DP-SGD step per contender on the small LM: numbers, or opacus' refusal as a row."""
+    pytest.importorskip("opacus")
+    found = dp_step.measure("LM", contender, repeats=1)
+    if contender == "opacus":
+        assert "MultiheadAttention" in str(found["refused"])
+        assert "refuses" in dp_step._row("LM", contender, found, found)
+    else:
+        assert float(str(found["median"])) > 0 and "peak_mb" in found
+        assert dp_step._row("LM", contender, found, found).count("|") == 7
