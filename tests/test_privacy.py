@@ -177,22 +177,17 @@ def test_clipped_grad_refuses_a_mean_and_a_bad_bound() -> None:
         pf.clipped_grad(model_fn, params, data=[(X, y)])  # type: ignore[call-arg]
 
 
-def test_clipped_grad_with_norms_and_loss_in_one_pass() -> None:
+@pytest.mark.parametrize("first", ["clipped_grad", "batch_l2_grad"])
+def test_clipped_grad_with_norms_and_loss_in_one_pass(first: str) -> None:
+    """Clipping scales its own copy of the cotangents: the norms beside it are unchanged."""
     model, loss, X, y = _problem()
     model_fn, params = pf.functional(model)
-    out = pf.compute(
-        model_fn,
-        params,
-        X,
-        y,
-        loss=loss,
-        max_norm=0.3,
-        quantities=("clipped_grad", "batch_l2_grad"),
-    )
+    names = (first, *({"clipped_grad", "batch_l2_grad"} - {first}))
+    out = pf.compute(model_fn, params, X, y, loss=loss, max_norm=0.3, quantities=names)
     assert set(out) == {"loss", "clipped_grad", "batch_l2_grad"}
-    assert_trees_close(
-        out["clipped_grad"], pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=0.3)
-    )
+    alone = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=0.3)
+    assert_trees_close(out["clipped_grad"], alone)
+    assert_trees_close(out["batch_l2_grad"], pf.batch_l2_grad(model_fn, params, X, y, loss=loss))
 
 
 def test_add_noise_has_the_stated_distribution() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, cast
 
 import torch
@@ -222,16 +223,33 @@ class ColumnGradients:
         backprop: The batch pass.
         cotangents: Output cotangents ``[K, N, ...]``.
         sites: Their pullback to every recorded tapped call, ``[K, N, ...]`` each.
+        weights: Per-sample weights the output cotangents are scaled by, when they are
+            first needed (the whole-model path): ``sites`` are scaled already.
     """
 
-    def __init__(self, backprop: BatchPass, cotangents: Tensor, sites: dict[int, Tensor]):
-        self.bp, self.cotangents = backprop, cotangents
+    def __init__(
+        self,
+        backprop: BatchPass,
+        cotangents: Tensor,
+        sites: dict[int, Tensor],
+        weights: Tensor | None = None,
+    ):
+        self.bp, self._cotangents, self._weights = backprop, cotangents, weights
         self.count = cotangents.shape[0]
         self.sites = sites
         self.recorded = self._recorded_calls(sites)
         self._canonical: dict[int, list[Term]] = {}
 
-    def reweighted(self, weights: Tensor, leaves: list[int]) -> ColumnGradients:
+    @cached_property
+    def cotangents(self) -> Tensor:
+        """The output cotangents ``[K, N, ...]`` (scaled by the weights, if any)."""
+        if self._weights is None:
+            return self._cotangents
+        return _scaled(self._cotangents, self._weights)
+
+    def reweighted(
+        self, weights: Tensor, leaves: list[int], *, in_place: bool = False
+    ) -> ColumnGradients:
         """The column gradients of the output cotangents with sample ``n``'s scaled by ``w[n]``.
 
         Every recorded call's cotangent keeps the samples at dim 1 (``[K, N, ...]``), so
@@ -242,22 +260,23 @@ class ColumnGradients:
             weights: One weight per sample, ``[N]``.
             leaves: The leaves whose statistics will be asked (only their calls' cotangents
                 are scaled).
+            in_place: Scale the recorded cotangents in place (this object is not used
+                again) where one shares its memory with no other and not with the output
+                cotangents; the others are scaled copies.
 
         Returns:
             The reweighted :class:`ColumnGradients`.
         """
-
-        def scaled(t: Tensor) -> Tensor:
-            return t * weights.to(t.dtype).view(1, -1, *[1] * (t.dim() - 2))
-
         wanted = set(leaves)
         needed = [
             k
             for k in self.sites
             if any(leaf in wanted for _, leaf in self.bp.plan.sites[k].call.leaves)
         ]
-        sites = {k: scaled(self.sites[k]) for k in needed}
-        return ColumnGradients(self.bp, scaled(self.cotangents), sites)
+        mine = _alone([self.sites[k] for k in needed], self.cotangents) if in_place else []
+        alone = {needed[i] for i in mine}
+        sites = {k: _scaled(self.sites[k], weights, in_place=k in alone) for k in needed}
+        return ColumnGradients(self.bp, self.cotangents, sites, weights)
 
     def _recorded_calls(self, sites: dict[int, Tensor]) -> dict[int, list[Term]]:
         """Each tapped leaf's calls with their recorded input and cotangents, not canonicalized."""
@@ -404,6 +423,32 @@ class ColumnGradients:
                 )
             else:
                 yield [self.leaf_columns(i, chunk) for i in wanted]
+
+
+def _scaled(t: Tensor, weights: Tensor, *, in_place: bool = False) -> Tensor:
+    """``t [K, N, ...]`` with sample ``n``'s rows times ``weights[n]``."""
+    w = weights.to(t.dtype).view(1, -1, *[1] * (t.dim() - 2))
+    return t.mul_(w) if in_place else t * w
+
+
+def _alone(tensors: list[Tensor], other: Tensor) -> list[int]:
+    """The positions in ``tensors`` of those that can be changed in place alone.
+
+    Such a tensor needs no gradient and shares its memory with no other of ``tensors``
+    and not with ``other``.
+
+    Example:
+        >>> t = torch.ones(4)
+        >>> _alone([t, t[:2], torch.ones(2)], torch.ones(1))
+        [2]
+    """
+    pointers = [t.untyped_storage().data_ptr() for t in tensors]
+    taken = {other.untyped_storage().data_ptr()}
+    return [
+        i
+        for i, (t, p) in enumerate(zip(tensors, pointers))
+        if pointers.count(p) == 1 and p not in taken and not t.requires_grad
+    ]
 
 
 def _stack(tensors: list[Tensor]) -> Tensor:

@@ -75,7 +75,8 @@ def leaf_statistics(
 def clipped_sums(columns: ColumnGradients, max_norm: float, eps: float) -> list[Tensor]:
     """``Σ_n c_n g_n`` per leaf, ``c_n = min(1, max_norm / (‖g_n‖ + eps))``: DP-SGD's clipped sum.
 
-    ``columns`` must be the loss gradient's (``K = 1``); ``‖g_n‖`` is taken over every
+    ``columns`` must be the loss gradient's (``K = 1``), and is used up (its recorded
+    cotangents are scaled in place where they own their memory); ``‖g_n‖`` is taken over every
     leaf together. A leaf whose squared norms have a closed form (a linear layer's
     rank-one or Gram form) gets its sum as one contraction of the recorded input with
     the reweighted cotangents (:meth:`ColumnGradients.reweighted`); a leaf whose norms
@@ -115,7 +116,8 @@ def clipped_sums(columns: ColumnGradients, max_norm: float, eps: float) -> list[
     norms = torch.stack([squares[leaf] for leaf in sorted(squares)]).sum(0).sqrt()
     factors = (max_norm / (norms + eps)).clamp(max=1.0)
     rest = [leaf for leaf in range(len(bp.leaves)) if leaf not in kept]
-    reweighted = columns.reweighted(factors, rest) if rest else columns
+    # `columns` is not used again: its cotangents are scaled in place where they can be
+    reweighted = columns.reweighted(factors, rest, in_place=True) if rest else columns
     sums = {leaf: torch.tensordot(factors.to(g.dtype), g, dims=1) for leaf, g in kept.items()}
     for leaf in rest:
         if leaf not in bp.whole_model:
