@@ -44,6 +44,8 @@ def results(loss_name: str, reduction: str, shard: slice | None, group) -> dict:
         "ggn_vector_product": pf.ggn_vector_product(model_fn, params, v=v, **kw),
         "hessian_blocks": pf.hessian_block_products(model_fn, params, mats=mats, **kw),
     }
+    if reduction == "sum":  # clipping needs each sample's own loss
+        found["clipped_grad"] = pf.clipped_grad(model_fn, params, max_norm=0.05, **kw)
     if shard is None:
         found["batch_grad"] = pf.batch_grad(model_fn, params, **kw)
         found["sqrt_ggn"] = pf.sqrt_ggn(model_fn, params, **kw)
@@ -94,6 +96,8 @@ def test_ranks_give_the_single_process_result(ranks: list[dict], setting: tuple)
         for name in AGGREGATES:
             assert_trees_close(found[setting][name], expected[name], f"rank{rank} {name}")
         assert_trees_close(found[setting]["diag_ggn_xy"], expected["diag_ggn"], "X, y shard")
+        if "clipped_grad" in expected:  # every rank: the clipped sum over all shards
+            assert_trees_close(found[setting]["clipped_grad"], expected["clipped_grad"], "clipped")
     for name, dim in (("batch_grad", 0), ("sqrt_ggn", 1), ("batch_grad_xy", 0)):
         rows = {
             key: torch.cat([ranks[r][setting][name][key] for r in range(2)], dim)

@@ -286,3 +286,31 @@ def test_dp_optimizer_steps_with_the_private_gradient() -> None:
     opt.zero_grad()
     opt.step(batch=(X[:0], y[:0]))  # an empty Poisson batch: the noise alone (here zero)
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+
+
+def test_clipped_grad_per_parameter_bounds(case) -> None:
+    """One bound per leaf: each leaf's per-sample gradient clipped alone (opacus' per-layer)."""
+    problem = make_problem(case, "cross_entropy", "sum", n=4)
+    batch = autograd_batch_grad(problem.model, problem.loss, problem.X, problem.y)
+    model_fn, params = problem.functional()
+    names = sorted(params)  # the flattening order of a dict
+    bounds = [0.1 * (i + 1) for i in range(len(names))]
+    expected = {}
+    for name, bound in zip(names, bounds):
+        g = batch[name]
+        norms = g.reshape(len(g), -1).norm(dim=1)
+        factors = (bound / (norms + 1e-6)).clamp(max=1.0)
+        expected[name] = torch.tensordot(factors, g, dims=1)
+    found = pf.clipped_grad(
+        model_fn, params, problem.X, problem.y, loss=problem.loss, max_norm=bounds
+    )
+    assert_trees_close(found, expected)
+    with pytest.raises(ValueError, match="one per parameter"):
+        pf.clipped_grad(
+            model_fn,
+            params,
+            problem.X,
+            problem.y,
+            loss=problem.loss,
+            max_norm=bounds[:-1] if len(bounds) > 1 else [1.0, 1.0],
+        )

@@ -24,7 +24,7 @@ from packfunc.engine.vocabulary import Statistic
 from packfunc.functionalize import as_index, batch_size
 from packfunc.losses import check_loss_inputs, default_loss, given_targets
 from packfunc.specs import QUANTITIES, SPECS, Combine, Cotangents, Quantity, Stats
-from packfunc.types import Inputs, ModelFn, Params, ParamsT, Samples, Targets
+from packfunc.types import Inputs, MaxNorm, ModelFn, Params, ParamsT, Samples, Targets
 
 CLIPPING_EPS = 1e-6
 """Added to each norm before dividing, so zero gradients stay finite (as in opacus)."""
@@ -76,7 +76,7 @@ def compute_batch(
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
     chunk_size: int | None = None,
-    max_norm: float | None = None,
+    max_norm: MaxNorm | None = None,
 ) -> dict[str, Any]:
     """Statistic quantities of one batch (see :func:`packfunc.compute`).
 
@@ -191,7 +191,7 @@ def evaluate(
     subsampling: Samples = None,
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
-    max_norm: float | None = None,
+    max_norm: MaxNorm | None = None,
 ) -> dict[str, Any]:
     """Statistic quantities from an existing batch pass (see :func:`compute_batch`).
 
@@ -261,7 +261,7 @@ def _statistics(
     index: slice | Tensor,
     mc_samples: int | None,
     generator: torch.Generator | None,
-    max_norm: float | None,
+    max_norm: MaxNorm | None,
 ) -> Sequence[Stats]:
     """Statistics of every leaf for one kind of output cotangents."""
     if kind is Cotangents.GRADIENT:
@@ -296,7 +296,7 @@ def check_per_sample_loss(specs: Sequence[Quantity], loss: nn.Module) -> None:
         )
 
 
-def clipped_leaf_sums(bp: BatchPass, max_norm: float | None) -> list[Tensor]:
+def clipped_leaf_sums(bp: BatchPass, max_norm: MaxNorm | None) -> list[Tensor]:
     """Every leaf's clipped sum ``Σ_n g_n · min(1, max_norm / (‖g_n‖ + 1e-6))``.
 
     The norm of sample ``n``'s gradient is taken over every leaf of ``params``
@@ -305,7 +305,7 @@ def clipped_leaf_sums(bp: BatchPass, max_norm: float | None) -> list[Tensor]:
 
     Args:
         bp: The batch pass.
-        max_norm: The bound ``C > 0``.
+        max_norm: The bound ``C > 0``, or one bound per leaf (each leaf clipped alone).
 
     Returns:
         One clipped sum per leaf.
@@ -320,9 +320,17 @@ def clipped_leaf_sums(bp: BatchPass, max_norm: float | None) -> list[Tensor]:
         >>> [s.shape for s in clipped_leaf_sums(bp, 1.0)]
         [torch.Size([2]), torch.Size([2, 3])]
     """
-    if max_norm is None or not max_norm > 0:
+    bounds = [max_norm] if isinstance(max_norm, (int, float)) else list(max_norm or [])
+    if not bounds or not all(bound > 0 for bound in bounds):
         raise ValueError(f"clipping needs max_norm > 0; got max_norm={max_norm!r}.")
-    return clipped_sums(bp.gradient_columns(), max_norm, CLIPPING_EPS)
+    if len(bounds) > 1 or not isinstance(max_norm, (int, float)):
+        if len(bounds) != len(bp.leaves):
+            raise ValueError(
+                f"max_norm has {len(bounds)} bounds for {len(bp.leaves)} parameters "
+                f"({bp.names}): pass one number, or one per parameter in that order."
+            )
+        return clipped_sums(bp.gradient_columns(), bounds, CLIPPING_EPS)
+    return clipped_sums(bp.gradient_columns(), bounds[0], CLIPPING_EPS)
 
 
 __all__ = [

@@ -31,6 +31,7 @@ from packfunc.specs import SPECS
 from packfunc.types import (
     DATA_ARGUMENTS,
     Inputs,
+    MaxNorm,
     ModelFn,
     ParamsT,
     PyTree,
@@ -47,7 +48,7 @@ def clipped_grad(
     X: Inputs = None,
     y: Targets = None,
     *,
-    max_norm: float,
+    max_norm: MaxNorm,
     loss: nn.Module | None = None,
     chunk_size: int | None = None,
     **dataset: Unpack[DataOptions],
@@ -63,7 +64,10 @@ def clipped_grad(
     ``data=`` the batches' clipped sums add up.
 
     Args:
-        max_norm: The bound ``C > 0`` on each sample's gradient norm.
+        max_norm: The bound ``C > 0`` on each sample's gradient norm over all of ``params``;
+            or one bound per leaf of ``params`` (flattening order), each leaf's per-sample
+            gradient clipped alone (opacus' per-layer clipping; the step's sensitivity is then
+            ``√Σ C_i²``).
         loss: A ``torch.nn`` loss with ``reduction='sum'``, each sample's own loss
             (default ``CrossEntropyLoss(reduction='sum')``); a mean is refused.
 

@@ -17,7 +17,7 @@ from packfunc.data import DataOptions, over_data
 from packfunc.evaluation import compute_batch, statistic_quantities
 from packfunc.losses import default_loss
 from packfunc.specs import FIRST_ORDER, QUANTITIES, SECOND_ORDER
-from packfunc.types import Inputs, ModelFn, ParamsT, Samples, Targets
+from packfunc.types import Inputs, MaxNorm, ModelFn, ParamsT, Samples, Targets
 
 
 @over_data(None)
@@ -33,7 +33,7 @@ def compute(
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
     chunk_size: int | None = None,
-    max_norm: float | None = None,
+    max_norm: MaxNorm | None = None,
     **dataset: Unpack[DataOptions],
 ) -> dict[str, Any]:
     """Compute several quantities in one pass over the model.

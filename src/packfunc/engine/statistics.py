@@ -72,7 +72,9 @@ def leaf_statistics(
     return per_leaf
 
 
-def clipped_sums(columns: ColumnGradients, max_norm: float, eps: float) -> list[Tensor]:
+def clipped_sums(
+    columns: ColumnGradients, max_norm: float | list[float], eps: float
+) -> list[Tensor]:
     """``Σ_n c_n g_n`` per leaf, ``c_n = min(1, max_norm / (‖g_n‖ + eps))``: DP-SGD's clipped sum.
 
     ``columns`` must be the loss gradient's (``K = 1``), and is used up (its recorded
@@ -85,7 +87,8 @@ def clipped_sums(columns: ColumnGradients, max_norm: float, eps: float) -> list[
 
     Args:
         columns: The loss gradient's column gradients.
-        max_norm: The bound ``C``.
+        max_norm: The bound ``C``; or one bound per leaf, each leaf clipped alone by its
+            own norm ``‖g_{n,leaf}‖``.
         eps: Added to each norm before dividing.
 
     Returns:
@@ -113,6 +116,8 @@ def clipped_sums(columns: ColumnGradients, max_norm: float, eps: float) -> list[
     if bp.whole_model:
         whole = _materialized(columns, bp.whole_model, {Statistic.SQUARED_NORMS}, everyone)
         squares |= {leaf: f[Statistic.SQUARED_NORMS] for leaf, f in zip(bp.whole_model, whole)}
+    if isinstance(max_norm, list):
+        return _clipped_per_leaf(columns, squares, kept, max_norm, eps)
     norms = torch.stack([squares[leaf] for leaf in sorted(squares)]).sum(0).sqrt()
     factors = (max_norm / (norms + eps)).clamp(max=1.0)
     rest = [leaf for leaf in range(len(bp.leaves)) if leaf not in kept]
@@ -131,6 +136,30 @@ def clipped_sums(columns: ColumnGradients, max_norm: float, eps: float) -> list[
         whole = _materialized(reweighted, bp.whole_model, {Statistic.SUM}, everyone)
         sums |= {leaf: f[Statistic.SUM] for leaf, f in zip(bp.whole_model, whole)}
     return [sums[leaf] for leaf in range(len(bp.leaves))]
+
+
+def _clipped_per_leaf(
+    columns: ColumnGradients,
+    squares: dict[int, Tensor],
+    kept: dict[int, Tensor],
+    bounds: list[float],
+    eps: float,
+) -> list[Tensor]:
+    """Each leaf's sum of its per-sample gradients clipped alone to its own bound."""
+    bp, everyone, sums = columns.bp, slice(0, columns.bp.n), []
+    for leaf, bound in enumerate(bounds):
+        factors = (bound / (squares[leaf].sqrt() + eps)).clamp(max=1.0)
+        if leaf in kept:
+            sums.append(torch.tensordot(factors.to(kept[leaf].dtype), kept[leaf], dims=1))
+            continue
+        reweighted = columns.reweighted(factors, [leaf])  # copies: a site serves several leaves
+        value = None
+        if leaf not in bp.whole_model:
+            value = reweighted.closed_form(leaf, Statistic.SUM, everyone)
+        if value is None:
+            value = _materialized(reweighted, [leaf], {Statistic.SUM}, everyone)[0][Statistic.SUM]
+        sums.append(value)
+    return sums
 
 
 def _materialized(
