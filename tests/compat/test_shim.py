@@ -415,3 +415,27 @@ def test_kfac_and_kflr_ask_for_backpacks_position_convention_by_name():
     """The shim names ``kfac_approx="sum"`` itself rather than rely on packfunc's default."""
     for extension in (ours.KFAC(), ours.KFLR()):
         assert dict(extension.job().options)["kfac_approx"] == "sum"
+
+
+def test_clipped_grad_extension_matches_the_functional_api():
+    """``ClippedGrad`` (packfunc's own extension) writes ``pf.clipped_grad`` to ``grad_clipped``;
+    a mean-reduced loss is refused (clipping needs each sample's own loss)."""
+    import packfunc as pf
+    from packfunc.compat import backpack, extend
+    from packfunc.compat.extensions import ClippedGrad
+
+    torch.manual_seed(0)
+    model = extend(
+        torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    )
+    X, y = torch.randn(7, 4), torch.randint(0, 3, (7,))
+    lossfunc = extend(torch.nn.CrossEntropyLoss(reduction="sum"))
+    with backpack(ClippedGrad(0.2)):
+        lossfunc(model(X), y).backward()
+    model_fn, params = pf.functional(model)
+    expected = pf.clipped_grad(model_fn, params, X, y, loss=lossfunc, max_norm=0.2)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_clipped, expected[name])
+    mean = extend(torch.nn.CrossEntropyLoss())
+    with pytest.raises(ValueError, match="reduction='sum'"), backpack(ClippedGrad(0.2)):
+        mean(model(X), y).backward()

@@ -1,7 +1,13 @@
 """Extensions that can be passed to ``with backpack(...)`` (BackPACK's 19 classes)."""
 
 from packfunc.compat.extensions.curvmatprod import GGNMP, HMP, PCHMP
-from packfunc.compat.extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
+from packfunc.compat.extensions.firstorder import (
+    BatchGrad,
+    BatchL2Grad,
+    ClippedGrad,
+    SumGradSquared,
+    Variance,
+)
 from packfunc.compat.extensions.secondorder import (
     HBP,
     KFAC,
@@ -23,6 +29,7 @@ __all__ = [
     "PCHMP",
     "BatchGrad",
     "BatchL2Grad",
+    "ClippedGrad",
     "SumGradSquared",
     "Variance",
     "HBP",

@@ -1,0 +1,32 @@
+"""``ClippedGrad``: DP-SGD's clipped sum of per-sample gradients, stored in ``grad_clipped``.
+
+Not a BackPACK extension: packfunc's equivalent of :func:`packfunc.clipped_grad` for
+BackPACK-style code. Clipping needs each sample's own loss, so the loss must be extended
+(``extend(lossfunc)``) and use ``reduction='sum'``.
+"""
+
+from __future__ import annotations
+
+from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
+from packfunc.specs import SPECS
+
+
+class ClippedGrad(BackpropExtension):
+    """``Σ_n g_n · min(1, C / ‖g_n‖)`` per parameter (norms over all of them): ``grad_clipped``.
+
+    Args:
+        max_norm: The bound ``C > 0``, or one bound per trainable parameter.
+
+    Example:
+        >>> ClippedGrad(1.0).savefield
+        'grad_clipped'
+    """
+
+    def __init__(self, max_norm: float | list[float]) -> None:
+        super().__init__(savefield="grad_clipped")
+        self.max_norm = max_norm
+
+    def job(self) -> Job:
+        """The clipped sum, with the extended loss (its reduction must be ``'sum'``)."""
+        bound = self.max_norm if isinstance(self.max_norm, float) else tuple(self.max_norm)
+        return Job(SPECS["clipped_grad"], (("max_norm", bound),))
