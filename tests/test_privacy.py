@@ -314,3 +314,32 @@ def test_clipped_grad_per_parameter_bounds(case) -> None:
             loss=problem.loss,
             max_norm=bounds[:-1] if len(bounds) > 1 else [1.0, 1.0],
         )
+
+
+def test_private_gradient_transformation() -> None:
+    """``chain(private_gradient, scale(-lr))``: the clipped sum over the expected batch size,
+    then the step; with per-parameter bounds the noise is scaled by ``√Σ C_i²``."""
+    model, loss, X, y = _problem()
+    model_fn, params = pf.functional(model)
+    dp = pf.optim.chain(
+        pf.privacy.private_gradient(
+            model_fn, max_norm=0.3, noise_multiplier=0.0, expected_batch_size=6, loss=loss
+        ),
+        pf.optim.scale(-0.5),
+    )
+    updates, state = dp.update(None, dp.init(params), params, (X, y))
+    expected = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=0.3)
+    assert_trees_close(updates, {k: -0.5 * g / 6 for k, g in expected.items()})
+    bounds = [0.1, 0.2, 0.2, 0.4]
+    noisy = pf.privacy.private_gradient(
+        model_fn,
+        max_norm=bounds,
+        noise_multiplier=1.0,
+        expected_batch_size=1,
+        loss=loss,
+        generator=torch.Generator().manual_seed(0),
+    )
+    empty = (X[:0], y[:0])
+    found, _ = noisy.update(None, noisy.init(params), params, empty)
+    z = torch.cat([v.flatten() for v in found.values()]) / sum(c**2 for c in bounds) ** 0.5
+    assert 0.7 < z.std().item() < 1.3  # the noise alone, at σ·√Σ C_i²

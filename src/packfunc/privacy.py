@@ -27,6 +27,7 @@ from packfunc.data import DataOptions, over_data
 from packfunc.evaluation import CLIPPING_EPS, one_quantity
 from packfunc.functionalize import functional
 from packfunc.losses import default_loss
+from packfunc.optim.transforms import EmptyState, GradientTransformation
 from packfunc.specs import SPECS
 from packfunc.types import (
     DATA_ARGUMENTS,
@@ -251,6 +252,72 @@ class DPOptimizer:
         for name, parameter in self.trainable.items():
             parameter.grad = noisy[name] / self.expected_batch_size
         self.optimizer.step()
+
+
+def private_gradient(
+    model_fn: ModelFn,
+    *,
+    max_norm: MaxNorm,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    loss: nn.Module | None = None,
+    generator: torch.Generator | None = None,
+) -> GradientTransformation:
+    """DP-SGD's gradient as an optax-style transformation: chain it with ``scale(-lr)``.
+
+    ``update(updates, state, params, batch)`` ignores the incoming ``updates`` and returns
+    ``(clipped_grad(params, batch) + N(0, σ²C²)) / expected_batch_size`` (an empty batch
+    gives the noise alone; with one bound per parameter ``C = √Σ C_i²``).
+
+    Args:
+        model_fn: ``model_fn(params, X) -> output``.
+        max_norm: The clipping bound (or one per parameter).
+        noise_multiplier: ``σ``.
+        expected_batch_size: ``q·n`` for Poisson sampling.
+        loss: A loss with ``reduction='sum'`` (default ``CrossEntropyLoss(reduction='sum')``).
+        generator: Random generator for the noise.
+
+    Returns:
+        The transformation (its state is an :class:`~packfunc.optim.EmptyState`).
+
+    Example:
+        >>> from packfunc.optim import apply_updates, chain, scale
+        >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> dp = chain(private_gradient(model_fn, max_norm=1.0, noise_multiplier=1.0,
+        ...                             expected_batch_size=4), scale(-0.1))
+        >>> batch = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
+        >>> updates, state = dp.update(None, dp.init(params), params, batch)
+        >>> apply_updates(params, updates)["weight"].shape
+        torch.Size([2, 3])
+    """
+    summed = loss or default_loss("sum")
+    # the sensitivity of the clipped sum: C, or √Σ C_i² with one bound per parameter
+    bound = max_norm if isinstance(max_norm, (int, float)) else sum(c**2 for c in max_norm) ** 0.5
+
+    def init(params: PyTree) -> EmptyState:
+        """No state."""
+        return EmptyState()
+
+    def update(
+        updates: PyTree,
+        state: Any,
+        params: PyTree | None = None,
+        batch: tuple[Inputs, Targets] | None = None,
+    ) -> tuple[PyTree, Any]:
+        """The private gradient of ``params`` on ``batch``."""
+        if params is None or batch is None:
+            raise ValueError("private_gradient needs params and the batch (X, y) at every step.")
+        X, y = batch
+        total: PyTree
+        if y is None or len(y) == 0:
+            total = cast(PyTree, optree.tree_map(torch.zeros_like, cast(Any, params)))
+        else:
+            total = clipped_grad(model_fn, params, X, y, loss=summed, max_norm=max_norm)
+        noisy = add_noise(total, bound, noise_multiplier, generator=generator)
+        scaled = optree.tree_map(lambda t: t / expected_batch_size, cast(Any, noisy))
+        return cast(PyTree, scaled), state
+
+    return GradientTransformation(init, update)
 
 
 Accountant = Literal["rdp", "prv"]
@@ -483,4 +550,5 @@ __all__ = [
     "clipped_grad",
     "epsilon",
     "noise_multiplier",
+    "private_gradient",
 ]
