@@ -107,7 +107,7 @@ def compute_batch(
     if set(names) == {"grad"}:
         return plain_gradient(model_fn, params, X, targets, loss, chunk_size)
     bp = BatchPass(model_fn, params, X, targets, loss, chunk_size)
-    return evaluate(bp, names, subsampling, mc_samples, generator, max_norm)
+    return evaluate(bp, names, subsampling, mc_samples, generator, max_norm, last_use=True)
 
 
 def one_quantity(
@@ -192,6 +192,8 @@ def evaluate(
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
     max_norm: MaxNorm | None = None,
+    *,
+    last_use: bool = False,
 ) -> dict[str, Any]:
     """Statistic quantities from an existing batch pass (see :func:`compute_batch`).
 
@@ -202,6 +204,7 @@ def evaluate(
         mc_samples: ``None`` (exact GGN) or the number of Monte-Carlo samples.
         generator: Random generator for the samples.
         max_norm: The clipping bound of ``clipped_grad``.
+        last_use: Nothing uses ``bp`` afterwards (its graph may be freed by the last pullback).
 
     Returns:
         As :func:`compute_batch`.
@@ -222,7 +225,9 @@ def evaluate(
         if spec.statistic is not None and spec.cotangents is not None:
             wanted.setdefault(spec.cotangents, set()).add(spec.statistic)
     stats = {
-        kind: _statistics(bp, kind, needed, index, mc_samples, generator, max_norm)
+        kind: _statistics(
+            bp, kind, needed, index, mc_samples, generator, max_norm, last_use and len(wanted) == 1
+        )
         for kind, needed in wanted.items()
     }
     values: dict[str, Any] = {}
@@ -262,12 +267,16 @@ def _statistics(
     mc_samples: int | None,
     generator: torch.Generator | None,
     max_norm: MaxNorm | None,
+    last: bool,
 ) -> Sequence[Stats]:
-    """Statistics of every leaf for one kind of output cotangents."""
+    """Statistics of every leaf for one kind of output cotangents.
+
+    ``last``: no other kind follows, so the clipping's pullback may free the graph.
+    """
     if kind is Cotangents.GRADIENT:
         return leaf_statistics(bp.gradient_columns(), stats, index)
     if kind is Cotangents.CLIPPED_GRADIENT:
-        return [{Statistic.SUM: s} for s in clipped_leaf_sums(bp, max_norm)]
+        return [{Statistic.SUM: s} for s in clipped_leaf_sums(bp, max_norm, last=last)]
     if kind is Cotangents.HESSIAN:
         return hessian.diagonals(bp, stats, index)
     return ggn_statistics(bp, stats, index, mc_samples, generator)
@@ -296,7 +305,9 @@ def check_per_sample_loss(specs: Sequence[Quantity], loss: nn.Module) -> None:
         )
 
 
-def clipped_leaf_sums(bp: BatchPass, max_norm: MaxNorm | None) -> list[Tensor]:
+def clipped_leaf_sums(
+    bp: BatchPass, max_norm: MaxNorm | None, *, last: bool = False
+) -> list[Tensor]:
     """Every leaf's clipped sum ``Σ_n g_n · min(1, max_norm / (‖g_n‖ + 1e-6))``.
 
     The norm of sample ``n``'s gradient is taken over every leaf of ``params``
@@ -306,6 +317,7 @@ def clipped_leaf_sums(bp: BatchPass, max_norm: MaxNorm | None) -> list[Tensor]:
     Args:
         bp: The batch pass.
         max_norm: The bound ``C > 0``, or one bound per leaf (each leaf clipped alone).
+        last: No pullback through ``bp`` follows (its graph is freed as this one goes).
 
     Returns:
         One clipped sum per leaf.
@@ -329,8 +341,8 @@ def clipped_leaf_sums(bp: BatchPass, max_norm: MaxNorm | None) -> list[Tensor]:
                 f"max_norm has {len(bounds)} bounds for {len(bp.leaves)} parameters "
                 f"({bp.names}): pass one number, or one per parameter in that order."
             )
-        return clipped_sums(bp.gradient_columns(), bounds, CLIPPING_EPS)
-    return clipped_sums(bp.gradient_columns(), bounds[0], CLIPPING_EPS)
+        return clipped_sums(bp.gradient_columns(last=last), bounds, CLIPPING_EPS)
+    return clipped_sums(bp.gradient_columns(last=last), bounds[0], CLIPPING_EPS)
 
 
 __all__ = [

@@ -190,9 +190,20 @@ class BatchPass:
         sites = sum(self.plan.sites[k].tail.numel() for k in self.record.inputs)
         return sites + self.record.output[0].numel()
 
-    def gradient_columns(self) -> ColumnGradients:
-        """Column gradients for the loss gradient: ``K = 1``, per-sample gradients."""
-        return self.columns(self.record.output_cotangent.unsqueeze(0))
+    def gradient_columns(self, *, last: bool = False) -> ColumnGradients:
+        """Column gradients for the loss gradient: ``K = 1``, per-sample gradients.
+
+        Args:
+            last: No pullback follows: the recorded graph may be freed as this one goes.
+
+        Returns:
+            The :class:`ColumnGradients`.
+        """
+        cotangent = self.record.output_cotangent
+        if last and self.record.inputs:
+            sites = {k: g[None] for k, g in self.record.last_pullback(cotangent).items()}
+            return ColumnGradients(self, cotangent.unsqueeze(0), sites)
+        return self.columns(cotangent.unsqueeze(0))
 
     def columns(self, cotangents: Tensor) -> ColumnGradients:
         """Pull a stack of output cotangents ``[K, N, ...]`` back through the batch pass.

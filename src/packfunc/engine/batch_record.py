@@ -287,6 +287,8 @@ class BatchRecord:
             recorded calls' outputs.
         pullback_columns: The same for a stack of output cotangents ``[K, N, ...]``.
         loss_gradient: Returns ``(reduced loss, ∂L/∂output)``; called at most once.
+        last_pullback: :attr:`pullback` for the last time: where plain autograd records,
+            the graph is freed as the pullback goes (as in a plain backward pass).
     """
 
     output: Tensor
@@ -295,6 +297,7 @@ class BatchRecord:
     pullback: Callable[[Tensor], dict[int, Tensor]]
     pullback_columns: Callable[[Tensor], dict[int, Tensor]]
     loss_gradient: Callable[[], tuple[Tensor, Tensor]]
+    last_pullback: Callable[[Tensor], dict[int, Tensor]]
 
     @cached_property
     def _loss_and_cotangent(self) -> tuple[Tensor, Tensor]:
@@ -370,7 +373,13 @@ def record(
         return {k: g for k, g in found.items() if k in inputs}
 
     return BatchRecord(
-        output, inputs, failed, pullback, vmap(pullback), lambda: (value, output_cotangent)
+        output,
+        inputs,
+        failed,
+        pullback,
+        vmap(pullback),
+        lambda: (value, output_cotangent),
+        pullback,  # torch.func's pullback keeps its graph
     )
 
 
@@ -525,7 +534,7 @@ def autograd_record(
     sites = [k for k in outputs if k not in direct]
     edges = [outputs[k] for k in sites]
 
-    def gradients(cotangent: Tensor, batched: bool) -> dict[int, Tensor]:
+    def gradients(cotangent: Tensor, batched: bool, retain: bool = True) -> dict[int, Tensor]:
         found = dict.fromkeys(direct, cotangent)
         if not edges:
             return found
@@ -533,7 +542,7 @@ def autograd_record(
             output,
             edges,
             cotangent,
-            retain_graph=True,
+            retain_graph=retain or differentiable,
             create_graph=differentiable,
             allow_unused=True,
             is_grads_batched=batched,
@@ -555,4 +564,5 @@ def autograd_record(
         lambda c: gradients(c, False),
         lambda c: gradients(c, True),
         loss_gradient,
+        lambda c: gradients(c, False, retain=False),
     )
