@@ -165,3 +165,31 @@ def test_gradient_alone_checks_its_arguments_like_every_quantity():
         pf.compute(lambda p, x: model_fn(p, x)[:2], params, X, y, quantities="grad")
     with pytest.raises(ValueError, match="chunk_size"):
         pf.compute(model_fn, params, X, y, quantities="grad", chunk_size=0)
+
+
+def test_chunked_per_sample_gradients_are_written_into_one_output(monkeypatch):
+    """Chunks of per-sample gradients go into one output: no second ``[N, *p]`` tensor is made
+    by joining them (a spy on ``torch.cat``/``torch.stack`` sees nothing of that size)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(32, 20), torch.randint(0, 3, (32,))
+    expected = pf.batch_grad(model_fn, params, X, y)
+    largest = 32 * max(p.numel() for p in params.values())
+    joined: list[int] = []
+    cat, stack = torch.cat, torch.stack
+
+    def spy(join):
+        def wrapped(*args, **kwargs):
+            out = join(*args, **kwargs)
+            joined.append(out.numel())
+            return out
+
+        return wrapped
+
+    monkeypatch.setattr(torch, "cat", spy(cat))
+    monkeypatch.setattr(torch, "stack", spy(stack))
+    found = pf.batch_grad(model_fn, params, X, y, chunk_size=4)  # 8 chunks per leaf
+    monkeypatch.undo()
+    assert_trees_close(found, expected)
+    assert not [n for n in joined if n >= largest], joined

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from packfunc.engine.batch_pass import BatchPass, ColumnGradients
-from packfunc.engine.memory import DEFAULT_BUDGET, chunk_length, chunks
+from packfunc.engine.memory import DEFAULT_BUDGET, chunk_length, chunks, index_length, new_output
 from packfunc.engine.vocabulary import PER_SAMPLE, Statistic
 from packfunc.losses import hessian_factors
 
@@ -175,24 +175,65 @@ def _materialized(
     per_sample, totals = stats & PER_SAMPLE, stats - PER_SAMPLE
     if whole or not per_sample or not totals:
         samples = index if per_sample else everyone
-        return _reduce(columns.iter_leaf_columns(group, samples), stats)
-    first = _reduce(columns.iter_leaf_columns(group, index), per_sample)
-    second = _reduce(columns.iter_leaf_columns(group, everyone), totals)
+        return _reduce(columns.iter_leaf_columns(group, samples), stats, index_length(samples))
+    first = _reduce(columns.iter_leaf_columns(group, index), per_sample, index_length(index))
+    second = _reduce(columns.iter_leaf_columns(group, everyone), totals, columns.bp.n)
     return [a | b for a, b in zip(first, second)]
 
 
-def _reduce(parts: Iterable[list[Tensor]], stats: set[Statistic]) -> list[dict[Statistic, Tensor]]:
-    """Fold chunks of column gradients (one ``[K, n, *p]`` tensor per leaf) into statistics."""
+def _reduce(
+    parts: Iterable[list[Tensor]], stats: set[Statistic], count: int
+) -> list[dict[Statistic, Tensor]]:
+    """Fold chunks of column gradients (one ``[K, n, *p]`` tensor per leaf) into statistics.
+
+    Column gradients asked for themselves are written chunk by chunk into one output of
+    all ``count`` samples: no second tensor of that size, as joining the chunks would be.
+    """
     collected: list[dict[Statistic, list[Tensor]]] | None = None
+    outputs: list[_Columns] = []
     for chunk in parts:
         if collected is None:
-            collected = [{stat: [] for stat in stats} for _ in chunk]
-        for found, per_sample in zip(collected, chunk):
-            for stat in stats:
+            collected = [{stat: [] for stat in stats - {Statistic.COLUMNS}} for _ in chunk]
+            outputs = [_Columns(count) for _ in chunk]
+        for found, output, per_sample in zip(collected, outputs, chunk):
+            for stat in found:
                 found[stat].append(_statistic(stat, per_sample))
+            if Statistic.COLUMNS in stats:
+                output.write(per_sample)
     if collected is None:
         raise ValueError("the batch is empty; pass at least one sample.")
-    return [{stat: _combine(stat, values) for stat, values in found.items()} for found in collected]
+    reduced: list[dict[Statistic, Tensor]] = [
+        {stat: _combine(stat, values) for stat, values in f.items()} for f in collected
+    ]
+    if Statistic.COLUMNS in stats:
+        for leaf_stats, output in zip(reduced, outputs):
+            leaf_stats[Statistic.COLUMNS] = output.result()
+    return reduced
+
+
+class _Columns:
+    """Column gradients of ``count`` samples, assembled from chunks ``[K, n, *p]`` in order."""
+
+    def __init__(self, count: int):
+        self.count, self.filled = count, 0
+        self.tensor: Tensor | None = None
+
+    def write(self, chunk: Tensor) -> None:
+        """Append a chunk (the first, if it covers every sample, is kept as it is)."""
+        size = chunk.shape[1]
+        if self.tensor is None and size == self.count:
+            self.tensor = chunk
+        else:
+            if self.tensor is None:
+                shape = (chunk.shape[0], self.count, *chunk.shape[2:])
+                self.tensor = new_output(shape, chunk)
+            self.tensor[:, self.filled : self.filled + size] = chunk
+        self.filled += size
+
+    def result(self) -> Tensor:
+        """All samples' column gradients."""
+        assert self.tensor is not None and self.filled == self.count
+        return self.tensor
 
 
 def _statistic(stat: Statistic, columns: Tensor) -> Tensor:
