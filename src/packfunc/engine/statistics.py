@@ -106,7 +106,8 @@ def clipped_sums(
     kept: dict[int, Tensor] = {}
     room = DEFAULT_BUDGET
     for leaf in (i for i in range(len(bp.leaves)) if i not in bp.whole_model):
-        value = columns.closed_form(leaf, Statistic.SQUARED_NORMS, everyone)
+        small = _per_sample_is_smaller(columns, leaf)
+        value = None if small else columns.closed_form(leaf, Statistic.SQUARED_NORMS, everyone)
         if value is None:
             found = columns.leaf_columns(leaf, everyone)[0]  # [N, *p], for the norms anyway
             value = _statistic(Statistic.SQUARED_NORMS, found[None])
@@ -136,6 +137,16 @@ def clipped_sums(
         whole = _materialized(reweighted, bp.whole_model, {Statistic.SUM}, everyone)
         sums |= {leaf: f[Statistic.SUM] for leaf, f in zip(bp.whole_model, whole)}
     return [sums[leaf] for leaf in range(len(bp.leaves))]
+
+
+def _per_sample_is_smaller(columns: ColumnGradients, leaf: int) -> bool:
+    """Whether a leaf's per-sample gradients ``[N, *p]`` are smaller than its calls' cotangents.
+
+    Then (a bias beside a convolution) keeping them beats reweighting the cotangents.
+    """
+    terms = columns.recorded.get(leaf, [])
+    cotangents = sum(term.g.numel() for term in terms)
+    return bool(terms) and columns.bp.n * columns.bp.leaves[leaf].numel() < cotangents
 
 
 def _clipped_per_leaf(
