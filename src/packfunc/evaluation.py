@@ -332,17 +332,21 @@ def clipped_leaf_sums(
         >>> [s.shape for s in clipped_leaf_sums(bp, 1.0)]
         [torch.Size([2]), torch.Size([2, 3])]
     """
-    bounds = [max_norm] if isinstance(max_norm, (int, float)) else list(max_norm or [])
-    if not bounds or not all(bound > 0 for bound in bounds):
+    bound: float | list[float]
+    if isinstance(max_norm, (int, float)):
+        bounds = [float(max_norm)]
+        bound = bounds[0]
+    else:
+        bounds = list(max_norm or [])
+        bound = bounds
+    if not bounds or not all(b > 0 for b in bounds):
         raise ValueError(f"clipping needs max_norm > 0; got max_norm={max_norm!r}.")
-    if len(bounds) > 1 or not isinstance(max_norm, (int, float)):
-        if len(bounds) != len(bp.leaves):
-            raise ValueError(
-                f"max_norm has {len(bounds)} bounds for {len(bp.leaves)} parameters "
-                f"({bp.names}): pass one number, or one per parameter in that order."
-            )
-        return clipped_sums(bp.gradient_columns(last=last), bounds, CLIPPING_EPS)
-    return clipped_sums(bp.gradient_columns(last=last), bounds[0], CLIPPING_EPS)
+    if isinstance(bound, list) and len(bounds) != len(bp.leaves):
+        raise ValueError(
+            f"max_norm has {len(bounds)} bounds for {len(bp.leaves)} parameters "
+            f"({bp.names}): pass one number, or one per parameter in that order."
+        )
+    return clipped_sums(bp.gradient_columns(last=last), bound, CLIPPING_EPS)
 
 
 __all__ = [

@@ -222,12 +222,16 @@ class DPOptimizer:
         loss: nn.Module | None = None,
         generator: torch.Generator | None = None,
     ):
-        if not expected_batch_size > 0:
-            raise ValueError(f"expected_batch_size must be positive; got {expected_batch_size!r}.")
-        self.optimizer, self.max_norm, self.noise_multiplier = optimizer, max_norm, noise_multiplier
-        self.expected_batch_size, self.generator = expected_batch_size, generator
-        self.loss = loss or default_loss("sum")
-        self.model_fn, params = functional(model)  # parameters that share the module's memory
+        self.optimizer = optimizer
+        model_fn, params = functional(model)  # parameters that share the module's memory
+        self.private = private_gradient(
+            model_fn,
+            max_norm=max_norm,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size,
+            loss=loss,
+            generator=generator,
+        )
         self.trainable = {k: p for k, p in model.named_parameters() if p.requires_grad}
         self.params = {k: params[k] for k in self.trainable}
 
@@ -241,16 +245,9 @@ class DPOptimizer:
         Args:
             batch: ``(X, y)``, possibly empty.
         """
-        X, y = batch
-        if len(y) == 0:
-            total = {k: torch.zeros_like(p) for k, p in self.params.items()}
-        else:
-            total = clipped_grad(
-                self.model_fn, self.params, X, y, loss=self.loss, max_norm=self.max_norm
-            )
-        noisy = add_noise(total, self.max_norm, self.noise_multiplier, generator=self.generator)
+        grads, _ = self.private.update(None, EmptyState(), self.params, batch)
         for name, parameter in self.trainable.items():
-            parameter.grad = noisy[name] / self.expected_batch_size
+            parameter.grad = cast(dict[str, Tensor], grads)[name]
         self.optimizer.step()
 
 
@@ -290,6 +287,8 @@ def private_gradient(
         >>> apply_updates(params, updates)["weight"].shape
         torch.Size([2, 3])
     """
+    if not expected_batch_size > 0:
+        raise ValueError(f"expected_batch_size must be positive; got {expected_batch_size!r}.")
     summed = loss or default_loss("sum")
     # the sensitivity of the clipped sum: C, or √Σ C_i² with one bound per parameter
     bound = max_norm if isinstance(max_norm, (int, float)) else sum(c**2 for c in max_norm) ** 0.5
@@ -503,19 +502,12 @@ def clip_and_noise(
     """
     if noise_multiplier < 0:
         raise ValueError(f"noise_multiplier must be non-negative, got {noise_multiplier}")
-    leaves, treespec = optree.tree_flatten(
-        cast(Any, clip_per_sample(batch_grads, max_norm, batch_l2=batch_l2))
-    )
-    num_samples = leaves[0].shape[0]
-    noisy = []
-    for g in leaves:
-        summed = g.sum(0)
-        if noise_multiplier > 0:
-            device = summed.device if generator is None else generator.device
-            z = torch.randn(summed.shape, generator=generator, dtype=summed.dtype, device=device)
-            summed = summed + noise_multiplier * max_norm * z.to(summed.device)
-        noisy.append(summed / num_samples)
-    return cast(ParamsT, optree.tree_unflatten(treespec, noisy))
+    clipped = clip_per_sample(batch_grads, max_norm, batch_l2=batch_l2)
+    num_samples = _num_samples(optree.tree_leaves(cast(Any, clipped)))
+    total = cast(ParamsT, optree.tree_map(lambda g: g.sum(0), cast(Any, clipped)))
+    if noise_multiplier > 0:
+        total = add_noise(total, max_norm, noise_multiplier, generator=generator)
+    return cast(ParamsT, optree.tree_map(lambda t: t / num_samples, cast(Any, total)))
 
 
 def _num_samples(leaves: list[Tensor]) -> int:
