@@ -57,10 +57,10 @@ PROBLEMS: dict[str, Callable[[], problems.Problem]] = {
 }
 
 
-def _sgd(parameters: list[Tensor], updates: list[Tensor]) -> None:
-    """``p -= LR · update`` for every parameter, in place."""
+def _sgd(parameters: list[Tensor], updates: list[Tensor], scale: float = 1.0) -> None:
+    """``p -= LR · scale · update`` for every parameter, in place."""
     with torch.no_grad():
-        torch._foreach_add_(parameters, updates, alpha=-LR)
+        torch._foreach_add_(parameters, updates, alpha=-LR * scale)
 
 
 def plain_step(model: nn.Module, X: Tensor, y: Tensor) -> Step:
@@ -85,7 +85,7 @@ def packfunc_step(model: nn.Module, X: Tensor, y: Tensor) -> Step:
     def step() -> None:
         clipped = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=MAX_NORM)
         noisy = pf.privacy.add_noise(clipped, MAX_NORM, SIGMA, generator=generator)
-        _sgd(list(params.values()), [noisy[k] / len(X) for k in params])
+        _sgd(list(params.values()), [noisy[k] for k in params], 1 / len(X))
 
     return step
 
@@ -205,7 +205,8 @@ def measure(problem_name: str, contender: str, repeats: int) -> dict[str, object
         repeats: Timed steps.
 
     Returns:
-        ``{"median", "min", "max"}`` in seconds and ``"peak_mb"``, or ``{"refused": why}``.
+        ``{"median", "min", "max"}`` in seconds, ``"peak_mb"`` (added by the steps) and
+        ``"peak_total_mb"`` (the process's peak resident set size), or ``{"refused": why}``.
     """
     torch.set_num_threads(2)
     problem = PROBLEMS[problem_name]()
@@ -228,6 +229,7 @@ def measure(problem_name: str, contender: str, repeats: int) -> dict[str, object
         "min": min(times),
         "max": max(times),
         "peak_mb": peak - before,
+        "peak_total_mb": peak,
     }
 
 
@@ -250,8 +252,11 @@ def main() -> None:
         print(json.dumps(measure(args.one[0], args.one[1], args.repeats)))
         return
     names = args.problems.split(",") + (["LM-55M"] if args.large_lm else [])
-    print("| problem | contender | step ms (min–max) | × plain | peak MB added | × plain |")
-    print("|---|---|--:|--:|--:|--:|")
+    print(
+        "| problem | contender | step ms (min–max) | × plain | peak MB added | × plain "
+        "| peak RSS MB | × plain |"
+    )
+    print("|---|---|--:|--:|--:|--:|--:|--:|")
     for name in names:
         repeats = 3 if name == "LM-55M" else args.repeats
         rows = {c: _fresh(name, c, repeats) for c in CONTENDERS}
@@ -282,13 +287,15 @@ def _fresh(problem_name: str, contender: str, repeats: int) -> dict[str, object]
 def _row(name: str, contender: str, row: dict[str, object], plain: dict[str, object]) -> str:
     """One markdown row."""
     if "refused" in row:
-        return f"| {name} | {contender} | refuses ({row['refused']}) | — | — | — |"
-    value = {key: float(str(row[key])) for key in ("median", "min", "max", "peak_mb")}
-    base = {key: float(str(plain.get(key, "nan"))) for key in ("median", "peak_mb")}
+        return f"| {name} | {contender} | refuses ({row['refused']}) | — | — | — | — | — |"
+    keys = ("median", "min", "max", "peak_mb", "peak_total_mb")
+    value = {key: float(str(row[key])) for key in keys}
+    base = {key: float(str(plain.get(key, "nan"))) for key in keys}
     ms = f"{1000 * value['median']:.1f} ({1000 * value['min']:.1f}–{1000 * value['max']:.1f})"
     return (
         f"| {name} | {contender} | {ms} | {value['median'] / base['median']:.2f}× | "
-        f"{value['peak_mb']:.0f} | {value['peak_mb'] / max(base['peak_mb'], 1.0):.2f}× |"
+        f"{value['peak_mb']:.0f} | {value['peak_mb'] / max(base['peak_mb'], 1.0):.2f}× | "
+        f"{value['peak_total_mb']:.0f} | {value['peak_total_mb'] / base['peak_total_mb']:.2f}× |"
     )
 
 

@@ -291,4 +291,4 @@ def test_dp_step_measures_or_names_the_refusal(contender: str):
         assert "refuses" in dp_step._row("LM", contender, found, found)
     else:
         assert float(str(found["median"])) > 0 and "peak_mb" in found
-        assert dp_step._row("LM", contender, found, found).count("|") == 7
+        assert dp_step._row("LM", contender, found, found).count("|") == 9

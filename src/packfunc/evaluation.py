@@ -346,7 +346,7 @@ def clipped_leaf_sums(
             f"max_norm has {len(bounds)} bounds for {len(bp.leaves)} parameters "
             f"({bp.names}): pass one number, or one per parameter in that order."
         )
-    return clipped_sums(bp.gradient_columns(last=last), bound, CLIPPING_EPS)
+    return clipped_sums(bp, bound, CLIPPING_EPS, last=last)
 
 
 __all__ = [

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from packfunc.engine import whole_model
-from packfunc.engine.batch_record import BatchRecord, PlanMismatch, record
+from packfunc.engine.batch_record import BatchRecord, PlanMismatch, SiteConsumer, record
 from packfunc.engine.discovery import Plan, cached_discover, forget_plan
 from packfunc.engine.memory import chunk_length, index_length, is_plain, new_output, split_index
 from packfunc.engine.ops import SiteCall
@@ -190,19 +190,26 @@ class BatchPass:
         sites = sum(self.plan.sites[k].tail.numel() for k in self.record.inputs)
         return sites + self.record.output[0].numel()
 
-    def gradient_columns(self, *, last: bool = False) -> ColumnGradients:
+    def gradient_columns(
+        self, *, last: bool = False, consume: SiteConsumer | None = None
+    ) -> ColumnGradients:
         """Column gradients for the loss gradient: ``K = 1``, per-sample gradients.
 
         Args:
             last: No pullback follows: the recorded graph may be freed as this one goes.
+            consume: With ``last``, receives each site's cotangent (during the pullback
+                where it can) and returns what the column gradients keep of it.
 
         Returns:
             The :class:`ColumnGradients`.
         """
+        if last and self.record.inputs and not self.whole_model:
+            self.record.release_output()
         cotangent = self.record.output_cotangent
         if last and self.record.inputs:
-            sites = {k: g[None] for k, g in self.record.last_pullback(cotangent).items()}
-            return ColumnGradients(self, cotangent.unsqueeze(0), sites)
+            found = self.record.last_pullback(cotangent, consume)
+            sites = {k: g[None] for k, g in found.items()}
+            return ColumnGradients(self, cotangent.unsqueeze(0), sites, owns_record=True)
         return self.columns(cotangent.unsqueeze(0))
 
     def columns(self, cotangents: Tensor) -> ColumnGradients:
@@ -236,6 +243,8 @@ class ColumnGradients:
         sites: Their pullback to every recorded tapped call, ``[K, N, ...]`` each.
         weights: Per-sample weights the output cotangents are scaled by, when they are
             first needed (the whole-model path): ``sites`` are scaled already.
+        owns_record: Nothing uses the batch pass's record after these column gradients:
+            :meth:`release` may drop its recorded inputs.
     """
 
     def __init__(
@@ -244,8 +253,11 @@ class ColumnGradients:
         cotangents: Tensor,
         sites: dict[int, Tensor],
         weights: Tensor | None = None,
+        *,
+        owns_record: bool = False,
     ):
         self.bp, self._cotangents, self._weights = backprop, cotangents, weights
+        self.owns_record = owns_record
         self.count = cotangents.shape[0]
         self.sites = sites
         self.recorded = self._recorded_calls(sites)
@@ -273,7 +285,8 @@ class ColumnGradients:
                 are scaled).
             in_place: Scale the recorded cotangents in place (this object is not used
                 again) where one shares its memory with no other and not with the output
-                cotangents; the others are scaled copies.
+                cotangents (unless the record is owned and the whole-model path does not
+                read them); the others are scaled copies.
 
         Returns:
             The reweighted :class:`ColumnGradients`.
@@ -284,10 +297,35 @@ class ColumnGradients:
             for k in self.sites
             if any(leaf in wanted for _, leaf in self.bp.plan.sites[k].call.leaves)
         ]
-        mine = _alone([self.sites[k] for k in needed], self.cotangents) if in_place else []
+        # an owned record's output cotangent is not read again unless the whole-model path does
+        shared = self.cotangents if not self.owns_record or self.bp.whole_model else None
+        mine = _alone([self.sites[k] for k in needed], shared) if in_place else []
         alone = {needed[i] for i in mine}
         sites = {k: _scaled(self.sites[k], weights, in_place=k in alone) for k in needed}
-        return ColumnGradients(self.bp, self.cotangents, sites, weights)
+        result = ColumnGradients(
+            self.bp, self.cotangents, sites, weights, owns_record=self.owns_record
+        )
+        for leaf in set(result.recorded) - wanted:  # (a bias whose weight is wanted)
+            del result.recorded[leaf]
+        return result
+
+    def release(self, leaf: int) -> None:
+        """Forget a leaf whose statistics are taken.
+
+        A call no remaining leaf uses frees its cotangent, and its recorded input too
+        where the record is owned.
+
+        Args:
+            leaf: Leaf index; its statistics are not asked again.
+        """
+        self.recorded.pop(leaf, None)
+        self._canonical.pop(leaf, None)
+        calls = self.bp.plan.sites
+        for k in [k for k in self.sites if leaf in {i for _, i in calls[k].call.leaves}]:
+            if not any(i in self.recorded for _, i in calls[k].call.leaves):
+                del self.sites[k]
+                if self.owns_record:
+                    self.bp.record.inputs.pop(k, None)
 
     def _recorded_calls(self, sites: dict[int, Tensor]) -> dict[int, list[Term]]:
         """Each tapped leaf's calls with their recorded input and cotangents, not canonicalized."""
@@ -437,16 +475,24 @@ class ColumnGradients:
 
 
 def _scaled(t: Tensor, weights: Tensor, *, in_place: bool = False) -> Tensor:
-    """``t [K, N, ...]`` with sample ``n``'s rows times ``weights[n]``."""
+    """``t [K, N, ...]`` with sample ``n``'s rows times ``weights[n]``.
+
+    A copy is contiguous (a permuted view of the output cotangent is then reshaped to a
+    layer's layout without a second copy).
+    """
     w = weights.to(t.dtype).view(1, -1, *[1] * (t.dim() - 2))
-    return t.mul_(w) if in_place else t * w
+    if in_place:
+        return t.mul_(w)
+    if t.is_contiguous() or not is_plain(t, w):
+        return t * w
+    return torch.mul(t, w, out=torch.empty(t.shape, dtype=t.dtype, device=t.device))
 
 
-def _alone(tensors: list[Tensor], other: Tensor) -> list[int]:
+def _alone(tensors: list[Tensor], other: Tensor | None) -> list[int]:
     """The positions in ``tensors`` of those that can be changed in place alone.
 
     Such a tensor needs no gradient and shares its memory with no other of ``tensors``
-    and not with ``other``.
+    and not with ``other`` (if given).
 
     Example:
         >>> t = torch.ones(4)
@@ -454,7 +500,7 @@ def _alone(tensors: list[Tensor], other: Tensor) -> list[int]:
         [2]
     """
     pointers = [t.untyped_storage().data_ptr() for t in tensors]
-    taken = {other.untyped_storage().data_ptr()}
+    taken = {other.untyped_storage().data_ptr()} if other is not None else set()
     return [
         i
         for i, (t, p) in enumerate(zip(tensors, pointers))

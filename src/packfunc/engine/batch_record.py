@@ -45,6 +45,10 @@ from packfunc.engine.precision import forward_autocast, to_dtype_of
 from packfunc.losses import check_loss_inputs
 from packfunc.types import ModelFn
 
+SiteConsumer = Callable[[int, Tensor], Tensor | None]
+"""Receives a site's index and output cotangent ``[N, ...]``; returns what to keep of it
+(``None``: nothing)."""
+
 
 class PlanMismatch(RuntimeError):
     """The batch pass called parameter-consuming ops other than discovery saw."""
@@ -71,6 +75,7 @@ class _RecordMode(ParameterMode):
         self.inputs: dict[int, Recorded] = {}
         self.outputs: dict[int, GradientEdge] = {}
         self.failed: set[int] = set()
+        self.rooted: set[int] = set()  # sites whose output was computed from a fresh leaf
 
     def _dispatch(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -120,6 +125,7 @@ class _RecordMode(ParameterMode):
             # may not modify: compute it from a fresh leaf alias of a parameter instead
             weight = bound[leaves[0][0]]
             out = run(weight, weight.detach().requires_grad_())
+            self.rooted.add(k)
         else:
             out = run()
         if out.shape != probe.shape or bound["input"].shape[0] != probe.shape[0]:
@@ -136,6 +142,7 @@ class _RecordMode(ParameterMode):
         if self.mark and not any(isinstance(v, Tensor) and v.requires_grad for v in values):
             first = min(sources)  # see _record_tapped: never let the output be a leaf
             values[first] = values[first].detach().requires_grad_()
+            self.rooted.add(k)
         args, kwargs = arguments.rebuild(values)
         out = func(*args, **kwargs)
         shapes = self.plan.sites[k].shapes
@@ -287,8 +294,11 @@ class BatchRecord:
             recorded calls' outputs.
         pullback_columns: The same for a stack of output cotangents ``[K, N, ...]``.
         loss_gradient: Returns ``(reduced loss, ∂L/∂output)``; called at most once.
-        last_pullback: :attr:`pullback` for the last time: where plain autograd records,
-            the graph is freed as the pullback goes (as in a plain backward pass).
+        last_pullback: :attr:`pullback` for the last time, each site's cotangent passed
+            through a :data:`SiteConsumer` (``None``: kept as it is) which decides what is
+            kept: where plain autograd records, the graph is freed as the pullback goes (as
+            in a plain backward pass), and most sites' cotangents reach the consumer
+            during it, so that what it drops is never held beside the others.
     """
 
     output: Tensor
@@ -297,7 +307,7 @@ class BatchRecord:
     pullback: Callable[[Tensor], dict[int, Tensor]]
     pullback_columns: Callable[[Tensor], dict[int, Tensor]]
     loss_gradient: Callable[[], tuple[Tensor, Tensor]]
-    last_pullback: Callable[[Tensor], dict[int, Tensor]]
+    last_pullback: Callable[[Tensor, SiteConsumer | None], dict[int, Tensor]]
 
     @cached_property
     def _loss_and_cotangent(self) -> tuple[Tensor, Tensor]:
@@ -312,6 +322,14 @@ class BatchRecord:
     def output_cotangent(self) -> Tensor:
         """``∂L/∂output``; row ``n`` is sample ``n``'s share."""
         return self._loss_and_cotangent[1]
+
+    def release_output(self) -> None:
+        """Let the output's memory go as the loss gradient is taken (nothing reads it again).
+
+        :attr:`output` keeps its shape and dtype on the meta device: a read of its
+        values fails instead of seeing freed memory.
+        """
+        self.output = torch.empty_like(self.output, device="meta")
 
 
 def record(
@@ -379,8 +397,16 @@ def record(
         pullback,
         vmap(pullback),
         lambda: (value, output_cotangent),
-        pullback,  # torch.func's pullback keeps its graph
+        lambda c, consume: _consumed(pullback(c), consume),  # torch.func keeps its graph
     )
+
+
+def _consumed(found: dict[int, Tensor], consume: SiteConsumer | None) -> dict[int, Tensor]:
+    """What ``consume`` keeps of each site's cotangent (all of them without one)."""
+    if consume is None:
+        return found
+    kept = {k: consume(k, g) for k, g in found.items()}
+    return {k: g for k, g in kept.items() if g is not None}
 
 
 class _TappedLeaf(Tensor):
@@ -467,7 +493,10 @@ def _record_with_autograd(
         if not output.requires_grad:  # no tapped call upstream
             output.requires_grad_()
     shapes = {k: (n, *plan.sites[k].tail) for k in mode.outputs}
-    return autograd_record(output, mode.inputs, mode.outputs, shapes, mode.failed, loss, y)
+    streamed = set(mode.outputs) - mode.rooted
+    return autograd_record(
+        output, mode.inputs, mode.outputs, shapes, mode.failed, loss, y, streamed=streamed
+    )
 
 
 def _tapped_leaves_forward(
@@ -507,21 +536,34 @@ def autograd_record(
     loss: nn.Module,
     y: Any,
     differentiable: bool = False,
+    streamed: set[int] | None = None,
 ) -> BatchRecord:
     """A :class:`BatchRecord` whose pullbacks run backward through an existing autograd graph.
 
     The recorded calls' outputs are given as gradient edges (their autograd nodes),
     so an in-place op applied to an output later (``ReLU(inplace=True)``) does not
     change what is differentiated. With ``differentiable``, every result keeps its
-    own graph (``backward(create_graph=True)``).
+    own graph (``backward(create_graph=True)``). ``streamed`` sites' nodes run in any
+    pullback that reaches the other sites (each lies between the output and one of
+    them): the last pullback hands their cotangents to its consumer from a hook on
+    the node as they are formed, instead of capturing them until the end.
     """
+    # the pullbacks start at the output's node, so that the output's memory can go
+    root = get_gradient_edge(output) if output.grad_fn is not None else output
+    held = [output]
 
     def loss_gradient() -> tuple[Tensor, Tensor]:
+        out = held[0] if differentiable else held.pop()  # called once (BatchRecord caches)
         with torch.enable_grad():
-            value = loss(output, y)
-            (output_cotangent,) = torch.autograd.grad(
-                value, output, retain_graph=True, create_graph=differentiable
-            )
+            value = loss(out, y)
+        # differentiated at its node: the output's memory goes here if the record let it go
+        at: Tensor | GradientEdge = out
+        if not differentiable and out.grad_fn is not None:
+            at = get_gradient_edge(out)
+            del out
+        (output_cotangent,) = torch.autograd.grad(
+            value, at, retain_graph=True, create_graph=differentiable
+        )
         return (value, output_cotangent) if differentiable else (value.detach(), output_cotangent)
 
     # a call whose output is the model output (a head) gets the cotangent itself
@@ -539,7 +581,7 @@ def autograd_record(
         if not edges:
             return found
         pulled = torch.autograd.grad(
-            output,
+            root,
             edges,
             cotangent,
             retain_graph=retain or differentiable,
@@ -553,6 +595,44 @@ def autograd_record(
             found[k] = g.reshape(shape) if g is not None else cotangent.new_zeros(shape)
         return found
 
+    def last_gradients(cotangent: Tensor, consume: SiteConsumer | None) -> dict[int, Tensor]:
+        captured = [k for k in sites if k not in (streamed or ())]
+        if consume is None or differentiable or not captured:
+            return _consumed(gradients(cotangent, False, retain=False), consume)
+        nodes = {outputs[k].node for k in captured}
+        # a node a capture ends at may not run: its sites are captured as well
+        hooked = [k for k in sites if k not in captured and outputs[k].node not in nodes]
+        captured += [k for k in sites if k not in captured and k not in hooked]
+        found: dict[int, Tensor] = {}
+        delivered: set[int] = set()
+
+        def take(k: int, g: Tensor | None) -> None:
+            delivered.add(k)
+            g = g.reshape(shapes[k]) if g is not None else cotangent.new_zeros(shapes[k])
+            kept = consume(k, g)
+            if kept is not None:
+                found[k] = kept
+
+        for k in direct:
+            take(k, cotangent)
+        handles = [
+            outputs[k].node.register_prehook(partial(_deliver, take, k, outputs[k].output_nr))
+            for k in hooked
+        ]
+        try:
+            pulled = torch.autograd.grad(
+                root, [outputs[k] for k in captured], cotangent, allow_unused=True
+            )
+        finally:
+            for handle in handles:
+                handle.remove()
+        for k, g in zip(captured, pulled):
+            take(k, g)
+        for k in hooked:
+            if k not in delivered:  # no gradient reached it
+                take(k, None)
+        return found
+
     if differentiable:
         recorded, result = dict(inputs), output
     else:  # values only: nothing to track
@@ -564,5 +644,15 @@ def autograd_record(
         lambda c: gradients(c, False),
         lambda c: gradients(c, True),
         loss_gradient,
-        lambda c: gradients(c, False, retain=False),
+        last_gradients,
     )
+
+
+def _deliver(
+    take: Callable[[int, Tensor | None], None],
+    k: int,
+    index: int,
+    grad_outputs: tuple[Tensor | None, ...],
+) -> None:
+    """A node pre-hook: hand the node's output cotangent ``index`` to ``take`` as site ``k``."""
+    take(k, grad_outputs[index])

@@ -73,23 +73,27 @@ def leaf_statistics(
 
 
 def clipped_sums(
-    columns: ColumnGradients, max_norm: float | list[float], eps: float
+    bp: BatchPass, max_norm: float | list[float], eps: float, *, last: bool = False
 ) -> list[Tensor]:
     """``Σ_n c_n g_n`` per leaf, ``c_n = min(1, max_norm / (‖g_n‖ + eps))``: DP-SGD's clipped sum.
 
-    ``columns`` must be the loss gradient's (``K = 1``), and is used up (its recorded
-    cotangents are scaled in place where they own their memory); ``‖g_n‖`` is taken over every
-    leaf together. A leaf whose squared norms have a closed form (a linear layer's
-    rank-one or Gram form) gets its sum as one contraction of the recorded input with
-    the reweighted cotangents (:meth:`ColumnGradients.reweighted`); a leaf whose norms
-    need its per-sample gradients anyway keeps them, within the memory budget, and sums
-    them with the factors (else they are formed again, reweighted).
+    ``‖g_n‖`` is taken over every leaf together. A leaf whose squared norms have a closed
+    form (a linear layer's rank-one or Gram form) gets its sum as one contraction of the
+    recorded input with the reweighted cotangents (:meth:`ColumnGradients.reweighted`,
+    in place where they own their memory); a leaf whose per-sample gradients are smaller
+    than its calls' cotangents, or whose norms need them anyway, keeps them within the
+    memory budget and sums them with the factors (else they are formed again,
+    reweighted). With ``last``, norms are taken during the backward pass as each site's
+    cotangent arrives (:class:`_NormsDuringBackward`: a site whose leaves all keep
+    per-sample gradients drops its cotangent and recorded input there), and each site is
+    released as soon as its leaves' sums are taken.
 
     Args:
-        columns: The loss gradient's column gradients.
+        bp: The batch pass (of a summed loss).
         max_norm: The bound ``C``; or one bound per leaf, each leaf clipped alone by its
             own norm ``‖g_{n,leaf}‖``.
         eps: Added to each norm before dividing.
+        last: Nothing uses ``bp`` afterwards (its graph and records are used up).
 
     Returns:
         One clipped sum per leaf, shaped like the leaf.
@@ -98,22 +102,20 @@ def clipped_sums(
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
         >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
         ...               torch.nn.CrossEntropyLoss(reduction="sum"))
-        >>> [s.shape for s in clipped_sums(bp.gradient_columns(), 1.0, 1e-6)]
+        >>> [s.shape for s in clipped_sums(bp, 1.0, 1e-6)]
         [torch.Size([2]), torch.Size([2, 3])]
     """
-    bp, everyone = columns.bp, slice(0, columns.bp.n)
-    squares: dict[int, Tensor] = {}
-    kept: dict[int, Tensor] = {}
-    room = DEFAULT_BUDGET
-    for leaf in (i for i in range(len(bp.leaves)) if i not in bp.whole_model):
-        small = _per_sample_is_smaller(columns, leaf)
-        value = None if small else columns.closed_form(leaf, Statistic.SQUARED_NORMS, everyone)
-        if value is None:
-            found = columns.leaf_columns(leaf, everyone)[0]  # [N, *p], for the norms anyway
-            value = _statistic(Statistic.SQUARED_NORMS, found[None])
-            if found.numel() <= room:
+    everyone = slice(0, bp.n)
+    early = _NormsDuringBackward(bp) if last else None
+    columns = bp.gradient_columns(last=last, consume=early)
+    squares: dict[int, Tensor] = dict(early.squares) if early else {}
+    kept: dict[int, Tensor] = dict(early.kept) if early else {}
+    room = early.room if early else DEFAULT_BUDGET
+    for leaf in range(len(bp.leaves)):
+        if leaf not in bp.whole_model and leaf not in squares:
+            squares[leaf], found = _squared_norms(columns, leaf, room)
+            if found is not None:
                 kept[leaf], room = found, room - found.numel()
-        squares[leaf] = value
     if bp.whole_model:
         whole = _materialized(columns, bp.whole_model, {Statistic.SQUARED_NORMS}, everyone)
         squares |= {leaf: f[Statistic.SQUARED_NORMS] for leaf, f in zip(bp.whole_model, whole)}
@@ -122,10 +124,15 @@ def clipped_sums(
     norms = torch.stack([squares[leaf] for leaf in sorted(squares)]).sum(0).sqrt()
     factors = (max_norm / (norms + eps)).clamp(max=1.0)
     rest = [leaf for leaf in range(len(bp.leaves)) if leaf not in kept]
-    # `columns` is not used again: its cotangents are scaled in place where they can be
-    reweighted = columns.reweighted(factors, rest, in_place=True) if rest else columns
     sums = {leaf: torch.tensordot(factors.to(g.dtype), g, dims=1) for leaf, g in kept.items()}
-    for leaf in rest:
+    for leaf in kept:
+        columns.release(leaf)
+    # `columns` is not used again: its cotangents are scaled in place where they can be, and
+    # those only the kept leaves used go with it
+    reweighted = columns.reweighted(factors, rest, in_place=True) if rest else columns
+    del columns
+    # smallest first: their calls' records free more than their sums take, before the largest
+    for leaf in sorted(rest, key=lambda i: bp.leaves[i].numel()):
         if leaf not in bp.whole_model:
             value = reweighted.closed_form(leaf, Statistic.SUM, everyone)
             if value is None:
@@ -133,10 +140,73 @@ def clipped_sums(
                     Statistic.SUM
                 ]
             sums[leaf] = value
+            reweighted.release(leaf)  # the peak: records shrink as the sums grow
     if bp.whole_model:
         whole = _materialized(reweighted, bp.whole_model, {Statistic.SUM}, everyone)
         sums |= {leaf: f[Statistic.SUM] for leaf, f in zip(bp.whole_model, whole)}
     return [sums[leaf] for leaf in range(len(bp.leaves))]
+
+
+def _squared_norms(columns: ColumnGradients, leaf: int, room: int) -> tuple[Tensor, Tensor | None]:
+    """A tapped leaf's per-sample squared norms, and its per-sample gradients where kept.
+
+    They are kept where they are smaller than the leaf's calls' cotangents, or formed for
+    the norms anyway (no closed form, or a cheaper one by the cost rule), within ``room``
+    elements.
+    """
+    everyone = slice(0, columns.bp.n)
+    small = _per_sample_is_smaller(columns, leaf)
+    value = None if small else columns.closed_form(leaf, Statistic.SQUARED_NORMS, everyone)
+    if value is not None:
+        return value, None
+    found = columns.leaf_columns(leaf, everyone)[0]  # [N, *p]
+    squares = _statistic(Statistic.SQUARED_NORMS, found[None])
+    return squares, found if found.numel() <= room else None
+
+
+class _NormsDuringBackward:
+    """A :data:`~packfunc.engine.batch_record.SiteConsumer`: squared norms as cotangents arrive.
+
+    A site whose leaves are used there only gets its leaves' squared norms at once; where
+    they all keep per-sample gradients (:func:`_squared_norms`: a normalization layer's
+    affine parameters, or a layer whose per-sample gradients are cheaper than its Gram
+    form), its cotangent and recorded input are dropped there, as a plain backward pass
+    drops a layer's activations.
+    """
+
+    def __init__(self, bp: BatchPass):
+        self.bp, self.room = bp, DEFAULT_BUDGET
+        self.squares: dict[int, Tensor] = {}
+        self.kept: dict[int, Tensor] = {}
+        sites_of: dict[int, list[int]] = {}
+        for k in bp.record.inputs:
+            for _, leaf in bp.plan.sites[k].call.leaves:
+                sites_of.setdefault(leaf, []).append(k)
+        self.alone = {
+            k
+            for k in bp.record.inputs
+            if all(
+                sites_of[leaf] == [k] and leaf not in bp.whole_model
+                for _, leaf in bp.plan.sites[k].call.leaves
+            )
+        }
+
+    def __call__(self, k: int, g: Tensor) -> Tensor | None:
+        """Take site ``k``'s leaves' norms; keep ``g`` unless they all keep per-sample gradients."""
+        if k not in self.alone:
+            return g
+        columns = ColumnGradients(self.bp, self.bp.record.output_cotangent[None], {k: g[None]})
+        dropped = True
+        for _, leaf in self.bp.plan.sites[k].call.leaves:
+            self.squares[leaf], found = _squared_norms(columns, leaf, self.room)
+            if found is None:
+                dropped = False
+            else:
+                self.kept[leaf], self.room = found, self.room - found.numel()
+        if not dropped:
+            return g
+        self.bp.record.inputs.pop(k)
+        return None
 
 
 def _per_sample_is_smaller(columns: ColumnGradients, leaf: int) -> bool:
