@@ -12,7 +12,9 @@ Rows are ``problem x quantity``; each cell is the median wall-clock time of
 the full forward + backward (+ reduction) that produces the quantity from
 ``X, y``; a row's contenders are timed in interleaved rounds, and slow rows
 get fewer rounds (``--budget`` seconds per row, at least 5) so that the full
-run stays within a few minutes. The last column checks (untimed, once per row) that packfunc's
+run stays within a few minutes. Beside the times, packfunc's peak memory of one call
+and the least any peer needs (``memory.py``: tensor storage alive at once on CPU, CUDA's
+peak allocation on GPU). The last column checks (untimed, once per row) that packfunc's
 result matches the row's reference (BackPACK where it runs, else ``vmap(grad)``,
 the brute-force Hessian diagonal or curvlinops; see ``REFERENCES`` in
 ``peers.py``); a mismatch is printed as a ``MISMATCH`` line and makes the exit
@@ -33,6 +35,7 @@ from importlib import metadata
 import torch
 from torch import Tensor
 
+from memory import peak_bytes
 from peers import (
     BUILDERS,
     EKFAC_QUANTITIES,
@@ -125,6 +128,8 @@ class Outcome:
     """Timings and the check for one row."""
 
     ms: dict[str, float] = field(default_factory=dict)
+    mib: dict[str, float] = field(default_factory=dict)
+    """Peak memory of one call (``memory.peak_bytes``), in MiB."""
     repeats: int = 0
     errors: dict[str, str] = field(default_factory=dict)
     matches: bool | None = None
@@ -224,8 +229,18 @@ def check(row: Row, sync: Sync) -> Outcome:
     return outcome
 
 
-def measure(row: Row, repeats: int, warmup: int, budget_s: float | None, sync: Sync) -> Outcome:
-    """Check once (untimed, also the first warm-up), then time the contenders of ``row``."""
+def measure(
+    row: Row,
+    repeats: int,
+    warmup: int,
+    budget_s: float | None,
+    sync: Sync,
+    device: torch.device | None = None,
+) -> Outcome:
+    """Check ``row`` once (untimed, the first warm-up), time it, then take peak memories.
+
+    Each contender's peak memory comes from one more call (``memory.peak_bytes``).
+    """
     outcome = check(row, sync)
     if row.max_repeats is not None:
         repeats, warmup = min(repeats, row.max_repeats), 1
@@ -233,6 +248,8 @@ def measure(row: Row, repeats: int, warmup: int, budget_s: float | None, sync: S
     timed = time_interleaved(working, repeats, max(warmup - 1, 0), budget_s, sync=sync)
     outcome.ms = {name: ms for name, (ms, _) in timed.items()}
     outcome.repeats = max((n for _, n in timed.values()), default=0)
+    where = device or torch.device("cpu")
+    outcome.mib = {name: peak_bytes(fn, where) / 2**20 for name, fn in working.items()}
     return outcome
 
 
@@ -245,12 +262,19 @@ def table(rows: list[Row], outcomes: list[Outcome]) -> list[str]:
             "best peer",
             f"ratio ({SUBJECT} / best peer)",
             f"{SHIM} / BackPACK",
+            f"{SUBJECT} MiB",
+            "least-memory peer",
+            f"memory ratio ({SUBJECT} / least)",
             f"{SUBJECT} = reference",
         ]
     )
     lines = [
         "| " + " | ".join(header) + " |",
-        "|" + "|".join(["---"] * 2 + ["--:"] * (len(names)) + ["---", "--:", "--:", ":-:"]) + "|",
+        "|"
+        + "|".join(
+            ["---"] * 2 + ["--:"] * (len(names)) + ["---", "--:", "--:", "--:", "---", "--:", ":-:"]
+        )
+        + "|",
     ]
     for row, outcome in zip(rows, outcomes):
         cells = [row.problem, LABELS.get(row.quantity, row.quantity)]
@@ -270,10 +294,22 @@ def table(rows: list[Row], outcomes: list[Outcome]) -> list[str]:
             cells.append(f"{outcome.ms[SHIM] / outcome.ms['BackPACK']:.2f}×")
         else:
             cells.append("—")
+        cells.extend(_memory_cells(outcome))
         mark = {True: "✓", False: "✗ MISMATCH", None: "—"}[outcome.matches]
         cells.append(f"{mark} ({outcome.reference})" if outcome.matches is not None else mark)
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _memory_cells(outcome: Outcome) -> list[str]:
+    """Packfunc's peak MiB, the peer that needs the least, and the ratio of the two."""
+    mine = outcome.mib.get(SUBJECT)
+    peers = {name: mib for name, mib in outcome.mib.items() if name not in NOT_PEERS}
+    least = min(peers, key=peers.__getitem__) if peers else None
+    if mine is None or least is None:
+        return [f"{mine:.2f}" if mine is not None else "—", least or "—", "—"]
+    ratio = mine / peers[least] if peers[least] > 0 else float("inf")
+    return [f"{mine:.2f}", f"{least} {peers[least]:.2f}", f"{ratio:.2f}×"]
 
 
 def versions() -> str:
@@ -359,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         outcomes = []
         for row in rows:
             print(f"timing {row.key} ...", file=sys.stderr, flush=True)
-            outcomes.append(measure(row, repeats, warmup, budget_s, sync))
+            outcomes.append(measure(row, repeats, warmup, budget_s, sync, device))
     for record in records:
         message = str(record.message).split(". ")[0]
         text = f"{record.category.__name__}: {message} ({record.filename}:{record.lineno})"

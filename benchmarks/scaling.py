@@ -1,11 +1,12 @@
 """Scaling study: time and peak memory per sample vs batch size, and time vs gloo ranks.
 
-For each problem (MLP, CNN, LM of ``problems.py``), quantity and batch size
-(8 … 1024), every contender of ``peers.py`` that offers the quantity (packfunc,
-vmap(grad), opacus, BackPACK, curvlinops) runs in a fresh process: one untimed
-call warms up, a second gives the peak memory (CUDA: ``max_memory_allocated`` above
-what was allocated before; CPU: growth of the resident set, sampled every ms), then
-``--repeats`` timed calls give the median time. Both are reported per sample.
+For each problem (MLP, CNN, LM and GPT-2 of ``problems.py``), quantity and batch size
+(8 … 1024, ``--sizes`` for more), every contender of ``peers.py`` that offers the
+quantity (packfunc, vmap(grad), opacus, BackPACK, curvlinops) runs in a fresh process:
+one untimed call warms up, a second gives the peak memory (``memory.peak_bytes``: on
+CPU the tensor storage alive at once, on CUDA ``max_memory_allocated`` above what was
+allocated before), then ``--repeats`` timed calls give the median time. Both are
+reported per sample.
 The rank study times one whole-dataset quantity (``pf.diag_ggn(..., data=loader,
 process_group=WORLD)``) on a fixed dataset split over 1 and 2 gloo ranks on this
 machine (its cores shared between the ranks).
@@ -24,7 +25,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -35,11 +35,17 @@ from pathlib import Path
 
 import torch
 
+from memory import peak_bytes
 from peers import BUILDERS, Unavailable, Unsupported
-from problems import Problem, cnn, lm, mlp
+from problems import Problem, cnn, hugging_face, lm, mlp
 from timing import time_interleaved
 
-FACTORIES: dict[str, Callable[[int], Problem]] = {"MLP": mlp, "CNN": cnn, "LM": lm}
+FACTORIES: dict[str, Callable[[int], Problem]] = {
+    "MLP": mlp,
+    "CNN": cnn,
+    "LM": lm,
+    "GPT-2": lambda n: hugging_face("gpt2", n),
+}
 """Problem name -> factory of a problem with batch size ``n``."""
 
 CONTENDERS = ("packfunc", "vmap(grad)", "opacus", "BackPACK", "curvlinops")
@@ -103,48 +109,13 @@ def measure_cell(
         closure()  # warm-up: one-time allocations and lazy imports are not counted
         sync()
         if memory:
-            peak = _cuda_peak(closure) if cuda else _rss_peak(closure)
-            cell.mib_per_sample = max(peak, 0) / MIB / n
+            cell.mib_per_sample = peak_bytes(closure, device) / MIB / n
         if repeats:
             timed = time_interleaved({contender: closure}, repeats, warmup=0, sync=sync)
             cell.ms_per_sample = timed[contender][0] / n
     except Exception as error:  # e.g. out of memory: the cell stays empty
         cell.note = f"{type(error).__name__}: {str(error).splitlines()[0]}"[:80]
     return cell
-
-
-def _cuda_peak(closure: Callable[[], object]) -> int:
-    """Bytes allocated on the GPU at the peak of one call, above what was allocated before."""
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    closure()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
-
-
-def _rss_peak(closure: Callable[[], object], interval_s: float = 1e-3) -> int:
-    """Peak growth of the resident set during one call (sampled every ``interval_s``)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-
-    def resident() -> int:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * page
-
-    before, peak, done = resident(), [0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], resident())
-            time.sleep(interval_s)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        closure()
-    finally:
-        done.set()
-        sampler.join()
-    return max(peak[0], resident()) - before
 
 
 def batch_size_study(
@@ -156,44 +127,27 @@ def batch_size_study(
     repeats: int,
     threads: int,
 ) -> list[Cell]:
-    """Every cell, each in fresh spawned processes (CPU: one for memory, one for time)."""
+    """Every cell, each in a fresh spawned process."""
     cells = []
     for problem in problems:
         for quantity in quantities:
             for n in sizes:
                 for contender in contenders:
-                    args = (problem, quantity, n, contender, device)
-                    if device.startswith("cuda"):
-                        cell = _in_fresh_process((*args, repeats, threads, True), {})
-                    else:  # a separate process whose freed memory returns to the system
-                        sized = _in_fresh_process((*args, 0, threads, True), SMALL_MMAP)
-                        cell = _in_fresh_process((*args, repeats, threads, False), {})
-                        cell.mib_per_sample, cell.note = sized.mib_per_sample, sized.note
+                    cell = _in_fresh_process(
+                        (problem, quantity, n, contender, device, repeats, threads)
+                    )
                     print(_line(cell), flush=True)
                     cells.append(cell)
     return cells
 
 
-SMALL_MMAP = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-"""glibc: allocations from 64 KiB on are mapped and unmapped (not cached), so the
-resident set of a memory-measuring process follows its tensors."""
-
-
-def _in_fresh_process(args: tuple, environment: dict[str, str]) -> Cell:
-    """:func:`measure_cell` in a new spawned process with ``environment`` added."""
-    saved = {key: os.environ.get(key) for key in environment}
-    os.environ.update(environment)
+def _in_fresh_process(args: tuple) -> Cell:
+    """:func:`measure_cell` in a new spawned process."""
     try:
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
             return pool.submit(measure_cell, *args).result()
     except BrokenProcessPool:  # killed, e.g. by the kernel for memory
         return Cell(*args[:4], note="process died (memory?)")
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _line(cell: Cell) -> str:
@@ -322,7 +276,7 @@ def plot(cells: list[Cell], seconds: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="batch sizes 8, 16; 2 repeats")
-    parser.add_argument("--problems", default="MLP,CNN,LM", help=f"from {list(FACTORIES)}")
+    parser.add_argument("--problems", default=",".join(FACTORIES), help=f"from {list(FACTORIES)}")
     parser.add_argument("--quantities", default=",".join(QUANTITIES))
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--sizes", default="", help="comma-separated batch sizes")

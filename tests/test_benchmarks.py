@@ -22,10 +22,12 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import dp_step  # noqa: E402
 import laplace_fit  # noqa: E402
+import memory  # noqa: E402
 import optimizer  # noqa: E402
 import peers  # noqa: E402
 import problems  # noqa: E402
 import run  # noqa: E402
+import scaling  # noqa: E402
 import timing  # noqa: E402
 
 HF = {"GPT-2": "gpt2", "LLaMA": "llama", "BERT (mask)": "bert"}
@@ -142,6 +144,34 @@ def test_cli_runs_a_tiny_problem(monkeypatch: pytest.MonkeyPatch, capsys) -> Non
     out = capsys.readouterr().out
     assert "| LSTM | kfac (Linear/Conv2d) |" in out
     assert "MISMATCH" not in out
+    row = next(line for line in out.splitlines() if line.startswith("| LSTM | kfac"))
+    assert "×" in row.split("|")[-3]  # packfunc's peak memory against the least peer's
+
+
+def test_peak_bytes_counts_tensors_alive_at_once_and_outputs() -> None:
+    """Three 4 KiB tensors alive at once (the output kept), then freed: 12 KiB; views free."""
+
+    def step() -> torch.Tensor:
+        a = torch.ones(1024)
+        b = a + 1
+        return (a * b).view(32, 32)[0]
+
+    assert memory.peak_bytes(step) == 3 * 4096
+    assert memory.peak_bytes(lambda: [torch.ones(1024) for _ in range(3)]) == 3 * 4096
+    n = 64  # vmap and autograd's backward are counted too: per-sample gradients [n, 8, 8]
+    weight, X = torch.randn(8, 8), torch.randn(n, 8)
+
+    def per_sample() -> torch.Tensor:
+        return torch.func.vmap(torch.func.grad(lambda w, x: (w @ x).sum()), (None, 0))(weight, X)
+
+    assert memory.peak_bytes(per_sample) >= n * 8 * 8 * 4
+
+
+def test_scaling_cell_measures_time_and_memory_per_sample() -> None:
+    cell = scaling.measure_cell("MLP", "batch_grad", 8, "packfunc", "cpu", 1, 2)
+    output = sum(p.numel() for p in problems.mlp(8).model().parameters()) * 4 / scaling.MIB
+    assert cell.ms_per_sample is not None and cell.ms_per_sample > 0
+    assert cell.mib_per_sample is not None and cell.mib_per_sample >= output  # [N, *p] / N
 
 
 TINY_EKFAC = {
@@ -276,7 +306,7 @@ def test_optimizer_step_benchmark_runs_every_optimizer_in_process() -> None:
     )
 
 
-@pytest.mark.parametrize("module", [peers, problems, timing, laplace_fit, optimizer])
+@pytest.mark.parametrize("module", [peers, problems, timing, laplace_fit, optimizer, memory])
 def test_doctests(module) -> None:
     assert doctest.testmod(module).failed == 0
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+import sys
 from functools import partial
 
 import pytest
@@ -10,6 +12,9 @@ from torch import nn
 
 import packfunc as pf
 from tests.cases import assert_trees_close, autograd_batch_grad, make_problem
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from memory import peak_bytes  # noqa: E402
 
 
 def _problem() -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
@@ -347,41 +352,6 @@ def test_private_gradient_transformation() -> None:
     assert 0.7 < z.std().item() < 1.3  # the noise alone, at σ·√Σ C_i²
 
 
-def _peak_tensor_bytes(step) -> int:
-    """The most bytes of tensor storage created by ``step()`` alive at once.
-
-    Every storage an op returns is counted from the op until the storage is freed
-    (a finalizer on its Python object, which lives as long as the storage): allocator
-    caching and other libraries' buffers do not enter.
-    """
-    import weakref
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Peak(TorchDispatchMode):
-        live = top = 0
-        seen: set[int] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in torch.utils._pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in self.seen:
-                    storage = t.untyped_storage()
-                    self.seen.add(id(storage))
-                    self.live += storage.nbytes()
-                    weakref.finalize(storage, self.freed, id(storage), storage.nbytes())
-            self.top = max(self.top, self.live)
-            return out
-
-        def freed(self, key: int, nbytes: int) -> None:
-            self.seen.discard(key)
-            self.live -= nbytes
-
-    with Peak() as mode:
-        step()
-    return mode.top
-
-
 def test_clipped_grad_needs_little_more_memory_than_a_plain_backward() -> None:
     """On an LM whose activations dominate, ``clipped_grad``'s tensors peak at most 1.3×
     a plain forward + backward's (1.18× measured; 1.73× before norms were taken during the
@@ -406,10 +376,8 @@ def test_clipped_grad_needs_little_more_memory_than_a_plain_backward() -> None:
         loss(model(X).transpose(1, 2), y).backward()
         model.zero_grad(set_to_none=True)
 
-    clipped = _peak_tensor_bytes(
-        lambda: pf.clipped_grad(forward, params, X, y, loss=loss, max_norm=1.0)
-    )
-    assert clipped <= 1.3 * _peak_tensor_bytes(plain)
+    clipped = peak_bytes(lambda: pf.clipped_grad(forward, params, X, y, loss=loss, max_norm=1.0))
+    assert clipped <= 1.3 * peak_bytes(plain)
 
 
 def test_clipped_grad_forms_normalization_gradients_during_the_backward(monkeypatch) -> None:

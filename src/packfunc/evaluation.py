@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from packfunc.engine import hessian
 from packfunc.engine.batch_pass import BatchPass, check_pass_arguments
-from packfunc.engine.statistics import clipped_sums, ggn_statistics, leaf_statistics
+from packfunc.engine.statistics import clipped_sums, ggn_statistics, gradient_statistics
 from packfunc.engine.vocabulary import Statistic
 from packfunc.functionalize import as_index, batch_size
 from packfunc.losses import check_loss_inputs, default_loss, given_targets
@@ -271,10 +271,10 @@ def _statistics(
 ) -> Sequence[Stats]:
     """Statistics of every leaf for one kind of output cotangents.
 
-    ``last``: no other kind follows, so the clipping's pullback may free the graph.
+    ``last``: no other kind follows, so the loss gradient's pullback may free the graph.
     """
     if kind is Cotangents.GRADIENT:
-        return leaf_statistics(bp.gradient_columns(), stats, index)
+        return gradient_statistics(bp, stats, index, last=last)
     if kind is Cotangents.CLIPPED_GRADIENT:
         return [{Statistic.SUM: s} for s in clipped_leaf_sums(bp, max_norm, last=last)]
     if kind is Cotangents.HESSIAN:

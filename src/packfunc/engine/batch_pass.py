@@ -22,7 +22,14 @@ from torch import Tensor, nn
 from packfunc.engine import whole_model
 from packfunc.engine.batch_record import BatchRecord, PlanMismatch, SiteConsumer, record
 from packfunc.engine.discovery import Plan, cached_discover, forget_plan
-from packfunc.engine.memory import chunk_length, index_length, is_plain, new_output, split_index
+from packfunc.engine.memory import (
+    OUTPUT_CHUNK_BUDGET,
+    chunk_length,
+    index_length,
+    is_plain,
+    new_output,
+    split_index,
+)
 from packfunc.engine.ops import SiteCall
 from packfunc.engine.precision import to_dtype_of
 from packfunc.engine.randomness import refuse_rerun
@@ -442,7 +449,9 @@ class ColumnGradients:
         grads = [t.rule.columns(t.x[:, index], t.g[:, index], t.call, param) for t in terms]
         return _total(grads)
 
-    def iter_leaf_columns(self, wanted: list[int], index: slice | Tensor) -> Iterator[list[Tensor]]:
+    def iter_leaf_columns(
+        self, wanted: list[int], index: slice | Tensor, *, into_output: bool = False
+    ) -> Iterator[list[Tensor]]:
         """Yield column gradients ``[K, chunk, *p]`` of ``wanted`` leaves for chunks of ``index``.
 
         Generic leaves come from one shared vmap pass per chunk; the others from
@@ -451,12 +460,19 @@ class ColumnGradients:
         Args:
             wanted: Leaf indices, all on the whole-model path or none.
             index: Samples to compute.
+            into_output: The chunks are copied into an output: where the samples do not
+                fit in one chunk (which would be the output itself), the chunks are small
+                (:data:`~packfunc.engine.memory.OUTPUT_CHUNK_BUDGET`), being temporaries
+                beside the output.
 
         Yields:
             Per chunk, one tensor per wanted leaf.
         """
         numel = self.count * sum(self.bp.leaves[i].numel() for i in wanted)
-        length = chunk_length(index_length(index), numel, self.bp.chunk_size)
+        samples = index_length(index)
+        length = chunk_length(samples, numel, self.bp.chunk_size)
+        if into_output and length < samples:
+            length = chunk_length(samples, numel, self.bp.chunk_size, OUTPUT_CHUNK_BUDGET)
         for chunk in split_index(index, length):
             if wanted and wanted[0] in self.bp.whole_model:
                 names = ", ".join(self.bp.names[i] for i in wanted)

@@ -23,13 +23,23 @@ DEFAULT_BUDGET = 2**25
 _HUGE_PAGE_MIN_BYTES = 32 * 2**20
 
 
-def chunk_length(n: int, numel_per_sample: int, chunk_size: int | None) -> int:
+OUTPUT_CHUNK_BUDGET = 2**22
+"""Elements of per-sample gradients formed at once when they are written into an output
+(each chunk is a temporary beside the output: small chunks keep the peak at the output's
+size)."""
+
+
+def chunk_length(
+    n: int, numel_per_sample: int, chunk_size: int | None, budget: int | None = None
+) -> int:
     """Return how many samples to process at once.
 
     Args:
         n: Number of samples.
         numel_per_sample: Elements one sample's intermediate needs.
         chunk_size: The user's ``chunk_size=`` (``None``: automatic).
+        budget: Elements held at once when chunking automatically (``None``:
+            :data:`DEFAULT_BUDGET`).
 
     Returns:
         A chunk length in ``[1, max(n, 1)]``.
@@ -45,7 +55,8 @@ def chunk_length(n: int, numel_per_sample: int, chunk_size: int | None) -> int:
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer or None; got {chunk_size!r}.")
         return min(chunk_size, max(n, 1))
-    return max(1, min(max(n, 1), DEFAULT_BUDGET // max(numel_per_sample, 1)))
+    held = DEFAULT_BUDGET if budget is None else budget
+    return max(1, min(max(n, 1), held // max(numel_per_sample, 1)))
 
 
 def chunks(n: int, length: int) -> list[slice]:

@@ -12,14 +12,20 @@ materialized in chunks, one pass serving every missing statistic.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import cast
 
 import torch
 from torch import Tensor
 
 from packfunc.engine.batch_pass import BatchPass, ColumnGradients
-from packfunc.engine.memory import DEFAULT_BUDGET, chunk_length, chunks, index_length, new_output
+from packfunc.engine.memory import (
+    DEFAULT_BUDGET,
+    chunk_length,
+    chunks,
+    index_length,
+    new_output,
+)
 from packfunc.engine.vocabulary import PER_SAMPLE, Statistic
 from packfunc.losses import hessian_factors
 
@@ -28,7 +34,10 @@ _SQUARES_AT_ONCE = 2**20
 
 
 def leaf_statistics(
-    columns: ColumnGradients, stats: set[Statistic], index: slice | Tensor
+    columns: ColumnGradients,
+    stats: set[Statistic],
+    index: slice | Tensor,
+    leaves: Collection[int] | None = None,
 ) -> list[dict[Statistic, Tensor]]:
     """Return, per leaf, the statistics in ``stats``.
 
@@ -39,6 +48,7 @@ def leaf_statistics(
         columns: Column gradients of every leaf.
         stats: Names of the statistics wanted.
         index: Samples that per-sample statistics cover.
+        leaves: The leaves to compute (``None``: all); the others get ``{}``.
 
     Returns:
         One dict of statistics per leaf.
@@ -53,7 +63,10 @@ def leaf_statistics(
     """
     everyone = slice(0, columns.bp.n)
     per_leaf: list[dict[Statistic, Tensor]] = [{} for _ in columns.bp.leaves]
+    chosen = set(range(len(per_leaf)) if leaves is None else leaves)
     for leaf, found in enumerate(per_leaf):
+        if leaf not in chosen:
+            continue
         for stat in stats - {Statistic.COLUMNS, Statistic.SUM}:
             value = columns.closed_form(leaf, stat, index if stat in PER_SAMPLE else everyone)
             if value is not None:
@@ -63,13 +76,89 @@ def leaf_statistics(
             value = columns.closed_form(leaf, Statistic.SUM, everyone)
             if value is not None:
                 found[Statistic.SUM] = value
-    tapped = [i for i in range(len(columns.bp.leaves)) if i not in columns.bp.whole_model]
-    for group in [[i] for i in tapped] + [columns.bp.whole_model]:
+    tapped = [i for i in sorted(chosen) if i not in columns.bp.whole_model]
+    whole = [i for i in columns.bp.whole_model if i in chosen]
+    for group in [[i] for i in tapped] + [whole]:
         missing = stats - per_leaf[group[0]].keys() if group else set()
         if missing:
             for leaf, found in zip(group, _materialized(columns, group, missing, index)):
                 per_leaf[leaf].update(found)
     return per_leaf
+
+
+def gradient_statistics(
+    bp: BatchPass, stats: set[Statistic], index: slice | Tensor, *, last: bool = False
+) -> list[dict[Statistic, Tensor]]:
+    """Per leaf, the statistics in ``stats`` of the loss gradient's column gradients.
+
+    With ``last``, the statistics of a leaf used at one recorded call only are taken
+    during the backward pass as the call's cotangent arrives, and its cotangent and
+    recorded input dropped there (as a plain backward pass drops a layer's activations):
+    a per-sample output then costs its own size plus a backward pass's working memory.
+
+    Args:
+        bp: The batch pass.
+        stats: Names of the statistics wanted.
+        index: Samples that per-sample statistics cover.
+        last: Nothing uses ``bp`` afterwards (its graph and records are used up).
+
+    Returns:
+        One dict of statistics per leaf.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        ...               torch.nn.CrossEntropyLoss())
+        >>> found = gradient_statistics(bp, {Statistic.COLUMNS}, slice(0, 4), last=True)
+        >>> found[1][Statistic.COLUMNS].shape
+        torch.Size([1, 4, 2, 3])
+    """
+    early = _StatisticsDuringBackward(bp, stats, index) if last else None
+    columns = bp.gradient_columns(last=last, consume=early)
+    done = early.found if early else {}
+    rest = [leaf for leaf in range(len(bp.leaves)) if leaf not in done]
+    found = leaf_statistics(columns, stats, index, rest)
+    return [done.get(leaf, found[leaf]) for leaf in range(len(bp.leaves))]
+
+
+def _single_call_sites(bp: BatchPass) -> set[int]:
+    """The recorded sites each of whose leaves is used there only (and not by the model)."""
+    sites_of: dict[int, list[int]] = {}
+    for k in bp.record.inputs:
+        for _, leaf in bp.plan.sites[k].call.leaves:
+            sites_of.setdefault(leaf, []).append(k)
+    return {
+        k
+        for k in bp.record.inputs
+        if all(
+            sites_of[leaf] == [k] and leaf not in bp.whole_model
+            for _, leaf in bp.plan.sites[k].call.leaves
+        )
+    }
+
+
+class _StatisticsDuringBackward:
+    """A :data:`~packfunc.engine.batch_record.SiteConsumer` of statistics as cotangents arrive.
+
+    The leaves of a single-call site get their statistics from its cotangent, which is
+    then dropped with the recorded input.
+    """
+
+    def __init__(self, bp: BatchPass, stats: set[Statistic], index: slice | Tensor):
+        self.bp, self.stats, self.index = bp, stats, index
+        self.sites = _single_call_sites(bp)
+        self.found: dict[int, dict[Statistic, Tensor]] = {}
+
+    def __call__(self, k: int, g: Tensor) -> Tensor | None:
+        """Site ``k``'s leaves' statistics; ``g`` is kept only for a site of shared leaves."""
+        if k not in self.sites:
+            return g
+        alone = ColumnGradients(self.bp, self.bp.record.output_cotangent[None], {k: g[None]})
+        leaves = [leaf for _, leaf in self.bp.plan.sites[k].call.leaves]
+        found = leaf_statistics(alone, self.stats, self.index, leaves)
+        self.found |= {leaf: found[leaf] for leaf in leaves}
+        self.bp.record.inputs.pop(k)
+        return None
 
 
 def clipped_sums(
@@ -178,18 +267,7 @@ class _NormsDuringBackward:
         self.bp, self.room = bp, DEFAULT_BUDGET
         self.squares: dict[int, Tensor] = {}
         self.kept: dict[int, Tensor] = {}
-        sites_of: dict[int, list[int]] = {}
-        for k in bp.record.inputs:
-            for _, leaf in bp.plan.sites[k].call.leaves:
-                sites_of.setdefault(leaf, []).append(k)
-        self.alone = {
-            k
-            for k in bp.record.inputs
-            if all(
-                sites_of[leaf] == [k] and leaf not in bp.whole_model
-                for _, leaf in bp.plan.sites[k].call.leaves
-            )
-        }
+        self.alone = _single_call_sites(bp)
 
     def __call__(self, k: int, g: Tensor) -> Tensor | None:
         """Take site ``k``'s leaves' norms; keep ``g`` unless they all keep per-sample gradients."""
@@ -254,10 +332,13 @@ def _materialized(
     everyone = slice(0, columns.bp.n)
     whole = isinstance(index, slice) and index == everyone
     per_sample, totals = stats & PER_SAMPLE, stats - PER_SAMPLE
+    into_output = Statistic.COLUMNS in stats
     if whole or not per_sample or not totals:
         samples = index if per_sample else everyone
-        return _reduce(columns.iter_leaf_columns(group, samples), stats, index_length(samples))
-    first = _reduce(columns.iter_leaf_columns(group, index), per_sample, index_length(index))
+        parts = columns.iter_leaf_columns(group, samples, into_output=into_output)
+        return _reduce(parts, stats, index_length(samples))
+    parts = columns.iter_leaf_columns(group, index, into_output=into_output)
+    first = _reduce(parts, per_sample, index_length(index))
     second = _reduce(columns.iter_leaf_columns(group, everyone), totals, columns.bp.n)
     return [a | b for a, b in zip(first, second)]
 
@@ -281,6 +362,7 @@ def _reduce(
                 found[stat].append(_statistic(stat, per_sample))
             if Statistic.COLUMNS in stats:
                 output.write(per_sample)
+        del chunk, per_sample  # not held while the next chunk is formed
     if collected is None:
         raise ValueError("the batch is empty; pass at least one sample.")
     reduced: list[dict[Statistic, Tensor]] = [
