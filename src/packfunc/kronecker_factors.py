@@ -271,7 +271,7 @@ def _sqrt_factors(
         loss,
         on_unsupported,
         lambda bp: sqrt_factors(
-            bp, _approx(kfac_approx), mc_samples, generator, _empirical(fisher_type)
+            bp, _approx(kfac_approx), mc_samples, generator, _empirical(fisher_type), last=True
         ),
     )
 

@@ -461,29 +461,33 @@ def _sampled_cross_entropy_factors(
     Returns:
         The :class:`HessianFactors` (``K = mc_samples``).
     """
-    n, classes, positions = probs.shape[0], probs.shape[1], math.prod(probs.shape[2:])
+    shape = probs.shape
+    n, classes, positions = shape[0], shape[1], math.prod(shape[2:])
     # one row per (sample, position)
     rows = probs if positions == 1 else probs.reshape(n, classes, -1).transpose(1, 2)
-    rows = rows.reshape(-1, classes)
     root = scale.reshape(-1, 1).sqrt()
     if mc_samples != 1:
         root = root / math.sqrt(mc_samples)
-    scaled, minus = rows * root, -root
+    # draws come from the scaled rows (a positive factor per row leaves the distribution as
+    # it is; a zero row gives a zero column): the probabilities are not kept
+    scaled, minus = rows.reshape(-1, classes) * root, -root
+    del probs, rows
 
     def sample(s: slice) -> Tensor:
         count = _length(s)
-        draws = categorical_draws(rows, count, generator)  # [N·P, count]
+        draws = categorical_draws(scaled, count, generator)  # [N·P, count]
         # s·(p − onehot(draw)) without a one-hot: add −s at each drawn class of a copy
         if count == 1:
             columns = scaled.scatter_add(1, draws, minus)
         else:
-            columns = scaled.expand(count, *rows.shape).scatter_add(
+            columns = scaled.expand(count, *scaled.shape).scatter_add(
                 2, draws.T.unsqueeze(2), minus.expand(count, -1, -1)
             )
         if positions == 1:
-            return columns.view(count, *probs.shape)
-        columns = columns.view(count, n, positions, classes).transpose(2, 3)
-        return columns.reshape(count, *probs.shape)
+            return columns.view(count, *shape)
+        # classes back to dim 2 as a view (the pullback takes any strides)
+        by_class = columns.view(count, n, positions, classes).transpose(2, 3)
+        return cast(Tensor, by_class.unflatten(3, shape[2:]))
 
     return HessianFactors(mc_samples, sample)
 

@@ -211,24 +211,32 @@ class BatchPass:
             The :class:`ColumnGradients`.
         """
         if last and self.record.inputs and not self.whole_model:
-            self.record.release_output()
+            self.record.release_output()  # before the loss gradient: the logits go there
         cotangent = self.record.output_cotangent
-        if last and self.record.inputs:
-            found = self.record.last_pullback(cotangent, consume)
-            sites = {k: g[None] for k, g in found.items()}
-            return ColumnGradients(self, cotangent.unsqueeze(0), sites, owns_record=True)
-        return self.columns(cotangent.unsqueeze(0))
+        return self.columns(cotangent.unsqueeze(0), last=last, consume=consume)
 
-    def columns(self, cotangents: Tensor) -> ColumnGradients:
+    def columns(
+        self, cotangents: Tensor, *, last: bool = False, consume: SiteConsumer | None = None
+    ) -> ColumnGradients:
         """Pull a stack of output cotangents ``[K, N, ...]`` back through the batch pass.
 
         Args:
             cotangents: ``K`` output cotangents for the whole batch.
+            last: No pullback follows (``K = 1``): the recorded graph and the output may
+                be freed as this one goes.
+            consume: With ``last``, receives each site's cotangent ``[N, ...]`` (during the
+                pullback where it can) and returns what the column gradients keep of it.
 
         Returns:
             The :class:`ColumnGradients` of every leaf.
         """
         columns = cotangents.shape[0]
+        if last and columns == 1 and self.record.inputs:
+            if not self.whole_model:
+                self.record.release_output()
+            found = self.record.last_pullback(cotangents[0], consume)
+            sites = {k: g[None] for k, g in found.items()}
+            return ColumnGradients(self, cotangents, sites, owns_record=True)
         if not self.record.inputs:
             sites = {}
         elif columns == 1:

@@ -85,8 +85,14 @@ def sqrt_factors(
     mc_samples: int | None,
     generator: torch.Generator | None,
     empirical: bool = False,
+    *,
+    last: bool = False,
 ) -> Factors:
     """KFLR (``mc_samples=None``) or KFAC factors from square-root columns.
+
+    With ``last`` and one column (KFAC with one sample, the empirical Fisher), the
+    factors of a layer used at one call are formed during the backward pass as its
+    cotangent arrives, its cotangent and recorded input dropped there.
 
     Args:
         bp: The batch pass.
@@ -96,6 +102,8 @@ def sqrt_factors(
         empirical: Use the loss gradient's one column ``∂L/∂f`` (the empirical Fisher,
             ``Σ_n g_n g_nᵀ`` with ``g_n`` sample ``n``'s gradient of the reduced loss)
             instead of the loss Hessian's square-root columns.
+        last: Nothing uses ``bp`` afterwards but its loss (its records are used up;
+            :attr:`Factors.columns` is not kept).
 
     Returns:
         The :class:`Factors`.
@@ -119,13 +127,20 @@ def sqrt_factors(
     terms: dict[int, Term] = {}
     unsupported = _unsupported(bp)
     columns: ColumnGradients | None = None
+    early: _FactorsDuringBackward | None = None
+    # a transposed convolution's factors pull the columns back once more (_raw_layout)
+    stream = last and roots.count == 1 and not any(site.call.transposed for site in bp.plan.sites)
     for s in chunks(roots.count, length):
         cotangents = roots.make(s)
-        columns = bp.columns(cotangents)
+        if stream:
+            early = _FactorsDuringBackward(bp, approx, unsupported, cotangents)
+            columns = bp.columns(cotangents, last=True, consume=early)
+        else:
+            columns = bp.columns(cotangents)
         pulled: dict[int, Tensor] = {}
         summed: dict[int, Tensor] = {}  # per call: the position-summed output factor
         for leaf, found in columns.terms.items():
-            if leaf in unsupported:
+            if leaf in unsupported or (early and leaf in early.factors):
                 continue
             if len(found) != 1 or not found[0].rule.kronecker(found[0].call):
                 unsupported[leaf] = _reason(found)
@@ -146,7 +161,47 @@ def sqrt_factors(
     for leaf, term in terms.items():
         if leaf not in unsupported:
             per_leaf[leaf] = _assemble(term, outputs[leaf], approx)
-    return Factors(per_leaf, unsupported, columns if length >= roots.count else None)
+    for leaf, formed in early.factors.items() if early else ():
+        per_leaf[leaf] = formed
+    kept = columns if length >= roots.count and not stream else None
+    return Factors(per_leaf, unsupported, kept)
+
+
+class _FactorsDuringBackward:
+    """A :data:`~packfunc.engine.batch_record.SiteConsumer` of one column's Kronecker factors.
+
+    A site whose leaves are used there only, by a Kronecker rule (not a transposed
+    convolution, whose factors need the raw tensors), gets their factors from its
+    cotangent as it arrives, which is then dropped with the recorded input.
+    """
+
+    def __init__(self, bp: BatchPass, approx: str, unsupported: dict[int, str], cotangents: Tensor):
+        self.bp, self.approx, self.cotangents = bp, approx, cotangents
+        uses: dict[int, int] = {}
+        for k in bp.record.inputs:
+            for _, leaf in bp.plan.sites[k].call.leaves:
+                uses[leaf] = uses.get(leaf, 0) + 1
+        self.sites = set()
+        for k in bp.record.inputs:
+            call = bp.plan.sites[k].call
+            leaves = [leaf for _, leaf in call.leaves]
+            if call.transposed or any(uses[leaf] > 1 or leaf in unsupported for leaf in leaves):
+                continue
+            if all(rule_for(call, role).kronecker(call) for role, _ in call.leaves):
+                self.sites.add(k)
+        self.factors: dict[int, list[Tensor]] = {}
+
+    def __call__(self, k: int, g: Tensor) -> Tensor | None:
+        """Site ``k``'s leaves' factors; ``g`` is kept for any other site."""
+        if k not in self.sites:
+            return g
+        alone = ColumnGradients(self.bp, self.cotangents, {k: g[None]})
+        summed: dict[int, Tensor] = {}
+        for leaf, (term,) in alone.terms.items():
+            output = _output_factor(term, self.approx, summed)
+            self.factors[leaf] = _assemble(term, output, self.approx)
+        self.bp.record.inputs.pop(k)
+        return None
 
 
 def _output_factor(term: Term, approx: str, summed: dict[int, Tensor]) -> Tensor:

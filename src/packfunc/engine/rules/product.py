@@ -108,8 +108,11 @@ class ProductWeight(Rule):
         if approx == "reduce" or length == 1:
             flat = x[0].mean(-1).reshape(-1, n_in) if approx == "reduce" else x[0].view(-1, n_in)
             return (flat / (n * groups)).T @ flat
-        u = x[0]  # [N, G, I, L]: one product per sample and group, no transposed copy
-        return (u @ u.transpose(-1, -2)).sum((0, 1)) / scale
+        u = x[0]  # [N, G, I, L]
+        if n * groups * n_in * n_in <= u.numel():  # per-sample products, no transposed copy
+            return (u @ u.transpose(-1, -2)).sum((0, 1)) / scale
+        flat = u.permute(1, 2, 0, 3).reshape(groups, n_in, n * length)  # a copy the size of u
+        return (flat @ flat.transpose(-1, -2)).sum(0) / scale
 
 
 def gram_is_cheaper(length: int, n_in: int, n_out: int) -> bool:
