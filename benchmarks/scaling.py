@@ -127,18 +127,27 @@ def batch_size_study(
     repeats: int,
     threads: int,
 ) -> list[Cell]:
-    """Every cell, each in a fresh spawned process."""
+    """Every cell, each in a fresh spawned process (none for a contender that refuses)."""
     cells = []
     for problem in problems:
         for quantity in quantities:
+            offering = [c for c in contenders if _offers(c, problem, quantity, min(sizes))]
             for n in sizes:
-                for contender in contenders:
-                    cell = _in_fresh_process(
-                        (problem, quantity, n, contender, device, repeats, threads)
-                    )
+                for contender in offering:
+                    args = (problem, quantity, n, contender, device, repeats, threads)
+                    cell = _in_fresh_process(args)
                     print(_line(cell), flush=True)
                     cells.append(cell)
     return cells
+
+
+def _offers(contender: str, problem: str, quantity: str, n: int) -> bool:
+    """Whether the contender computes the quantity on the problem (built once, not run)."""
+    try:
+        return BUILDERS[contender](FACTORIES[problem](n), quantity) is not None
+    except (Unavailable, Unsupported) as error:
+        print(f"{problem} {quantity} {contender}: {type(error).__name__}: {error}"[:120])
+        return False
 
 
 def _in_fresh_process(args: tuple) -> Cell:

@@ -192,6 +192,25 @@ class BatchPass:
         """The reduced loss of the batch."""
         return self.record.loss
 
+    def single_call_sites(self) -> set[int]:
+        """The recorded sites each of whose leaves is used there only (and by no other path).
+
+        Returns:
+            Site indices.
+        """
+        sites_of: dict[int, list[int]] = {}
+        for k in self.record.inputs:
+            for _, leaf in self.plan.sites[k].call.leaves:
+                sites_of.setdefault(leaf, []).append(k)
+        return {
+            k
+            for k in self.record.inputs
+            if all(
+                sites_of[leaf] == [k] and leaf not in self.whole_model
+                for _, leaf in self.plan.sites[k].call.leaves
+            )
+        }
+
     def column_width(self) -> int:
         """Elements one column of one sample occupies at the output and the recorded calls."""
         sites = sum(self.plan.sites[k].tail.numel() for k in self.record.inputs)

@@ -177,18 +177,16 @@ class _FactorsDuringBackward:
 
     def __init__(self, bp: BatchPass, approx: str, unsupported: dict[int, str], cotangents: Tensor):
         self.bp, self.approx, self.cotangents = bp, approx, cotangents
-        uses: dict[int, int] = {}
-        for k in bp.record.inputs:
-            for _, leaf in bp.plan.sites[k].call.leaves:
-                uses[leaf] = uses.get(leaf, 0) + 1
-        self.sites = set()
-        for k in bp.record.inputs:
-            call = bp.plan.sites[k].call
-            leaves = [leaf for _, leaf in call.leaves]
-            if call.transposed or any(uses[leaf] > 1 or leaf in unsupported for leaf in leaves):
-                continue
-            if all(rule_for(call, role).kronecker(call) for role, _ in call.leaves):
-                self.sites.add(k)
+        calls = {k: bp.plan.sites[k].call for k in bp.single_call_sites()}
+        self.sites = {
+            k
+            for k, call in calls.items()
+            if not call.transposed
+            and all(
+                leaf not in unsupported and rule_for(call, role).kronecker(call)
+                for role, leaf in call.leaves
+            )
+        }
         self.factors: dict[int, list[Tensor]] = {}
 
     def __call__(self, k: int, g: Tensor) -> Tensor | None:

@@ -121,22 +121,6 @@ def gradient_statistics(
     return [done.get(leaf, found[leaf]) for leaf in range(len(bp.leaves))]
 
 
-def _single_call_sites(bp: BatchPass) -> set[int]:
-    """The recorded sites each of whose leaves is used there only (and not by the model)."""
-    sites_of: dict[int, list[int]] = {}
-    for k in bp.record.inputs:
-        for _, leaf in bp.plan.sites[k].call.leaves:
-            sites_of.setdefault(leaf, []).append(k)
-    return {
-        k
-        for k in bp.record.inputs
-        if all(
-            sites_of[leaf] == [k] and leaf not in bp.whole_model
-            for _, leaf in bp.plan.sites[k].call.leaves
-        )
-    }
-
-
 class _StatisticsDuringBackward:
     """A :data:`~packfunc.engine.batch_record.SiteConsumer` of statistics as cotangents arrive.
 
@@ -146,7 +130,7 @@ class _StatisticsDuringBackward:
 
     def __init__(self, bp: BatchPass, stats: set[Statistic], index: slice | Tensor):
         self.bp, self.stats, self.index = bp, stats, index
-        self.sites = _single_call_sites(bp)
+        self.sites = bp.single_call_sites()
         self.found: dict[int, dict[Statistic, Tensor]] = {}
 
     def __call__(self, k: int, g: Tensor) -> Tensor | None:
@@ -267,7 +251,7 @@ class _NormsDuringBackward:
         self.bp, self.room = bp, DEFAULT_BUDGET
         self.squares: dict[int, Tensor] = {}
         self.kept: dict[int, Tensor] = {}
-        self.alone = _single_call_sites(bp)
+        self.alone = bp.single_call_sites()
 
     def __call__(self, k: int, g: Tensor) -> Tensor | None:
         """Take site ``k``'s leaves' norms; keep ``g`` unless they all keep per-sample gradients."""
