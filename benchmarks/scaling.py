@@ -76,9 +76,8 @@ def measure_cell(
     device: str,
     repeats: int,
     threads: int,
-    memory: bool = True,
 ) -> Cell:
-    """Time and peak memory (or only one of them) of one contender, in a fresh process.
+    """Time and peak memory of one contender (run in a fresh process).
 
     Args:
         problem: A key of :data:`FACTORIES`.
@@ -86,9 +85,8 @@ def measure_cell(
         n: Batch size.
         contender: A key of ``peers.BUILDERS``.
         device: ``"cpu"`` or ``"cuda"``.
-        repeats: Timed calls (their median is reported).
+        repeats: Timed calls (their median is reported; 0: memory only).
         threads: ``torch.set_num_threads``.
-        memory: Measure the peak memory (``repeats=0``: only that).
 
     Returns:
         The :class:`Cell`.
@@ -108,9 +106,8 @@ def measure_cell(
     try:
         closure()  # warm-up: one-time allocations and lazy imports are not counted
         sync()
-        if memory:
-            cell.mib_per_sample = peak_bytes(closure, device) / MIB / n
-        if repeats:
+        cell.mib_per_sample = peak_bytes(closure, device) / MIB / n
+        if repeats:  # 0: memory only
             timed = time_interleaved({contender: closure}, repeats, warmup=0, sync=sync)
             cell.ms_per_sample = timed[contender][0] / n
     except Exception as error:  # e.g. out of memory: the cell stays empty
