@@ -472,9 +472,17 @@ class ColumnGradients:
             return param.new_zeros((self.count, index_length(index), *param.shape))
         if self._route(leaf, Statistic.COLUMNS) is Route.CALL:
             return self._from_calls(leaf, Statistic.COLUMNS, index)
-        terms = self.leaf_terms(leaf)
-        grads = [t.rule.columns(t.x[:, index], t.g[:, index], t.call, param) for t in terms]
-        return _total(grads)
+        # the calls of a tied weight add into the first's own tensor (embedding + head)
+        terms = sorted(self.leaf_terms(leaf), key=lambda t: not t.rule.fresh_columns)
+        first, *others = terms
+        total = first.rule.columns(first.x[:, index], first.g[:, index], first.call, param)
+        for i, t in enumerate(others):
+            x, g = t.x[:, index], t.g[:, index]
+            if i == 0 and not first.rule.fresh_columns:
+                total = total + t.rule.columns(x, g, t.call, param)
+            else:
+                total = t.rule.add_columns(total, x, g, t.call, param)
+        return total
 
     def iter_leaf_columns(
         self, wanted: list[int], index: slice | Tensor, *, into_output: bool = False

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from packfunc.engine.memory import is_plain
 from packfunc.engine.ops import SiteCall
 from packfunc.engine.vocabulary import Statistic
 
@@ -58,6 +59,10 @@ class Rule:
 
     closed_form: bool = True
     """Whether the rule has closed forms of its own (``False``: the vjp of the op alone)."""
+
+    fresh_columns: bool = False
+    """Whether :meth:`columns` returns a tensor of its own (never a view of ``x`` or ``g``),
+    which the column gradients of a leaf's other calls may be added into in place."""
 
     hessian_from_output_curvature: bool = False
     """Whether, with one position per sample (an output ``[N, O]``), the parameter's Hessian
@@ -155,6 +160,25 @@ class Rule:
     def columns(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """Column gradients ``[K, n, *param.shape]``."""
         raise NotImplementedError
+
+    def add_columns(
+        self, total: Tensor, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
+    ) -> Tensor:
+        """Add this call's column gradients into ``total``: in place where nothing tracks it.
+
+        Args:
+            total: Column gradients ``[K, n, *param.shape]`` of the leaf's other calls, a
+                tensor of the caller's own.
+            x: Canonical input.
+            g: Canonical cotangents.
+            call: The op call.
+            param: The parameter.
+
+        Returns:
+            ``total``, with this call's share added.
+        """
+        found = self.columns(x, g, call, param)
+        return total.add_(found) if is_plain(total, found) else total + found
 
     def column_sum(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """``Σ_{k,n} c[k, n]``."""

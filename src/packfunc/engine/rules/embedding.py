@@ -19,6 +19,7 @@ class EmbeddingWeight(Rule):
     """
 
     merge_dim = 2
+    fresh_columns = True
 
     def canonical(
         self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
@@ -42,6 +43,17 @@ class EmbeddingWeight(Rule):
         else:
             out = g.new_zeros(size, width).index_add(0, keys, source)
         return out.view(columns, n, *param.shape)
+
+    def add_columns(
+        self, total: Tensor, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
+    ) -> Tensor:
+        """Scatter-add each column's cotangents into ``total`` (no copy of the weight's size)."""
+        columns, _, _, width = g.shape
+        if not total.is_contiguous() or not is_plain(total, g):
+            return super().add_columns(total, x, g, call, param)
+        keys = _keys(x, columns, param.shape[0])
+        total.view(-1, width).index_add_(0, keys, g.reshape(-1, width).to(total.dtype))
+        return total
 
     def column_sum(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """Scatter-add all cotangents into one weight."""

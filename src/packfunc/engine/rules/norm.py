@@ -10,6 +10,7 @@ another role) takes the local rule's vjp.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any, cast
@@ -32,20 +33,19 @@ class AffineNorm(LocalRule):
 
     def columns(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """Column gradients ``[K, n, *param.shape]``: ``g`` (times ``x̂``) summed over positions."""
-        found = _role(as_local(x), param)
-        if found is None:
-            return super().columns(x, g, call, param)
-        role, bound = found
         local = as_local(x)
-        product = g * _normalized(local.func, bound) if role == "weight" else g
+        role = _role(local, param)
+        if role is None:
+            return super().columns(x, g, call, param)
+        product = g * _normalized(local) if role == "weight" else g
         trailing = local.func in _TRAILING  # parameters over the last dims, else over dim 1
         dims = range(2, g.dim() - param.dim()) if trailing else range(3, g.dim())
         summed = product.sum(tuple(dims)) if len(dims) else product
         return summed.reshape(g.shape[0], g.shape[1], *param.shape)
 
 
-def _role(local: LocalInputs, param: Tensor) -> tuple[str, dict[str, Any]] | None:
-    """``("weight" | "bias", bound arguments)`` if ``param`` is used once, as one of them."""
+def _role(local: LocalInputs, param: Tensor) -> str | None:
+    """``"weight"`` or ``"bias"`` if ``param`` is used once, as one of them."""
     positions = [
         p
         for p, source in local.sources.items()
@@ -53,24 +53,40 @@ def _role(local: LocalInputs, param: Tensor) -> tuple[str, dict[str, Any]] | Non
     ]
     if len(positions) != 1:
         return None
-    args, kwargs = local.arguments.rebuild(list(local.arguments.values))
-    bound = inspect.signature(local.func).bind(*args, **kwargs)
-    bound.apply_defaults()
-    for role in ("weight", "bias"):
-        if bound.arguments.get(role) is param:
-            return role, dict(bound.arguments)
-    return None
+    name = _argument_names(local.func, local.arguments.layout, local.arguments.keys)[positions[0]]
+    return name if name in ("weight", "bias") else None
 
 
-def _normalized(func: Callable[..., Any], bound: dict[str, Any]) -> Tensor:
+@functools.cache
+def _argument_names(
+    func: Callable[..., Any], layout: tuple[tuple[type, int] | None, ...], keys: tuple[str, ...]
+) -> tuple[str | None, ...]:
+    """The parameter name of each flattened argument of a call laid out as ``layout``.
+
+    Items of a list argument get ``None``. Cached: a norm layer's calls keep their layout
+    (binding the signature on every call cost more than the norm's closed form).
+    """
+    parameters = list(inspect.signature(func).parameters)
+    entries = parameters[: len(layout) - len(keys)] + list(keys)
+    names: list[str | None] = []
+    for entry, name in zip(layout, entries):
+        names.extend([name] if entry is None else [None] * entry[1])
+    return tuple(names)
+
+
+def _normalized(local: LocalInputs) -> Tensor:
     """``x̂``: the norm of the recorded input without its affine parameters."""
-    arguments = {**bound, "weight": None}
-    if "bias" in arguments:
-        arguments["bias"] = None
-    if func is F.instance_norm and arguments["use_input_stats"]:
+    arguments = local.arguments
+    names = _argument_names(local.func, arguments.layout, arguments.keys)
+    dropped = {"weight", "bias"}
+    if local.func is F.instance_norm and dict(zip(names, arguments.values)).get(
+        "use_input_stats", True
+    ):
         # with its own statistics, running averages would be updated a second time
-        arguments["running_mean"] = arguments["running_var"] = None
-    return cast(Tensor, func(**arguments))
+        dropped |= {"running_mean", "running_var"}
+    values = [None if name in dropped else v for name, v in zip(names, arguments.values)]
+    args, kwargs = arguments.rebuild(values)
+    return cast(Tensor, local.func(*args, **kwargs))
 
 
 NORM_RULES: dict[Callable[..., Any], LocalRule] = {

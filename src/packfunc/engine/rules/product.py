@@ -31,6 +31,7 @@ class ProductWeight(Rule):
 
     merge_dim = -1
     kronecker_factors = 2
+    fresh_columns = True
 
     def columns(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """Column gradients ``Σ_l v_l u_lᵀ``, shaped ``[K, n, *param.shape]``."""
@@ -45,6 +46,17 @@ class ProductWeight(Rule):
         else:
             torch.matmul(g, x.transpose(-1, -2), out=out)
         return out.view(1, n, *param.shape)
+
+    def add_columns(
+        self, total: Tensor, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
+    ) -> Tensor:
+        """``total += Σ_l v_l u_lᵀ`` as one batched product into ``total`` (one column)."""
+        columns, n, groups, n_out, _ = g.shape
+        if max(columns, x.shape[0]) > 1 or not total.is_contiguous() or not is_plain(total, x, g):
+            return super().add_columns(total, x, g, call, param)
+        flat = total.view(n * groups, n_out, x.shape[-2])
+        flat.baddbmm_(g.reshape(-1, n_out, g.shape[-1]), x.reshape(-1, *x.shape[-2:]).mT)
+        return total
 
     def column_sum(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """``Σ_{k,n,l} v u_lᵀ`` per group; the column dim is summed on its side first."""
