@@ -1,10 +1,13 @@
 """One DP-SGD step (clip each sample's gradient to C, add N(0, σ²C²), SGD update), per contender.
 
 Each contender of each problem runs alone in a fresh process (allocator state and the
-peak resident memory are its own): two warm-up steps, then ``--repeats`` timed steps.
-Time is the median step (min and max beside it); memory is the peak resident set
-size during the steps minus the resident set size after set-up (model, batch and
-contender built), i.e. what the steps themselves add.
+peak resident memory are its own): two warm-up steps, then ``--repeats`` timed steps;
+``--processes`` such processes per contender, interleaved with the other contenders'
+(one process's median moves by up to 30 % with its allocator and thread placement).
+Time is the median over processes of each process's median step (the fastest and slowest
+step of any beside it); memory is the peak resident set size during the steps minus the
+resident set size after set-up (model, batch and contender built), i.e. what the steps
+themselves add, and the process's peak, medians over processes.
 
 Contenders: plain training (forward, backward, SGD: no privacy), packfunc's
 ``clipped_grad`` (no per-sample gradients), packfunc's ``batch_grad`` + ``clip_and_noise``,
@@ -246,6 +249,9 @@ def main() -> None:
     parser.add_argument("--problems", default="LM,ResNet-GN,ResNet-BN,GPT-2")
     parser.add_argument("--large-lm", action="store_true", help="add the 55M LM (slow)")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--processes", type=int, default=3, help="fresh processes per contender (interleaved)"
+    )
     parser.add_argument("--one", nargs=2, metavar=("PROBLEM", "CONTENDER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -259,10 +265,38 @@ def main() -> None:
     print("|---|---|--:|--:|--:|--:|--:|--:|")
     for name in names:
         repeats = 3 if name == "LM-55M" else args.repeats
-        rows = {c: _fresh(name, c, repeats) for c in CONTENDERS}
+        runs: dict[str, list[dict[str, object]]] = {c: [] for c in CONTENDERS}
+        for _ in range(1 if name == "LM-55M" else args.processes):
+            for contender in CONTENDERS:  # interleaved: a slow spell hits every contender
+                if not any("refused" in run for run in runs[contender]):
+                    runs[contender].append(_fresh(name, contender, repeats))
+        rows = {c: combined(found) for c, found in runs.items()}
         plain = rows["plain"]
         for contender, row in rows.items():
             print(_row(name, contender, row, plain))
+
+
+def combined(runs: list[dict[str, object]]) -> dict[str, object]:
+    """One contender's fresh processes as one row: medians of their medians and peaks.
+
+    Args:
+        runs: :func:`measure`'s results, one per process.
+
+    Returns:
+        The median step and peaks over the processes, the fastest and slowest step of any,
+        or the first refusal.
+
+    Example:
+        >>> row = {"median": 1.0, "min": 0.9, "max": 1.2, "peak_mb": 5.0, "peak_total_mb": 9.0}
+        >>> combined([row, row | {"median": 3.0, "max": 4.0}])["median"]
+        2.0
+    """
+    refused = [run for run in runs if "refused" in run]
+    if refused:
+        return refused[0]
+    value = {key: [float(str(run[key])) for run in runs] for key in runs[0]}
+    middle = {key: statistics.median(values) for key, values in value.items()}
+    return middle | {"min": min(value["min"]), "max": max(value["max"])}
 
 
 def _fresh(problem_name: str, contender: str, repeats: int) -> dict[str, object]:

@@ -346,3 +346,15 @@ def test_peak_memory_at_most_the_best_peers(problem: str, quantity: str, peer: s
         closure()  # warm-up
     found = {name: memory.peak_bytes(closure) for name, closure in closures.items()}
     assert found["packfunc"] <= 1.15 * found[peer], found
+
+
+def test_dp_step_combines_processes_by_their_medians():
+    runs = [
+        {"median": 1.0, "min": 0.9, "max": 1.2, "peak_mb": 5.0, "peak_total_mb": 9.0},
+        {"median": 3.0, "min": 2.5, "max": 4.0, "peak_mb": 7.0, "peak_total_mb": 11.0},
+        {"median": 2.0, "min": 1.5, "max": 2.2, "peak_mb": 6.0, "peak_total_mb": 10.0},
+    ]
+    row = dp_step.combined(runs)
+    assert row == {"median": 2.0, "min": 0.9, "max": 4.0, "peak_mb": 6.0, "peak_total_mb": 10.0}
+    refusal = {"refused": "TypeError: no"}
+    assert dp_step.combined([refusal]) == refusal
