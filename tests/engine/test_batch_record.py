@@ -1,4 +1,4 @@
-"""The batch pass: tapped leaves for plans of calls on the leaves only, the mode for any other."""
+"""The batch pass: tapped leaves for plans of tapped calls only, the mode for any other plan."""
 
 import pytest
 import torch
@@ -24,36 +24,17 @@ class SelfAttention(nn.Module):
         return self.attention(x, x, x, need_weights=False)[0]
 
 
-class Positioned(nn.Module):
-    """A learned position added to the activations: a local call on a leaf."""
-
-    def __init__(self, length: int, width: int, sliced: bool = False):
-        super().__init__()
-        self.position = nn.Parameter(torch.randn(length + sliced, width))
-        self.sliced = sliced
-
-    def forward(self, x):
-        # sliced, the position is a derivation of the leaf (pos[:T])
-        return x + (self.position[: x.shape[1]] if self.sliced else self.position)
-
-
 def _models():
-    """``(name, model_fn, params, X, y)``: an MLP, an LSTM's head, a CNN, norms and positions."""
+    """``(name, model_fn, params, X, y)``: an MLP, an LSTM's head, a CNN."""
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(6, 5), nn.ReLU(inplace=True), nn.Linear(5, 4))
     lstm = RecurrentHead(nn.LSTM)
     cnn = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(12, 4))
-    norms = nn.Sequential(
-        nn.Linear(6, 5), Positioned(3, 5), nn.LayerNorm(5), nn.Flatten(), nn.Linear(15, 4)
-    )
-    gn = nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(16, 4))
     found = []
     for name, model, X, classes in (
         ("mlp", mlp, torch.randn(8, 6), 4),
         ("lstm head", lstm, torch.randn(8, 6, 3), 2),
         ("cnn", cnn, torch.randn(8, 2, 4, 4), 4),
-        ("layer norm and position", norms, torch.randn(8, 3, 6), 4),
-        ("group norm", gn, torch.randn(8, 2, 4, 4), 4),
     ):
         model_fn, params = pf.functional(model)
         if name == "lstm head":
@@ -69,20 +50,18 @@ def _plan(model_fn, params, X) -> Plan:
 
 def test_which_plans_have_tapped_calls_only():
     for _, model_fn, params, X, _ in _models():
-        assert _plan(model_fn, params, X).leaf_calls_only
+        assert _plan(model_fn, params, X).tapped_only
     lstm_fn, lstm_params = pf.functional(RecurrentHead(nn.LSTM))
     whole = _plan(lstm_fn, lstm_params, torch.randn(2, 6, 3))  # the LSTM's weights: decomposed
-    assert whole.rewritten and not whole.leaf_calls_only
+    assert whole.rewritten and not whole.tapped_only
     attention_fn, attention_params = pf.functional(SelfAttention())
     x = torch.randn(2, 3, 4)
     assert _plan(attention_fn, attention_params, x).rewritten
-    sliced_fn, sliced_params = pf.functional(Positioned(4, 4, sliced=True))
-    assert not _plan(sliced_fn, sliced_params, x).leaf_calls_only  # a derivation
+    norm_fn, norm_params = pf.functional(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))
+    assert not _plan(norm_fn, norm_params, x).tapped_only  # a local call
 
 
-@pytest.mark.parametrize(
-    "name", ["mlp", "lstm head", "cnn", "layer norm and position", "group norm"]
-)
+@pytest.mark.parametrize("name", ["mlp", "lstm head", "cnn"])
 def test_tapped_leaves_give_the_results_of_the_mode(name, monkeypatch):
     _, model_fn, params, X, y = next(m for m in _models() if m[0] == name)
     passes = []
@@ -98,23 +77,14 @@ def test_tapped_leaves_give_the_results_of_the_mode(name, monkeypatch):
         out = pf.compute(
             model_fn, params, X, y, quantities=("batch_grad", "batch_l2_grad", "diag_ggn")
         )
-        out["kfac"] = pf.kfac(
-            model_fn,
-            params,
-            X,
-            y,
-            generator=torch.Generator().manual_seed(0),
-            on_unsupported="skip",  # norms and positions have no Kronecker factors
-        )
-        loss = nn.CrossEntropyLoss(reduction="sum")
-        out["clipped"] = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=0.5)
+        out["kfac"] = pf.kfac(model_fn, params, X, y, generator=torch.Generator().manual_seed(0))
         return out
 
     on_tapped_leaves = everything()
-    assert len(passes) == 3  # one batch pass each
-    monkeypatch.setattr(Plan, "leaf_calls_only", property(lambda plan: False))
+    assert len(passes) == 2  # one batch pass each
+    monkeypatch.setattr(Plan, "tapped_only", property(lambda plan: False))
     in_mode = everything()
-    assert len(passes) == 3
+    assert len(passes) == 2
     torch.testing.assert_close(on_tapped_leaves, in_mode, rtol=0, atol=0)
 
 
@@ -130,7 +100,7 @@ def test_a_use_the_plan_lacks_is_refused():
         return out + F.linear(X, p["w"]) if X.shape[0] > 1 else out
 
     for model_fn in (extra_use, extra_call):
-        assert _plan(model_fn, {"w": w}, torch.randn(2, 4)).leaf_calls_only
+        assert _plan(model_fn, {"w": w}, torch.randn(2, 4)).tapped_only
         with pytest.raises(PlanMismatch):
             pf.batch_grad(model_fn, {"w": w}, torch.randn(5, 4), torch.randint(0, 3, (5,)))
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property, partial
 from typing import Any
 
@@ -410,9 +410,7 @@ def _consumed(found: dict[int, Tensor], consume: SiteConsumer | None) -> dict[in
 
 
 class _TappedLeaf(Tensor):
-    """A parameter leaf in a batch pass whose plan has calls on the leaves only.
-
-    (Tapped and local calls, no derivation, nothing rewritten: ``Plan.leaf_calls_only``.)
+    """A parameter leaf in a batch pass whose plan has tapped calls only (``Plan.tapped_only``).
 
     Only the calls that receive it reach Python, where a ``TorchFunctionMode`` sees every
     call of the model; :class:`_RecordMode` matches them with the plan as it does in its
@@ -475,10 +473,10 @@ def _record_with_autograd(
 ) -> BatchRecord:
     """:func:`record` with plain autograd: tapped outputs are marked as requiring grad.
 
-    A plan of tapped and local calls on the leaves themselves is followed through
-    :class:`_TappedLeaf` leaves (the calls of the model that consume no parameter run without
-    Python in between), any other plan, or a model that reaches its parameters another way
-    than through ``params``, in a mode that sees every call.
+    A plan of tapped calls only is followed through :class:`_TappedLeaf` leaves (the calls
+    of the model that consume no parameter run without Python in between), any other plan,
+    or a model that reaches its parameters another way than through ``params``, in a mode
+    that sees every call.
     """
     probes = zero_probes(plan, plan.active(), n)
     with torch.enable_grad():
@@ -515,7 +513,7 @@ def _tapped_leaves_forward(
         ``(record, output)``; ``None`` for a plan with other calls than tapped ones, or if
         the calls that received the aliases were not the plan's (the mode then decides).
     """
-    if not plan.leaf_calls_only:
+    if not plan.tapped_only:
         return None
     aliases: list[Tensor] = [leaf.as_subclass(_TappedLeaf) for leaf in leaves]
     alias_of = {id(leaf): alias for leaf, alias in zip(leaves, aliases)}
@@ -526,20 +524,7 @@ def _tapped_leaves_forward(
         mode.finish()
     except PlanMismatch:  # e.g. a model that reaches its parameters not through params
         return None
-    leaf_of_alias = {id(alias): leaf for alias, leaf in zip(aliases, leaves)}
-    for k, recorded in mode.inputs.items():
-        if isinstance(recorded, LocalInputs):
-            mode.inputs[k] = _with_leaves(recorded, leaf_of_alias)
     return mode, output
-
-
-def _with_leaves(local: LocalInputs, leaf_of_alias: dict[int, Tensor]) -> LocalInputs:
-    """A local call recorded on :class:`_TappedLeaf` aliases, with the leaves themselves."""
-    values = tuple(
-        leaf_of_alias.get(id(v), v) if isinstance(v, Tensor) else v for v in local.arguments.values
-    )
-    leaves = {i: leaf_of_alias[id(v)] for i, v in local.leaf_values.items()}
-    return replace(local, arguments=replace(local.arguments, values=values), leaf_values=leaves)
 
 
 def autograd_record(

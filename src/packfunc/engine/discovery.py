@@ -135,14 +135,10 @@ class Plan:
     BatchNorm; see :data:`~packfunc.engine.modes.REWRITTEN_OPS`)."""
 
     @property
-    def leaf_calls_only(self) -> bool:
-        """Whether every use of a parameter is a tapped or local call on the leaves themselves.
-
-        (No derivation, nothing rewritten: the calls that receive a leaf are all there is
-        to record.)
-        """
+    def tapped_only(self) -> bool:
+        """Whether every use of a parameter is a tapped call, none of them rewritten."""
         return not (self.rewritten or self.uncovered) and all(
-            use.kind in (UseKind.TAPPED, UseKind.LOCAL) for use in self.uses
+            use.kind is UseKind.TAPPED for use in self.uses
         )
 
     def covered(self) -> set[int]:
