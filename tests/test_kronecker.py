@@ -763,3 +763,36 @@ def test_empirical_kfac_uses_the_loss_gradient_at_each_layer_output(reduction):
             torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="fisher_type must be one of"):
         pf.kfac(model_fn, params, X, y, fisher_type="type-2")
+
+
+@pytest.mark.parametrize("kfac_approx", ["expand", "reduce"])
+def test_kfac_unfolds_a_convolution_input_a_few_samples_at_a_time(kfac_approx, monkeypatch):
+    """During the backward pass (one column), a convolution's input is unfolded for its
+    input factor no more than the input's own size at once (issue 23: the whole unfolded
+    input beside the activations was the CNN's peak); the factors are those of one unfold."""
+    from packfunc.engine.rules.conv import ConvWeight
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(4, 6, 3, padding=1, groups=2), nn.ReLU(), nn.Flatten(), nn.Linear(6 * 25, 3)
+    ).double()
+    X, y = torch.randn(16, 4, 5, 5, dtype=torch.float64), torch.randint(0, 3, (16,))
+    model_fn, params = pf.functional(model)
+    unfolded_samples: list[int] = []
+    canonical = ConvWeight.canonical
+
+    def spy(self, x, g, call, param):
+        unfolded_samples.append(x.shape[0])
+        return canonical(self, x, g, call, param)
+
+    monkeypatch.setattr(ConvWeight, "canonical", spy)
+    options = {"fisher_type": "empirical", "kfac_approx": kfac_approx}
+    chunked = pf.kfac(model_fn, params, X, y, **options)
+    assert max(unfolded_samples) == 16 // 9  # the unfold is 9× the input
+    monkeypatch.setattr(ConvWeight, "canonical_input_size", lambda self, x, *_: x[0].numel())
+    unfolded_samples.clear()
+    at_once = pf.kfac(model_fn, params, X, y, **options)
+    assert unfolded_samples == [16]
+    for name in ("0.weight", "0.bias"):
+        for found, expected in zip(chunked[name], at_once[name]):
+            torch.testing.assert_close(found, expected)

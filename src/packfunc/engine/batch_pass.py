@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from packfunc.engine import whole_model
 from packfunc.engine.batch_record import BatchRecord, PlanMismatch, SiteConsumer, record
-from packfunc.engine.discovery import Plan, cached_discover, forget_plan
+from packfunc.engine.discovery import Plan, Recorded, cached_discover, forget_plan
 from packfunc.engine.memory import (
     OUTPUT_CHUNK_BUDGET,
     chunk_length,
@@ -279,6 +279,8 @@ class ColumnGradients:
             first needed (the whole-model path): ``sites`` are scaled already.
         owns_record: Nothing uses the batch pass's record after these column gradients:
             :meth:`release` may drop its recorded inputs.
+        inputs: The recorded inputs of ``sites`` where they are not the record's (some
+            samples of them, with ``sites`` and ``cotangents`` restricted alike).
     """
 
     def __init__(
@@ -289,12 +291,13 @@ class ColumnGradients:
         weights: Tensor | None = None,
         *,
         owns_record: bool = False,
+        inputs: dict[int, Recorded] | None = None,
     ):
         self.bp, self._cotangents, self._weights = backprop, cotangents, weights
         self.owns_record = owns_record
         self.count = cotangents.shape[0]
         self.sites = sites
-        self.recorded = self._recorded_calls(sites)
+        self.recorded = self._recorded_calls(sites, inputs or backprop.record.inputs)
         self._canonical: dict[int, list[Term]] = {}
 
     @cached_property
@@ -361,10 +364,12 @@ class ColumnGradients:
                 if self.owns_record:
                     self.bp.record.inputs.pop(k, None)
 
-    def _recorded_calls(self, sites: dict[int, Tensor]) -> dict[int, list[Term]]:
+    def _recorded_calls(
+        self, sites: dict[int, Tensor], inputs: dict[int, Recorded]
+    ) -> dict[int, list[Term]]:
         """Each tapped leaf's calls with their recorded input and cotangents, not canonicalized."""
         by_leaf: dict[int, list[Term]] = {}
-        for k, x in self.bp.record.inputs.items():
+        for k, x in inputs.items():
             if k not in sites:  # a reweighted subset (see reweighted)
                 continue
             call = self.bp.plan.sites[k].call

@@ -190,14 +190,39 @@ class _FactorsDuringBackward:
         self.factors: dict[int, list[Tensor]] = {}
 
     def __call__(self, k: int, g: Tensor) -> Tensor | None:
-        """Site ``k``'s leaves' factors; ``g`` is kept for any other site."""
+        """Site ``k``'s leaves' factors; ``g`` is kept for any other site.
+
+        An input the rule unfolds (a convolution's) is unfolded a few samples at a time,
+        no more at once than the input itself: the backward pass's activations are
+        still there beside it.
+        """
         if k not in self.sites:
             return g
-        alone = ColumnGradients(self.bp, self.cotangents, {k: g[None]})
-        summed: dict[int, Tensor] = {}
-        for leaf, (term,) in alone.terms.items():
-            output = _output_factor(term, self.approx, summed)
-            self.factors[leaf] = _assemble(term, output, self.approx)
+        x, call = cast(Tensor, self.bp.record.inputs[k]), self.bp.plan.sites[k].call
+        n = x.shape[0]
+        unfolded = max(
+            rule_for(call, role).canonical_input_size(x, g[None], call, self.bp.leaves[leaf])
+            for role, leaf in call.leaves
+        )
+        outputs: dict[int, Tensor] = {}
+        inputs: dict[int, Tensor] = {}
+        for chunk in chunks(n, max(1, x.numel() // max(unfolded, 1))):
+            cotangents = self.cotangents[:, chunk]
+            alone = ColumnGradients(self.bp, cotangents, {k: g[None, chunk]}, inputs={k: x[chunk]})
+            summed: dict[int, Tensor] = {}
+            for leaf, (term,) in alone.terms.items():
+                output = _output_factor(term, self.approx, summed)
+                outputs[leaf] = outputs[leaf].add_(output) if leaf in outputs else output
+                if term.rule.kronecker(term.call) == 2:  # a mean over the chunk's samples
+                    part = term.rule.input_factor(term.x, self.approx)
+                    if term.x.shape[1] < n:  # (in place: the factor may be large, a head's)
+                        part.mul_(term.x.shape[1] / n)
+                    inputs[leaf] = inputs[leaf].add_(part) if leaf in inputs else part
+        for leaf, output in outputs.items():
+            rule = rule_for(call, next(role for role, i in call.leaves if i == leaf))
+            self.factors[leaf] = (
+                rule.kronecker_order(output, inputs[leaf]) if leaf in inputs else [output]
+            )
         self.bp.record.inputs.pop(k)
         return None
 

@@ -17,6 +17,7 @@ for :meth:`Rule.canonical` (for a convolution, unfolding the input).
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import Any
 
@@ -91,6 +92,20 @@ class Rule:
         if len(keys) != 1:
             return None
         return torch.cat(xs, dim=dim), torch.cat(gs, dim=dim)
+
+    def canonical_input_size(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> int:
+        """Elements of the canonical input per sample (larger than ``x``'s where unfolded).
+
+        Args:
+            x: The op's recorded input ``[N, ...]``.
+            g: Cotangents of its output ``[K, N, ...]``.
+            call: The op call.
+            param: The parameter.
+
+        Returns:
+            The count; here ``x``'s own per sample (the canonical input is a view).
+        """
+        return math.prod(x.shape[1:])
 
     def kronecker(self, call: SiteCall) -> int:
         """Number of Kronecker factors this rule gives for ``call`` (0: none)."""

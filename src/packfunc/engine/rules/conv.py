@@ -269,6 +269,13 @@ class ConvWeight(ProductWeight):
             return weight_gradient(x, g[0] if g.shape[0] == 1 else g.sum(0), call, param.shape)
         raise NotImplementedError(f"ConvWeight routes only columns and their sum, not {stat}")
 
+    def canonical_input_size(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> int:
+        """The unfolded input's elements per sample: one kernel window per output position."""
+        if call.transposed:  # the cotangent is unfolded; the input keeps its size
+            return super().canonical_input_size(x, g, call, param)
+        window = int(call.option("groups")) * math.prod(param.shape[1:])
+        return window * math.prod(g.shape[3:])
+
     def canonical(
         self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
     ) -> tuple[Tensor, Tensor]:
