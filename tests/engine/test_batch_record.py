@@ -157,3 +157,32 @@ def test_passes_on_tapped_leaves_in_two_threads_give_the_results_of_one():
         for results in pool.map(run, range(2)):
             for found in results:
                 torch.testing.assert_close(found, expected, rtol=0, atol=0)
+
+
+def test_sites_stream_when_the_graph_starts_at_a_frozen_layer(monkeypatch):
+    """A frozen first layer (not in ``params``) roots the graph outside the record: the
+    lowest site is captured and the others still reach the consumer during the backward."""
+    from packfunc.engine import statistics
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh()]
+    model = nn.Sequential(*layers, nn.Linear(5, 3)).double()
+    model_fn, all_params = pf.functional(model)
+    params = {k: v for k, v in all_params.items() if not k.startswith("0.")}
+    X, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    during: list[bool] = []
+    consume = statistics._NormsDuringBackward.__call__
+
+    def spy(self, k, g):
+        during.append(torch._C._current_graph_task_id() != -1)
+        return consume(self, k, g)
+
+    monkeypatch.setattr(statistics._NormsDuringBackward, "__call__", spy)
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    found = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=0.2)
+    # the head gets the output cotangent itself; the middle layer's cotangent arrives during
+    # the backward; the lowest layer's is captured at its end
+    assert during == [False, True, False]
+    batch = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    expected = {k: g.sum(0) for k, g in pf.clip_per_sample(batch, 0.2).items()}
+    torch.testing.assert_close(found, expected)

@@ -25,7 +25,7 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.func import vmap
 
 from packfunc.engine.autodiff import vjp, vjp_with_aux
@@ -596,9 +596,11 @@ def autograd_record(
         return found
 
     def last_gradients(cotangent: Tensor, consume: SiteConsumer | None) -> dict[int, Tensor]:
-        captured = [k for k in sites if k not in (streamed or ())]
-        if consume is None or differentiable or not captured:
+        if consume is None or differentiable or not sites:
             return _consumed(gradients(cotangent, False, retain=False), consume)
+        captured = [k for k in sites if k not in (streamed or ())]
+        if not captured:  # the graph starts outside the record (a frozen layer's parameters)
+            captured = lowest_sites({k: outputs[k].node for k in sites})
         nodes = {outputs[k].node for k in captured}
         # a node a capture ends at may not run: its sites are captured as well
         hooked = [k for k in sites if k not in captured and outputs[k].node not in nodes]
@@ -646,6 +648,47 @@ def autograd_record(
         loss_gradient,
         last_gradients,
     )
+
+
+def lowest_sites(nodes: dict[int, Node]) -> list[int]:
+    """The sites below which no other site's node lies in the autograd graph.
+
+    A backward pass that reaches them runs every other site's node on its way (each lies
+    above one of them).
+
+    Args:
+        nodes: Site -> the autograd node of its output.
+
+    Returns:
+        The lowest sites, in the order given.
+
+    Example:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> a = x * 2
+        >>> b = a.exp()
+        >>> lowest_sites({0: a.grad_fn, 1: b.grad_fn})
+        [0]
+    """
+    site_nodes = set(nodes.values())
+    reaches: dict[Node, bool] = {}  # a site's node at or below the node
+
+    def below(node: Node) -> list[Node]:
+        return [child for child, _ in node.next_functions if child is not None]
+
+    for start in site_nodes:
+        stack = [(start, False)]
+        while stack:  # post-order: a node's children are settled before the node
+            node, expanded = stack.pop()
+            if node in reaches:
+                continue
+            children = below(node)
+            if expanded or not children:
+                found = any(child in site_nodes or reaches[child] for child in children)
+                reaches[node] = found
+                continue
+            stack.append((node, True))
+            stack.extend((child, False) for child in children if child not in reaches)
+    return [k for k, node in nodes.items() if not reaches[node]]
 
 
 def _deliver(
