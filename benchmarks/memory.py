@@ -1,14 +1,15 @@
 """Peak memory of one call, measured the same way for every contender.
 
-On CPU, every tensor storage an aten op returns during the call is counted from that op
-until the storage is freed (a finalizer on its Python object, which lives exactly as long
-as the storage): the peak of that sum is the most tensor memory the call held at once,
-its outputs included, its inputs and the model not. No allocator sits in between (glibc
-keeps freed memory, so resident-set growth depends on what ran before), so contenders can
-be measured one after the other in one process. The count sees ops under ``vmap`` and in
-autograd's backward pass; scratch memory inside one kernel is not a tensor and is not
-counted. On CUDA it is ``torch.cuda.max_memory_allocated`` above the memory allocated
-before the call.
+On CPU, every tensor storage an aten op returns during the call (but a view's, which is
+an argument's: the transpose of a weight made before the call is not the call's memory)
+is counted from that op until the storage is freed (a finalizer on its Python object,
+which lives exactly as long as the storage): the peak of that sum is the most tensor
+memory the call held at once, its outputs included, its inputs and the model not. No
+allocator sits in between (glibc keeps freed memory, so resident-set growth depends on
+what ran before), so contenders can be measured one after the other in one process. The
+count sees ops under ``vmap`` and in autograd's backward pass; scratch memory inside one
+kernel is not a tensor and is not counted. On CUDA it is ``torch.cuda.max_memory_allocated``
+above the memory allocated before the call.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class _StorageCounter(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
+        if _is_view(func):  # an argument's storage: a view of a parameter is not the call's
+            return out
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
                 self._count(tensor.untyped_storage())
@@ -54,6 +57,18 @@ class _StorageCounter(TorchDispatchMode):
     def _freed(self, key: int, nbytes: int) -> None:
         self.counted.discard(key)
         self.live -= nbytes
+
+
+def _is_view(func: Any) -> bool:
+    """Whether an aten op returns views of its arguments.
+
+    In-place and ``out=`` results are counted: their storage may come from outside aten
+    (``torch.frombuffer``), and is counted once however often it is written.
+    """
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+    )
 
 
 def peak_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu") -> int:

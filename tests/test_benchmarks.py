@@ -165,6 +165,9 @@ def test_peak_bytes_counts_tensors_alive_at_once_and_outputs() -> None:
         return torch.func.vmap(torch.func.grad(lambda w, x: (w @ x).sum()), (None, 0))(weight, X)
 
     assert memory.peak_bytes(per_sample) >= n * 8 * 8 * 4
+    # a view of a tensor made before the call (a weight's transpose) is not the call's memory
+    assert memory.peak_bytes(lambda: weight.t()) == 0
+    assert memory.peak_bytes(lambda: weight.t() + 1) == 8 * 8 * 4
 
 
 def test_scaling_cell_measures_time_and_memory_per_sample() -> None:
@@ -330,13 +333,16 @@ def test_dp_step_measures_or_names_the_refusal(contender: str):
         ("MLP", "batch_grad", "vmap(grad)"),
         ("CNN", "batch_grad", "opacus"),
         ("LM", "batch_grad", "vmap(grad)"),
+        ("MLP", "kfac", "curvlinops"),
         ("CNN", "kfac", "curvlinops"),
         ("LM", "kfac", "curvlinops"),
     ],
 )
 def test_peak_memory_at_most_the_best_peers(problem: str, quantity: str, peer: str) -> None:
-    """packfunc's peak tensor memory within 1.15× that of the peer needing the least, at
-    N=256 (issue 23; before: CNN batch_grad 1.49×, LM 1.16×, CNN kfac 1.48×, LM kfac 1.48×)."""
+    """packfunc's peak tensor memory within 1.05× that of the peer needing the least, at
+    N=256 (issue 23; before: CNN batch_grad 1.49×, LM 1.16×, CNN kfac 1.48×, LM kfac 1.48×;
+    the kfac rows 1.1× until a convolution's input was unfolded in chunks, the lowest sites
+    found below a frozen layer and an input factor no longer scaled its input)."""
     pytest.importorskip({"opacus": "opacus", "curvlinops": "curvlinops"}.get(peer, "torch"))
     closures = {
         name: peers.BUILDERS[name](scaling.FACTORIES[problem](256), quantity)
@@ -345,7 +351,7 @@ def test_peak_memory_at_most_the_best_peers(problem: str, quantity: str, peer: s
     for closure in closures.values():
         closure()  # warm-up
     found = {name: memory.peak_bytes(closure) for name, closure in closures.items()}
-    assert found["packfunc"] <= 1.15 * found[peer], found
+    assert found["packfunc"] <= 1.05 * found[peer], found
 
 
 def test_dp_step_combines_processes_by_their_medians():

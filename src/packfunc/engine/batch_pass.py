@@ -11,6 +11,7 @@ the whole-model path) otherwise, zeros for unused leaves.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -489,6 +490,19 @@ class ColumnGradients:
                 total = t.rule.add_columns(total, x, g, t.call, param)
         return total
 
+    def _forms_own_output(self, leaf: int) -> bool:
+        """Whether a leaf's column gradients are formed with nothing of their size beside them.
+
+        (A linear layer's, an embedding's: in a tensor of their own, from no unfolded input.)
+        """
+        calls = self.recorded.get(leaf, [])
+        param = self.bp.leaves[leaf]
+        return bool(calls) and all(
+            c.rule.fresh_columns
+            and c.rule.canonical_input_size(c.x, c.g, c.call, param) <= math.prod(c.x.shape[1:])
+            for c in calls
+        )
+
     def iter_leaf_columns(
         self, wanted: list[int], index: slice | Tensor, *, into_output: bool = False
     ) -> Iterator[list[Tensor]]:
@@ -512,7 +526,10 @@ class ColumnGradients:
         samples = index_length(index)
         length = chunk_length(samples, numel, self.bp.chunk_size)
         if into_output and length < samples:
-            length = chunk_length(samples, numel, self.bp.chunk_size, OUTPUT_CHUNK_BUDGET)
+            if self.bp.chunk_size is None and all(self._forms_own_output(i) for i in wanted):
+                length = samples  # the rules' results are the outputs: nothing beside them
+            else:
+                length = chunk_length(samples, numel, self.bp.chunk_size, OUTPUT_CHUNK_BUDGET)
         for chunk in split_index(index, length):
             if wanted and wanted[0] in self.bp.whole_model:
                 names = ", ".join(self.bp.names[i] for i in wanted)

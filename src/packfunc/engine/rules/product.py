@@ -119,12 +119,12 @@ class ProductWeight(Rule):
         scale = n * groups * (length if approx == "expand" else 1)
         if approx == "reduce" or length == 1:
             flat = x[0].mean(-1).reshape(-1, n_in) if approx == "reduce" else x[0].view(-1, n_in)
-            return (flat / (n * groups)).T @ flat
+            return (flat.T @ flat).div_(n * groups)  # (scaling the input would copy it)
         u = x[0]  # [N, G, I, L]
         if n * groups * n_in * n_in <= u.numel():  # per-sample products, no transposed copy
-            return (u @ u.transpose(-1, -2)).sum((0, 1)) / scale
+            return (u @ u.transpose(-1, -2)).sum((0, 1)).div_(scale)
         flat = u.permute(1, 2, 0, 3).reshape(groups, n_in, n * length)  # a copy the size of u
-        return (flat @ flat.transpose(-1, -2)).sum(0) / scale
+        return (flat @ flat.transpose(-1, -2)).sum(0).div_(scale)
 
 
 def gram_is_cheaper(length: int, n_in: int, n_out: int) -> bool:
