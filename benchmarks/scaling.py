@@ -1,12 +1,15 @@
 """Scaling study: time and peak memory per sample vs batch size, and time vs gloo ranks.
 
 For each problem (MLP, CNN, LM and GPT-2 of ``problems.py``), quantity and batch size
-(8 … 1024, ``--sizes`` for more), every contender of ``peers.py`` that offers the
-quantity (packfunc, vmap(grad), opacus, BackPACK, curvlinops) runs in a fresh process:
-one untimed call warms up, a second gives the peak memory (``memory.peak_bytes``: on
-CPU the tensor storage alive at once, on CUDA ``max_memory_allocated`` above what was
-allocated before), then ``--repeats`` timed calls give the median time. Both are
-reported per sample.
+(8 … 1024, ``--sizes`` for more), ``--processes`` fresh processes each run every
+contender of ``peers.py`` that offers the quantity (packfunc, vmap(grad), opacus,
+BackPACK, curvlinops): per contender one untimed call warms up and a second gives the
+peak memory (``memory.peak_bytes``: on CPU the tensor storage alive at once, on CUDA
+``max_memory_allocated`` above what was allocated before); then ``--repeats`` rounds
+time the contenders in turn. A contender's time is the median over processes of each
+process's median, its spread the fastest and slowest of those (one process's median
+moves by up to 30 %: allocator state, huge pages, thread placement); a ratio within
+the spreads is named a tie. Both are reported per sample.
 The rank study times one whole-dataset quantity (``pf.diag_ggn(..., data=loader,
 process_group=WORLD)``) on a fixed dataset split over 1 and 2 gloo ranks on this
 machine (its cores shared between the ranks).
@@ -32,6 +35,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -57,7 +61,11 @@ MIB = 2**20
 
 @dataclass
 class Cell:
-    """One contender on one problem, quantity and batch size (``None``: did not run)."""
+    """One contender on one problem, quantity and batch size (``None``: did not run).
+
+    ``ms_low``/``ms_high``: the fastest and slowest of the processes' median times (their
+    spread); ``ms_per_sample`` is the median over processes.
+    """
 
     problem: str
     quantity: str
@@ -66,52 +74,87 @@ class Cell:
     ms_per_sample: float | None = None
     mib_per_sample: float | None = None
     note: str = ""
+    ms_low: float | None = None
+    ms_high: float | None = None
 
 
 def measure_cell(
     problem: str,
     quantity: str,
     n: int,
-    contender: str,
+    contenders: list[str],
     device: str,
     repeats: int,
     threads: int,
-) -> Cell:
-    """Time and peak memory of one contender (run in a fresh process).
+) -> list[Cell]:
+    """Time and peak memory of every contender on one cell, in this (fresh) process.
+
+    Each contender is built and warmed up; its peak memory is measured alone; then they are
+    timed in interleaved rounds (a slow spell of the machine hits every contender alike).
 
     Args:
         problem: A key of :data:`FACTORIES`.
         quantity: A quantity name of ``peers.py``.
         n: Batch size.
-        contender: A key of ``peers.BUILDERS``.
+        contenders: Keys of ``peers.BUILDERS``.
         device: ``"cpu"`` or ``"cuda"``.
-        repeats: Timed calls (their median is reported; 0: memory only).
+        repeats: Timed rounds (their median is reported; 0: memory only).
         threads: ``torch.set_num_threads``.
 
     Returns:
-        The :class:`Cell`.
+        One :class:`Cell` per contender.
     """
     torch.set_num_threads(threads)
-    cell = Cell(problem, quantity, n, contender)
-    try:
-        closure = BUILDERS[contender](FACTORIES[problem](n).to(device), quantity)
-    except (Unavailable, Unsupported) as error:
-        cell.note = f"{type(error).__name__}: {error}"[:80]
-        return cell
-    if closure is None:
-        cell.note = "n/a"
-        return cell
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    try:
-        closure()  # warm-up: one-time allocations and lazy imports are not counted
-        sync()
-        cell.mib_per_sample = peak_bytes(closure, device) / MIB / n
-        if repeats:  # 0: memory only
-            timed = time_interleaved({contender: closure}, repeats, warmup=0, sync=sync)
-            cell.ms_per_sample = timed[contender][0] / n
-    except Exception as error:  # e.g. out of memory: the cell stays empty
-        cell.note = f"{type(error).__name__}: {str(error).splitlines()[0]}"[:80]
+    cells, closures = {}, {}
+    for contender in contenders:
+        cell = cells[contender] = Cell(problem, quantity, n, contender)
+        try:
+            closure = BUILDERS[contender](FACTORIES[problem](n).to(device), quantity)
+            if closure is None:
+                cell.note = "n/a"
+                continue
+            closure()  # warm-up: one-time allocations and lazy imports are not counted
+            sync()
+            cell.mib_per_sample = peak_bytes(closure, device) / MIB / n
+            closures[contender] = closure
+        except (Unavailable, Unsupported) as error:
+            cell.note = f"{type(error).__name__}: {error}"[:80]
+        except Exception as error:  # noqa: BLE001 - e.g. out of memory: the cell stays empty
+            cell.note = f"{type(error).__name__}: {str(error).splitlines()[0]}"[:80]
+    if repeats and closures:  # 0: memory only
+        timed = time_interleaved(closures, repeats, warmup=1, sync=sync)
+        for contender, (ms, _) in timed.items():
+            cells[contender].ms_per_sample = ms / n
+    return list(cells.values())
+
+
+def combined(runs: list[Cell]) -> Cell:
+    """One contender's cell over several processes: the median time and its spread.
+
+    Args:
+        runs: The contender's cells, one per process.
+
+    Returns:
+        The cell with the median of the processes' times, their fastest and slowest, and
+        the median peak memory (the same in every process: tensor storage is counted exactly).
+
+    Example:
+        >>> runs = [Cell("MLP", "kfac", 8, "packfunc", ms, 1.0) for ms in (3.0, 1.0, 2.0)]
+        >>> cell = combined(runs)
+        >>> cell.ms_per_sample, cell.ms_low, cell.ms_high
+        (2.0, 1.0, 3.0)
+    """
+    times = [run.ms_per_sample for run in runs if run.ms_per_sample is not None]
+    memory = [run.mib_per_sample for run in runs if run.mib_per_sample is not None]
+    first = runs[0]
+    cell = Cell(first.problem, first.quantity, first.n, first.contender, note=first.note)
+    if times:
+        cell.ms_per_sample = statistics.median(times)
+        cell.ms_low, cell.ms_high = min(times), max(times)
+    if memory:
+        cell.mib_per_sample = statistics.median(memory)
     return cell
 
 
@@ -123,16 +166,18 @@ def batch_size_study(
     device: str,
     repeats: int,
     threads: int,
+    processes: int = 3,
 ) -> list[Cell]:
-    """Every cell, each in a fresh spawned process (none for a contender that refuses)."""
+    """Every cell in ``processes`` fresh spawned processes, each timing every contender."""
     cells = []
     for problem in problems:
         for quantity in quantities:
             offering = [c for c in contenders if _offers(c, problem, quantity, min(sizes))]
             for n in sizes:
-                for contender in offering:
-                    args = (problem, quantity, n, contender, device, repeats, threads)
-                    cell = _in_fresh_process(args)
+                args = (problem, quantity, n, offering, device, repeats, threads)
+                runs = [_in_fresh_process(args) for _ in range(processes)]
+                for i in range(len(offering)):
+                    cell = combined([run[i] for run in runs])
                     print(_line(cell), flush=True)
                     cells.append(cell)
     return cells
@@ -147,20 +192,56 @@ def _offers(contender: str, problem: str, quantity: str, n: int) -> bool:
         return False
 
 
-def _in_fresh_process(args: tuple) -> Cell:
+def _in_fresh_process(args: tuple) -> list[Cell]:
     """:func:`measure_cell` in a new spawned process."""
     try:
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
             return pool.submit(measure_cell, *args).result()
     except BrokenProcessPool:  # killed, e.g. by the kernel for memory
-        return Cell(*args[:4], note="process died (memory?)")
+        return [Cell(*args[:3], contender, note="process died (memory?)") for contender in args[3]]
 
 
 def _line(cell: Cell) -> str:
     head = f"{cell.problem} {cell.quantity} n={cell.n} {cell.contender}:"
     if cell.ms_per_sample is None or cell.mib_per_sample is None:
         return f"{head} {cell.note}"
-    return f"{head} {cell.ms_per_sample:.3f} ms/sample, {cell.mib_per_sample:.3f} MiB/sample"
+    return (
+        f"{head} {cell.ms_per_sample:.3f} ({cell.ms_low:.3f}-{cell.ms_high:.3f}) ms/sample, "
+        f"{cell.mib_per_sample:.3f} MiB/sample"
+    )
+
+
+def verdict(found: dict[str, Cell]) -> str:
+    """How packfunc stands against the best peers of a row, in time and in memory.
+
+    Time against the fastest peer (a tie where the spreads of the processes' medians
+    overlap), memory against the peer needing the least.
+
+    Args:
+        found: Contender -> cell of one (problem, quantity, N).
+
+    Returns:
+        E.g. ``"time 0.80× ahead · memory 1.00×"``; ``"—"`` without packfunc or a peer.
+
+    Example:
+        >>> cells = {"packfunc": Cell("MLP", "kfac", 8, "packfunc", 1.1, 2.0, "", 1.0, 1.3),
+        ...          "curvlinops": Cell("MLP", "kfac", 8, "curvlinops", 1.0, 2.2, "", 0.9, 1.2)}
+        >>> verdict(cells)
+        'time 1.10× tie · memory 0.91×'
+    """
+    ours = found.get("packfunc")
+    peers = [c for name, c in found.items() if name != "packfunc" and c.ms_per_sample]
+    if ours is None or not ours.ms_per_sample or not ours.mib_per_sample or not peers:
+        return "—"
+    fastest = min(peers, key=lambda c: cast(float, c.ms_per_sample))
+    ratio = ours.ms_per_sample / cast(float, fastest.ms_per_sample)
+    if ratio <= 1.0:
+        standing = "ahead"
+    else:  # within the spreads of the processes' medians: a tie
+        overlap = cast(float, ours.ms_low) <= cast(float, fastest.ms_high)
+        standing = "tie" if overlap else "behind"
+    least = min(c.mib_per_sample for c in peers if c.mib_per_sample)
+    return f"time {ratio:.2f}× {standing} · memory {ours.mib_per_sample / least:.2f}×"
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -217,17 +298,21 @@ def markdown(cells: list[Cell], seconds: dict, conditions: str) -> str:
     """Tables: ``ms/sample · MiB/sample`` per contender, one row per (problem, quantity, n)."""
     contenders = list(dict.fromkeys(cell.contender for cell in cells))
     lines = [f"Conditions: {conditions}", ""]
-    lines += ["| problem | quantity | N | " + " | ".join(contenders) + " |"]
-    lines += ["|" + "---|" * (3 + len(contenders))]
+    lines += ["| problem | quantity | N | " + " | ".join(contenders) + " | packfunc / best peer |"]
+    lines += ["|" + "---|" * (4 + len(contenders))]
     rows: dict[tuple, dict[str, Cell]] = {}
     for cell in cells:
         rows.setdefault((cell.problem, cell.quantity, cell.n), {})[cell.contender] = cell
     for (problem, quantity, n), found in rows.items():
         entries = [_entry(found.get(name)) for name in contenders]
-        lines.append(f"| {problem} | {quantity} | {n} | " + " | ".join(entries) + " |")
+        lines.append(
+            f"| {problem} | {quantity} | {n} | " + " | ".join(entries) + f" | {verdict(found)} |"
+        )
     lines += [
         "",
-        "Cells: ms per sample · MiB peak memory per sample (— : not offered or failed).",
+        "Cells: ms per sample (the fastest–slowest process's median) · MiB peak memory per "
+        "sample (— : not offered or failed). Last column: packfunc's time over the fastest "
+        "peer's (a tie where the spreads overlap) and its memory over the least peer's.",
         "",
     ]
     if seconds:
@@ -239,7 +324,8 @@ def markdown(cells: list[Cell], seconds: dict, conditions: str) -> str:
 def _entry(cell: Cell | None) -> str:
     if cell is None or cell.ms_per_sample is None or cell.mib_per_sample is None:
         return "—"
-    return f"{cell.ms_per_sample:.3g} · {cell.mib_per_sample:.3g}"
+    spread = f"{cell.ms_low:.3g}–{cell.ms_high:.3g}"
+    return f"{cell.ms_per_sample:.3g} ({spread}) · {cell.mib_per_sample:.3g}"
 
 
 def plot(cells: list[Cell], seconds: dict, path: Path) -> None:
@@ -287,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--sizes", default="", help="comma-separated batch sizes")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--processes", type=int, default=3, help="fresh processes per cell")
     parser.add_argument("--ranks", default="1,2", help="gloo rank counts ('' to skip)")
     parser.add_argument("--rank-samples", type=int, default=2048)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -309,13 +396,16 @@ def main(argv: list[str] | None = None) -> int:
         args.device,
         repeats,
         args.threads,
+        1 if args.quick else args.processes,
     )
     rank_counts = tuple(int(r) for r in args.ranks.split(",") if r)
     samples = 256 if args.quick else args.rank_samples
     seconds = rank_study(rank_counts, samples, repeats, args.threads) if rank_counts else {}
+    processes = 1 if args.quick else args.processes
     conditions = (
-        f"{args.device}, {args.threads} threads, torch {torch.__version__}, median of "
-        f"{repeats} calls, python {sys.version.split()[0]}"
+        f"{args.device}, {args.threads} threads, torch {torch.__version__}, in each of "
+        f"{processes} fresh processes per row the median of {repeats} interleaved calls, "
+        f"python {sys.version.split()[0]}"
     )
     out = Path(args.out)
     out.with_suffix(".md").write_text(markdown(cells, seconds, conditions))

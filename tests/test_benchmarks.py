@@ -171,10 +171,13 @@ def test_peak_bytes_counts_tensors_alive_at_once_and_outputs() -> None:
 
 
 def test_scaling_cell_measures_time_and_memory_per_sample() -> None:
-    cell = scaling.measure_cell("MLP", "batch_grad", 8, "packfunc", "cpu", 1, 2)
+    cells = scaling.measure_cell("MLP", "batch_grad", 8, ["packfunc", "vmap(grad)"], "cpu", 2, 2)
     output = sum(p.numel() for p in problems.mlp(8).model().parameters()) * 4 / scaling.MIB
-    assert cell.ms_per_sample is not None and cell.ms_per_sample > 0
-    assert cell.mib_per_sample is not None and cell.mib_per_sample >= output  # [N, *p] / N
+    for cell in cells:
+        assert cell.ms_per_sample is not None and cell.ms_per_sample > 0
+        assert cell.mib_per_sample is not None and cell.mib_per_sample >= output  # [N, *p] / N
+    row = {cell.contender: scaling.combined([cell, cell]) for cell in cells}
+    assert scaling.verdict(row).startswith("time ")
 
 
 TINY_EKFAC = {

@@ -119,7 +119,8 @@ class ProductWeight(Rule):
         scale = n * groups * (length if approx == "expand" else 1)
         if approx == "reduce" or length == 1:
             flat = x[0].mean(-1).reshape(-1, n_in) if approx == "reduce" else x[0].view(-1, n_in)
-            return (flat.T @ flat).div_(n * groups)  # (scaling the input would copy it)
+            # scaled within the product: neither the input nor the factor is copied
+            return torch.addmm(flat.new_zeros(()), flat.T, flat, beta=0, alpha=1 / (n * groups))
         u = x[0]  # [N, G, I, L]
         if n * groups * n_in * n_in <= u.numel():  # per-sample products, no transposed copy
             return (u @ u.transpose(-1, -2)).sum((0, 1)).div_(scale)
