@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from packfunc.engine import whole_model
 from packfunc.engine.batch_record import BatchRecord, PlanMismatch, SiteConsumer, record
-from packfunc.engine.discovery import Plan, Recorded, cached_discover, forget_plan
+from packfunc.engine.discovery import Plan, cached_discover, forget_plan
 from packfunc.engine.memory import (
     OUTPUT_CHUNK_BUDGET,
     chunk_length,
@@ -280,8 +280,6 @@ class ColumnGradients:
             first needed (the whole-model path): ``sites`` are scaled already.
         owns_record: Nothing uses the batch pass's record after these column gradients:
             :meth:`release` may drop its recorded inputs.
-        inputs: The recorded inputs of ``sites`` where they are not the record's (some
-            samples of them, with ``sites`` and ``cotangents`` restricted alike).
     """
 
     def __init__(
@@ -292,13 +290,12 @@ class ColumnGradients:
         weights: Tensor | None = None,
         *,
         owns_record: bool = False,
-        inputs: dict[int, Recorded] | None = None,
     ):
         self.bp, self._cotangents, self._weights = backprop, cotangents, weights
         self.owns_record = owns_record
         self.count = cotangents.shape[0]
         self.sites = sites
-        self.recorded = self._recorded_calls(sites, inputs or backprop.record.inputs)
+        self.recorded = self._recorded_calls(sites)
         self._canonical: dict[int, list[Term]] = {}
 
     @cached_property
@@ -365,12 +362,10 @@ class ColumnGradients:
                 if self.owns_record:
                     self.bp.record.inputs.pop(k, None)
 
-    def _recorded_calls(
-        self, sites: dict[int, Tensor], inputs: dict[int, Recorded]
-    ) -> dict[int, list[Term]]:
+    def _recorded_calls(self, sites: dict[int, Tensor]) -> dict[int, list[Term]]:
         """Each tapped leaf's calls with their recorded input and cotangents, not canonicalized."""
         by_leaf: dict[int, list[Term]] = {}
-        for k, x in inputs.items():
+        for k, x in self.bp.record.inputs.items():
             if k not in sites:  # a reweighted subset (see reweighted)
                 continue
             call = self.bp.plan.sites[k].call
@@ -421,12 +416,23 @@ class ColumnGradients:
             return Route.CANONICAL
         return route
 
+    def _samples(self, term: Term, index: slice | Tensor, x_dim: int = 1) -> tuple[Tensor, Tensor]:
+        """A term's input and cotangents restricted to ``index`` (themselves for the batch).
+
+        ``x_dim``: the input's sample dim (1 canonical, 0 as recorded). A recorded call's
+        arguments are not rebuilt for the whole batch.
+        """
+        if isinstance(index, slice) and index == slice(0, self.bp.n):
+            return term.x, term.g
+        x = term.x[index] if x_dim == 0 else term.x[:, index]
+        return x, term.g[:, index]
+
     def _from_calls(self, leaf: int, stat: Statistic, index: slice | Tensor) -> Tensor:
         """A statistic :meth:`_route` sends to the recorded calls, summed over them."""
         param = self.bp.leaves[leaf]
         return _total(
             [
-                c.rule.from_call(stat, c.x[index], c.g[:, index], c.call, param)
+                c.rule.from_call(stat, *self._samples(c, index, x_dim=0), c.call, param)
                 for c in self.recorded[leaf]
             ]
         )
@@ -454,13 +460,13 @@ class ColumnGradients:
             return self._from_calls(leaf, stat, index)
         terms = self.leaf_terms(leaf)
         if stat is Statistic.SUM:
-            sums = [t.rule.column_sum(t.x[:, index], t.g[:, index], t.call, param) for t in terms]
+            sums = [t.rule.column_sum(*self._samples(t, index), t.call, param) for t in terms]
             return _total(sums)
         if len(terms) != 1:
             return None
         (t,) = terms
         return cast(
-            Tensor | None, getattr(t.rule, stat.value)(t.x[:, index], t.g[:, index], t.call, param)
+            Tensor | None, getattr(t.rule, stat.value)(*self._samples(t, index), t.call, param)
         )
 
     def leaf_columns(self, leaf: int, index: slice | Tensor) -> Tensor:
@@ -481,9 +487,9 @@ class ColumnGradients:
         # the calls of a tied weight add into the first's own tensor (embedding + head)
         terms = sorted(self.leaf_terms(leaf), key=lambda t: not t.rule.fresh_columns)
         first, *others = terms
-        total = first.rule.columns(first.x[:, index], first.g[:, index], first.call, param)
+        total = first.rule.columns(*self._samples(first, index), first.call, param)
         for i, t in enumerate(others):
-            x, g = t.x[:, index], t.g[:, index]
+            x, g = self._samples(t, index)
             if i == 0 and not first.rule.fresh_columns:
                 total = total + t.rule.columns(x, g, t.call, param)
             else:

@@ -12,6 +12,7 @@ factors are those of its kernel with the channel axes swapped.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import cast
 
@@ -192,39 +193,44 @@ class _FactorsDuringBackward:
     def __call__(self, k: int, g: Tensor) -> Tensor | None:
         """Site ``k``'s leaves' factors; ``g`` is kept for any other site.
 
-        An input the rule unfolds (a convolution's) is unfolded a few samples at a time,
-        no more at once than the input itself: the backward pass's activations are
-        still there beside it.
+        An input the rule unfolds (a convolution's) is unfolded a few samples at a time
+        (:meth:`_unfolded_in_chunks`): the backward pass's activations are still there.
         """
         if k not in self.sites:
             return g
-        x, call = cast(Tensor, self.bp.record.inputs[k]), self.bp.plan.sites[k].call
-        n = x.shape[0]
-        unfolded = max(
-            rule_for(call, role).canonical_input_size(x, g[None], call, self.bp.leaves[leaf])
-            for role, leaf in call.leaves
-        )
-        outputs: dict[int, Tensor] = {}
-        inputs: dict[int, Tensor] = {}
-        for chunk in chunks(n, max(1, x.numel() // max(unfolded, 1))):
-            cotangents = self.cotangents[:, chunk]
-            alone = ColumnGradients(self.bp, cotangents, {k: g[None, chunk]}, inputs={k: x[chunk]})
-            summed: dict[int, Tensor] = {}
-            for leaf, (term,) in alone.terms.items():
-                output = _output_factor(term, self.approx, summed)
-                outputs[leaf] = outputs[leaf].add_(output) if leaf in outputs else output
-                if term.rule.kronecker(term.call) == 2:  # a mean over the chunk's samples
-                    part = term.rule.input_factor(term.x, self.approx)
-                    if term.x.shape[1] < n:  # (in place: the factor may be large, a head's)
-                        part.mul_(term.x.shape[1] / n)
-                    inputs[leaf] = inputs[leaf].add_(part) if leaf in inputs else part
-        for leaf, output in outputs.items():
-            rule = rule_for(call, next(role for role, i in call.leaves if i == leaf))
-            self.factors[leaf] = (
-                rule.kronecker_order(output, inputs[leaf]) if leaf in inputs else [output]
-            )
+        alone = ColumnGradients(self.bp, self.cotangents, {k: g[None]})
+        summed: dict[int, Tensor] = {}
+        for leaf, (raw,) in alone.recorded.items():
+            param = self.bp.leaves[leaf]
+            unfolded = raw.rule.canonical_input_size(raw.x, raw.g, raw.call, param)
+            if unfolded > math.prod(raw.x.shape[1:]):
+                self.factors[leaf] = self._unfolded_in_chunks(raw, param, unfolded)
+                continue
+            (term,) = alone.leaf_terms(leaf)
+            output = _output_factor(term, self.approx, summed)
+            self.factors[leaf] = _assemble(term, output, self.approx)
         self.bp.record.inputs.pop(k)
         return None
+
+    def _unfolded_in_chunks(self, raw: Term, param: Tensor, unfolded: int) -> list[Tensor]:
+        """A weight's factors from its input unfolded no more at once than the input's size.
+
+        Both factors add up over samples (the input factor is a mean: each chunk's is
+        weighted by its share of the batch).
+        """
+        n = raw.x.shape[0]
+        output: Tensor | None = None
+        inputs: Tensor | None = None
+        for chunk in chunks(n, max(1, raw.x.numel() // unfolded)):
+            x, g = raw.rule.canonical(raw.x[chunk], raw.g[:, chunk], raw.call, param)
+            found = raw.rule.output_factor(g, self.approx)
+            part = raw.rule.input_factor(x, self.approx)
+            if x.shape[1] < n:  # (in place: the factor may be large)
+                part.mul_(x.shape[1] / n)
+            output = found if output is None else output.add_(found)
+            inputs = part if inputs is None else inputs.add_(part)
+        assert output is not None and inputs is not None
+        return raw.rule.kronecker_order(output, inputs)
 
 
 def _output_factor(term: Term, approx: str, summed: dict[int, Tensor]) -> Tensor:
