@@ -78,7 +78,7 @@ def test_chunk_helpers():
 
 def test_large_outputs_are_ordinary_tensors():
     like = torch.zeros(1)
-    big = new_output((2**23, 2), like)  # 64 MiB: served from huge pages
+    big = new_output((2**23, 2), like)  # 64 MiB
     big.fill_(2.0)
     assert big.shape == (2**23, 2) and big.dtype == like.dtype and float(big.sum()) == 2**25
     assert is_plain(like) and not is_plain(torch.zeros(1, requires_grad=True))

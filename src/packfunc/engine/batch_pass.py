@@ -588,7 +588,7 @@ def _alone(tensors: list[Tensor], other: Tensor | None) -> list[int]:
 
 
 def _stack(tensors: list[Tensor]) -> Tensor:
-    """``torch.stack``, into huge-page memory when the result is large and plain."""
+    """``torch.stack``, into a new output where nothing is traced."""
     if not is_plain(*tensors):
         return torch.stack(tensors)
     return torch.stack(tensors, out=new_output((len(tensors), *tensors[0].shape), tensors[0]))

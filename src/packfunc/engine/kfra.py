@@ -126,8 +126,8 @@ def _selection_sandwich(source: Tensor, slope: Tensor, H: Tensor, d_in: int) -> 
 def _masked_gram(M: Tensor, factor: Callable[[slice], Tensor], H: Tensor) -> Tensor:
     """``F ⊙ MᵀM / N`` for ``M [N, D]``, with ``F[rows] = factor(rows)`` computed from ``H``.
 
-    Built a block of rows at a time, in place and in huge pages where nothing is
-    traced (the ``[D, D]`` results of KFRA reach gigabytes).
+    Built a block of rows at a time, in place where nothing is traced (the ``[D, D]``
+    results of KFRA reach gigabytes).
     """
     n, d = M.shape
     if not is_plain(M, H):
