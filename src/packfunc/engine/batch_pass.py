@@ -11,7 +11,6 @@ the whole-model path) otherwise, zeros for unused leaves.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -504,8 +503,7 @@ class ColumnGradients:
         calls = self.recorded.get(leaf, [])
         param = self.bp.leaves[leaf]
         return bool(calls) and all(
-            c.rule.fresh_columns
-            and c.rule.canonical_input_size(c.x, c.g, c.call, param) <= math.prod(c.x.shape[1:])
+            c.rule.fresh_columns and not c.rule.unfolds_input(c.x, c.g, c.call, param)
             for c in calls
         )
 

@@ -12,7 +12,6 @@ factors are those of its kernel with the channel axes swapped.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import cast
 
@@ -202,9 +201,8 @@ class _FactorsDuringBackward:
         summed: dict[int, Tensor] = {}
         for leaf, (raw,) in alone.recorded.items():
             param = self.bp.leaves[leaf]
-            unfolded = raw.rule.canonical_input_size(raw.x, raw.g, raw.call, param)
-            if unfolded > math.prod(raw.x.shape[1:]):
-                self.factors[leaf] = self._unfolded_in_chunks(raw, param, unfolded)
+            if raw.rule.unfolds_input(raw.x, raw.g, raw.call, param):
+                self.factors[leaf] = self._unfolded_in_chunks(raw, param)
                 continue
             (term,) = alone.leaf_terms(leaf)
             output = _output_factor(term, self.approx, summed)
@@ -212,13 +210,14 @@ class _FactorsDuringBackward:
         self.bp.record.inputs.pop(k)
         return None
 
-    def _unfolded_in_chunks(self, raw: Term, param: Tensor, unfolded: int) -> list[Tensor]:
+    def _unfolded_in_chunks(self, raw: Term, param: Tensor) -> list[Tensor]:
         """A weight's factors from its input unfolded no more at once than the input's size.
 
         Both factors add up over samples (the input factor is a mean: each chunk's is
         weighted by its share of the batch).
         """
         n = raw.x.shape[0]
+        unfolded = raw.rule.canonical_input_size(raw.x, raw.g, raw.call, param)
         output: Tensor | None = None
         inputs: Tensor | None = None
         for chunk in chunks(n, max(1, raw.x.numel() // unfolded)):

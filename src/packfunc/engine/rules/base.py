@@ -107,6 +107,20 @@ class Rule:
         """
         return math.prod(x.shape[1:])
 
+    def unfolds_input(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> bool:
+        """Whether the canonical input is larger than ``x`` (formed anew: an unfolded input).
+
+        Args:
+            x: The op's recorded input ``[N, ...]``.
+            g: Cotangents of its output ``[K, N, ...]``.
+            call: The op call.
+            param: The parameter.
+
+        Returns:
+            ``canonical_input_size`` above ``x``'s own size per sample.
+        """
+        return self.canonical_input_size(x, g, call, param) > math.prod(x.shape[1:])
+
     def kronecker(self, call: SiteCall) -> int:
         """Number of Kronecker factors this rule gives for ``call`` (0: none)."""
         return self.kronecker_factors
