@@ -17,6 +17,12 @@ Everything outside the returned closure (model copies, ``extend``, wrapping
 in ``GradSampleModule``, building ``vmap(grad(...))``, BackPACK's trial run)
 is setup and not timed.
 
+A closure leaves no state: what hook-based peers put on the parameters (``.grad``,
+``grad_batch``, ``grad_sample``) or in an operator's caches is released once the result is
+taken, so every contender's call starts from the same memory. (On CUDA the peak is taken
+above the memory allocated before the call: a peer's last results, still attached and then
+freed during the call, would hide up to their own size from its peak.)
+
 To add a quantity (e.g. ``diag_ggn_exact``, ``kfac``): add it to
 :data:`BACKPACK_EXTENSIONS`, make :func:`packfunc_builder` find it, and add
 it to ``QUANTITIES`` in ``run.py``. To add a contender (e.g. the BackPACK
@@ -204,10 +210,13 @@ def curvlinops_builder(problem: Problem, quantity: str) -> Closure | None:
     )
 
     def run() -> Result:
-        operator._input_covariances.clear()  # the operator adds to its cached factors
-        operator._gradient_covariances.clear()
         operator.compute_kronecker_factors()
-        return kronecker_layout(operator._input_covariances, operator._gradient_covariances, names)
+        result = kronecker_layout(
+            operator._input_covariances, operator._gradient_covariances, names
+        )
+        operator._input_covariances.clear()  # it adds to them; leaves no state
+        operator._gradient_covariances.clear()
+        return result
 
     return run
 
@@ -272,11 +281,12 @@ def curvlinops_ekfac_builder(problem: Problem, quantity: str) -> Closure:
     )
 
     def run() -> Result:
-        for cache in caches:
-            cache.clear()
         operator.compute_kronecker_factors()
         operator.compute_eigenvalue_correction()
-        return eigen_layout(operator, names)
+        result = eigen_layout(operator, names)
+        for cache in caches:  # it adds to them; leaves no state
+            cache.clear()
+        return result
 
     return run
 
@@ -391,12 +401,14 @@ def backpack_builder(problem: Problem, quantity: str, package: str = "backpack")
     model, lossfunc = extend(model), extend(lossfunc)
 
     def run() -> Result:
-        for p in params.values():
-            p.grad = None
         loss = lossfunc(model(X), y)
         with backpack(extension):
             loss.backward()
-        return {name: getattr(p, extension.savefield) for name, p in params.items()}
+        result = {name: getattr(p, extension.savefield) for name, p in params.items()}
+        for p in params.values():  # leaves no state (module docstring)
+            p.grad = None
+            delattr(p, extension.savefield)
+        return result
 
     try:
         run()
@@ -443,9 +455,10 @@ def opacus_builder(problem: Problem, quantity: str) -> Closure | None:
     wrapped = _opacus_wrap(GradSampleModule, model)
 
     def run() -> Result:
-        wrapped.zero_grad(set_to_none=True)  # also sets p.grad_sample = None
         lossfunc(wrapped(X), y).backward()
-        return {name: from_per_sample(quantity, p.grad_sample) for name, p in params.items()}
+        result = {name: from_per_sample(quantity, p.grad_sample) for name, p in params.items()}
+        wrapped.zero_grad(set_to_none=True)  # also p.grad_sample: leaves no state
+        return result
 
     return run
 
@@ -488,9 +501,10 @@ def opacus_ghost_builder(problem: Problem, quantity: str) -> Closure | None:
     wrapped = _opacus_wrap(GradSampleModuleFastGradientClipping, model)
 
     def run() -> Result:
-        wrapped.zero_grad(set_to_none=True)
         lossfunc(wrapped(X), y).backward()
-        return {name: p._norm_sample.square() for name, p in params.items()}
+        result = {name: p._norm_sample.square() for name, p in params.items()}
+        wrapped.zero_grad(set_to_none=True)  # leaves no state (module docstring)
+        return result
 
     return run
 
@@ -616,10 +630,11 @@ def plain_builder(problem: Problem, quantity: str) -> Closure | None:
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
 
     def run() -> Result:
-        for p in params.values():
-            p.grad = None
         lossfunc(model(X), y).backward()
-        return {name: p.grad for name, p in params.items()}
+        result = {name: p.grad for name, p in params.items()}
+        for p in params.values():  # leaves no state (module docstring)
+            p.grad = None
+        return result
 
     return run
 

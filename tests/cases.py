@@ -180,7 +180,7 @@ class MaskedAttention(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         h = self.embed(tokens)
         length = tokens.shape[1]
-        causal = torch.ones(length, length, dtype=torch.bool).triu(1)
+        causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).triu(1)
         seq = h.transpose(0, 1)
         a, _ = self.attn(seq, seq, seq, attn_mask=causal, key_padding_mask=tokens == 0)
         h = h + a.transpose(0, 1)

@@ -367,3 +367,38 @@ def test_dp_step_combines_processes_by_their_medians():
     assert row == {"median": 2.0, "min": 0.9, "max": 4.0, "peak_mb": 6.0, "peak_total_mb": 10.0}
     refusal = {"refused": "TypeError: no"}
     assert dp_step.combined([refusal]) == refusal
+
+
+@pytest.mark.parametrize(
+    "contender, quantity",
+    [
+        ("packfunc", "batch_grad"),
+        ("BackPACK", "batch_grad"),
+        ("packfunc.compat", "batch_grad"),
+        ("opacus", "batch_grad"),
+        ("opacus ghost", "batch_l2_grad"),
+        ("curvlinops", "kfac"),
+        ("curvlinops", "ekfac"),
+        ("plain fwd+bwd", "grad"),
+    ],
+)
+def test_closures_leave_no_state(contender: str, quantity: str) -> None:
+    """A closure's results are freed once its caller drops them (nothing stays on the
+    parameters or in an operator), so each call's memory is measured from the same start."""
+    import gc
+    import weakref
+
+    from torch.utils._pytree import tree_leaves
+
+    try:
+        closure = peers.BUILDERS[contender](problems.tanh_mlp(n=4), quantity)
+    except peers.Unavailable as error:
+        pytest.skip(str(error))
+    assert closure is not None
+    for _ in range(2):  # a second call too: it starts from what the first left
+        result = closure()
+        alive = [weakref.ref(t) for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+        assert alive
+        del result
+        gc.collect()
+        assert all(ref() is None for ref in alive), f"{contender} keeps its results"

@@ -241,3 +241,33 @@ def test_rejects_unknown_op_and_bad_weights():
     weights = nn.GRU(3, 4)._flat_weights[:3]
     with pytest.raises(ValueError, match="flat weights"):
         run_recurrent(torch.gru, (x, h, weights, True, 1, 0.0, False, False, False), {})
+
+
+def test_modes_skip_cudnn_weight_layout():
+    """On CUDA, a forward whose weights were swapped calls cuDNN's weight re-layout, which
+    re-points the weights' storage; packfunc's modes skip it (here it would raise on CPU)."""
+    from packfunc.engine.modes import FunctionalMode
+
+    weights = [torch.randn(4, 3), torch.randn(4, 4)]
+    before = [w.clone() for w in weights]
+    pointers = [w.data_ptr() for w in weights]
+    with FunctionalMode():
+        out = torch._cudnn_rnn_flatten_weight(weights, 2, 3, 0, 4, 0, 1, True, False)
+    assert out is None
+    assert [w.data_ptr() for w in weights] == pointers
+    for w, b in zip(weights, before):
+        assert torch.equal(w, b)
+
+
+def test_modes_give_torch_func_wrappers_a_null_data_pointer():
+    """``nn.RNNBase.flatten_parameters`` (CUDA) reads the weights' data pointers, which
+    ``torch.func``'s wrappers lack: under packfunc's modes they read 0 (aliased: no re-layout)."""
+    from packfunc.engine.modes import FunctionalMode
+
+    def pointer(x):
+        assert x.data_ptr() == 0
+        return x
+
+    with FunctionalMode():
+        torch.func.vmap(pointer)(torch.ones(2, 3))
+        assert torch.ones(2).data_ptr() != 0

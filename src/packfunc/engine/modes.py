@@ -20,6 +20,7 @@ import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._C._functorch import is_functorch_wrapped_tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
@@ -42,7 +43,7 @@ from packfunc.engine.ops import (
     linear_in_out,
 )
 from packfunc.engine.precision import forward_autocast
-from packfunc.engine.recurrent import RECURRENT_OPS, run_recurrent
+from packfunc.engine.recurrent import CUDNN_WEIGHT_LAYOUT, RECURRENT_OPS, run_recurrent
 
 _METADATA_METHODS = frozenset(
     {
@@ -172,6 +173,12 @@ class FunctionalMode(TorchFunctionMode):
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if func is CUDNN_WEIGHT_LAYOUT:  # its result is unused; see CUDNN_WEIGHT_LAYOUT
+            return None
+        if func is Tensor.data_ptr and is_functorch_wrapped_tensor(args[0]):
+            # no storage of its own (PyTorch raises): 0, so that nn.RNNBase.flatten_parameters
+            # on CUDA sees the weights as aliased and stops before CUDNN_WEIGHT_LAYOUT
+            return 0
         if func in RECURRENT_OPS and self._decomposes_recurrent(args, kwargs):
             with self:
                 return run_recurrent(func, args, kwargs)

@@ -21,11 +21,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["RECURRENT_OPS", "run_recurrent"]
+__all__ = ["CUDNN_WEIGHT_LAYOUT", "RECURRENT_OPS", "run_recurrent"]
 
 RECURRENT_OPS: frozenset[Callable[..., Any]] = frozenset(
     {torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu}
 )
+
+CUDNN_WEIGHT_LAYOUT: Callable[..., Any] = torch._cudnn_rnn_flatten_weight
+"""cuDNN's re-layout of an RNN's weights into one buffer (``nn.RNNBase.flatten_parameters``).
+
+On CUDA every forward whose weights were swapped in (as ``functional_call`` does) calls it,
+and it re-points the weights' storage into a new buffer. The modes skip it: the decomposed
+RNN does not use that layout, the user's parameters keep their storage, and a forward makes
+the same calls whether or not the weights were swapped since the last one."""
 
 # Names of the padded-input overload, e.g. ``lstm(input, hx, params, has_biases, ...)``.
 _ARG_NAMES = (

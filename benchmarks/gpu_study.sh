@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, as one script for a short lease of a CUDA machine:
+# tests/test_devices.py (every quantity on CUDA equals the CPU result), then the scaling
+# study with --device cuda, one problem at a time so that a time limit keeps what finished,
+# and a row at a batch size too large for the CPU study. Results go to $OUT (default
+# ./gpu-study): tests.log, scaling-<tag>.log and scaling-<tag>.tgz (the problems' .md, .csv,
+# .png). Settings (environment): TESTS=1|0, PROBLEMS="MLP CNN LM GPT-2",
+# SIZES=8,128,4096, LARGEST=32768 (MLP batch_grad; empty to skip), TAG=all, LIMIT=100
+# (seconds per problem).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-study}
+TAG=${TAG:-all}
+LIMIT=${LIMIT:-100}
+mkdir -p "$OUT/scaling-$TAG"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+nvidia-smi -L
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+if [ "${TESTS:-1}" = 1 ]; then
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_devices.py 2>&1 \
+        | tee "$OUT/tests.log" | tail -25
+fi
+{
+    for problem in ${PROBLEMS:-MLP CNN LM GPT-2}; do
+        timeout "$LIMIT" python3 benchmarks/scaling.py --device cuda --problems "$problem" \
+            --sizes "${SIZES:-8,128,4096}" --processes 1 --repeats 5 --ranks '' \
+            --out "$OUT/scaling-$TAG/$problem"
+    done
+    if [ -n "${LARGEST-32768}" ]; then
+        timeout "$LIMIT" python3 benchmarks/scaling.py --device cuda --problems MLP \
+            --quantities batch_grad --sizes "${LARGEST-32768}" --processes 1 --repeats 3 \
+            --ranks '' --out "$OUT/scaling-$TAG/MLP-largest"
+    fi
+} 2>&1 | tee "$OUT/scaling-$TAG.log"
+tar -czf "$OUT/scaling-$TAG.tgz" -C "$OUT" "scaling-$TAG" && rm -r "${OUT:?}/scaling-$TAG"
