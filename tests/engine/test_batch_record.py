@@ -186,3 +186,42 @@ def test_sites_stream_when_the_graph_starts_at_a_frozen_layer(monkeypatch):
     batch = pf.batch_grad(model_fn, params, X, y, loss=loss)
     expected = {k: g.sum(0) for k, g in pf.clip_per_sample(batch, 0.2).items()}
     torch.testing.assert_close(found, expected)
+
+
+def test_kfac_lets_the_output_go_before_its_backward(monkeypatch):
+    """KFAC pulls back sampled cotangents, never ``∂L/∂output``: the model output (the
+    logits, often the largest activation) is freed before that backward, not after it;
+    the loss is still reported, and the unsampled gradient can no longer be read."""
+    import weakref
+
+    from packfunc.engine import layer_factors
+    from packfunc.engine.batch_record import BatchRecord
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5)).double()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(7, 4, dtype=torch.float64), torch.randint(0, 5, (7,))
+    outputs: list[weakref.ref] = []
+    alive_during: list[bool] = []
+    records: list[BatchRecord] = []
+    release = BatchRecord.release_output
+    consume = layer_factors._FactorsDuringBackward.__call__
+
+    def remember(self, **options):
+        outputs.append(weakref.ref(self.output))
+        records.append(self)
+        release(self, **options)
+
+    def spy(self, k, g):
+        alive_during.append(outputs[0]() is not None)
+        return consume(self, k, g)
+
+    monkeypatch.setattr(BatchRecord, "release_output", remember)
+    monkeypatch.setattr(layer_factors._FactorsDuringBackward, "__call__", spy)
+    loss = nn.CrossEntropyLoss()
+    factors = pf.kfac(model_fn, params, X, y, loss=loss, generator=torch.Generator().manual_seed(0))
+    assert alive_during and not any(alive_during)
+    assert set(factors) == set(params)
+    torch.testing.assert_close(records[0].loss, loss(model(X), y))
+    with pytest.raises(RuntimeError, match="not taken before"):
+        _ = records[0].output_cotangent

@@ -251,8 +251,8 @@ class BatchPass:
         """
         columns = cotangents.shape[0]
         if last and columns == 1 and self.record.inputs:
-            if not self.whole_model:
-                self.record.release_output()
+            if not self.whole_model:  # (the loss gradient, if wanted, was taken before)
+                self.record.release_output(gradient=False)
             found = self.record.last_pullback(cotangents[0], consume)
             sites = {k: g[None] for k, g in found.items()}
             return ColumnGradients(self, cotangents, sites, owns_record=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any
 
@@ -299,6 +299,8 @@ class BatchRecord:
             kept: where plain autograd records, the graph is freed as the pullback goes (as
             in a plain backward pass), and most sites' cotangents reach the consumer
             during it, so that what it drops is never held beside the others.
+        loss_alone: Returns the reduced loss without ``∂L/∂output`` (which can then not
+            be taken); called at most once, instead of :attr:`loss_gradient`.
     """
 
     output: Tensor
@@ -308,6 +310,8 @@ class BatchRecord:
     pullback_columns: Callable[[Tensor], dict[int, Tensor]]
     loss_gradient: Callable[[], tuple[Tensor, Tensor]]
     last_pullback: Callable[[Tensor, SiteConsumer | None], dict[int, Tensor]]
+    loss_alone: Callable[[], Tensor]
+    _loss_without_gradient: Tensor | None = field(default=None, init=False, repr=False)
 
     @cached_property
     def _loss_and_cotangent(self) -> tuple[Tensor, Tensor]:
@@ -316,20 +320,32 @@ class BatchRecord:
     @property
     def loss(self) -> Tensor:
         """The reduced loss."""
+        if self._loss_without_gradient is not None:
+            return self._loss_without_gradient
         return self._loss_and_cotangent[0]
 
     @property
     def output_cotangent(self) -> Tensor:
         """``∂L/∂output``; row ``n`` is sample ``n``'s share."""
+        if self._loss_without_gradient is not None:
+            raise RuntimeError(
+                "∂L/∂output was not taken before the output was released without it "
+                "(release_output(gradient=False)); take it first."
+            )
         return self._loss_and_cotangent[1]
 
-    def release_output(self) -> None:
-        """Let the output's memory go as the loss gradient is taken (nothing reads it again).
+    def release_output(self, *, gradient: bool = True) -> None:
+        """Let the output's memory go (nothing reads it again).
 
+        With ``gradient`` it goes as the loss gradient is taken. Without (no pullback of
+        ``∂L/∂output`` follows), the loss alone is taken now, unless the gradient already
+        was, so that the output goes before the next pullback instead of after it.
         :attr:`output` keeps its shape and dtype on the meta device: a read of its
         values fails instead of seeing freed memory.
         """
         self.output = torch.empty_like(self.output, device="meta")
+        if not gradient and "_loss_and_cotangent" not in self.__dict__:
+            self._loss_without_gradient = self.loss_alone()
 
 
 def record(
@@ -398,6 +414,7 @@ def record(
         vmap(pullback),
         lambda: (value, output_cotangent),
         lambda c, consume: _consumed(pullback(c), consume),  # torch.func keeps its graph
+        lambda: value,
     )
 
 
@@ -566,6 +583,14 @@ def autograd_record(
         )
         return (value, output_cotangent) if differentiable else (value.detach(), output_cotangent)
 
+    def loss_alone() -> Tensor:
+        if differentiable:  # the output stays with the graph that the loss keeps
+            return loss_gradient()[0]
+        out = held.pop()
+        with torch.no_grad():
+            value: Tensor = loss(out, y)
+        return value
+
     # a call whose output is the model output (a head) gets the cotangent itself
     node, index = output.grad_fn, output.output_nr
     direct = [
@@ -647,6 +672,7 @@ def autograd_record(
         lambda c: gradients(c, True),
         loss_gradient,
         last_gradients,
+        loss_alone,
     )
 
 

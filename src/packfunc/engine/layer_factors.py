@@ -122,17 +122,19 @@ def sqrt_factors(
             bp.loss, bp.record.output, bp.y, mc_samples=mc_samples, generator=generator
         )
     )
-    length = chunk_length(roots.count, bp.n * bp.column_width(), None)
+    count = roots.count
+    length = chunk_length(count, bp.n * bp.column_width(), None)
     outputs: dict[int, Tensor] = {}
     terms: dict[int, Term] = {}
     unsupported = _unsupported(bp)
     columns: ColumnGradients | None = None
     early: _FactorsDuringBackward | None = None
     # a transposed convolution's factors pull the columns back once more (_raw_layout)
-    stream = last and roots.count == 1 and not any(site.call.transposed for site in bp.plan.sites)
-    for s in chunks(roots.count, length):
+    stream = last and count == 1 and not any(site.call.transposed for site in bp.plan.sites)
+    for s in chunks(count, length):
         cotangents = roots.make(s)
         if stream:
+            del roots  # the only chunk: what it was made from (sampled probabilities) goes
             early = _FactorsDuringBackward(bp, approx, unsupported, cotangents)
             columns = bp.columns(cotangents, last=True, consume=early)
         else:
@@ -163,7 +165,7 @@ def sqrt_factors(
             per_leaf[leaf] = _assemble(term, outputs[leaf], approx)
     for leaf, formed in early.factors.items() if early else ():
         per_leaf[leaf] = formed
-    kept = columns if length >= roots.count and not stream else None
+    kept = columns if length >= count and not stream else None
     return Factors(per_leaf, unsupported, kept)
 
 
