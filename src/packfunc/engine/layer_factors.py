@@ -215,8 +215,7 @@ class _FactorsDuringBackward:
     def _unfolded_in_chunks(self, raw: Term, param: Tensor) -> list[Tensor]:
         """A weight's factors from its input unfolded no more at once than the input's size.
 
-        Both factors add up over samples (the input factor is a mean: each chunk's is
-        weighted by its share of the batch).
+        Both factors add up over samples (the input factor, a mean over the batch, in place).
         """
         n = raw.x.shape[0]
         unfolded = raw.rule.canonical_input_size(raw.x, raw.g, raw.call, param)
@@ -225,11 +224,8 @@ class _FactorsDuringBackward:
         for chunk in chunks(n, max(1, raw.x.numel() // unfolded)):
             x, g = raw.rule.canonical(raw.x[chunk], raw.g[:, chunk], raw.call, param)
             found = raw.rule.output_factor(g, self.approx)
-            part = raw.rule.input_factor(x, self.approx)
-            if x.shape[1] < n:  # (in place: the factor may be large)
-                part.mul_(x.shape[1] / n)
             output = found if output is None else output.add_(found)
-            inputs = part if inputs is None else inputs.add_(part)
+            inputs = raw.rule.input_factor(x, self.approx, add_to=inputs, samples=n)
         assert output is not None and inputs is not None
         return raw.rule.kronecker_order(output, inputs)
 

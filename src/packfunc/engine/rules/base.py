@@ -254,8 +254,20 @@ class Rule:
         """
         raise NotImplementedError
 
-    def input_factor(self, x: Tensor, approx: str) -> Tensor:
-        """Kronecker factor from the op's (canonical) input, ``[I, I]``."""
+    def input_factor(
+        self, x: Tensor, approx: str, *, add_to: Tensor | None = None, samples: int | None = None
+    ) -> Tensor:
+        """Kronecker factor from the op's (canonical) input, ``[I, I]``.
+
+        Args:
+            x: Canonical input.
+            approx: How positions enter (see :mod:`packfunc.kronecker_factors`).
+            add_to: A factor this one is added into, in place (a batch in chunks).
+            samples: The batch size the factor averages over (default: ``x``'s).
+
+        Returns:
+            The factor (``add_to`` itself where given).
+        """
         raise NotImplementedError
 
     def kronecker_gradients(self, grads: Tensor, call: SiteCall) -> Tensor:

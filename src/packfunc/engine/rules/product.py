@@ -109,23 +109,35 @@ class ProductWeight(Rule):
             flat = g.sum(-1).reshape(-1, groups * n_out)
         return flat.T @ flat
 
-    def input_factor(self, x: Tensor, approx: str) -> Tensor:
+    def input_factor(
+        self, x: Tensor, approx: str, *, add_to: Tensor | None = None, samples: int | None = None
+    ) -> Tensor:
         """Uncentered input covariance, averaged over samples and groups.
 
         ``"sum"``: ``Σ_{n,l} u uᵀ / N``; ``"expand"``: ``/ (N·L)``; ``"reduce"``:
-        ``Σ_n ū ūᵀ / N`` with ``ū`` the mean over positions.
+        ``Σ_n ū ūᵀ / N`` with ``ū`` the mean over positions. With ``add_to``, the factor of
+        these samples is added into it (in place; a chunk of one sample of one group then
+        makes no temporary); ``samples`` is the ``N`` it is averaged over (default: the
+        samples of ``x``).
         """
         _, n, groups, n_in, length = x.shape
-        scale = n * groups * (length if approx == "expand" else 1)
+        total = n if samples is None else samples
+        scale = total * groups * (length if approx == "expand" else 1)
         if approx == "reduce" or length == 1:
             flat = x[0].mean(-1).reshape(-1, n_in) if approx == "reduce" else x[0].view(-1, n_in)
             # scaled within the product: neither the input nor the factor is copied
-            return torch.addmm(flat.new_zeros(()), flat.T, flat, beta=0, alpha=1 / (n * groups))
+            if add_to is not None:
+                return add_to.addmm_(flat.T, flat, alpha=1 / (total * groups))
+            return torch.addmm(flat.new_zeros(()), flat.T, flat, beta=0, alpha=1 / (total * groups))
         u = x[0]  # [N, G, I, L]
+        if add_to is not None and n * groups == 1:
+            return add_to.addmm_(u[0, 0], u[0, 0].T, alpha=1 / scale)
         if n * groups * n_in * n_in <= u.numel():  # per-sample products, no transposed copy
-            return (u @ u.transpose(-1, -2)).sum((0, 1)).div_(scale)
-        flat = u.permute(1, 2, 0, 3).reshape(groups, n_in, n * length)  # a copy the size of u
-        return (flat @ flat.transpose(-1, -2)).sum(0).div_(scale)
+            found = (u @ u.transpose(-1, -2)).sum((0, 1))
+        else:
+            flat = u.permute(1, 2, 0, 3).reshape(groups, n_in, n * length)  # a copy the size of u
+            found = (flat @ flat.transpose(-1, -2)).sum(0)
+        return found.div_(scale) if add_to is None else add_to.add_(found, alpha=1 / scale)
 
 
 def gram_is_cheaper(length: int, n_in: int, n_out: int) -> bool:
