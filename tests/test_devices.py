@@ -78,43 +78,29 @@ def assert_same(
     assert_trees_close(moved_back, on_cpu, what, **(tolerances or CLOSE))
 
 
+def on_both(function, problem: Problem, there: Problem, **options) -> tuple[object, object]:
+    """``function``'s outcomes on ``problem`` (CPU) and on ``there``, its copy on a device."""
+    cpu, device = (
+        outcome(function, *p.functional(), p.X, p.y, loss=p.loss, **options)
+        for p in (problem, there)
+    )
+    return cpu, device
+
+
 @pytest.mark.parametrize("loss_name", ["cross_entropy", "mse"])
 def test_quantities_match_cpu(case, device: torch.device, loss_name: str):
     problem = make_problem(case, loss_name, "mean", n=3)
     there = moved(problem, device)
     for quantity in DETERMINISTIC:
-        on_cpu = outcome(
-            pf.compute,
-            *problem.functional(),
-            problem.X,
-            problem.y,
-            loss=problem.loss,
-            quantities=(quantity,),
-        )
-        on_device = outcome(
-            pf.compute,
-            *there.functional(),
-            there.X,
-            there.y,
-            loss=there.loss,
-            quantities=(quantity,),
-        )
+        on_cpu, on_device = on_both(pf.compute, problem, there, quantities=(quantity,))
         assert_same(on_device, on_cpu, device, f"{case.name}/{quantity}")
 
 
 def test_kflr_and_clipped_sum_match_cpu(case, device: torch.device):
     problem = make_problem(case, "cross_entropy", "sum", n=4)
     there = moved(problem, device)
-    for function, options in (
-        (pf.kflr, {}),
-        (pf.clipped_grad, {"max_norm": 0.5}),
-    ):
-        on_cpu = outcome(
-            function, *problem.functional(), problem.X, problem.y, loss=problem.loss, **options
-        )
-        on_device = outcome(
-            function, *there.functional(), there.X, there.y, loss=there.loss, **options
-        )
+    for function, options in ((pf.kflr, {}), (pf.clipped_grad, {"max_norm": 0.5})):
+        on_cpu, on_device = on_both(function, problem, there, **options)
         assert_same(on_device, on_cpu, device, f"{case.name}/{function.__name__}")
 
 
