@@ -14,6 +14,11 @@ TAG=${TAG:-all}
 LIMIT=${LIMIT:-100}
 mkdir -p "$OUT/scaling-$TAG"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# A machine without a package registry: wheels in .whl/ (optree, the peers; see CONTRIBUTING.md)
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
 
 nvidia-smi -L
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
