@@ -1,4 +1,4 @@
-"""The batch pass: tapped leaves for plans of tapped calls only, the mode for any other plan."""
+"""The batch pass: tapped leaves for plans that call the leaves only, the mode for any other."""
 
 import pytest
 import torch
@@ -24,8 +24,23 @@ class SelfAttention(nn.Module):
         return self.attention(x, x, x, need_weights=False)[0]
 
 
+class Encoder(nn.Module):
+    """A learned position added by hand, a pre-norm Transformer layer and a head: local calls
+    (the addition, the layer norms) and attention beside the tapped ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.position = nn.Parameter(torch.randn(3, 4))
+        self.layer = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True)
+        self.layer.norm_first = True
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.head(self.layer(x + self.position).flatten(1))
+
+
 def _models():
-    """``(name, model_fn, params, X, y)``: an MLP, an LSTM's head, a CNN."""
+    """``(name, model_fn, params, X, y)``: an MLP, an LSTM's head, a CNN, a Transformer layer."""
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(6, 5), nn.ReLU(inplace=True), nn.Linear(5, 4))
     lstm = RecurrentHead(nn.LSTM)
@@ -35,6 +50,7 @@ def _models():
         ("mlp", mlp, torch.randn(8, 6), 4),
         ("lstm head", lstm, torch.randn(8, 6, 3), 2),
         ("cnn", cnn, torch.randn(8, 2, 4, 4), 4),
+        ("encoder", Encoder(), torch.randn(8, 3, 4), 3),
     ):
         model_fn, params = pf.functional(model)
         if name == "lstm head":
@@ -48,20 +64,29 @@ def _plan(model_fn, params, X) -> Plan:
     return discover(model_fn, params, leaves, X[:1])
 
 
-def test_which_plans_have_tapped_calls_only():
+def test_which_plans_call_the_leaves_only():
     for _, model_fn, params, X, _ in _models():
-        assert _plan(model_fn, params, X).tapped_only
+        assert _plan(model_fn, params, X).leaf_calls_only
     lstm_fn, lstm_params = pf.functional(RecurrentHead(nn.LSTM))
     whole = _plan(lstm_fn, lstm_params, torch.randn(2, 6, 3))  # the LSTM's weights: decomposed
-    assert whole.rewritten and not whole.tapped_only
+    assert whole.rewritten and not whole.leaf_calls_only
     attention_fn, attention_params = pf.functional(SelfAttention())
     x = torch.randn(2, 3, 4)
-    assert _plan(attention_fn, attention_params, x).rewritten
+    attention = _plan(attention_fn, attention_params, x)
+    assert attention.rewritten and attention.leaf_calls_only  # decomposed on the leaves too
     norm_fn, norm_params = pf.functional(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))
-    assert not _plan(norm_fn, norm_params, x).tapped_only  # a local call
+    assert _plan(norm_fn, norm_params, x).leaf_calls_only  # a local call of the leaves
+    batch_norm = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
+    bn_fn, bn_params = pf.functional(batch_norm)
+    assert not _plan(bn_fn, bn_params, torch.randn(2, 4)).leaf_calls_only  # rewritten
+
+    def derived(p, X):  # the transposed weight is derived from the leaf
+        return X @ p["w"].T
+
+    assert not _plan(derived, {"w": torch.randn(3, 4)}, torch.randn(2, 4)).leaf_calls_only
 
 
-@pytest.mark.parametrize("name", ["mlp", "lstm head", "cnn"])
+@pytest.mark.parametrize("name", ["mlp", "lstm head", "cnn", "encoder"])
 def test_tapped_leaves_give_the_results_of_the_mode(name, monkeypatch):
     _, model_fn, params, X, y = next(m for m in _models() if m[0] == name)
     passes = []
@@ -77,12 +102,19 @@ def test_tapped_leaves_give_the_results_of_the_mode(name, monkeypatch):
         out = pf.compute(
             model_fn, params, X, y, quantities=("batch_grad", "batch_l2_grad", "diag_ggn")
         )
-        out["kfac"] = pf.kfac(model_fn, params, X, y, generator=torch.Generator().manual_seed(0))
+        out["kfac"] = pf.kfac(
+            model_fn,
+            params,
+            X,
+            y,
+            generator=torch.Generator().manual_seed(0),
+            on_unsupported="skip",  # (the norms', the position's)
+        )
         return out
 
     on_tapped_leaves = everything()
     assert len(passes) == 2  # one batch pass each
-    monkeypatch.setattr(Plan, "tapped_only", property(lambda plan: False))
+    monkeypatch.setattr(Plan, "leaf_calls_only", property(lambda plan: False))
     in_mode = everything()
     assert len(passes) == 2
     torch.testing.assert_close(on_tapped_leaves, in_mode, rtol=0, atol=0)
@@ -100,7 +132,7 @@ def test_a_use_the_plan_lacks_is_refused():
         return out + F.linear(X, p["w"]) if X.shape[0] > 1 else out
 
     for model_fn in (extra_use, extra_call):
-        assert _plan(model_fn, {"w": w}, torch.randn(2, 4)).tapped_only
+        assert _plan(model_fn, {"w": w}, torch.randn(2, 4)).leaf_calls_only
         with pytest.raises(PlanMismatch):
             pf.batch_grad(model_fn, {"w": w}, torch.randn(5, 4), torch.randint(0, 3, (5,)))
 

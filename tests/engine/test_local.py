@@ -66,6 +66,49 @@ def test_derivations_are_local_and_exact():
     assert_trees_close(diag, _diagonal(dense_curvature(model, loss, X, y)), "diag_ggn")
 
 
+class Added(nn.Module):
+    """Parameters added to or subtracted from the samples, broadcast over them."""
+
+    def __init__(self):
+        super().__init__()
+        self.position = nn.Parameter(torch.randn(5, 4))
+        self.shift = nn.Parameter(torch.randn(1, 5, 4))
+        self.row = nn.Parameter(torch.randn(4))
+        self.offset = nn.Parameter(torch.randn(5, 1))
+        self.level = nn.Parameter(torch.randn(()))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(x + self.position)
+        h = torch.tanh(torch.add(h, self.shift, alpha=2.0))
+        h = torch.tanh(self.row - h)  # the parameter first: its sign is +1
+        h = torch.tanh(torch.sub(h, self.offset, alpha=0.5))
+        h = h.add(self.level)
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_added_parameters_have_a_closed_form(n):
+    torch.manual_seed(0)
+    model, X, y, loss = _problem(Added(), torch.randn(n, 5, 4))
+    model_fn, params = pf.functional(model)
+    paths = pf.explain(model_fn, params, X)
+    assert {paths[k] for k in ("position", "shift", "row", "offset", "level")} == {
+        "closed form (add)",
+        "closed form (sub)",
+    }, paths
+    expected = autograd_batch_grad(model, loss, X, y)
+    quantities = ("batch_grad", "sum_grad_squared")
+    out = pf.compute(model_fn, params, X, y, loss=loss, quantities=quantities)
+    assert_trees_close(out["batch_grad"], expected, "batch_grad")
+    squares = {k: g.square().sum(0) for k, g in expected.items()}
+    assert_trees_close(out["sum_grad_squared"], squares, "sum_grad_squared")
+    summed = nn.CrossEntropyLoss(reduction="sum")
+    clipped = pf.clipped_grad(model_fn, params, X, y, loss=summed, max_norm=0.1)
+    per_sample = pf.clip_per_sample(autograd_batch_grad(model, summed, X, y), 0.1)
+    assert_trees_close(clipped, {k: g.sum(0) for k, g in per_sample.items()}, "clipped_grad")
+
+
 def test_explain_names_each_path():
     class Mixed(nn.Module):
         def __init__(self):

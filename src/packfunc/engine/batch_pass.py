@@ -364,10 +364,10 @@ class ColumnGradients:
     def _recorded_calls(self, sites: dict[int, Tensor]) -> dict[int, list[Term]]:
         """Each tapped leaf's calls with their recorded input and cotangents, not canonicalized."""
         by_leaf: dict[int, list[Term]] = {}
-        for k, x in self.bp.record.inputs.items():
-            if k not in sites:  # a reweighted subset (see reweighted)
-                continue
-            call = self.bp.plan.sites[k].call
+        inputs = self.bp.record.inputs
+        # in call order (the record's); only those given (a reweighted subset, one site)
+        for k in sorted(k for k in sites if k in inputs):
+            x, call = inputs[k], self.bp.plan.sites[k].call
             # statistics in the parameters' dtype (recorded in bfloat16 under autocast), once
             # per call: its weight and bias share a dtype
             param = self.bp.leaves[call.leaves[0][1]]

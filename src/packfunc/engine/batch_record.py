@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import Any
 
@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.func import vmap
 
+from packfunc.engine.attention import ATTENTION_OPS, run_attention, supports_attention
 from packfunc.engine.autodiff import vjp, vjp_with_aux
 from packfunc.engine.checkpointing import plain_checkpoints
 from packfunc.engine.discovery import Plan, Recorded, Use, UseKind
@@ -68,10 +69,18 @@ class _RecordMode(ParameterMode):
     """
 
     def __init__(
-        self, leaf_of: LeafIndex, plan: Plan, probes: dict[int, Tensor], mark: bool = False
+        self,
+        leaf_of: LeafIndex,
+        plan: Plan,
+        probes: dict[int, Tensor],
+        mark: bool = False,
+        originals: list[Tensor] | None = None,
     ):
         super().__init__(leaf_of)
         self.plan, self.probes, self.mark = plan, probes, mark
+        # the leaves a local call's record names: the parameters themselves where the
+        # calls receive aliases of them (see _TappedLeaf)
+        self.originals = originals
         self.inputs: dict[int, Recorded] = {}
         self.outputs: dict[int, GradientEdge] = {}
         self.failed: set[int] = set()
@@ -151,9 +160,18 @@ class _RecordMode(ParameterMode):
             self.failed.add(k)
             return out
         batched, narrow = layout
-        leaves = {leaf: self.leaf_of.leaf(leaf) for leaf in leaves_of(sources)}
+        leaves = {leaf: self._original(leaf) for leaf in leaves_of(sources)}
+        if self.originals is not None:  # the record names the parameters, not their aliases
+            values = list(arguments.values)
+            for position, source in sources.items():
+                values[position] = leaves[source] if isinstance(source, int) else values[position]
+            arguments = replace(arguments, values=tuple(values))
         self.inputs[k] = LocalInputs(func, arguments, sources, batched, narrow, leaves)
         return self._probed(k, out, probe)
+
+    def _original(self, leaf: int) -> Tensor:
+        """Leaf ``leaf`` as the caller passed it."""
+        return self.leaf_of.leaf(leaf) if self.originals is None else self.originals[leaf]
 
     def _probed(self, k: int, out: Tensor, probe: Tensor) -> Tensor:
         if self.mark:  # autograd: the output itself is differentiated
@@ -427,23 +445,27 @@ def _consumed(found: dict[int, Tensor], consume: SiteConsumer | None) -> dict[in
 
 
 class _TappedLeaf(Tensor):
-    """A parameter leaf in a batch pass whose plan has tapped calls only (``Plan.tapped_only``).
+    """A parameter leaf in a batch pass whose plan calls the leaves only (``leaf_calls_only``).
 
     Only the calls that receive it reach Python, where a ``TorchFunctionMode`` sees every
     call of the model; :class:`_RecordMode` matches them with the plan as it does in its
-    mode (a call the plan does not have raises :class:`PlanMismatch`). Its calls return
-    plain tensors.
+    mode (a call the plan does not have raises :class:`PlanMismatch`). Attention runs
+    decomposed, as in the mode: its calls that receive the leaves come back here. Its
+    calls return plain tensors.
     """
 
     @classmethod
     def __torch_function__(
         cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
+        kwargs = kwargs or {}
+        recorders = _recorders()
+        if recorders and func in ATTENTION_OPS and supports_attention(args, kwargs):
+            return run_attention(args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
-            recorders = _recorders()
             if not recorders:  # kept by the model beyond its pass: a plain tensor
-                return func(*args, **(kwargs or {}))
-            return recorders[-1]._dispatch(func, args, kwargs or {})
+                return func(*args, **kwargs)
+            return recorders[-1]._dispatch(func, args, kwargs)
 
 
 _THREAD = threading.local()
@@ -490,7 +512,7 @@ def _record_with_autograd(
 ) -> BatchRecord:
     """:func:`record` with plain autograd: tapped outputs are marked as requiring grad.
 
-    A plan of tapped calls only is followed through :class:`_TappedLeaf` leaves (the calls
+    A plan that calls the leaves only is followed through :class:`_TappedLeaf` leaves (the calls
     of the model that consume no parameter run without Python in between), any other plan,
     or a model that reaches its parameters another way than through ``params``, in a mode
     that sees every call.
@@ -530,11 +552,11 @@ def _tapped_leaves_forward(
         ``(record, output)``; ``None`` for a plan with other calls than tapped ones, or if
         the calls that received the aliases were not the plan's (the mode then decides).
     """
-    if not plan.tapped_only:
+    if not plan.leaf_calls_only:
         return None
     aliases: list[Tensor] = [leaf.as_subclass(_TappedLeaf) for leaf in leaves]
     alias_of = {id(leaf): alias for leaf, alias in zip(leaves, aliases)}
-    mode = _RecordMode(LeafIndex(aliases), plan, probes, mark=True)
+    mode = _RecordMode(LeafIndex(aliases), plan, probes, mark=True, originals=leaves)
     try:
         with _routing_tapped_leaves(mode), plain_checkpoints(), forward_autocast():
             output = model_fn(optree.tree_map(lambda t: alias_of[id(t)], params), X)

@@ -34,6 +34,7 @@ import optree
 import torch
 from torch import Tensor
 
+from packfunc.engine.attention import ATTENTION_OPS
 from packfunc.engine.local import CallArguments, LocalInputs, Source
 from packfunc.engine.modes import (
     REWRITTEN_OPS,
@@ -133,12 +134,20 @@ class Plan:
     rewritten: bool = False
     """Whether a call that consumed parameters was decomposed or changed (an RNN, attention,
     BatchNorm; see :data:`~packfunc.engine.modes.REWRITTEN_OPS`)."""
+    rewritten_beyond_attention: bool = False
+    """Whether such a call was another than attention (whose decomposition needs to see
+    only the calls that receive its parameters)."""
 
     @property
-    def tapped_only(self) -> bool:
-        """Whether every use of a parameter is a tapped call, none of them rewritten."""
-        return not (self.rewritten or self.uncovered) and all(
-            use.kind is UseKind.TAPPED for use in self.uses
+    def leaf_calls_only(self) -> bool:
+        """Whether every use of a parameter is a tapped or local call of a leaf itself.
+
+        No use derives a tensor from the leaves, and no call that consumed them was
+        rewritten but attention: the batch pass can then follow the calls that receive the
+        leaves alone (see :class:`~packfunc.engine.batch_record._TappedLeaf`).
+        """
+        return not (self.rewritten_beyond_attention or self.uncovered) and all(
+            use.kind in (UseKind.TAPPED, UseKind.LOCAL) for use in self.uses
         )
 
     def covered(self) -> set[int]:
@@ -185,6 +194,7 @@ class _DiscoveryMode(ParameterMode):
             self.plan.random = random_call(func, args, kwargs or {})
         if func in REWRITTEN_OPS and self._touches_parameters(args, kwargs or {}):
             self.plan.rewritten = True
+            self.plan.rewritten_beyond_attention |= func not in ATTENTION_OPS
         return super().__torch_function__(func, types, args, kwargs)
 
     def _carries_samples(self, value: Any, sources: dict[int, Source], position: int) -> bool:

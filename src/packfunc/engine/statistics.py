@@ -197,7 +197,7 @@ def clipped_sums(
     norms = torch.stack([squares[leaf] for leaf in sorted(squares)]).sum(0).sqrt()
     factors = (max_norm / (norms + eps)).clamp(max=1.0)
     rest = [leaf for leaf in range(len(bp.leaves)) if leaf not in kept]
-    sums = {leaf: torch.tensordot(factors.to(g.dtype), g, dims=1) for leaf, g in kept.items()}
+    sums = dict(zip(kept, _weighted_sums(factors, list(kept.values()))))
     for leaf in kept:
         columns.release(leaf)
     # `columns` is not used again: its cotangents are scaled in place where they can be, and
@@ -218,6 +218,40 @@ def clipped_sums(
         whole = _materialized(reweighted, bp.whole_model, {Statistic.SUM}, everyone)
         sums |= {leaf: f[Statistic.SUM] for leaf, f in zip(bp.whole_model, whole)}
     return [sums[leaf] for leaf in range(len(bp.leaves))]
+
+
+def _weighted_sums(weights: Tensor, per_sample: list[Tensor]) -> list[Tensor]:
+    """``Σ_n w_n t_n`` of each tensor ``t [N, ...]``.
+
+    Small tensors of one dtype (a layer's bias, a norm's scale) are concatenated into one
+    product: a product per tensor costs more in calls than in arithmetic there.
+
+    Args:
+        weights: ``[N]``.
+        per_sample: Tensors ``[N, ...]``.
+
+    Returns:
+        One sum per tensor, shaped like its sample.
+
+    Example:
+        >>> _weighted_sums(torch.tensor([1.0, 2.0]), [torch.ones(2, 3), torch.ones(2)])
+        [tensor([3., 3., 3.]), tensor(3.)]
+    """
+    rows = [t.reshape(len(weights), -1) for t in per_sample]
+    small = [i for i, r in enumerate(rows) if r.shape[1] <= _SMALL and r.dtype == rows[0].dtype]
+    found: dict[int, Tensor] = {}
+    if len(small) > 1:
+        joined = torch.cat([rows[i] for i in small], 1)
+        parts = (weights.to(joined.dtype) @ joined).split([rows[i].shape[1] for i in small])
+        found = dict(zip(small, parts, strict=True))
+    return [
+        (found[i] if i in found else weights.to(r.dtype) @ r).view(t.shape[1:])
+        for i, (r, t) in enumerate(zip(rows, per_sample, strict=True))
+    ]
+
+
+_SMALL = 2**12
+"""Elements per sample up to which :func:`_weighted_sums` concatenates a tensor."""
 
 
 def _squared_norms(columns: ColumnGradients, leaf: int, room: int) -> tuple[Tensor, Tensor | None]:
@@ -293,7 +327,7 @@ def _clipped_per_leaf(
     for leaf, bound in enumerate(bounds):
         factors = (bound / (squares[leaf].sqrt() + eps)).clamp(max=1.0)
         if leaf in kept:
-            sums.append(torch.tensordot(factors.to(kept[leaf].dtype), kept[leaf], dims=1))
+            sums.append(_weighted_sums(factors, [kept[leaf]])[0])
             continue
         reweighted = columns.reweighted(factors, [leaf])  # copies: a site serves several leaves
         value = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from packfunc.engine.ops import LayerKind, SiteCall
+from packfunc.engine.rules.add import ADD_RULES
 from packfunc.engine.rules.base import Rule
 from packfunc.engine.rules.conv import ConvWeight
 from packfunc.engine.rules.embedding import EmbeddingWeight
@@ -19,6 +20,9 @@ RULES: dict[tuple[LayerKind, str], Rule] = {
 }
 """The rule for each (kind, role) of :data:`packfunc.engine.ops.SIGNATURES`."""
 
+LOCAL_RULES = NORM_RULES | ADD_RULES
+"""The closed-form rule of each function a local call may make (else the local rule's vjp)."""
+
 LINEAR_WEIGHT_IN_OUT = LinearWeightInOut()
 """The weight rule of :func:`~packfunc.engine.ops.linear_in_out` (``[in, out]`` layout)."""
 
@@ -26,7 +30,7 @@ LINEAR_WEIGHT_IN_OUT = LinearWeightInOut()
 def rule_for(call: SiteCall, role: str) -> Rule:
     """The rule of a parameter role of a call: a closed form, or the local rule's vjp.
 
-    A local call gets the closed form of its function (:data:`NORM_RULES`), if any,
+    A local call gets the closed form of its function (:data:`LOCAL_RULES`), if any,
     else :data:`~packfunc.engine.rules.local.LOCAL`.
 
     Args:
@@ -43,7 +47,7 @@ def rule_for(call: SiteCall, role: str) -> Rule:
         True
     """
     if call.op is None:
-        return NORM_RULES.get(call.option("func"), LOCAL)
+        return LOCAL_RULES.get(call.option("func"), LOCAL)
     if call.op.kind is LayerKind.LINEAR and call.op.transposed and role == "weight":
         return LINEAR_WEIGHT_IN_OUT
     return RULES[(call.op.kind, role)]
