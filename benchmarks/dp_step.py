@@ -15,7 +15,8 @@ a hand-written ``vmap(grad)`` + clipping, opacus 1.6 hooks (``GradSampleModule``
 ``DPOptimizer``) and opacus ghost clipping (``GradSampleModuleFastGradientClipping``,
 two backward passes). Contenders that refuse a model are listed as refusing.
 
-Run: ``python benchmarks/dp_step.py [--problems LM,ResNet-GN,ResNet-BN,GPT-2] [--large-lm]``.
+Run: ``python benchmarks/dp_step.py [--problems LM,LM-N64,LM-d256,ResNet-GN,ResNet-BN,GPT-2]
+[--large-lm]``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def large_lm(n: int = 16) -> problems.Problem:
 
 PROBLEMS: dict[str, Callable[[], problems.Problem]] = {
     "LM": problems.lm,
+    # the LM with 4x the samples, and 4x as wide: where kernels outweigh per-call overhead
+    "LM-N64": lambda: problems.lm(n=64),
+    "LM-d256": lambda: problems.lm(width=256),
     "ResNet-GN": problems.resnet_gn,
     "ResNet-BN": problems.resnet_bn,
     "GPT-2": lambda: problems.hugging_face("gpt2"),
@@ -246,7 +250,7 @@ def _rss_mb() -> float:
 def main() -> None:
     """Run every contender of every problem in a fresh process; print a markdown table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--problems", default="LM,ResNet-GN,ResNet-BN,GPT-2")
+    parser.add_argument("--problems", default="LM,LM-N64,LM-d256,ResNet-GN,ResNet-BN,GPT-2")
     parser.add_argument("--large-lm", action="store_true", help="add the 55M LM (slow)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(

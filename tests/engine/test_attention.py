@@ -6,6 +6,8 @@ backward pass per row: ``vectorize=False``, as vmapped rows are unreliable for a
 torch 2.13, see tests/cases.py) and the loss Hessian for the GGN diagonal.
 """
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 import packfunc as pf
 from packfunc.compat.watch import ForwardRecorder
+from packfunc.engine import attention
 from packfunc.engine.attention import ATTENTION_OPS, run_attention, supports_attention
 from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.modes import functional_mode
@@ -449,3 +452,18 @@ def test_generic_path_vmaps_the_decomposition(name):
     )
     actual = {k: g[0] for k, g in zip(names, columns)}
     assert_trees_close(actual, per_sample_gradients(model, inputs, y, loss), name)
+
+
+def test_arguments_bind_as_inspect_binds_them():
+    names = attention._NAMES
+    values = {name: object() for name in names}
+    positional = tuple(values[name] for name in names[:5])
+    keywords = {name: values[name] for name in names[5:13]}
+    bound = attention._bind(positional, keywords)
+    expected = inspect.signature(F.multi_head_attention_forward).bind(*positional, **keywords)
+    expected.apply_defaults()
+    assert bound == dict(expected.arguments)
+    with pytest.raises(TypeError):  # one argument twice
+        attention._bind(positional, {names[0]: 1, **keywords})
+    with pytest.raises(TypeError):  # a required one missing, an unknown one given
+        attention._bind(positional[:4], {"unknown": 1, **keywords})

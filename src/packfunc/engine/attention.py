@@ -43,13 +43,32 @@ ATTENTION_OPS: frozenset[Callable[..., Any]] = frozenset({F.multi_head_attention
 """The functions :func:`run_attention` re-implements."""
 
 _SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+_NAMES = tuple(_SIGNATURE.parameters)
+_NAME_SET = frozenset(_NAMES)
+_DEFAULTS = {
+    name: p.default
+    for name, p in _SIGNATURE.parameters.items()
+    if p.default is not inspect.Parameter.empty
+}
+_PLAIN = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in _SIGNATURE.parameters.values())
+"""Whether every argument may be given by position or name (the fast binding's premise)."""
 
 
 def _bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Map a call's arguments onto ``F.multi_head_attention_forward``'s names, defaults filled."""
-    bound = _SIGNATURE.bind(*args, **kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
+    """Map a call's arguments onto ``F.multi_head_attention_forward``'s names, defaults filled.
+
+    Zipped with the names where that is unambiguous (a call per attention layer and pass:
+    ``inspect`` binding cost more than the checks); ``inspect`` binds, and raises, otherwise.
+    """
+    given = dict(zip(_NAMES, args))
+    fits = len(args) <= len(_NAMES) and kwargs.keys() <= _NAME_SET
+    if _PLAIN and fits and not given.keys() & kwargs.keys():
+        bound = _DEFAULTS | given | kwargs
+        if len(bound) == len(_NAMES):  # every name (and no other: checked above)
+            return bound
+    slow = _SIGNATURE.bind(*args, **kwargs)
+    slow.apply_defaults()
+    return dict(slow.arguments)
 
 
 def _is_mask(mask: Any, *shapes: tuple[int, ...]) -> bool:
