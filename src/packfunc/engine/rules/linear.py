@@ -2,20 +2,73 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from packfunc.engine.ops import SiteCall
-from packfunc.engine.rules.base import Rule
-from packfunc.engine.rules.product import ProductWeight
+from packfunc.engine.rules.base import Route, Rule
+from packfunc.engine.rules.product import ProductWeight, gram_is_cheaper
+from packfunc.engine.vocabulary import Statistic
 
 
 class LinearWeight(ProductWeight):
     """Weight of ``F.linear``: one group, positions are the dims between samples and features."""
 
     hessian_from_output_curvature = True
+
+    def route(self, stat: Statistic, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Route:
+        """The sum, and one column's squared norms where they have a closed form, from the call.
+
+        Those need no canonical layout: the input and cotangents as recorded, with their
+        positions flattened, are the product's operands (a transposed weight, ``[in, out]``,
+        takes the canonical route). Squared norms without a closed form (the Gram form
+        costlier than the weight-sized gradients) are materialized as ever.
+        """
+        if call.transposed:
+            return Route.CANONICAL
+        if stat is Statistic.SUM:
+            return Route.CALL
+        if stat is Statistic.SQUARED_NORMS and g.shape[0] == 1:
+            length = math.prod(x.shape[1:-1])
+            if length == 1 or gram_is_cheaper(length, x.shape[-1], g.shape[-1]):
+                return Route.CALL
+        return Route.CANONICAL
+
+    def from_call(
+        self, stat: Statistic, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
+    ) -> Tensor:
+        """``Σ_{k,n,l} v uᵀ`` as one product; squared norms ``‖v‖²‖u‖²`` or in Gram form.
+
+        Args:
+            stat: :attr:`~Statistic.SUM` or :attr:`~Statistic.SQUARED_NORMS`.
+            x: The recorded input ``[n, ..., in]``.
+            g: Cotangents of the output ``[K, n, ..., out]`` (``K = 1`` for squared norms).
+            call: The op call.
+            param: The weight ``[out, in]``.
+
+        Returns:
+            The weight-shaped sum, or the squared norms ``[n]``.
+
+        Example:
+            >>> from packfunc.engine.ops import SIGNATURES
+            >>> call = SiteCall(SIGNATURES[F.linear], (("weight", 0),), ())
+            >>> x, g = torch.ones(2, 3, 4), torch.ones(1, 2, 3, 5)
+            >>> LinearWeight().from_call(Statistic.SQUARED_NORMS, x, g, call, torch.ones(5, 4))
+            tensor([180., 180.])
+        """
+        n_in, n_out = x.shape[-1], g.shape[-1]
+        if stat is Statistic.SUM:
+            v = (g[0] if g.shape[0] == 1 else g.sum(0)).reshape(-1, n_out)
+            return v.T @ x.reshape(-1, n_in)
+        if stat is not Statistic.SQUARED_NORMS:
+            raise NotImplementedError(f"LinearWeight routes sums and squared norms, not {stat}")
+        u, v = x.reshape(x.shape[0], -1, n_in), g[0].reshape(x.shape[0], -1, n_out)
+        if u.shape[1] == 1:
+            return u.square().sum((1, 2)) * v.square().sum((1, 2))
+        return ((u @ u.mT) * (v @ v.mT)).sum((1, 2))
 
     def canonical(
         self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
