@@ -23,12 +23,10 @@ class LinearWeight(ProductWeight):
         """The sum, and one column's squared norms where they have a closed form, from the call.
 
         Those need no canonical layout: the input and cotangents as recorded, with their
-        positions flattened, are the product's operands (a transposed weight, ``[in, out]``,
-        takes the canonical route). Squared norms without a closed form (the Gram form
-        costlier than the weight-sized gradients) are materialized as ever.
+        positions flattened, are the product's operands (for a weight stored ``[in, out]``
+        too). Squared norms without a closed form (the Gram form costlier than the
+        weight-sized gradients) are materialized as ever.
         """
-        if call.transposed:
-            return Route.CANONICAL
         if stat is Statistic.SUM:
             return Route.CALL
         if stat is Statistic.SQUARED_NORMS and g.shape[0] == 1:
@@ -42,12 +40,14 @@ class LinearWeight(ProductWeight):
     ) -> Tensor:
         """``Σ_{k,n,l} v uᵀ`` as one product; squared norms ``‖v‖²‖u‖²`` or in Gram form.
 
+        A weight stored ``[in, out]`` gets ``Σ u vᵀ``.
+
         Args:
             stat: :attr:`~Statistic.SUM` or :attr:`~Statistic.SQUARED_NORMS`.
             x: The recorded input ``[n, ..., in]``.
             g: Cotangents of the output ``[K, n, ..., out]`` (``K = 1`` for squared norms).
             call: The op call.
-            param: The weight ``[out, in]``.
+            param: The weight ``[out, in]`` (or ``[in, out]``).
 
         Returns:
             The weight-shaped sum, or the squared norms ``[n]``.
@@ -62,7 +62,8 @@ class LinearWeight(ProductWeight):
         n_in, n_out = x.shape[-1], g.shape[-1]
         if stat is Statistic.SUM:
             v = (g[0] if g.shape[0] == 1 else g.sum(0)).reshape(-1, n_out)
-            return v.T @ x.reshape(-1, n_in)
+            u = x.reshape(-1, n_in)
+            return u.T @ v if call.transposed else v.T @ u
         if stat is not Statistic.SQUARED_NORMS:
             raise NotImplementedError(f"LinearWeight routes sums and squared norms, not {stat}")
         u, v = x.reshape(x.shape[0], -1, n_in), g[0].reshape(x.shape[0], -1, n_out)
