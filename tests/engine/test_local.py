@@ -109,6 +109,38 @@ def test_added_parameters_have_a_closed_form(n):
     assert_trees_close(clipped, {k: g.sum(0) for k, g in per_sample.items()}, "clipped_grad")
 
 
+class AddedAlone(nn.Module):
+    """One parameter of a given shape added to (or subtracted from) ``[N, 3, 4]`` inputs."""
+
+    def __init__(self, shape: tuple[int, ...], func, first: bool, alpha: float | None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(shape))
+        self.func, self.first, self.alpha = func, first, alpha
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        pair = (self.weight, x) if self.first else (x, self.weight)
+        kwargs = {} if self.alpha is None else {"alpha": self.alpha}
+        return self.head(torch.tanh(self.func(*pair, **kwargs)).flatten(1))
+
+
+@settings(SETTINGS, max_examples=25)
+@given(
+    shape=st.sampled_from([(4,), (1, 4), (3, 4), (3, 1), (1, 3, 4), (1, 1, 1), ()]),
+    func=st.sampled_from([torch.add, torch.sub, Tensor.add, Tensor.sub]),
+    first=st.booleans(),
+    alpha=st.sampled_from([None, 2.0, -0.5]),
+    n=st.integers(1, 3),
+)
+def test_added_parameter_property(shape, func, first, alpha, n):
+    torch.manual_seed(0)
+    model, X, y, loss = _problem(AddedAlone(shape, func, first, alpha), torch.randn(n, 3, 4))
+    model_fn, params = pf.functional(model)
+    assert pf.explain(model_fn, params, X)["weight"].startswith("closed form")
+    expected = autograd_batch_grad(model, loss, X, y)
+    assert_trees_close(pf.batch_grad(model_fn, params, X, y, loss=loss), expected, "batch_grad")
+
+
 def test_explain_names_each_path():
     class Mixed(nn.Module):
         def __init__(self):
