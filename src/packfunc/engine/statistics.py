@@ -12,6 +12,7 @@ materialized in chunks, one pass serving every missing statistic.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable
 from typing import cast
 
@@ -237,7 +238,7 @@ def _weighted_sums(weights: Tensor, per_sample: list[Tensor]) -> list[Tensor]:
         >>> _weighted_sums(torch.tensor([1.0, 2.0]), [torch.ones(2, 3), torch.ones(2)])
         [tensor([3., 3., 3.]), tensor(3.)]
     """
-    rows = [t.reshape(len(weights), -1) for t in per_sample]
+    rows = [t.reshape(len(weights), math.prod(t.shape[1:])) for t in per_sample]
     small = [i for i, r in enumerate(rows) if r.shape[1] <= _SMALL and r.dtype == rows[0].dtype]
     found: dict[int, Tensor] = {}
     if len(small) > 1:
