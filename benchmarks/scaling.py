@@ -167,15 +167,27 @@ def batch_size_study(
     repeats: int,
     threads: int,
     processes: int = 3,
+    alone: bool = False,
 ) -> list[Cell]:
-    """Every cell in ``processes`` fresh spawned processes, each timing every contender."""
+    """Every cell in ``processes`` fresh spawned processes, each timing every contender.
+
+    With ``alone``, each process times one contender, the contenders' processes interleaved:
+    at gigabytes of output per call one contender's freed memory moves the next one's time
+    in a shared process.
+    """
     cells = []
     for problem in problems:
         for quantity in quantities:
             offering = [c for c in contenders if _offers(c, problem, quantity, min(sizes))]
             for n in sizes:
                 args = (problem, quantity, n, offering, device, repeats, threads)
-                runs = [_in_fresh_process(args) for _ in range(processes)]
+                if alone:
+                    runs = [
+                        [_in_fresh_process((*args[:3], [c], *args[4:]))[0] for c in offering]
+                        for _ in range(processes)
+                    ]
+                else:
+                    runs = [_in_fresh_process(args) for _ in range(processes)]
                 for i in range(len(offering)):
                     cell = combined([run[i] for run in runs])
                     print(_line(cell), flush=True)
@@ -374,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="", help="comma-separated batch sizes")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--processes", type=int, default=3, help="fresh processes per cell")
+    parser.add_argument(
+        "--alone", action="store_true", help="each contender in fresh processes of its own"
+    )
     parser.add_argument("--ranks", default="1,2", help="gloo rank counts ('' to skip)")
     parser.add_argument("--rank-samples", type=int, default=2048)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -397,14 +412,16 @@ def main(argv: list[str] | None = None) -> int:
         repeats,
         args.threads,
         1 if args.quick else args.processes,
+        alone=args.alone,
     )
     rank_counts = tuple(int(r) for r in args.ranks.split(",") if r)
     samples = 256 if args.quick else args.rank_samples
     seconds = rank_study(rank_counts, samples, repeats, args.threads) if rank_counts else {}
     processes = 1 if args.quick else args.processes
+    per = "contender (each alone)" if args.alone else "row"
     conditions = (
         f"{args.device}, {args.threads} threads, torch {torch.__version__}, in each of "
-        f"{processes} fresh processes per row the median of {repeats} interleaved calls, "
+        f"{processes} fresh processes per {per} the median of {repeats} calls, "
         f"python {sys.version.split()[0]}"
     )
     out = Path(args.out)

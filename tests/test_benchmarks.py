@@ -180,6 +180,23 @@ def test_scaling_cell_measures_time_and_memory_per_sample() -> None:
     assert scaling.verdict(row).startswith("time ")
 
 
+def test_scaling_times_each_contender_alone_when_asked(monkeypatch) -> None:
+    measured: list[list[str]] = []
+
+    def in_this_process(args: tuple) -> list:  # (no spawned process in a test)
+        measured.append(list(args[3]))
+        return scaling.measure_cell(*args)
+
+    monkeypatch.setattr(scaling, "_in_fresh_process", in_this_process)
+    contenders = ["packfunc", "vmap(grad)"]
+    cells = scaling.batch_size_study(
+        ["MLP"], ["batch_grad"], (8,), contenders, "cpu", 1, 2, processes=2, alone=True
+    )
+    assert measured == [["packfunc"], ["vmap(grad)"]] * 2  # one contender a process, interleaved
+    assert [cell.contender for cell in cells] == contenders
+    assert all(cell.ms_low is not None and cell.ms_low <= cell.ms_high for cell in cells)
+
+
 TINY_EKFAC = {
     "MLP": lambda: problems.Problem(
         "MLP",
