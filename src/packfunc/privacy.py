@@ -130,15 +130,32 @@ def add_noise(
             f" and {max_norm!r}."
         )
     leaves, treespec = optree.tree_flatten(cast(Any, clipped_sum))
-    noisy = [leaf + noise_multiplier * max_norm * _gaussian(leaf, generator) for leaf in leaves]
+    noisy = _plus_gaussian(leaves, noise_multiplier * max_norm, generator)
     return cast(ParamsT, optree.tree_unflatten(treespec, noisy))
 
 
-def _gaussian(like: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Standard normal noise shaped like ``like``, drawn on the generator's device."""
-    device = like.device if generator is None else generator.device
-    z = torch.randn(like.shape, generator=generator, dtype=like.dtype, device=device)
-    return z.to(like.device)
+def _plus_gaussian(
+    leaves: list[Tensor], std: float, generator: torch.Generator | None
+) -> list[Tensor]:
+    """Each leaf plus ``N(0, std²)`` noise, drawn on the generator's device.
+
+    The leaves of one dtype and device draw their noise at once (one call, not one per
+    leaf) and get it added in place, so that nothing beside the results is allocated; a
+    leaf that requires grad gets it added out of place.
+    """
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault((leaf.dtype, leaf.device), []).append(i)
+    noisy: dict[int, Tensor] = {}
+    for (dtype, device), members in groups.items():
+        sizes = [leaves[i].numel() for i in members]
+        drawn_on = device if generator is None else generator.device
+        z = torch.randn(sum(sizes), generator=generator, dtype=dtype, device=drawn_on)
+        z = z.to(device).mul_(std)
+        for i, part in zip(members, z.split(sizes), strict=True):
+            leaf, part = leaves[i], part.view(leaves[i].shape)
+            noisy[i] = leaf + part if leaf.requires_grad else part.add_(leaf)
+    return [noisy[i] for i in range(len(leaves))]
 
 
 class PoissonBatches:
