@@ -549,8 +549,8 @@ def _tapped_leaves_forward(
     """The forward with :class:`_TappedLeaf` aliases of the leaves, and its record.
 
     Returns:
-        ``(record, output)``; ``None`` for a plan with other calls than tapped ones, or if
-        the calls that received the aliases were not the plan's (the mode then decides).
+        ``(record, output)``; ``None`` for a plan that is not ``leaf_calls_only``, or if the
+        calls that received the aliases were not the plan's (the mode then decides).
     """
     if not plan.leaf_calls_only:
         return None
