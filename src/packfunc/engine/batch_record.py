@@ -161,11 +161,11 @@ class _RecordMode(ParameterMode):
             return out
         batched, narrow = layout
         leaves = {leaf: self._original(leaf) for leaf in leaves_of(sources)}
-        if self.originals is not None:  # the record names the parameters, not their aliases
-            values = list(arguments.values)
-            for position, source in sources.items():
-                values[position] = leaves[source] if isinstance(source, int) else values[position]
-            arguments = replace(arguments, values=tuple(values))
+        values = list(arguments.values)  # the record names the parameters, not their aliases
+        for position, source in sources.items():
+            if isinstance(source, int):
+                values[position] = leaves[source]
+        arguments = replace(arguments, values=tuple(values))
         self.inputs[k] = LocalInputs(func, arguments, sources, batched, narrow, leaves)
         return self._probed(k, out, probe)
 

@@ -131,12 +131,14 @@ class Plan:
     uses: list[Use] = field(default_factory=list)
     reasons: dict[int, str] = field(default_factory=dict)
     random: str | None = None
-    rewritten: bool = False
-    """Whether a call that consumed parameters was decomposed or changed (an RNN, attention,
-    BatchNorm; see :data:`~packfunc.engine.modes.REWRITTEN_OPS`)."""
-    rewritten_beyond_attention: bool = False
-    """Whether such a call was another than attention (whose decomposition needs to see
-    only the calls that receive its parameters)."""
+    rewritten_ops: set[Callable[..., Any]] = field(default_factory=set)
+    """The functions of the calls on parameters that were decomposed or changed (an RNN,
+    attention, BatchNorm; see :data:`~packfunc.engine.modes.REWRITTEN_OPS`)."""
+
+    @property
+    def rewritten(self) -> bool:
+        """Whether a call that consumed parameters was decomposed or changed."""
+        return bool(self.rewritten_ops)
 
     @property
     def leaf_calls_only(self) -> bool:
@@ -146,7 +148,7 @@ class Plan:
         rewritten but attention: the batch pass can then follow the calls that receive the
         leaves alone (see :class:`~packfunc.engine.batch_record._TappedLeaf`).
         """
-        return not (self.rewritten_beyond_attention or self.uncovered) and all(
+        return not (self.rewritten_ops - ATTENTION_OPS or self.uncovered) and all(
             use.kind in (UseKind.TAPPED, UseKind.LOCAL) for use in self.uses
         )
 
@@ -193,8 +195,7 @@ class _DiscoveryMode(ParameterMode):
         if self.plan.random is None:
             self.plan.random = random_call(func, args, kwargs or {})
         if func in REWRITTEN_OPS and self._touches_parameters(args, kwargs or {}):
-            self.plan.rewritten = True
-            self.plan.rewritten_beyond_attention |= func not in ATTENTION_OPS
+            self.plan.rewritten_ops.add(func)
         return super().__torch_function__(func, types, args, kwargs)
 
     def _carries_samples(self, value: Any, sources: dict[int, Source], position: int) -> bool:
