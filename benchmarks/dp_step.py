@@ -12,8 +12,19 @@ themselves add, and the process's peak, medians over processes.
 Contenders: plain training (forward, backward, SGD: no privacy), packfunc's
 ``clipped_grad`` (no per-sample gradients), packfunc's ``batch_grad`` + ``clip_and_noise``,
 a hand-written ``vmap(grad)`` + clipping, opacus 1.6 hooks (``GradSampleModule`` +
-``DPOptimizer``) and opacus ghost clipping (``GradSampleModuleFastGradientClipping``,
-two backward passes). Contenders that refuse a model are listed as refusing.
+``DPOptimizer``), opacus ghost clipping (``GradSampleModuleFastGradientClipping``,
+two backward passes) and "hooks by hand": the least a per-layer implementation does (a
+forward hook per module, one backward to the modules' outputs, each layer's norm in its
+cheaper closed form and its clipped sum in one product; ``nn.Linear``, ``nn.Embedding``,
+``nn.LayerNorm`` and the LMs' learned position only). Contenders that refuse a model are
+listed as refusing.
+
+Opacus and the hooks by hand run ``nn.MultiheadAttention`` as opacus tells its users to:
+replaced by opacus' ``DPMultiheadAttention`` (``ModuleValidator.fix``'s fixer for it, and
+only it: its other fixes, such as BatchNorm to GroupNorm, change the model). In opacus
+1.6.0 that replacement computes another function when ``batch_first=True`` (its output's
+heads and positions are interleaved; opacus pull request 825), as in the LMs: the row says
+by how much the output differs, and its time is the cost of the same amount of work.
 
 Run: ``python benchmarks/dp_step.py [--problems LM,LM-N64,LM-d256,ResNet-GN,ResNet-BN,GPT-2]
 [--large-lm]``.
@@ -22,6 +33,7 @@ Run: ``python benchmarks/dp_step.py [--problems LM,LM-N64,LM-d256,ResNet-GN,ResN
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import resource
 import statistics
@@ -40,8 +52,18 @@ import packfunc as pf  # noqa: E402
 import problems  # noqa: E402
 
 MAX_NORM, SIGMA, LR = 1.0, 1.0, 1e-3
-CONTENDERS = ("plain", "packfunc", "packfunc batch_grad", "vmap(grad)", "opacus", "opacus ghost")
+CONTENDERS = (
+    "plain",
+    "packfunc",
+    "packfunc batch_grad",
+    "vmap(grad)",
+    "opacus",
+    "opacus ghost",
+    "hooks by hand",
+)
 Step = Callable[[], None]
+NOTES: dict[str, str] = {}
+"""What a builder found worth a row's note (opacus' replacement changing the output)."""
 
 
 def large_lm(n: int = 16) -> problems.Problem:
@@ -135,10 +157,41 @@ def vmap_step(model: nn.Module, X: Tensor, y: Tensor) -> Step:
     return step
 
 
+def with_opacus_attention(model: nn.Module, X: Tensor, contender: str) -> nn.Module:
+    """A copy of ``model`` whose ``nn.MultiheadAttention`` modules are opacus' replacement.
+
+    Where the replacement changes the output, :data:`NOTES` says by how much.
+
+    Args:
+        model: Any model.
+        X: A batch, to compare the outputs on.
+        contender: The contender the note is for.
+
+    Returns:
+        ``model`` itself if it has no attention, else the copy.
+    """
+    from opacus.validators.multihead_attention import fix
+
+    if not any(isinstance(m, nn.MultiheadAttention) for m in model.modules()):
+        return model
+    fixed = copy.deepcopy(model)
+    for parent in list(fixed.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.MultiheadAttention):
+                setattr(parent, name, fix(child))
+    with torch.no_grad():
+        change = (fixed(X) - model(X)).abs().max().item()
+    if change > 1e-4:
+        NOTES[contender] = f"output differs by up to {change:.2f}"
+    return fixed
+
+
 def opacus_step(model: nn.Module, X: Tensor, y: Tensor) -> Step:
     """Opacus' ``GradSampleModule`` + ``DPOptimizer``: per-sample gradients by hooks."""
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
+
+    model = with_opacus_attention(model, X, "opacus")
 
     wrapped = GradSampleModule(model, loss_reduction="sum")
     sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
@@ -165,6 +218,7 @@ def opacus_ghost_step(model: nn.Module, X: Tensor, y: Tensor) -> Step:
     from opacus.optimizers import DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
+    model = with_opacus_attention(model, X, "opacus ghost")
     wrapped = GradSampleModuleFastGradientClipping(
         model, loss_reduction="sum", max_grad_norm=MAX_NORM
     )
@@ -193,6 +247,130 @@ def opacus_ghost_step(model: nn.Module, X: Tensor, y: Tensor) -> Step:
     return step
 
 
+HAND_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm, problems.LearnedPosition)
+"""What the hooks by hand handle: any other module with parameters is refused."""
+
+
+def hand_hooks_step(model: nn.Module, X: Tensor, y: Tensor) -> Step:
+    """:func:`clipped_grad_by_hand`, then packfunc's step's noise and update."""
+    model = with_opacus_attention(model, X, "hooks by hand")
+    clipped_grad = clipped_grad_by_hand(model, MAX_NORM)
+    parameters = dict(model.named_parameters())
+    generator = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        noisy = pf.privacy.add_noise(clipped_grad(X, y), MAX_NORM, SIGMA, generator=generator)
+        _sgd(list(parameters.values()), [noisy[k] for k in parameters], 1 / len(X))
+
+    return step
+
+
+def clipped_grad_by_hand(model: nn.Module, max_norm: float) -> Callable[..., dict[str, Tensor]]:
+    """The least per-layer work for the clipped sum: hooks, one backward, closed forms by hand.
+
+    Each layer's input and output are kept by a forward hook; one ``autograd.grad`` gives
+    every output's cotangent; the squared norms are summed over layers, each in the
+    cheaper of its Gram form and its materialized gradient; the clipped sum is one product
+    per parameter. Inputs have the sample first; each layer is called once.
+
+    Args:
+        model: A model whose parameters all belong to :data:`HAND_MODULES` (hooks are added).
+        max_norm: The clipping bound.
+
+    Returns:
+        ``clipped_grad(X, y)``: ``{name: Σ_n g_n · min(1, C / ‖g_n‖)}`` of the summed
+        cross-entropy.
+
+    Raises:
+        TypeError: For a parameter outside :data:`HAND_MODULES`, or a shared one.
+    """
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, HAND_MODULES) and any(True for _ in m.parameters(recurse=False))
+    ]
+    owned = [id(p) for m in layers for p in m.parameters(recurse=False)]
+    if len(set(owned)) != len(owned) or len(owned) != len(list(model.parameters())):
+        raise TypeError("hooks by hand: a parameter outside Linear/Embedding/LayerNorm, or tied")
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    parameters = dict(model.named_parameters())
+    seen: list[tuple[nn.Module, Tensor, Tensor]] = []
+    for layer in layers:
+        layer.register_forward_hook(lambda m, a, out: seen.append((m, a[0], out)))
+
+    def clipped_grad(X: Tensor, y: Tensor) -> dict[str, Tensor]:
+        seen.clear()
+        value = loss(model(X), y)
+        if len({id(m) for m, _, _ in seen}) != len(seen):
+            raise TypeError("hooks by hand: a layer called twice in one forward")
+        cotangents = torch.autograd.grad(value, [out for _, _, out in seen])
+        with torch.no_grad():
+            records = [(m, a, g) for (m, a, _), g in zip(seen, cotangents)]
+            squares = torch.stack([_hand_squared_norms(m, a, g) for m, a, g in records]).sum(0)
+            factors = (max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+            sums = {
+                id(p): s for m, a, g in records for p, s in _hand_clipped_sums(m, a, g, factors)
+            }
+        seen.clear()
+        return {k: sums[id(p)] for k, p in parameters.items()}
+
+    return clipped_grad
+
+
+def _rows(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """Input and cotangent as ``[N, L, ·]``: a sample's positions in rows."""
+    return a.reshape(len(a), -1, a.shape[-1]), g.reshape(len(g), -1, g.shape[-1])
+
+
+def _hand_squared_norms(m: nn.Module, a: Tensor, g: Tensor) -> Tensor:
+    """``[N]``: the squared norm of each sample's gradient of ``m``'s parameters."""
+    if isinstance(m, problems.LearnedPosition):
+        return g.square().sum((1, 2))
+    if isinstance(m, nn.Embedding):  # Σ_{t,s} [token_t = token_s] g_t·g_s
+        ids, rows = a.reshape(len(a), -1), g.reshape(len(g), -1, g.shape[-1])
+        same = (ids[:, :, None] == ids[:, None, :]).to(g.dtype)
+        return (same * (rows @ rows.transpose(1, 2))).sum((1, 2))
+    if isinstance(m, nn.LayerNorm):
+        weight, bias = _hand_norm_gradients(m, a, g)
+        return weight.square().sum(1) + (bias.square().sum(1) if m.bias is not None else 0.0)
+    assert isinstance(m, nn.Linear)
+    x, d = _rows(a, g)
+    length, n_in, n_out = x.shape[1], x.shape[2], d.shape[2]
+    if length * length < n_in * n_out:  # the Gram form is cheaper
+        weight = ((x @ x.transpose(1, 2)) * (d @ d.transpose(1, 2))).sum((1, 2))
+    else:
+        weight = (d.transpose(1, 2) @ x).square().sum((1, 2))
+    return weight + d.sum(1).square().sum(1) if m.bias is not None else weight
+
+
+def _hand_norm_gradients(m: nn.LayerNorm, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """A LayerNorm's per-sample affine gradients ``[N, D]`` (weight, bias)."""
+    normalized = nn.functional.layer_norm(a, m.normalized_shape, eps=m.eps)
+    x, d = _rows(normalized, g)
+    return (x * d).sum(1), d.sum(1)
+
+
+def _hand_clipped_sums(
+    m: nn.Module, a: Tensor, g: Tensor, factors: Tensor
+) -> list[tuple[Tensor, Tensor]]:
+    """``(parameter, Σ_n c_n g_n)`` for each of ``m``'s parameters."""
+    found: list[tuple[Tensor, Tensor]]
+    if isinstance(m, problems.LearnedPosition):
+        return [(m.weight, torch.einsum("n,n...->...", factors, g))]
+    if isinstance(m, nn.LayerNorm):
+        weight, bias = _hand_norm_gradients(m, a, g)
+        found = [(m.weight, factors @ weight)]
+        return found + ([(m.bias, factors @ bias)] if m.bias is not None else [])
+    scaled = g * factors.view(-1, *[1] * (g.dim() - 1))
+    if isinstance(m, nn.Embedding):
+        rows = scaled.reshape(-1, scaled.shape[-1])
+        return [(m.weight, torch.zeros_like(m.weight).index_add_(0, a.reshape(-1), rows))]
+    assert isinstance(m, nn.Linear)
+    x, d = _rows(a, scaled)
+    found = [(m.weight, d.flatten(0, 1).T @ x.flatten(0, 1))]
+    return found + ([(m.bias, d.sum((0, 1)))] if m.bias is not None else [])
+
+
 BUILDERS: dict[str, Callable[[nn.Module, Tensor, Tensor], Step]] = {
     "plain": plain_step,
     "packfunc": packfunc_step,
@@ -200,6 +378,7 @@ BUILDERS: dict[str, Callable[[nn.Module, Tensor, Tensor], Step]] = {
     "vmap(grad)": vmap_step,
     "opacus": opacus_step,
     "opacus ghost": opacus_ghost_step,
+    "hooks by hand": hand_hooks_step,
 }
 
 
@@ -213,7 +392,8 @@ def measure(problem_name: str, contender: str, repeats: int) -> dict[str, object
 
     Returns:
         ``{"median", "min", "max"}`` in seconds, ``"peak_mb"`` (added by the steps) and
-        ``"peak_total_mb"`` (the process's peak resident set size), or ``{"refused": why}``.
+        ``"peak_total_mb"`` (the process's peak resident set size), and ``"note"`` where
+        :data:`NOTES` has one; or ``{"refused": why}``.
     """
     torch.set_num_threads(2)
     problem = PROBLEMS[problem_name]()
@@ -231,13 +411,14 @@ def measure(problem_name: str, contender: str, repeats: int) -> dict[str, object
         step()
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    note: dict[str, object] = {"note": NOTES[contender]} if contender in NOTES else {}
     return {
         "median": statistics.median(times),
         "min": min(times),
         "max": max(times),
         "peak_mb": peak - before,
         "peak_total_mb": peak,
-    }
+    } | note
 
 
 def _rss_mb() -> float:
@@ -298,9 +479,10 @@ def combined(runs: list[dict[str, object]]) -> dict[str, object]:
     refused = [run for run in runs if "refused" in run]
     if refused:
         return refused[0]
-    value = {key: [float(str(run[key])) for run in runs] for key in runs[0]}
+    value = {key: [float(str(run[key])) for run in runs] for key in runs[0] if key != "note"}
     middle = {key: statistics.median(values) for key, values in value.items()}
-    return middle | {"min": min(value["min"]), "max": max(value["max"])}
+    note = {"note": runs[0]["note"]} if "note" in runs[0] else {}
+    return middle | {"min": min(value["min"]), "max": max(value["max"])} | note
 
 
 def _fresh(problem_name: str, contender: str, repeats: int) -> dict[str, object]:
@@ -330,6 +512,8 @@ def _row(name: str, contender: str, row: dict[str, object], plain: dict[str, obj
     value = {key: float(str(row[key])) for key in keys}
     base = {key: float(str(plain.get(key, "nan"))) for key in keys}
     ms = f"{1000 * value['median']:.1f} ({1000 * value['min']:.1f}–{1000 * value['max']:.1f})"
+    if "note" in row:
+        contender = f"{contender} ({row['note']})"
     return (
         f"| {name} | {contender} | {ms} | {value['median'] / base['median']:.2f}× | "
         f"{value['peak_mb']:.0f} | {value['peak_mb'] / max(base['peak_mb'], 1.0):.2f}× | "
