@@ -207,6 +207,35 @@ def test_add_noise_has_the_stated_distribution() -> None:
     assert_trees_close(pf.privacy.add_noise(total, 0.5, 0.0), total)
 
 
+def test_add_noise_draws_in_buffers_of_bounded_size(monkeypatch) -> None:
+    """Noise is drawn for runs of leaves of one dtype, at most ``_NOISE_BUFFER`` elements a
+    call unless one leaf is larger (one buffer for a 55M model added its whole size to the
+    peak resident memory); every leaf gets independent noise of the stated scale."""
+    monkeypatch.setattr(pf.privacy, "_NOISE_BUFFER", 10)
+    sizes = []
+    real_randn = torch.randn
+
+    def counted(*args, **kwargs):
+        sizes.append(args[0])
+        return real_randn(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "randn", counted)
+    total = {
+        "a": torch.zeros(4),
+        "b": torch.zeros(2, 2),
+        "c": torch.zeros(4),
+        "d": torch.zeros(20),
+        "e": torch.zeros(3, dtype=torch.float64),
+        "f": torch.zeros(3),
+    }
+    noisy = pf.privacy.add_noise(total, 1.0, 1.0, generator=torch.Generator().manual_seed(0))
+    assert sizes == [8, 4, 20, 3, 3]
+    for name, value in total.items():
+        assert noisy[name].shape == value.shape and noisy[name].dtype == value.dtype
+    drawn = torch.cat([noisy[k].flatten().double() for k in total])
+    assert len(set(drawn.tolist())) == drawn.numel()  # no leaf reuses another's noise
+
+
 def test_poisson_batches_include_each_example_with_probability_q() -> None:
     batches = pf.privacy.PoissonBatches(
         50, 0.2, steps=400, generator=torch.Generator().manual_seed(0)

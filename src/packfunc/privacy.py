@@ -134,28 +134,52 @@ def add_noise(
     return cast(ParamsT, optree.tree_unflatten(treespec, noisy))
 
 
+_NOISE_BUFFER = 2**22
+"""Most elements of noise drawn in one call (16 MiB at float32): a small model's leaves share
+one call; a larger buffer would be mapped fresh by the allocator and add its whole size to
+the peak resident memory, where buffers of a leaf's size reuse memory the step just freed."""
+
+
 def _plus_gaussian(
     leaves: list[Tensor], std: float, generator: torch.Generator | None
 ) -> list[Tensor]:
     """Each leaf plus ``N(0, std²)`` noise, drawn on the generator's device.
 
-    The leaves of one dtype and device draw their noise at once (one call, not one per
-    leaf) and get it added in place, so that nothing beside the results is allocated; a
-    leaf that requires grad gets it added out of place.
+    Consecutive leaves of one dtype and device draw their noise at once, up to
+    :data:`_NOISE_BUFFER` elements (a larger leaf draws its own), and get it added in place,
+    so that nothing beside the results is allocated; a leaf that requires grad gets it added
+    out of place.
     """
-    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        groups.setdefault((leaf.dtype, leaf.device), []).append(i)
-    noisy: dict[int, Tensor] = {}
-    for (dtype, device), members in groups.items():
-        sizes = [leaves[i].numel() for i in members]
+    noisy: list[Tensor] = []
+    for group in _noise_groups(leaves):
+        dtype, device = group[0].dtype, group[0].device
+        sizes = [leaf.numel() for leaf in group]
         drawn_on = device if generator is None else generator.device
         z = torch.randn(sum(sizes), generator=generator, dtype=dtype, device=drawn_on)
         z = z.to(device).mul_(std)
-        for i, part in zip(members, z.split(sizes), strict=True):
-            leaf, part = leaves[i], part.view(leaves[i].shape)
-            noisy[i] = leaf + part if leaf.requires_grad else part.add_(leaf)
-    return [noisy[i] for i in range(len(leaves))]
+        for leaf, part in zip(group, z.split(sizes), strict=True):
+            part = part.view(leaf.shape)
+            noisy.append(leaf + part if leaf.requires_grad else part.add_(leaf))
+    return noisy
+
+
+def _noise_groups(leaves: list[Tensor]) -> list[list[Tensor]]:
+    """Runs of consecutive leaves of one dtype and device to draw noise for at once.
+
+    Each run has at most :data:`_NOISE_BUFFER` elements, unless one leaf alone is larger.
+    """
+    groups: list[list[Tensor]] = []
+    size = 0
+    for leaf in leaves:
+        last = groups[-1][-1] if groups else None
+        fits = last is not None and (last.dtype, last.device) == (leaf.dtype, leaf.device)
+        if fits and size + leaf.numel() <= _NOISE_BUFFER:
+            groups[-1].append(leaf)
+            size += leaf.numel()
+        else:
+            groups.append([leaf])
+            size = leaf.numel()
+    return groups
 
 
 class PoissonBatches:
