@@ -169,6 +169,60 @@ def test_a_model_that_reaches_its_parameters_not_through_params_falls_back_to_th
         torch.testing.assert_close(found, expected)
 
 
+def _dropped_per_sample_grads(w: torch.Tensor, X: torch.Tensor, y: torch.Tensor, seed: int):
+    """The autograd loop's per-sample gradients of ``linear(dropout(X), w)`` (masks of ``seed``),
+    and the CPU generator's state after that one forward's draws."""
+    torch.manual_seed(seed)
+    dropped = F.dropout(X, 0.5, training=True)
+    after = torch.get_rng_state()
+    rows = []
+    for x, t in zip(dropped, y):
+        v = w.clone().requires_grad_()
+        (g,) = torch.autograd.grad(F.cross_entropy(F.linear(x[None], v), t[None]) / len(X), v)
+        rows.append(g)
+    return torch.stack(rows), after
+
+
+def test_a_pass_that_stops_part_way_runs_again_on_the_same_random_numbers():
+    """The aliased pass of a model that reaches its weight not through ``params`` stops after
+    its dropout drew a mask; the mode's pass then draws that mask again, not the next one: the
+    values are those of one forward pass, and the generator advances by one pass."""
+    w = torch.randn(3, 4)
+    params = {"w": w}
+
+    def closes_over(p, X):
+        return F.linear(F.dropout(X, 0.5, training=True), params["w"])
+
+    X, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    pf.batch_grad(closes_over, params, X, y)  # discovery, then the plan is cached
+    assert _plan(closes_over, params, X).leaf_calls_only
+    expected, after = _dropped_per_sample_grads(w, X, y, seed=1)
+    torch.manual_seed(1)
+    found = pf.batch_grad(closes_over, params, X, y)["w"]
+    torch.testing.assert_close(found, expected)
+    assert torch.equal(torch.get_rng_state(), after)
+
+
+def test_a_stale_plan_is_replaced_and_run_on_the_same_random_numbers():
+    """A cached plan the code no longer follows (same shapes, another path after the dropout)
+    is discovered again, and the new pass draws the masks the stopped one drew."""
+    w = torch.randn(3, 4)
+    twice = [False]
+
+    def switching(p, X):
+        h = F.linear(F.dropout(X, 0.5, training=True), p["w"])
+        return h + F.linear(torch.zeros_like(X), p["w"]) if twice[0] else h
+
+    X, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    pf.batch_grad(switching, {"w": w}, X, y)  # the plan of one call of w
+    twice[0] = True  # the second call adds w's bias-free output of zeros: the same gradients
+    expected, after = _dropped_per_sample_grads(w, X, y, seed=2)
+    torch.manual_seed(2)
+    found = pf.batch_grad(switching, {"w": w}, X, y)["w"]
+    torch.testing.assert_close(found, expected)
+    assert torch.equal(torch.get_rng_state(), after)
+
+
 def test_passes_on_tapped_leaves_in_two_threads_give_the_results_of_one():
     # a pure model function: pf.functional's model_fn swaps the module's parameters during a
     # call (torch.func.functional_call), which two threads must not do to one module at once

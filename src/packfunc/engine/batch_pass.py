@@ -32,7 +32,7 @@ from packfunc.engine.memory import (
 )
 from packfunc.engine.ops import SiteCall
 from packfunc.engine.precision import to_dtype_of
-from packfunc.engine.randomness import refuse_rerun
+from packfunc.engine.randomness import refuse_rerun, rewinder
 from packfunc.engine.rules import Rule, rule_for
 from packfunc.engine.rules.base import Route
 from packfunc.engine.vocabulary import Statistic
@@ -148,12 +148,14 @@ class BatchPass:
         self.model_fn, self.params, self.X, self.y, self.loss = model_fn, params, X, y, loss
         self.chunk_size = chunk_size
         self.plan, cached = cached_discover(model_fn, params, self.leaves, X)
+        rewind = rewinder(self.leaves)
         try:
             self.record = self._batch_pass(reuse)
         except PlanMismatch:
             if not cached:
                 raise
             forget_plan(model_fn)  # the code took another path: discover it again
+            rewind()  # and run it on the random numbers the stopped pass began with
             self.plan, _ = cached_discover(model_fn, params, self.leaves, X)
             self.record = self._batch_pass(reuse)
         failed = {leaf for k in self.record.failed for _, leaf in self.plan.sites[k].call.leaves}

@@ -43,6 +43,7 @@ from packfunc.engine.modes import (
 )
 from packfunc.engine.ops import SIGNATURES, tapped_leaves
 from packfunc.engine.precision import forward_autocast, to_dtype_of
+from packfunc.engine.randomness import rewinder
 from packfunc.losses import check_loss_inputs
 from packfunc.types import ModelFn
 
@@ -518,9 +519,11 @@ def _record_with_autograd(
     that sees every call.
     """
     probes = zero_probes(plan, plan.active(), n)
+    rewind = rewinder(leaves)
     with torch.enable_grad():
         found = _tapped_leaves_forward(model_fn, params, leaves, plan, X, probes)
         if found is None:
+            rewind()  # the aliased pass may have drawn part of its random numbers
             mode = _RecordMode(LeafIndex(leaves), plan, probes, mark=True)
             with mode:
                 output = model_fn(params, X)

@@ -14,6 +14,11 @@ Other runs of the model are of two kinds:
   Hessian's second derivatives, the shim's own pass when the user's forward cannot be
   reused): they would draw other masks, so a model that draws random numbers is
   refused there (:func:`refuse_rerun`), naming the call and the fix.
+
+A batch pass that stops part-way (its calls were not the plan's: the aliased pass of a model
+that reaches a parameter another way, or a cached plan the code no longer follows) is run
+again from the random numbers it began with (:func:`rewinder`): its values are those of one
+forward pass, and the user's streams advance by one.
 """
 
 from __future__ import annotations
@@ -140,6 +145,37 @@ def private_generators(tensors: list[Tensor]) -> Iterator[Callable[[], bool]]:
             return any(not torch.equal(a, b) for a, b in zip(before, after))
 
         yield drew
+
+
+def rewinder(tensors: list[Tensor]) -> Callable[[], None]:
+    """A function that puts the default random generators back where they are now.
+
+    A forward pass that stopped part-way (the calls were not its plan's) runs again from
+    the same random numbers: the pass whose values are used draws what one forward pass
+    draws, and the user's streams advance by one forward pass, not two.
+
+    Args:
+        tensors: Tensors the pass computes with (their CUDA devices' generators too).
+
+    Returns:
+        ``rewind()``.
+
+    Example:
+        >>> rewind = rewinder([])
+        >>> first = torch.rand(2)
+        >>> rewind()
+        >>> torch.equal(torch.rand(2), first)
+        True
+    """
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    cpu, *cuda = _generator_states(devices)
+
+    def rewind() -> None:
+        torch.set_rng_state(cpu)
+        for device, state in zip(devices, cuda, strict=True):
+            torch.cuda.set_rng_state(state, device)
+
+    return rewind
 
 
 def refuse_rerun(random: str | None, rerun: str) -> None:
