@@ -40,8 +40,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -86,10 +87,10 @@ PROBLEMS: dict[str, Callable[[], problems.Problem]] = {
 }
 
 
-def _sgd(parameters: list[Tensor], updates: list[Tensor], scale: float = 1.0) -> None:
+def _sgd(parameters: Sequence[Tensor], updates: Sequence[Tensor], scale: float = 1.0) -> None:
     """``p -= LR · scale · update`` for every parameter, in place."""
     with torch.no_grad():
-        torch._foreach_add_(parameters, updates, alpha=-LR * scale)
+        torch._foreach_add_(list(parameters), list(updates), alpha=-LR * scale)
 
 
 def plain_step(model: nn.Module, X: Tensor, y: Tensor) -> Step:
@@ -145,7 +146,8 @@ def vmap_step(model: nn.Module, X: Tensor, y: Tensor) -> Step:
 
     def sample_loss(p: dict[str, Tensor], x: Tensor, t: Tensor) -> Tensor:
         out = torch.func.functional_call(model, p, (x.unsqueeze(0),))
-        return loss(out, t.unsqueeze(0))
+        value: Tensor = loss(out, t.unsqueeze(0))
+        return value
 
     per_sample = torch.func.vmap(torch.func.grad(sample_loss), in_dims=(None, 0, 0))
 
@@ -305,7 +307,11 @@ def clipped_grad_by_hand(model: nn.Module, max_norm: float) -> Callable[..., dic
             raise TypeError("hooks by hand: a layer called twice in one forward")
         cotangents = torch.autograd.grad(value, [out for _, _, out in seen])
         with torch.no_grad():
-            records = [(m, a, g) for (m, a, _), g in zip(seen, cotangents)]
+            # a norm layer's input is replaced by its per-sample gradients, formed once
+            records = [
+                (m, _hand_norm_gradients(m, a, g) if isinstance(m, nn.LayerNorm) else a, g)
+                for (m, a, _), g in zip(seen, cotangents)
+            ]
             squares = torch.stack([_hand_squared_norms(m, a, g) for m, a, g in records]).sum(0)
             factors = (max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
             sums = {
@@ -322,17 +328,22 @@ def _rows(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
     return a.reshape(len(a), -1, a.shape[-1]), g.reshape(len(g), -1, g.shape[-1])
 
 
-def _hand_squared_norms(m: nn.Module, a: Tensor, g: Tensor) -> Tensor:
-    """``[N]``: the squared norm of each sample's gradient of ``m``'s parameters."""
+def _hand_squared_norms(m: nn.Module, a: Any, g: Tensor) -> Tensor:
+    """``[N]``: the squared norm of each sample's gradient of ``m``'s parameters.
+
+    ``a`` is the layer's input, or a norm layer's per-sample gradients.
+    """
     if isinstance(m, problems.LearnedPosition):
         return g.square().sum((1, 2))
     if isinstance(m, nn.Embedding):  # Σ_{t,s} [token_t = token_s] g_t·g_s
         ids, rows = a.reshape(len(a), -1), g.reshape(len(g), -1, g.shape[-1])
         same = (ids[:, :, None] == ids[:, None, :]).to(g.dtype)
-        return (same * (rows @ rows.transpose(1, 2))).sum((1, 2))
-    if isinstance(m, nn.LayerNorm):
-        weight, bias = _hand_norm_gradients(m, a, g)
-        return weight.square().sum(1) + (bias.square().sum(1) if m.bias is not None else 0.0)
+        found: Tensor = (same * (rows @ rows.transpose(1, 2))).sum((1, 2))
+        return found
+    if isinstance(m, nn.LayerNorm):  # a: its per-sample gradients
+        weight, bias = cast(tuple[Tensor, Tensor], a)
+        squares = weight.square().sum(1)
+        return squares + bias.square().sum(1) if m.bias is not None else squares
     assert isinstance(m, nn.Linear)
     x, d = _rows(a, g)
     length, n_in, n_out = x.shape[1], x.shape[2], d.shape[2]
@@ -351,14 +362,17 @@ def _hand_norm_gradients(m: nn.LayerNorm, a: Tensor, g: Tensor) -> tuple[Tensor,
 
 
 def _hand_clipped_sums(
-    m: nn.Module, a: Tensor, g: Tensor, factors: Tensor
+    m: nn.Module, a: Any, g: Tensor, factors: Tensor
 ) -> list[tuple[Tensor, Tensor]]:
-    """``(parameter, Σ_n c_n g_n)`` for each of ``m``'s parameters."""
+    """``(parameter, Σ_n c_n g_n)`` for each of ``m``'s parameters.
+
+    ``a`` is as in :func:`_hand_squared_norms`.
+    """
     found: list[tuple[Tensor, Tensor]]
     if isinstance(m, problems.LearnedPosition):
         return [(m.weight, torch.einsum("n,n...->...", factors, g))]
-    if isinstance(m, nn.LayerNorm):
-        weight, bias = _hand_norm_gradients(m, a, g)
+    if isinstance(m, nn.LayerNorm):  # a: its per-sample gradients
+        weight, bias = a
         found = [(m.weight, factors @ weight)]
         return found + ([(m.bias, factors @ bias)] if m.bias is not None else [])
     scaled = g * factors.view(-1, *[1] * (g.dim() - 1))
