@@ -172,8 +172,8 @@ def _noise_groups(leaves: list[Tensor]) -> list[list[Tensor]]:
     size = 0
     for leaf in leaves:
         last = groups[-1][-1] if groups else None
-        fits = last is not None and (last.dtype, last.device) == (leaf.dtype, leaf.device)
-        if fits and size + leaf.numel() <= _NOISE_BUFFER:
+        same_kind = last is not None and (last.dtype, last.device) == (leaf.dtype, leaf.device)
+        if same_kind and size + leaf.numel() <= _NOISE_BUFFER:
             groups[-1].append(leaf)
             size += leaf.numel()
         else:

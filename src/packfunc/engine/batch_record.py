@@ -519,11 +519,9 @@ def _record_with_autograd(
     that sees every call.
     """
     probes = zero_probes(plan, plan.active(), n)
-    rewind = rewinder(leaves)
     with torch.enable_grad():
         found = _tapped_leaves_forward(model_fn, params, leaves, plan, X, probes)
         if found is None:
-            rewind()  # the aliased pass may have drawn part of its random numbers
             mode = _RecordMode(LeafIndex(leaves), plan, probes, mark=True)
             with mode:
                 output = model_fn(params, X)
@@ -553,10 +551,12 @@ def _tapped_leaves_forward(
 
     Returns:
         ``(record, output)``; ``None`` for a plan that is not ``leaf_calls_only``, or if the
-        calls that received the aliases were not the plan's (the mode then decides).
+        calls that received the aliases were not the plan's (the mode then decides, from the
+        random numbers the stopped pass began with).
     """
     if not plan.leaf_calls_only:
         return None
+    rewind = rewinder(leaves)
     aliases: list[Tensor] = [leaf.as_subclass(_TappedLeaf) for leaf in leaves]
     alias_of = {id(leaf): alias for leaf, alias in zip(leaves, aliases)}
     mode = _RecordMode(LeafIndex(aliases), plan, probes, mark=True, originals=leaves)
@@ -565,6 +565,7 @@ def _tapped_leaves_forward(
             output = model_fn(optree.tree_map(lambda t: alias_of[id(t)], params), X)
         mode.finish()
     except PlanMismatch:  # e.g. a model that reaches its parameters not through params
+        rewind()  # it may have drawn part of its random numbers
         return None
     return mode, output
 

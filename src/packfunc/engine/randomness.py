@@ -111,6 +111,11 @@ def _recurrent_dropout(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[f
     return 0.0, False
 
 
+def _cuda_devices(tensors: list[Tensor]) -> list[int]:
+    """The indices of the CUDA devices ``tensors`` are on, sorted."""
+    return sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+
+
 def _generator_states(devices: list[int]) -> list[Tensor]:
     """The states of the CPU generator and of the default generators of CUDA ``devices``."""
     return [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in devices]
@@ -136,7 +141,7 @@ def private_generators(tensors: list[Tensor]) -> Iterator[Callable[[], bool]]:
         >>> torch.equal(state, torch.get_rng_state())
         True
     """
-    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    devices = _cuda_devices(tensors)
     with torch.random.fork_rng(devices=devices):
         before = _generator_states(devices)
 
@@ -167,7 +172,7 @@ def rewinder(tensors: list[Tensor]) -> Callable[[], None]:
         >>> torch.equal(torch.rand(2), first)
         True
     """
-    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    devices = _cuda_devices(tensors)
     cpu, *cuda = _generator_states(devices)
 
     def rewind() -> None:
