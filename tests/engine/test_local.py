@@ -216,6 +216,7 @@ NORMS = {
     "group": lambda c: nn.GroupNorm(1 if c == 1 else 2, c),
     "instance": lambda c: nn.InstanceNorm1d(c, affine=True),
     "batch_eval": lambda c: nn.BatchNorm1d(c),
+    "instance_running": lambda c: nn.InstanceNorm1d(c, affine=True, track_running_stats=True),
 }
 
 
@@ -230,7 +231,7 @@ NORMS = {
 def test_norm_affine_closed_forms(norm, channels, n, double, reduction):
     torch.manual_seed(0)
     layer = NORMS[norm](channels)
-    if norm == "batch_eval":
+    if norm in ("batch_eval", "instance_running"):
         layer.running_mean.uniform_(-1, 1)
         layer.running_var.uniform_(0.5, 2)
     with torch.no_grad():
@@ -250,6 +251,69 @@ def test_norm_affine_closed_forms(norm, channels, n, double, reduction):
     assert_trees_close(got["batch_grad"], expected, "batch_grad", **tolerance)
     variance = {k: g.square().mean(0) - g.mean(0).square() for k, g in expected.items()}
     assert_trees_close(got["variance"], variance, "variance", **tolerance)
+
+
+CHANNEL_NORMS = {
+    "batch_eval": (F.batch_norm, lambda s: (s[0], s[1], None, None, False, 0.1, 1e-3)),
+    "batch_train": (F.batch_norm, lambda s: (None, None, None, None, True)),
+    "group": (F.group_norm, lambda s: (2, None, None, 1e-4)),
+    "instance": (F.instance_norm, lambda s: ()),
+    "instance_running": (F.instance_norm, lambda s: (s[0], s[1], None, None, False)),
+}
+
+
+@pytest.mark.parametrize("norm", sorted(CHANNEL_NORMS))
+@pytest.mark.parametrize(
+    ("shape", "layout"),
+    [((3, 4), "contiguous"), ((3, 4, 5), "contiguous"), ((2, 4, 3, 3), "channels_last")],
+)
+def test_channel_norm_weight_columns_are_fused_and_exact(norm, shape, layout):
+    """The fused weight columns of batch/group/instance norm equal per-sample autograd."""
+    from packfunc.engine.local import CallArguments, LocalInputs
+    from packfunc.engine.rules.norm import NORM_RULES, _fused_weight_columns
+
+    if norm.startswith("instance") and len(shape) == 2:
+        pytest.skip("instance norm needs positions")
+    torch.manual_seed(0)
+    func, arguments = CHANNEL_NORMS[norm]
+    x = torch.randn(shape, dtype=torch.float64)
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    channels = shape[1]
+    stats = (torch.randn(channels, dtype=x.dtype), torch.rand(channels, dtype=x.dtype) + 0.5)
+    weight, bias = torch.randn(channels, dtype=x.dtype), torch.randn(channels, dtype=x.dtype)
+    args = [x, *arguments(stats)]
+    position = {F.batch_norm: 3, F.group_norm: 2, F.instance_norm: 3}[func]
+    args += [None] * (position + 2 - len(args))
+    args[position], args[position + 1] = weight, bias
+    local = LocalInputs(
+        func,
+        CallArguments.of(tuple(args), {}),
+        {position: 0, position + 1: 1},
+        (0,),
+        frozenset(),
+        {0: weight, 1: bias},
+    )
+    g = torch.randn(3, *shape, dtype=x.dtype)
+    assert _fused_weight_columns(local, g) is not None
+    got = NORM_RULES[func].columns(local, g, None, weight)
+
+    w = weight.clone().requires_grad_()
+    # from a contiguous input: torch 2.13's group-norm backward crashes on a channels_last one
+    # with a contiguous gradient
+    out = func(*[w if a is weight else a.contiguous() if a is x else a for a in args])
+    expected = torch.stack(
+        [
+            torch.stack(
+                [
+                    torch.autograd.grad(out[i], w, g[k, i], retain_graph=True)[0]
+                    for i in range(shape[0])
+                ]
+            )
+            for k in range(3)
+        ]
+    )
+    torch.testing.assert_close(got, expected)
 
 
 def test_the_shim_reuses_the_forward_of_models_with_norms(monkeypatch):

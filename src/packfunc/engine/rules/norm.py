@@ -4,8 +4,12 @@
 gradients are ``Σ_positions g ⊙ x̂`` for the weight and ``Σ_positions g`` for the
 bias, summed over every dim the parameter is broadcast along. ``x̂`` comes from
 the same function called without ``weight`` and ``bias`` — one normalization
-of the recorded batch, no vjp. Anything else (a derived weight, a parameter in
-another role) takes the local rule's vjp.
+of the recorded batch, no vjp. A norm over channels (batch, group and instance
+norm) normalizes each sample's channel by one mean and scale, so its weight's
+sums ``(Σ g ⊙ x − μ Σ g) / σ`` come from one fused reduction of ``g`` and ``x``
+(PyTorch's batch-norm backward, each sample's channel a channel of its own)
+without ``x̂``. Anything else (a derived weight, a parameter in another role)
+takes the local rule's vjp.
 """
 
 from __future__ import annotations
@@ -15,15 +19,20 @@ import inspect
 from collections.abc import Callable
 from typing import Any, cast
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from packfunc.engine.local import LocalInputs
+from packfunc.engine.memory import is_plain
 from packfunc.engine.ops import SiteCall
 from packfunc.engine.rules.local import LocalRule, as_local
 
 _TRAILING = frozenset({F.layer_norm, F.rms_norm})
 """Norms whose parameters cover the trailing dims (``normalized_shape``); others dim 1."""
+
+_FUSED_DTYPES = frozenset({torch.float32, torch.float64})
+"""Dtypes in which a channel norm's weight columns take :func:`_fused_weight_columns`."""
 
 
 class AffineNorm(LocalRule):
@@ -37,6 +46,10 @@ class AffineNorm(LocalRule):
         role = _role(local, param)
         if role is None:
             return super().columns(x, g, call, param)
+        if role == "weight":
+            fused = _fused_weight_columns(local, g)
+            if fused is not None:
+                return fused
         product = g * _normalized(local) if role == "weight" else g
         trailing = local.func in _TRAILING  # parameters over the last dims, else over dim 1
         dims = range(2, g.dim() - param.dim()) if trailing else range(3, g.dim())
@@ -72,6 +85,83 @@ def _argument_names(
     for entry, name in zip(layout, entries):
         names.extend([name] if entry is None else [None] * entry[1])
     return tuple(names)
+
+
+def _fused_weight_columns(local: LocalInputs, g: Tensor) -> Tensor | None:
+    """A channel norm's weight columns ``[K, n, C]`` without forming ``x̂``, where that applies.
+
+    ``Σ_positions g ⊙ (x − μ) / σ`` per sample and channel is the weight gradient of a
+    batch norm over ``[1, n·C, positions]`` with the sample's own ``μ`` and ``1/σ`` as
+    saved statistics: one pass over ``g`` and ``x``, where forming ``x̂`` and the product
+    writes and reads two more tensors of ``x``'s size.
+
+    Args:
+        local: The recorded call of :data:`NORM_RULES`.
+        g: Its output cotangents ``[K, n, C, ...]``.
+
+    Returns:
+        The weight's column gradients; ``None`` for a norm over trailing dims, a
+        dtype outside :data:`_FUSED_DTYPES`, or tensors in autograd or a transform.
+    """
+    if local.func in _TRAILING:
+        return None
+    arguments = local.arguments
+    named = dict(
+        zip(_argument_names(local.func, arguments.layout, arguments.keys), arguments.values)
+    )
+    x = named["input"]
+    if x.dtype not in _FUSED_DTYPES or g.dtype != x.dtype or not is_plain(x, g):
+        return None
+    n, channels = x.shape[0], x.shape[1]
+    rows = x.reshape(1, n * channels, -1)
+    mean, inverse_std = (t.reshape(-1) for t in _channel_statistics(local.func, named))
+    sums = [
+        _weight_gradient(column.reshape(rows.shape), rows, mean, inverse_std)
+        for column in g.unbind(0)
+    ]
+    return torch.stack(sums).view(g.shape[0], n, channels)
+
+
+def _weight_gradient(g: Tensor, x: Tensor, mean: Tensor, inverse_std: Tensor) -> Tensor:
+    """``Σ_positions g ⊙ (x − mean) · inverse_std`` per channel of ``x [1, C, positions]``."""
+    found = torch.ops.aten.native_batch_norm_backward(
+        g, x, None, None, None, mean, inverse_std, True, 0.0, [False, True, False]
+    )
+    return cast(Tensor, found[1])
+
+
+def _channel_statistics(
+    func: Callable[..., Any], named: dict[str | None, Any]
+) -> tuple[Tensor, Tensor]:
+    """The mean and inverse standard deviation of each sample's channels, ``[n, C]`` each.
+
+    The input's own over each sample's groups (group norm), channels (instance norm) or
+    the batch (batch norm in training); else the running statistics the call used.
+    """
+    settings: dict[str | None, Any] = {**_defaults(func), **named}
+    x: Tensor = settings["input"]
+    n, channels = x.shape[0], x.shape[1]
+    if func is F.group_norm:
+        groups = settings["num_groups"]
+        var, mean = torch.var_mean(x.reshape(n, groups, -1), dim=2, unbiased=False)
+        var, mean = (t.repeat_interleave(channels // groups, dim=1) for t in (var, mean))
+    elif func is F.instance_norm and settings["use_input_stats"]:
+        var, mean = torch.var_mean(x.reshape(n, channels, -1), dim=2, unbiased=False)
+    elif func is F.batch_norm and settings["training"]:
+        over = (0, *range(2, x.dim()))
+        var, mean = (t.expand(n, channels) for t in torch.var_mean(x, dim=over, unbiased=False))
+    else:
+        var, mean = (
+            settings[k].to(x.dtype).expand(n, channels) for k in ("running_var", "running_mean")
+        )
+    return mean, (var + settings["eps"]).rsqrt()
+
+
+@functools.cache
+def _defaults(func: Callable[..., Any]) -> dict[str | None, Any]:
+    """``func``'s keyword defaults by name."""
+    parameters = inspect.signature(func).parameters.values()
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
 
 
 def _normalized(local: LocalInputs) -> Tensor:
