@@ -379,6 +379,8 @@ def test_private_gradient_transformation() -> None:
     found, _ = noisy.update(None, noisy.init(params), params, empty)
     z = torch.cat([v.flatten() for v in found.values()]) / sum(c**2 for c in bounds) ** 0.5
     assert 0.7 < z.std().item() < 1.3  # the noise alone, at σ·√Σ C_i²
+    with pytest.raises(TypeError, match="needs the batch X, y"):  # not the noise alone
+        noisy.update(None, noisy.init(params), params, (X, None))
 
 
 def test_clipped_grad_needs_little_more_memory_than_a_plain_backward() -> None:

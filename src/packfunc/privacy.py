@@ -349,7 +349,7 @@ def private_gradient(
             raise ValueError("private_gradient needs params and the batch (X, y) at every step.")
         X, y = batch
         total: PyTree
-        if y is None or len(y) == 0:
+        if y is not None and len(y) == 0:  # an empty Poisson batch: the noise alone
             total = cast(PyTree, optree.tree_map(torch.zeros_like, cast(Any, params)))
         else:
             total = clipped_grad(model_fn, params, X, y, loss=summed, max_norm=max_norm)
