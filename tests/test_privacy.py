@@ -442,3 +442,46 @@ def test_clipped_grad_forms_normalization_gradients_during_the_backward(monkeypa
     batch = pf.batch_grad(forward, params, X, y, loss=loss)
     expected = {k: g.sum(0) for k, g in pf.clip_per_sample(batch, 0.3).items()}
     assert_trees_close(found, expected)
+
+
+def test_a_gradient_that_cancels_over_positions_is_clipped_not_nan() -> None:
+    """The Gram form of a squared norm that cancels rounds below zero in float32; it is
+    clamped: no NaN in the norms and none spread into every clipped sum."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 64, bias=False)
+    model_fn, params = pf.functional(layer)
+    X = torch.randn(3, 1, 64).expand(3, 2, 64).contiguous()  # the same input at both positions
+    with torch.no_grad():
+        out = layer(X)
+    residual = torch.randn(3, 1, 64, generator=torch.Generator().manual_seed(10))
+    y = torch.cat([out[:, :1] + residual, out[:, 1:] - residual], 1)  # each gradient ~ 0
+    loss = nn.MSELoss(reduction="sum")
+    assert bool((pf.batch_l2_grad(model_fn, params, X, y, loss=loss)["weight"] >= 0).all())
+    found = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=1.0)
+    expected = _clipped_mean_by_loop(autograd_batch_grad(layer, loss, X, y), 1.0)
+    torch.testing.assert_close(found["weight"], 3 * expected["weight"], atol=1e-5, rtol=0)
+
+
+class _SumPooled(nn.Module):
+    """Embedding or linear features summed over positions: autograd expands their cotangent."""
+
+    def __init__(self, embedding: bool):
+        super().__init__()
+        self.features = nn.Embedding(10, 4) if embedding else nn.Linear(64, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).sum(1))
+
+
+@pytest.mark.parametrize("embedding", [True, False])
+def test_cotangents_expanded_over_positions_are_reweighted_in_a_copy(embedding: bool) -> None:
+    """A stride-0 cotangent (the gradient of a sum) is not scaled in place: that raised."""
+    torch.manual_seed(0)
+    model = _SumPooled(embedding).double()
+    X = torch.randint(0, 10, (8, 5)) if embedding else torch.randn(8, 2, 64, dtype=torch.float64)
+    y, loss = torch.randint(0, 3, (8,)), nn.CrossEntropyLoss(reduction="sum")
+    model_fn, params = pf.functional(model)
+    found = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=0.5)
+    expected = _clipped_mean_by_loop(autograd_batch_grad(model, loss, X, y), 0.5)
+    assert_trees_close(found, {k: 8 * g for k, g in expected.items()})

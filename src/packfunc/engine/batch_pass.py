@@ -570,12 +570,13 @@ def _scaled(t: Tensor, weights: Tensor, *, in_place: bool = False) -> Tensor:
 def _alone(tensors: list[Tensor], other: Tensor | None) -> list[int]:
     """The positions in ``tensors`` of those that can be changed in place alone.
 
-    Such a tensor needs no gradient and shares its memory with no other of ``tensors``
-    and not with ``other`` (if given).
+    Such a tensor needs no gradient, shares its memory with no other of ``tensors`` and
+    not with ``other`` (if given), and no two of its elements share memory (a cotangent
+    autograd expanded from a sum over positions does).
 
     Example:
         >>> t = torch.ones(4)
-        >>> _alone([t, t[:2], torch.ones(2)], torch.ones(1))
+        >>> _alone([t, t[:2], torch.ones(2), torch.ones(1).expand(3)], torch.ones(1))
         [2]
     """
     pointers = [t.untyped_storage().data_ptr() for t in tensors]
@@ -583,8 +584,25 @@ def _alone(tensors: list[Tensor], other: Tensor | None) -> list[int]:
     return [
         i
         for i, (t, p) in enumerate(zip(tensors, pointers))
-        if pointers.count(p) == 1 and p not in taken and not t.requires_grad
+        if pointers.count(p) == 1 and p not in taken and not t.requires_grad and _disjoint(t)
     ]
+
+
+def _disjoint(t: Tensor) -> bool:
+    """Whether no two elements of ``t`` share memory (judged from its strides, conservatively).
+
+    Example:
+        >>> _disjoint(torch.ones(2, 3).T), _disjoint(torch.ones(2, 1).expand(2, 3))
+        (True, False)
+    """
+    reach = 0  # the largest offset the dims taken so far reach
+    for size, stride in sorted(
+        (d for d in zip(t.shape, t.stride()) if d[0] > 1), key=lambda d: d[1]
+    ):
+        if stride <= reach:
+            return False
+        reach += (size - 1) * stride
+    return True
 
 
 def _stack(tensors: list[Tensor]) -> Tensor:

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from packfunc.engine.ops import SiteCall
 from packfunc.engine.rules.base import Route, Rule
-from packfunc.engine.rules.product import ProductWeight, gram_is_cheaper
+from packfunc.engine.rules.product import ProductWeight, gram_is_cheaper, gram_squared_norms
 from packfunc.engine.vocabulary import Statistic
 
 
@@ -69,7 +69,7 @@ class LinearWeight(ProductWeight):
         u, v = x.reshape(x.shape[0], -1, n_in), g[0].reshape(x.shape[0], -1, n_out)
         if u.shape[1] == 1:
             return u.square().sum((1, 2)) * v.square().sum((1, 2))
-        return ((u @ u.mT) * (v @ v.mT)).sum((1, 2))
+        return gram_squared_norms(v @ v.mT, u @ u.mT)
 
     def canonical(
         self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor

@@ -91,7 +91,7 @@ class ProductWeight(Rule):
             return None
         gram_g = g[0].transpose(-1, -2) @ g[0]
         gram_u = x[0].transpose(-1, -2) @ x[0]
-        return (gram_g * gram_u).sum((1, 2, 3))
+        return gram_squared_norms(gram_g, gram_u)
 
     def sums_positions(self, g: Tensor, approx: str) -> bool:
         """Unless ``"expand"`` keeps several positions apart."""
@@ -159,6 +159,28 @@ def gram_is_cheaper(length: int, n_in: int, n_out: int) -> bool:
         (True, False)
     """
     return length * (n_in + n_out) < n_in * n_out
+
+
+def gram_squared_norms(gram_v: Tensor, gram_u: Tensor) -> Tensor:
+    """``Σ_{l,m} (v_l·v_m)(u_l·u_m)`` per sample (dim 0): squared norms in Gram form, ``≥ 0``.
+
+    A sample whose gradient cancels over its positions has a squared norm of a few
+    rounding errors, which the Gram form can take below zero; it is clamped to zero (its
+    square root would be NaN, and so would every clipped sum it enters).
+
+    Args:
+        gram_v: Gram matrices of the output cotangents over positions, ``[N, ..., L, L]``.
+        gram_u: Those of the inputs, the same shape.
+
+    Returns:
+        ``[N]``.
+
+    Example:
+        >>> v, u = torch.tensor([[[1.0], [-1.0]]]), torch.ones(1, 2, 1)
+        >>> gram_squared_norms(v @ v.mT, u @ u.mT)
+        tensor([0.])
+    """
+    return (gram_v * gram_u).flatten(1).sum(1).clamp_(min=0)
 
 
 def _column_products(x: Tensor, g: Tensor) -> Tensor:
