@@ -141,3 +141,25 @@ def test_reduced_precision_works(dtype):
         torch.testing.assert_close(
             result[name].double(), reference[name], rtol=tol, atol=tol * scale
         )
+
+
+@pytest.mark.parametrize(
+    ("quantity", "keyword", "hint"),
+    [
+        ("clipped_grad", "noise_multiplier", None),
+        ("clipped_grad", "max_nrom", "max_norm"),
+        ("batch_grad", "chunksize", "chunk_size"),
+        ("diag_ggn", "mc_sample", "mc_samples"),
+    ],
+)
+def test_an_unknown_keyword_is_refused_not_ignored(quantity, keyword, hint):
+    """An ignored keyword changes nothing silently (``noise_multiplier=`` would add no noise)."""
+    model_fn, params = _mlp()
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    options = {"max_norm": 1.0} if quantity == "clipped_grad" else {}
+    message = f"unexpected keyword arguments \\['{keyword}'\\]" + (
+        f".*did you mean '{hint}'" if hint else ""
+    )
+    for batch in ({"X": X, "y": Y}, {"data": [(X, Y)]}):
+        with pytest.raises(TypeError, match=message):
+            getattr(pf, quantity)(model_fn, params, **batch, loss=loss, **options, **{keyword: 1})

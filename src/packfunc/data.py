@@ -29,7 +29,9 @@ Only one batch's intermediate state is alive at a time.
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass
 from functools import partial
@@ -106,6 +108,8 @@ def over_data(spec: Quantity | None, required: tuple[str, ...] = ()) -> Callable
     """
 
     def decorate(function: F) -> F:
+        keywords = _keyword_names(function)
+
         @functools.wraps(function)
         @public_entry
         def wrapper(
@@ -120,6 +124,7 @@ def over_data(spec: Quantity | None, required: tuple[str, ...] = ()) -> Callable
             process_group: ProcessGroup | None = None,
             **options: Any,
         ) -> Any:
+            _check_keywords(function.__name__, options, keywords)
             for name in required[len(args) :]:
                 if options.get(name) is None:
                     raise TypeError(f"{function.__name__}() needs the argument {name!r}.")
@@ -144,6 +149,36 @@ def over_data(spec: Quantity | None, required: tuple[str, ...] = ()) -> Callable
         return wrapper  # type: ignore[return-value]
 
     return decorate
+
+
+def _keyword_names(function: Callable[..., Any]) -> frozenset[str]:
+    """The names ``function`` takes by keyword (not those its ``**kwargs`` would swallow)."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    parameters = inspect.signature(function).parameters.values()
+    return frozenset(p.name for p in parameters if p.kind in kinds)
+
+
+def _check_keywords(name: str, options: dict[str, Any], keywords: frozenset[str]) -> None:
+    """Refuse a keyword the function does not take (ignored, it would change nothing, silently).
+
+    A typo, or ``noise_multiplier=`` given to ``clipped_grad``, is an error.
+
+    Raises:
+        TypeError: naming the unknown keywords and the closest known ones.
+    """
+    unknown = sorted(set(options) - keywords)
+    if not unknown:
+        return
+    known = sorted(keywords - {"model_fn", "params", "X", "y"} | set(DataOptions.__annotations__))
+    hints = {word: difflib.get_close_matches(word, known, n=1) for word in unknown}
+    close = "; ".join(
+        f"{word!r}: did you mean {found[0]!r}?" for word, found in hints.items() if found
+    )
+    raise TypeError(
+        f"{name}() got unexpected keyword arguments {unknown}"
+        + (f" ({close})" if close else "")
+        + f". It takes {', '.join(known)}."
+    )
 
 
 @public_entry
