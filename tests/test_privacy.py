@@ -485,3 +485,53 @@ def test_cotangents_expanded_over_positions_are_reweighted_in_a_copy(embedding: 
     found = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=0.5)
     expected = _clipped_mean_by_loop(autograd_batch_grad(model, loss, X, y), 0.5)
     assert_trees_close(found, {k: 8 * g for k, g in expected.items()})
+
+
+def test_bounds_by_name_number_like_or_refused() -> None:
+    """``max_norm`` per parameter by name equals the list in leaf order; a 0-d tensor or a
+    numpy float is a bound; NaN, a missing name, or a partial ``batch_l2`` are refused."""
+    import numpy as np
+
+    model, loss, X, y = _problem()
+    model_fn, params = pf.functional(model)
+    names = sorted(params)  # the flattening order of a dict
+    bounds = dict(zip(names, [0.1, 0.2, 0.3, 0.4]))
+    by_list = pf.clipped_grad(
+        model_fn, params, X, y, loss=loss, max_norm=[bounds[k] for k in names]
+    )
+    by_name = pf.clipped_grad(
+        model_fn, params, X, y, loss=loss, max_norm=dict(reversed(bounds.items()))
+    )
+    assert_trees_close(by_name, by_list)
+    one = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=0.5)
+    for like in (np.float32(0.5), torch.tensor(0.5)):
+        assert_trees_close(pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=like), one)
+    with pytest.raises(ValueError, match="missing \\['2.bias'\\], unknown \\['2.b'\\]"):
+        wrong = {**{k: 1.0 for k in names if k != "2.bias"}, "2.b": 1.0}
+        pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=wrong)
+    with pytest.raises(ValueError, match="max_norm > 0"):
+        pf.clipped_grad(
+            model_fn, params, X, y, loss=loss, max_norm={k: float("nan") for k in names}
+        )
+    dp = pf.privacy.private_gradient(
+        model_fn,
+        max_norm=bounds,
+        noise_multiplier=1.0,
+        expected_batch_size=1,
+        loss=loss,
+        generator=torch.Generator().manual_seed(0),
+    )
+    noise, _ = dp.update(None, dp.init(params), params, (X[:0], y[:0]))
+    z = torch.cat([v.flatten() for v in noise.values()]) / 0.3**0.5  # √Σ C_i²
+    assert 0.5 < z.std().item() < 1.5
+    batch = autograd_batch_grad(model, loss, X, y)
+    nan = float("nan")
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        pf.clip_and_noise(batch, 1.0, nan)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        pf.privacy.add_noise(one, 1.0, nan)
+    with pytest.raises(ValueError, match="max_norm must be positive"):
+        pf.clip_per_sample(batch, nan)
+    partial_l2 = {"0.weight": batch["0.weight"].flatten(1).square().sum(1)}
+    with pytest.raises(ValueError, match="one \\[N\\] tensor of squared norms per leaf"):
+        pf.clip_per_sample(batch, 1.0, batch_l2=partial_l2)

@@ -10,7 +10,8 @@ requested quantity shares one forward and one pullback; quantities made of other
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import optree
@@ -316,14 +317,15 @@ def clipped_leaf_sums(
 
     Args:
         bp: The batch pass.
-        max_norm: The bound ``C > 0``, or one bound per leaf (each leaf clipped alone).
+        max_norm: The bound ``C > 0``, or one bound per leaf (each leaf clipped alone):
+            see :func:`clipping_bounds`.
         last: No pullback through ``bp`` follows (its graph is freed as this one goes).
 
     Returns:
         One clipped sum per leaf.
 
     Raises:
-        ValueError: for a missing or non-positive ``max_norm``.
+        ValueError: for a missing or non-positive ``max_norm`` (see :func:`clipping_bounds`).
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
@@ -332,24 +334,66 @@ def clipped_leaf_sums(
         >>> [s.shape for s in clipped_leaf_sums(bp, 1.0)]
         [torch.Size([2]), torch.Size([2, 3])]
     """
-    bound: float | list[float]
-    if isinstance(max_norm, (int, float)):
-        bounds = [float(max_norm)]
-        bound = bounds[0]
-    else:
-        bounds = list(max_norm or [])
-        bound = bounds
-    if not bounds or not all(b > 0 for b in bounds):
-        raise ValueError(f"clipping needs max_norm > 0; got max_norm={max_norm!r}.")
-    if isinstance(bound, list) and len(bounds) != len(bp.leaves):
-        raise ValueError(
-            f"max_norm has {len(bounds)} bounds for {len(bp.leaves)} parameters "
-            f"({bp.names}): pass one number, or one per parameter in that order."
-        )
+    bound = clipping_bounds(max_norm, bp.names)
     return clipped_sums(bp, bound, CLIPPING_EPS, last=last)
 
 
+def clipping_bounds(max_norm: MaxNorm | None, names: list[str]) -> float | list[float]:
+    """``max_norm`` checked: one bound, or one per leaf in the leaves' order.
+
+    Args:
+        max_norm: A real number (a 0-d tensor too); a sequence of them, one per leaf in
+            the flattening order of ``params``; or a mapping from each leaf's name (as
+            :func:`~packfunc.functionalize.flatten_params` names it: a dict's keys) to
+            its bound.
+        names: The leaves' names, in order.
+
+    Returns:
+        The bound, or the list of bounds.
+
+    Raises:
+        TypeError: for another kind of value.
+        ValueError: for a bound that is not positive (NaN included), or bounds that do
+            not match the leaves one to one.
+
+    Example:
+        >>> clipping_bounds({"w": 1, "b": 2.0}, ["b", "w"])
+        [2.0, 1.0]
+    """
+    if isinstance(max_norm, numbers.Real) or (isinstance(max_norm, Tensor) and max_norm.dim() == 0):
+        return _positive([float(max_norm)], max_norm)[0]
+    if isinstance(max_norm, Mapping):
+        missing, unknown = sorted(set(names) - set(max_norm)), sorted(set(max_norm) - set(names))
+        if missing or unknown:
+            raise ValueError(
+                f"max_norm names {sorted(max_norm)}, the parameters are {names}: missing "
+                f"{missing}, unknown {unknown}. Give one bound per parameter name."
+            )
+        return _positive([float(max_norm[name]) for name in names], max_norm)
+    if isinstance(max_norm, Sequence) and not isinstance(max_norm, str):
+        if len(max_norm) != len(names):
+            raise ValueError(
+                f"max_norm has {len(max_norm)} bounds for {len(names)} parameters ({names}): "
+                "pass one number, one per parameter in that order, or a dict {name: bound}."
+            )
+        return _positive([float(b) for b in max_norm], max_norm)
+    if max_norm is None:
+        raise ValueError("clipping needs max_norm > 0; got max_norm=None.")
+    raise TypeError(
+        "max_norm must be a number, a list of numbers (one per parameter) or a dict "
+        f"{{name: bound}}; got {type(max_norm).__name__}."
+    )
+
+
+def _positive(bounds: list[float], given: object) -> list[float]:
+    """``bounds`` if every one is positive (NaN is not)."""
+    if not bounds or not all(b > 0 for b in bounds):
+        raise ValueError(f"clipping needs max_norm > 0; got max_norm={given!r}.")
+    return bounds
+
+
 __all__ = [
+    "clipping_bounds",
     "compute_batch",
     "evaluate",
     "one_quantity",

@@ -15,7 +15,8 @@ attacker who could predict it, draw it from a cryptographically secure source in
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal, cast
 
 import optree
@@ -66,7 +67,8 @@ def clipped_grad(
 
     Args:
         max_norm: The bound ``C > 0`` on each sample's gradient norm over all of ``params``;
-            or one bound per leaf of ``params`` (flattening order), each leaf's per-sample
+            or one bound per leaf of ``params`` (a dict ``{name: C_i}``, or a list in the
+            flattening order: a dict's sorted keys), each leaf's per-sample
             gradient clipped alone (opacus' per-layer clipping; the step's sensitivity is then
             ``√Σ C_i²``).
         loss: A ``torch.nn`` loss with ``reduction='sum'``, each sample's own loss
@@ -124,7 +126,7 @@ def add_noise(
         >>> add_noise({"w": torch.zeros(3)}, 1.0, 0.0)["w"]
         tensor([0., 0., 0.])
     """
-    if noise_multiplier < 0 or not max_norm > 0:
+    if not (noise_multiplier >= 0 and 0 < max_norm < math.inf):  # (NaN fails both)
         raise ValueError(
             f"add_noise needs noise_multiplier >= 0 and max_norm > 0; got {noise_multiplier!r}"
             f" and {max_norm!r}."
@@ -331,8 +333,7 @@ def private_gradient(
     if not expected_batch_size > 0:
         raise ValueError(f"expected_batch_size must be positive; got {expected_batch_size!r}.")
     summed = loss or default_loss("sum")
-    # the sensitivity of the clipped sum: C, or √Σ C_i² with one bound per parameter
-    bound = max_norm if isinstance(max_norm, (int, float)) else sum(c**2 for c in max_norm) ** 0.5
+    bound = _sensitivity(max_norm)
 
     def init(params: PyTree) -> EmptyState:
         """No state."""
@@ -358,6 +359,19 @@ def private_gradient(
         return cast(PyTree, scaled), state
 
     return GradientTransformation(init, update)
+
+
+def _sensitivity(max_norm: MaxNorm) -> float:
+    """The clipped sum's L2 sensitivity: ``C``, or ``√Σ C_i²`` with one bound per parameter."""
+    if isinstance(max_norm, Mapping):
+        bounds = [float(c) for c in max_norm.values()]
+    elif isinstance(max_norm, Sequence) and not isinstance(max_norm, str):
+        bounds = [float(c) for c in max_norm]
+    else:
+        bounds = [float(max_norm)]
+    if not bounds or not all(0 < c < math.inf for c in bounds):
+        raise ValueError(f"clipping needs finite bounds max_norm > 0; got {max_norm!r}.")
+    return math.sqrt(sum(c**2 for c in bounds))
 
 
 Accountant = Literal["rdp", "prv"]
@@ -481,7 +495,7 @@ def clip_per_sample(batch_grads: ParamsT, max_norm: float, *, batch_l2: PyTree =
         tensor([[0.6000, 0.8000],
                 [0.3000, 0.4000]])
     """
-    if max_norm <= 0:
+    if not max_norm > 0:  # (NaN is not)
         raise ValueError(f"max_norm must be positive, got {max_norm}")
     leaves, treespec = optree.tree_flatten(cast(Any, batch_grads))
     num_samples = _num_samples(leaves)
@@ -489,6 +503,14 @@ def clip_per_sample(batch_grads: ParamsT, max_norm: float, *, batch_l2: PyTree =
         squared_norms = [g.reshape(num_samples, -1).square().sum(1) for g in leaves]
     else:
         squared_norms = optree.tree_leaves(cast(Any, batch_l2))
+        if len(squared_norms) != len(leaves) or any(
+            s.shape != (num_samples,) for s in squared_norms
+        ):
+            raise ValueError(
+                f"batch_l2 must hold one [N] tensor of squared norms per leaf of batch_grads "
+                f"({len(leaves)} leaves, N={num_samples}); got shapes "
+                f"{[tuple(s.shape) for s in squared_norms]}."
+            )
     norms = torch.stack(squared_norms).sum(0).sqrt()
     factors = (max_norm / (norms + CLIPPING_EPS)).clamp(max=1.0)
     clipped = [g * factors.view(-1, *[1] * (g.dim() - 1)).to(g.dtype) for g in leaves]
@@ -541,7 +563,7 @@ def clip_and_noise(
         >>> grad["weight"].shape
         torch.Size([2, 3])
     """
-    if noise_multiplier < 0:
+    if not noise_multiplier >= 0:  # (NaN is not)
         raise ValueError(f"noise_multiplier must be non-negative, got {noise_multiplier}")
     clipped = clip_per_sample(batch_grads, max_norm, batch_l2=batch_l2)
     num_samples = _num_samples(optree.tree_leaves(cast(Any, clipped)))

@@ -49,8 +49,9 @@ else:
     FactorTree = Factors | Mapping[str, _Factors] | Sequence[_Factors] | None
 """Kronecker factors shaped like ``params`` (``None`` for a parameter without a rule)."""
 
-MaxNorm = float | Sequence[float]
-"""A clipping bound: one for all parameters together, or one per parameter (leaf order)."""
+MaxNorm = float | Sequence[float] | Mapping[str, float]
+"""A clipping bound: one for all parameters together, or one per parameter (in leaf order,
+or by name)."""
 
 Samples = Sequence[int] | Tensor | None
 """Sample indices (``None``: every sample)."""

@@ -439,3 +439,36 @@ def test_clipped_grad_extension_matches_the_functional_api():
     mean = extend(torch.nn.CrossEntropyLoss())
     with pytest.raises(ValueError, match="reduction='sum'"), backpack(ClippedGrad(0.2)):
         mean(model(X), y).backward()
+
+
+def test_clipped_grad_extension_clips_the_trainable_parameters_by_their_own_bounds():
+    """A frozen parameter is outside the norm (as in ``pf.clipped_grad`` on the trainable
+    ones, DPOptimizer and opacus); bounds, one per trainable parameter, follow
+    ``model.parameters()`` order (not the sorted names); an int bound is a bound."""
+    import packfunc as pf
+    from packfunc.compat import backpack, extend
+    from packfunc.compat.extensions import ClippedGrad
+
+    torch.manual_seed(0)
+    model = extend(
+        torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    ).double()
+    X, y = torch.randn(7, 4, dtype=torch.float64), torch.randint(0, 3, (7,))
+    lossfunc = extend(torch.nn.CrossEntropyLoss(reduction="sum"))
+    model[0].weight.requires_grad_(False)
+    model_fn, params = pf.functional(model)
+    trainable = {k: v for k, v in params.items() if k != "0.weight"}
+    bounds = {"0.bias": 1e3, "2.weight": 1e-2, "2.bias": 1e3}  # model.parameters() order
+    for max_norm, expected_bound in ((1, 1.0), (list(bounds.values()), bounds)):
+        with backpack(ClippedGrad(max_norm)):
+            lossfunc(model(X), y).backward()
+        expected = pf.clipped_grad(
+            model_fn, trainable, X, y, loss=lossfunc, max_norm=expected_bound
+        )
+        for name, p in model.named_parameters():
+            assert (name in trainable) == hasattr(p, "grad_clipped")
+            if name in trainable:
+                torch.testing.assert_close(p.grad_clipped, expected[name])
+    too_few = backpack(ClippedGrad([1.0, 1.0]))
+    with pytest.raises(ValueError, match="2 clipping bounds for 3 trainable"), too_few:
+        lossfunc(model(X), y).backward()

@@ -68,7 +68,11 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         )
     X = record.args[0] if len(record.args) == 1 else record.args
     differentiable = torch.is_grad_enabled()
-    model_fn, params = pf.functional(model)
+    model_fn, every_param = pf.functional(model)
+    # as BackPACK: the parameters that require gradients (a frozen one is a constant, and
+    # outside the norm ClippedGrad clips)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    params = {name: every_param[name] for name in names}
     results: dict[str, dict[str, Any]] = {}
     passes: dict[bool, BatchPass] = {}
     for ext in ctx.extensions:
@@ -87,12 +91,11 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         with torch.set_grad_enabled(differentiable):
             if _computes_statistic(job):
                 results[ext.savefield] = evaluate(
-                    passes[job.second_order], (job.name,), **dict(job.options)
+                    passes[job.second_order], (job.name,), **_options(job, names)
                 )[job.name]
             else:
                 results[ext.savefield] = _compute(job, fn, params, X, y, loss)
         results[ext.savefield].update(_module_extensions(ext, job, record, route, gradient))
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
     for ext in ctx.extensions:
         for name in names:
             if name in results[ext.savefield]:
@@ -104,6 +107,25 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         ext.job().quantity.family is Family.PRODUCTS for ext in ctx.extensions
     ):
         forget_inputs_and_outputs(record, route.loss.module if route.loss else None)
+
+
+def _options(job: Job, names: list[str]) -> dict[str, Any]:
+    """The job's options, one bound per parameter (a tuple, in the model's order) by name.
+
+    Raises:
+        ValueError: for a number of bounds other than of trainable parameters.
+    """
+    options = dict(job.options)
+    bounds = options.get("max_norm")
+    if isinstance(bounds, tuple):
+        if len(bounds) != len(names):
+            raise ValueError(
+                f"{len(bounds)} clipping bounds for {len(names)} trainable parameters "
+                f"({names}): give one per parameter that requires grad, in "
+                "model.parameters() order."
+            )
+        options["max_norm"] = dict(zip(names, bounds))
+    return options
 
 
 def _second_order_problem(

@@ -15,7 +15,8 @@ class ClippedGrad(BackpropExtension):
     """``Σ_n g_n · min(1, C / ‖g_n‖)`` per parameter (norms over all of them): ``grad_clipped``.
 
     Args:
-        max_norm: The bound ``C > 0``, or one bound per trainable parameter.
+        max_norm: The bound ``C > 0``, or one bound per trainable parameter (in
+            ``model.parameters()`` order), each clipped alone by its own norm.
 
     Example:
         >>> ClippedGrad(1.0).savefield
@@ -28,5 +29,8 @@ class ClippedGrad(BackpropExtension):
 
     def job(self) -> Job:
         """The clipped sum, with the extended loss (its reduction must be ``'sum'``)."""
-        bound = self.max_norm if isinstance(self.max_norm, float) else tuple(self.max_norm)
+        if isinstance(self.max_norm, (list, tuple)):
+            bound: float | tuple[float, ...] = tuple(self.max_norm)
+        else:
+            bound = float(self.max_norm)
         return Job(SPECS["clipped_grad"], (("max_norm", bound),))
