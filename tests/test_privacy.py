@@ -324,6 +324,33 @@ def test_dp_optimizer_steps_with_the_private_gradient() -> None:
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
 
 
+def test_dp_optimizer_follows_the_parameters_at_each_step() -> None:
+    """New values (``vector_to_parameters`` rebinds ``.data``) and a layer frozen or
+    unfrozen after construction are seen: the norm covers what is trained now."""
+    model, loss, X, y = _problem()
+    model[2].weight.requires_grad_(False)
+    opt = pf.privacy.DPOptimizer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        max_norm=0.3,
+        noise_multiplier=0.0,
+        expected_batch_size=1,
+        loss=loss,
+    )
+    flat = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    torch.nn.utils.vector_to_parameters(flat, model.parameters())
+    model[0].weight.requires_grad_(False)
+    model[2].weight.requires_grad_(True)
+    opt.step(batch=(X, y))
+    model_fn, params = pf.functional(model)
+    trained = {k: v for k, v in params.items() if k != "0.weight"}
+    expected = pf.clipped_grad(model_fn, trained, X, y, loss=loss, max_norm=0.3)
+    assert model[0].weight.grad is None
+    for name, p in model.named_parameters():
+        if name in trained:
+            torch.testing.assert_close(p.grad, expected[name])
+
+
 def test_clipped_grad_per_parameter_bounds(case) -> None:
     """One bound per leaf: each leaf's per-sample gradient clipped alone (opacus' per-layer)."""
     problem = make_problem(case, "cross_entropy", "sum", n=4)

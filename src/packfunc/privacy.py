@@ -234,7 +234,9 @@ class DPOptimizer:
     ``step(batch=(X, y))`` sets each trainable parameter's ``.grad`` to
     ``(clipped_grad + N(0, σ²C²)) / expected_batch_size`` for that batch (one forward and
     one backward, no per-sample gradients; the model is only read) and steps the wrapped
-    optimizer. An empty batch (Poisson sampling) gives the noise alone.
+    optimizer. An empty batch (Poisson sampling) gives the noise alone. The parameters
+    clipped together are, at each step, the model's parameters in the optimizer that
+    require grad, at their current values (``p.data = ...``, ``model.to(...)`` are seen).
 
     Args:
         model: The module being trained (its trainable parameters are clipped together).
@@ -265,8 +267,8 @@ class DPOptimizer:
         loss: nn.Module | None = None,
         generator: torch.Generator | None = None,
     ):
-        self.optimizer = optimizer
-        model_fn, params = functional(model)  # parameters that share the module's memory
+        self.model, self.optimizer = model, optimizer
+        model_fn, _ = functional(model)
         self.private = private_gradient(
             model_fn,
             max_norm=max_norm,
@@ -275,8 +277,6 @@ class DPOptimizer:
             loss=loss,
             generator=generator,
         )
-        self.trainable = {k: p for k, p in model.named_parameters() if p.requires_grad}
-        self.params = {k: params[k] for k in self.trainable}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the wrapped optimizer's gradients."""
@@ -288,10 +288,31 @@ class DPOptimizer:
         Args:
             batch: ``(X, y)``, possibly empty.
         """
-        grads, _ = self.private.update(None, EmptyState(), self.params, batch)
-        for name, parameter in self.trainable.items():
+        trainable = self._trainable()
+        params = {name: p.detach() for name, p in trainable.items()}  # their memory now
+        grads, _ = self.private.update(None, EmptyState(), params, batch)
+        for name, parameter in trainable.items():
             parameter.grad = cast(dict[str, Tensor], grads)[name]
         self.optimizer.step()
+
+    def _trainable(self) -> dict[str, nn.Parameter]:
+        """The model's parameters the optimizer steps that require grad, at this step.
+
+        (As opacus: clipped together, and only those; a layer frozen or unfrozen between
+        steps is followed.)
+        """
+        stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        found = {
+            name: p
+            for name, p in self.model.named_parameters()
+            if p.requires_grad and id(p) in stepped
+        }
+        if not found:
+            raise ValueError(
+                "DPOptimizer: none of the optimizer's parameters is a parameter of the model "
+                "that requires grad; nothing to train."
+            )
+        return found
 
 
 def private_gradient(
