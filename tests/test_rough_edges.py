@@ -172,3 +172,56 @@ def test_vmapped_attention_does_not_warn():
         pf.batch_grad(lambda p, x: model_fn(p, x).mean(1), params, X3, y3)
         pf.diag_ggn(lambda p, x: model_fn(p, x).mean(1), params, X3, y3)
     assert not [w for w in caught if "performance drop" in str(w.message)]
+
+
+class _RunningCentered(nn.Module):
+    """Centres its input by a running mean it updates in training mode (a buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+        self.register_buffer("mean", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return self.linear(x - self.mean)
+
+
+def test_a_forward_that_updates_a_buffer_is_run_once_per_call_as_in_training():
+    """Discovery's one-sample forward puts the buffers back: the first call's gradient is
+    at the user's state and the buffer moves once, as in a plain training step."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _RunningCentered()
+    plain = copy.deepcopy(model)
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    model_fn, params = pf.functional(model)
+    found = pf.clipped_grad(model_fn, params, X, Y, loss=loss, max_norm=1e9)  # no clipping
+    loss(plain(X), Y).backward()
+    torch.testing.assert_close(model.mean, plain.mean)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(found[name], p.grad)
+
+
+def test_a_rerun_of_a_model_that_updates_a_buffer_is_refused():
+    """spectral_norm in training mode advances its power iteration in each forward: the
+    whole-model path's re-run would see another weight, so it is refused."""
+    torch.manual_seed(0)
+    layer = nn.utils.parametrizations.spectral_norm(nn.Linear(3, 4))
+    model = nn.Sequential(layer, nn.Tanh(), nn.Linear(4, 2))
+    model_fn, params = pf.functional(model)
+    with pytest.raises(ValueError, match="changes its buffer '0.parametrizations.weight.0._u'"):
+        pf.batch_grad(model_fn, params, X, Y)
+    model.eval()
+    expected = {}
+    for n in range(len(X)):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(X[n : n + 1]), Y[n : n + 1]).backward()
+        for name, p in model.named_parameters():
+            expected.setdefault(name, []).append(p.grad.clone())
+    found = pf.batch_grad(model_fn, params, X, Y, loss=nn.CrossEntropyLoss(reduction="sum"))
+    for name, grads in expected.items():
+        torch.testing.assert_close(found[name], torch.stack(grads), atol=1e-6, rtol=1e-5)

@@ -179,15 +179,24 @@ class BatchPass:
         )
 
     def check_rerun(self, rerun: str) -> None:
-        """Refuse to run the model again for values if it draws random numbers.
+        """Refuse to run the model again for values if it draws random numbers or changes a buffer.
 
         Args:
             rerun: What would run it, for the message (e.g. ``"the whole-model path"``).
 
         Raises:
             RandomModelError: if discovery saw the model draw random numbers.
+            ValueError: if discovery saw its forward change a buffer.
         """
         refuse_rerun(self.plan.random, rerun)
+        if self.plan.updated_buffer is not None:
+            raise ValueError(
+                f"the model changes its buffer {self.plan.updated_buffer!r} in its forward pass "
+                f"(a running statistic, spectral norm's power iteration), and {rerun} runs it "
+                "again, which would see other values than the forward pass whose loss is "
+                "reported. Call model.eval() before computing this, or request only parameters "
+                "on op-local paths (pf.explain shows each parameter's path)."
+            )
 
     @property
     def loss_value(self) -> Tensor:

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, cast
 
 import optree
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from packfunc.engine.attention import ATTENTION_OPS
 from packfunc.engine.local import CallArguments, LocalInputs, Source
@@ -131,6 +131,8 @@ class Plan:
     uses: list[Use] = field(default_factory=list)
     reasons: dict[int, str] = field(default_factory=dict)
     random: str | None = None
+    updated_buffer: str | None = None
+    """A buffer the forward changes (a running statistic), by name: a re-run would differ."""
     rewritten_ops: set[Callable[..., Any]] = field(default_factory=set)
     """The functions of the calls on parameters that were decomposed or changed (an RNN,
     attention, BatchNorm; see :data:`~packfunc.engine.modes.REWRITTEN_OPS`)."""
@@ -407,11 +409,12 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
     module = module_of(model_fn)
     buffers = list(module.buffers()) if module is not None else []
     mode = _DiscoveryMode(LeafIndex(leaves), X_first, buffers)
-    with private_generators(leaves) as drew:
+    with private_generators(leaves) as drew, kept_buffers(module) as changed:
         with torch.no_grad(), mode:
             out = model_fn(params, X_first)
         if mode.plan.random is None and drew():
             mode.plan.random = "a call that draws from torch's default random generator"
+    mode.plan.updated_buffer = changed[0] if changed else None
     if not (isinstance(out, Tensor) and out.dim() and out.shape[0] == 1):
         shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(
@@ -419,6 +422,46 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
             "whose leading dimension is the batch dimension."
         )
     return mode.plan
+
+
+@contextlib.contextmanager
+def kept_buffers(module: nn.Module | None) -> Iterator[list[str]]:
+    """Put ``module``'s buffers back as they were: discovery's forward is not the user's.
+
+    A forward that updates a buffer (a running mean, spectral norm's power iteration) would
+    otherwise update it once more, with one sample, before the batch's own forward.
+
+    Args:
+        module: The module of a :func:`packfunc.functional` model, or ``None`` (nothing kept).
+
+    Yields:
+        A list that names, once the block is left, the buffers it changed.
+
+    Example:
+        >>> norm = torch.nn.BatchNorm1d(2)
+        >>> with kept_buffers(norm) as changed:
+        ...     _ = norm(torch.randn(4, 2))
+        >>> norm.running_mean, changed
+        (tensor([0., 0.]), ['running_mean', 'running_var', 'num_batches_tracked'])
+    """
+    named = [
+        (owner, f"{prefix}.{name}" if prefix else name, name, buffer, buffer.clone())
+        for prefix, owner in (module.named_modules() if module is not None else ())
+        for name, buffer in owner.named_buffers(recurse=False)
+        if buffer.device.type != "meta"
+    ]
+    changed: list[str] = []
+    try:
+        yield changed
+    finally:
+        with torch.no_grad():
+            for owner, qualified, name, buffer, value in named:
+                if owner._buffers.get(name) is not buffer:  # rebound
+                    owner._buffers[name] = buffer
+                    changed.append(qualified)
+                elif not torch.equal(buffer, value):
+                    buffer.copy_(value)
+                    changed.append(qualified)
 
 
 _PLANS: weakref.WeakKeyDictionary[ModelFn, tuple[Hashable, Plan]] = weakref.WeakKeyDictionary()
