@@ -14,6 +14,7 @@ import weakref
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import packfunc as pf
@@ -297,8 +298,21 @@ def test_argument_errors() -> None:
         pf.per_batch(pf.diag_ggn, model_fn, params, data=data, **kw)
     with pytest.raises(RuntimeError, match="init_process_group"):
         pf.diag_ggn(model_fn, params, data=data, process_group=object(), **kw)
-    with pytest.raises(ValueError, match="no batch"):
+    with pytest.raises(ValueError, match="no non-empty batch"):
         pf.diag_ggn(model_fn, params, data=[], **kw)
+
+
+def test_empty_batches_add_nothing_to_aggregates() -> None:
+    """An empty batch (Poisson sampling) in ``data=`` adds nothing to a sum over batches."""
+    torch.manual_seed(0)
+    model_fn, params = pf.functional(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    X, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    data = [(X[:2], y[:2]), (X[:0], y[:0]), (X[2:], y[2:])]
+    for quantity, options in (("clipped_grad", {"max_norm": 0.5}), ("diag_ggn", {})):
+        found = getattr(pf, quantity)(model_fn, params, data=data, loss=loss, **options)
+        expected = getattr(pf, quantity)(model_fn, params, X, y, loss=loss, **options)
+        assert_trees_close(found, expected)
 
 
 def test_one_shot_iterator_for_sums() -> None:

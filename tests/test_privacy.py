@@ -250,6 +250,9 @@ def test_poisson_batches_include_each_example_with_probability_q() -> None:
     assert len(set(sizes)) > 5
     empty = next(iter(pf.privacy.PoissonBatches(3, 1e-9, steps=1)))
     assert empty.numel() == 0
+    for steps in (0, -1):
+        with pytest.raises(ValueError, match="steps >= 1"):
+            pf.privacy.PoissonBatches(3, 0.5, steps=steps)
 
 
 def test_accounting_equals_opacus() -> None:

@@ -225,3 +225,65 @@ def test_a_rerun_of_a_model_that_updates_a_buffer_is_refused():
     found = pf.batch_grad(model_fn, params, X, Y, loss=nn.CrossEntropyLoss(reduction="sum"))
     for name, grads in expected.items():
         torch.testing.assert_close(found[name], torch.stack(grads), atol=1e-6, rtol=1e-5)
+
+
+class _ScaleOldStyle(torch.autograd.Function):
+    """``x * w`` with its own backward (no ``setup_context``: no torch.func transforms)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, g * x
+
+
+class _Scale(torch.autograd.Function):
+    """``x * w`` with its own backward, usable under ``vmap``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, w):
+        return x * w
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, g * x
+
+
+class _CustomScaled(nn.Module):
+    def __init__(self, function: type[torch.autograd.Function]) -> None:
+        super().__init__()
+        self.function = function
+        self.scale = nn.Parameter(torch.randn(3))
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.function.apply(x, self.scale))
+
+
+def test_a_parameter_inside_a_custom_autograd_function_takes_the_whole_model():
+    """Its call inside the Function's forward has no graph to tap: the parameter's
+    gradients come from the whole model (exact), or torch names the fix (setup_context)."""
+    torch.manual_seed(0)
+    model = _CustomScaled(_Scale)
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    model_fn, params = pf.functional(model)
+    found = pf.batch_grad(model_fn, params, X, Y, loss=loss)
+    for n in range(len(X)):
+        model.zero_grad()
+        loss(model(X[n : n + 1]), Y[n : n + 1]).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(found[name][n], p.grad)
+    model_fn, params = pf.functional(_CustomScaled(_ScaleOldStyle))
+    with pytest.raises(RuntimeError, match="setup_context"):
+        pf.batch_grad(model_fn, params, X, Y, loss=loss)

@@ -391,6 +391,7 @@ def _over_dataset(
         stream = _streamed(spec.name, batches, partials, _sum_reduced(loss), scale)
         return stream if source.data is not None else next(stream)  # X, y: the one result
     kronecker = {s.name for s in specs if s.combine is Combine.KRONECKER}
+    batches = (batch for batch in batches if len(batch[1]))  # an empty one adds nothing
     totals, samples, normalizer = _summed(batches, partials, loss, source.group, device, kronecker)
     scale = 1 / normalizer if loss.reduction == "mean" else 1.0
     result = {s.name: _finish(s, totals, scale, samples, options) for s in specs}
@@ -502,7 +503,9 @@ def _summed(
         [float(samples), float(normalizer), float(totals is None)], group, device
     )
     if empty or totals is None:
-        raise ValueError("data= yielded no batch (on at least one rank); pass non-empty shards.")
+        raise ValueError(
+            "data= yielded no non-empty batch (on at least one rank); pass non-empty shards."
+        )
     return sum_over_ranks(totals, group), samples_all, normalizer_all
 
 

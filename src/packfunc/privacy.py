@@ -211,10 +211,10 @@ class PoissonBatches:
         steps: int | None = None,
         generator: torch.Generator | None = None,
     ):
-        if size < 1 or not 0 < sample_rate <= 1:
+        if size < 1 or not 0 < sample_rate <= 1 or (steps is not None and steps < 1):
             raise ValueError(
-                f"PoissonBatches needs size >= 1 and 0 < sample_rate <= 1; got {size!r} and "
-                f"{sample_rate!r}."
+                f"PoissonBatches needs size >= 1, 0 < sample_rate <= 1 and steps >= 1; got "
+                f"{size!r}, {sample_rate!r} and {steps!r}."
             )
         self.size, self.sample_rate, self.generator = size, sample_rate, generator
         self.steps = steps if steps is not None else max(1, round(1 / sample_rate))

@@ -176,6 +176,10 @@ class _RecordMode(ParameterMode):
 
     def _probed(self, k: int, out: Tensor, probe: Tensor) -> Tensor:
         if self.mark:  # autograd: the output itself is differentiated
+            if out.grad_fn is None:  # no graph here (inside a custom autograd.Function's
+                self.failed.add(k)  # forward, or no_grad): the leaves take the whole model
+                self.inputs.pop(k, None)
+                return out
             self.outputs[k] = get_gradient_edge(out)  # still right if out is changed in place
             return out
         return out + probe
