@@ -303,6 +303,20 @@ def test_clipped_grad_materializes_no_per_sample_gradient(monkeypatch, shape) ->
     assert_trees_close(pf.clipped_grad(forward, params, X, y, loss=loss, max_norm=0.2), expected)
 
 
+def _noiseless_dp_sgd(
+    model: nn.Module, loss: nn.Module, *, lr: float, expected_batch_size: int
+) -> pf.privacy.DPOptimizer:
+    """DP-SGD on ``model`` with ``C = 0.3`` and no noise."""
+    return pf.privacy.DPOptimizer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=lr),
+        max_norm=0.3,
+        noise_multiplier=0.0,
+        expected_batch_size=expected_batch_size,
+        loss=loss,
+    )
+
+
 def test_dp_optimizer_steps_with_the_private_gradient() -> None:
     """Without noise, ``.grad`` is the clipped sum over the expected batch size; the inner
     optimizer steps; the module's parameters are the ones updated."""
@@ -310,14 +324,7 @@ def test_dp_optimizer_steps_with_the_private_gradient() -> None:
     model_fn, params = pf.functional(model)
     expected = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=0.3)
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    opt = pf.privacy.DPOptimizer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.5),
-        max_norm=0.3,
-        noise_multiplier=0.0,
-        expected_batch_size=6,
-        loss=loss,
-    )
+    opt = _noiseless_dp_sgd(model, loss, lr=0.5, expected_batch_size=6)
     opt.step(batch=(X, y))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name] / 6)
@@ -332,14 +339,7 @@ def test_dp_optimizer_follows_the_parameters_at_each_step() -> None:
     unfrozen after construction are seen: the norm covers what is trained now."""
     model, loss, X, y = _problem()
     model[2].weight.requires_grad_(False)
-    opt = pf.privacy.DPOptimizer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.0),
-        max_norm=0.3,
-        noise_multiplier=0.0,
-        expected_batch_size=1,
-        loss=loss,
-    )
+    opt = _noiseless_dp_sgd(model, loss, lr=0.0, expected_batch_size=1)
     flat = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
     torch.nn.utils.vector_to_parameters(flat, model.parameters())
     model[0].weight.requires_grad_(False)
@@ -397,7 +397,16 @@ def test_private_gradient_transformation() -> None:
     expected = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=0.3)
     assert_trees_close(updates, {k: -0.5 * g / 6 for k, g in expected.items()})
     bounds = [0.1, 0.2, 0.2, 0.4]
-    noisy = pf.privacy.private_gradient(
+    noisy = _unit_noise(model_fn, loss, bounds)
+    found, _ = noisy.update(None, noisy.init(params), params, (X[:0], y[:0]))
+    assert 0.7 < _over_sensitivity(found, bounds).std().item() < 1.3  # the noise alone
+    with pytest.raises(TypeError, match="needs the batch X, y"):  # not the noise alone
+        noisy.update(None, noisy.init(params), params, (X, None))
+
+
+def _unit_noise(model_fn, loss: nn.Module, bounds) -> object:
+    """``private_gradient`` with ``σ = 1`` over a batch size of 1, seeded."""
+    return pf.privacy.private_gradient(
         model_fn,
         max_norm=bounds,
         noise_multiplier=1.0,
@@ -405,12 +414,12 @@ def test_private_gradient_transformation() -> None:
         loss=loss,
         generator=torch.Generator().manual_seed(0),
     )
-    empty = (X[:0], y[:0])
-    found, _ = noisy.update(None, noisy.init(params), params, empty)
-    z = torch.cat([v.flatten() for v in found.values()]) / sum(c**2 for c in bounds) ** 0.5
-    assert 0.7 < z.std().item() < 1.3  # the noise alone, at σ·√Σ C_i²
-    with pytest.raises(TypeError, match="needs the batch X, y"):  # not the noise alone
-        noisy.update(None, noisy.init(params), params, (X, None))
+
+
+def _over_sensitivity(found: dict, bounds) -> torch.Tensor:
+    """Every value of ``found`` divided by the sensitivity ``√Σ C_i²``."""
+    values = bounds.values() if isinstance(bounds, dict) else bounds
+    return torch.cat([v.flatten() for v in found.values()]) / sum(c**2 for c in values) ** 0.5
 
 
 def test_clipped_grad_needs_little_more_memory_than_a_plain_backward() -> None:
@@ -543,17 +552,9 @@ def test_bounds_by_name_number_like_or_refused() -> None:
         pf.clipped_grad(
             model_fn, params, X, y, loss=loss, max_norm={k: float("nan") for k in names}
         )
-    dp = pf.privacy.private_gradient(
-        model_fn,
-        max_norm=bounds,
-        noise_multiplier=1.0,
-        expected_batch_size=1,
-        loss=loss,
-        generator=torch.Generator().manual_seed(0),
-    )
+    dp = _unit_noise(model_fn, loss, bounds)
     noise, _ = dp.update(None, dp.init(params), params, (X[:0], y[:0]))
-    z = torch.cat([v.flatten() for v in noise.values()]) / 0.3**0.5  # √Σ C_i²
-    assert 0.5 < z.std().item() < 1.5
+    assert 0.5 < _over_sensitivity(noise, bounds).std().item() < 1.5
     batch = autograd_batch_grad(model, loss, X, y)
     nan = float("nan")
     with pytest.raises(ValueError, match="noise_multiplier"):
