@@ -358,3 +358,19 @@ def test_a_python_number_read_from_a_parameter_is_a_constant():
         ]
     )
     torch.testing.assert_close(grads["w"], expected)
+
+
+def test_normalizing_again_leaves_the_running_statistics_alone():
+    """``x̂`` of a batch norm in training (the unfused path: other dtypes, transforms) uses
+    the batch's statistics without updating the running ones a second time."""
+    from packfunc.engine.local import CallArguments, LocalInputs
+    from packfunc.engine.rules.norm import _normalized
+
+    x, mean, var = torch.randn(4, 3, 5), torch.zeros(3), torch.ones(3)
+    weight, bias = torch.ones(3), torch.zeros(3)
+    arguments = CallArguments.of((x, mean, var, weight, bias, True), {})
+    local = LocalInputs(
+        F.batch_norm, arguments, {3: 0, 4: 1}, (0,), frozenset(), {0: weight, 1: bias}
+    )
+    torch.testing.assert_close(_normalized(local), F.batch_norm(x, None, None, training=True))
+    assert torch.equal(mean, torch.zeros(3)) and torch.equal(var, torch.ones(3))
