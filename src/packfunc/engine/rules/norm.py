@@ -105,16 +105,13 @@ def _fused_weight_columns(local: LocalInputs, g: Tensor) -> Tensor | None:
     """
     if local.func in _TRAILING:
         return None
-    arguments = local.arguments
-    named = dict(
-        zip(_argument_names(local.func, arguments.layout, arguments.keys), arguments.values)
-    )
-    x = named["input"]
+    settings = _settings(local)
+    x = settings["input"]
     if x.dtype not in _FUSED_DTYPES or g.dtype != x.dtype or not is_plain(x, g):
         return None
     n, channels = x.shape[0], x.shape[1]
     rows = x.reshape(1, n * channels, -1)
-    mean, inverse_std = (t.reshape(-1) for t in _channel_statistics(local.func, named))
+    mean, inverse_std = (t.reshape(-1) for t in _channel_statistics(local.func, settings))
     sums = [
         _weight_gradient(column.reshape(rows.shape), rows, mean, inverse_std)
         for column in g.unbind(0)
@@ -131,15 +128,15 @@ def _weight_gradient(g: Tensor, x: Tensor, mean: Tensor, inverse_std: Tensor) ->
 
 
 def _channel_statistics(
-    func: Callable[..., Any], named: dict[str | None, Any]
+    func: Callable[..., Any], settings: dict[str | None, Any]
 ) -> tuple[Tensor, Tensor]:
     """The mean and inverse standard deviation of each sample's channels, ``[n, C]`` each.
 
     The input's own over each sample's groups (group norm), channels (instance norm) or
     the batch (batch norm in training), from PyTorch's group-norm kernel (``var_mean`` is
-    15 times slower on CPU); else the running statistics the call used.
+    15 times slower on CPU); else the running statistics the call used (``settings``: the
+    call's arguments by name, see :func:`_settings`).
     """
-    settings: dict[str | None, Any] = {**_defaults(func), **named}
     x: Tensor = settings["input"]
     n, channels, eps = x.shape[0], x.shape[1], settings["eps"]
     if func is F.group_norm:
@@ -168,6 +165,13 @@ def _group_statistics(x: Tensor, groups: int, eps: float) -> tuple[Tensor, Tenso
     return cast(Tensor, found[1]), cast(Tensor, found[2])
 
 
+def _settings(local: LocalInputs) -> dict[str | None, Any]:
+    """The recorded call's arguments by name, the function's defaults for those not given."""
+    arguments = local.arguments
+    names = _argument_names(local.func, arguments.layout, arguments.keys)
+    return {**_defaults(local.func), **dict(zip(names, arguments.values))}
+
+
 @functools.cache
 def _defaults(func: Callable[..., Any]) -> dict[str | None, Any]:
     """``func``'s keyword defaults by name."""
@@ -180,7 +184,7 @@ def _normalized(local: LocalInputs) -> Tensor:
     arguments = local.arguments
     names = _argument_names(local.func, arguments.layout, arguments.keys)
     dropped = {"weight", "bias"}
-    settings = {**_defaults(local.func), **dict(zip(names, arguments.values))}
+    settings = _settings(local)
     if (local.func is F.instance_norm and settings["use_input_stats"]) or (
         local.func is F.batch_norm and settings["training"]
     ):
