@@ -206,6 +206,29 @@ def test_columns_come_from_the_grouped_convolution_for_one_column_and_enough_cha
     assert routes == [Route.CALL, Route.CANONICAL, Route.CANONICAL, Route.CALL]
 
 
+def test_an_rgb_stem_takes_the_grouped_convolution_once_its_unfolded_input_is_large():
+    """Past the CPU limit the stem's columns come from the grouped convolution, not unfolding."""
+    rule, call = ConvWeight(), SiteCall(SIGNATURES[torch.conv2d], (), (("groups", 1),))
+    stem = torch.empty(16, 3, 3, 3)
+
+    def stem_route(n: int) -> Route:
+        x, g = torch.empty(n, 3, 32, 32), torch.empty(1, n, 16, 32, 32)
+        return rule.route(Statistic.COLUMNS, x, g, call, stem)
+
+    # 27 · 1024 float32 elements unfolded per sample: 108 KiB; 32 MiB at N = 303.4
+    assert (stem_route(303), stem_route(304)) == (Route.CANONICAL, Route.CALL)
+
+
+def test_a_large_stem_matches_the_loop_without_unfolding(no_unfold, monkeypatch):
+    """The grouped route for few channels, chosen by size alone, against the autograd loop."""
+    monkeypatch.setattr(conv_rules, "GROUPED_MIN_CHANNELS", 8)
+    monkeypatch.setattr(conv_rules, "UNFOLD_CPU_LIMIT_BYTES", 0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Flatten(), nn.Linear(4 * 25, 3))
+    X, y = torch.randn(4, 3, 5, 5, dtype=torch.float64), torch.randint(0, 3, (4,))
+    _assert_first_order_matches_the_loop(model.double(), nn.CrossEntropyLoss(), X, y)
+
+
 def test_gram_route_matches_autograd_loop():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(16, 16, 3), nn.Flatten(), nn.Linear(16 * 4, 3)).double()

@@ -33,7 +33,16 @@ GROUPED_MIN_CHANNELS = 8
 """Channels per group (the weight's dim 1) from which per-sample weight gradients come from
 one grouped convolution rather than the unfolded input: measured on CPU (2 threads, 3×3
 kernels, 32×32 and 16×16 inputs) the grouped convolution is 2–4× faster from 8 channels
-up and about 2× slower for 1–6 channels."""
+up and about 2× slower for 1–6 channels while the unfolded input is small (see
+:data:`UNFOLD_CPU_LIMIT_BYTES`)."""
+
+UNFOLD_CPU_LIMIT_BYTES = 32 * 2**20
+"""Unfolded-input size above which a CPU convolution with few channels per group takes the
+grouped convolution too. glibc maps allocations above 32 MiB fresh on every call, so such
+an unfolded input pays a page fault per 4 KiB written: measured on CPU (2 threads, 3×3
+kernels, 1–6 channels, 16×16 and 32×32 inputs) unfolding jumps from 0.7–0.9× the grouped
+convolution's time below 32 MiB to 1.8–2.9× above it, where the grouped convolution also
+holds no unfolded copy."""
 
 
 def _per_dim(value: int | tuple[int, ...] | list[int], dims: int) -> list[int]:
@@ -237,7 +246,8 @@ class ConvWeight(ProductWeight):
 
         Several columns (the GGN's) share one unfolded input: the grouped convolution
         would copy the input once per column. Below :data:`GROUPED_MIN_CHANNELS` channels
-        per group (an RGB stem) the grouped convolution is slower than unfolding.
+        per group (an RGB stem) the grouped convolution is slower than unfolding, unless
+        the unfolded input would pass :data:`UNFOLD_CPU_LIMIT_BYTES` on CPU.
 
         The canonical closed forms of squares exist for one position (``L = 1``) and,
         for squared norms of one column, as the Gram form when it is cheaper than the
@@ -247,7 +257,10 @@ class ConvWeight(ProductWeight):
         if stat is Statistic.SUM:
             return Route.CALL
         if stat is Statistic.COLUMNS:
-            grouped = one_column and param.shape[1] >= GROUPED_MIN_CHANNELS
+            grouped = one_column and (
+                param.shape[1] >= GROUPED_MIN_CHANNELS
+                or self._unfolds_past_limit(x, g, call, param)
+            )
             return Route.CALL if grouped else Route.CANONICAL
         # canonical positions: the output's; transposed (cotangent unfolded), the input's
         length = math.prod(x.shape[2:] if call.transposed else g.shape[3:])
@@ -258,6 +271,11 @@ class ConvWeight(ProductWeight):
         if stat is Statistic.SQUARED_NORMS and one_column and gram_is_cheaper(length, n_in, n_out):
             return Route.CANONICAL
         return Route.MATERIALIZED
+
+    def _unfolds_past_limit(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> bool:
+        """Whether unfolding would allocate more than :data:`UNFOLD_CPU_LIMIT_BYTES` on CPU."""
+        per_sample = self.canonical_input_size(x, g, call, param) * x.element_size()
+        return x.device.type == "cpu" and per_sample * x.shape[0] > UNFOLD_CPU_LIMIT_BYTES
 
     def from_call(
         self, stat: Statistic, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
