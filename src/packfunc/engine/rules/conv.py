@@ -33,15 +33,15 @@ GROUPED_MIN_CHANNELS = 8
 """Channels per group (the weight's dim 1) from which per-sample weight gradients come from
 one grouped convolution rather than the unfolded input: measured on CPU (2 threads, 3×3
 kernels, 32×32 and 16×16 inputs) the grouped convolution is 2–4× faster from 8 channels
-up and about 2× slower for 1–6 channels while the unfolded input is small (see
+up and 1.1–1.8× slower for 1–6 channels while the unfolded input is small (see
 :data:`UNFOLD_CPU_LIMIT_BYTES`)."""
 
 UNFOLD_CPU_LIMIT_BYTES = 32 * 2**20
 """Unfolded-input size above which a CPU convolution with few channels per group takes the
 grouped convolution too. glibc maps allocations above 32 MiB fresh on every call, so such
 an unfolded input pays a page fault per 4 KiB written: measured on CPU (2 threads, 3×3
-kernels, 1–6 channels, 16×16 and 32×32 inputs) unfolding jumps from 0.7–0.9× the grouped
-convolution's time below 32 MiB to 1.8–2.9× above it, where the grouped convolution also
+kernels, 1–6 channels, 16×16 and 32×32 inputs) unfolding takes 0.55–1.1× the grouped
+convolution's time below 32 MiB and 1.45–2.9× above it, where the grouped convolution also
 holds no unfolded copy."""
 
 
