@@ -217,6 +217,9 @@ def test_an_rgb_stem_takes_the_grouped_convolution_once_its_unfolded_input_is_la
 
     # 27 · 1024 float32 elements unfolded per sample: 108 KiB; 32 MiB at N = 303.4
     assert (stem_route(303), stem_route(304)) == (Route.CANONICAL, Route.CALL)
+    transposed = SiteCall(SIGNATURES[torch.conv_transpose2d], (), (("groups", 1),))
+    x, g = torch.empty(4096, 3, 32, 32), torch.empty(1, 4096, 3, 34, 34)
+    assert rule.route(Statistic.COLUMNS, x, g, transposed, stem) == Route.CANONICAL
 
 
 def test_a_large_stem_matches_the_loop_without_unfolding(no_unfold, monkeypatch):

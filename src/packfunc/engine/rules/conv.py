@@ -273,9 +273,15 @@ class ConvWeight(ProductWeight):
         return Route.MATERIALIZED
 
     def _unfolds_past_limit(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> bool:
-        """Whether unfolding would allocate more than :data:`UNFOLD_CPU_LIMIT_BYTES` on CPU."""
+        """Whether the unfolded input would pass :data:`UNFOLD_CPU_LIMIT_BYTES` on CPU.
+
+        Transposed convolutions (whose cotangent is unfolded instead) keep their route: the
+        limit was measured on convolutions.
+        """
+        if call.transposed or x.device.type != "cpu":
+            return False
         per_sample = self.canonical_input_size(x, g, call, param) * x.element_size()
-        return x.device.type == "cpu" and per_sample * x.shape[0] > UNFOLD_CPU_LIMIT_BYTES
+        return per_sample * x.shape[0] > UNFOLD_CPU_LIMIT_BYTES
 
     def from_call(
         self, stat: Statistic, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
