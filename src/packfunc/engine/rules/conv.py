@@ -33,8 +33,8 @@ GROUPED_MIN_CHANNELS = 8
 """Channels per group (the weight's dim 1) from which per-sample weight gradients come from
 one grouped convolution rather than the unfolded input: measured on CPU (2 threads, 3×3
 kernels, 32×32 and 16×16 inputs) the grouped convolution is 2–4× faster from 8 channels
-up and 1.1–1.8× slower for 1–6 channels while the unfolded input is small (see
-:data:`UNFOLD_CPU_LIMIT_BYTES`)."""
+up, and for 1–6 channels 1.1–1.8× slower at small batches (within 10 % at 6 channels and a
+few hundred samples) until the unfolded input passes :data:`UNFOLD_CPU_LIMIT_BYTES`."""
 
 UNFOLD_CPU_LIMIT_BYTES = 32 * 2**20
 """Unfolded-input size above which a CPU convolution with few channels per group takes the
