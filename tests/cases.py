@@ -41,6 +41,20 @@ class SharedLayer(nn.Module):
         return self.out(torch.tanh(self.shared(h)))
 
 
+class SharedSubmodule(nn.Module):
+    """One Linear registered at two paths (``Sequential(layer, act, layer)``): one slot."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        layer = nn.Linear(4, 4)
+        self.body = nn.Sequential(layer, nn.Tanh(), layer)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.body(torch.tanh(self.inp(x)))))
+
+
 class RawParameter(nn.Module):
     """A raw nn.Parameter used in a matmul, plus a Linear."""
 
@@ -306,6 +320,7 @@ CASES: dict[str, Case] = {
             _randn(3),
         ),
         Case("shared_layer", SharedLayer, _randn(3)),
+        Case("shared_submodule", SharedSubmodule, _randn(3)),
         Case("raw_parameter", RawParameter, _randn(3)),
         Case(
             "custom_module",

@@ -10,9 +10,9 @@ from typing import Any, TypeVar, cast
 import optree
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from packfunc.engine.precision import forward_precision_only
+from packfunc.reparametrize import call_with_tensors
 from packfunc.types import ModelFn
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -25,7 +25,8 @@ def functional(module: nn.Module) -> tuple[ModelFn, dict[str, Tensor]]:
     """Split a module into a pure function and a dict of its parameters.
 
     The returned ``model_fn(params, X)`` evaluates ``module`` with the given
-    parameters (``torch.func.functional_call``); buffers (e.g. BatchNorm
+    parameters (as ``torch.func.functional_call`` does, see
+    :func:`~packfunc.reparametrize.call_with_tensors`); buffers (e.g. BatchNorm
     running statistics) and the train/eval mode are read from the module at
     call time. ``X`` is passed as ``module(X)``; a tuple is unpacked as
     ``module(*X)`` and a dict as ``module(**X)``. ``params`` may hold only some of
@@ -70,10 +71,10 @@ def functional(module: nn.Module) -> tuple[ModelFn, dict[str, Tensor]]:
 
     def model_fn(params: dict[str, Tensor], X: Any) -> Tensor:
         if isinstance(X, tuple):
-            return cast(Tensor, functional_call(module, params, X))
+            return cast(Tensor, call_with_tensors(module, params, X, {}))
         if isinstance(X, dict):
-            return cast(Tensor, functional_call(module, params, (), X))
-        return cast(Tensor, functional_call(module, params, (X,)))
+            return cast(Tensor, call_with_tensors(module, params, (), X))
+        return cast(Tensor, call_with_tensors(module, params, (X,), {}))
 
     _MODULES[model_fn] = module
     return model_fn, params

@@ -1,0 +1,170 @@
+"""Running a module on given tensors leaves every slot of the module as it was.
+
+``call_with_tensors`` is checked against ``torch.func.functional_call`` where that one is
+right, and against the module's own objects where it is not (a submodule at two paths).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+import packfunc as pf
+import packfunc.compat as compat
+from packfunc.reparametrize import call_with_tensors, named_slots
+from tests.cases import autograd_batch_grad, make_problem
+
+
+def _slots_of(model: nn.Module) -> dict[str, tuple[dict, str, Tensor, Tensor]]:
+    """Every slot with the object it holds and a copy of its values."""
+    return {
+        name: (store, key, store[key], store[key].detach().clone())
+        for name, (store, key) in named_slots(model).items()
+    }
+
+
+def _assert_slots_kept(before: dict[str, tuple[dict, str, Tensor, Tensor]]) -> None:
+    for name, (store, key, tensor, values) in before.items():
+        assert store[key] is tensor, f"{name} was replaced by another tensor"
+        assert torch.equal(tensor, values), f"{name} changed its values"
+
+
+def test_every_case_keeps_every_parameter_and_buffer(case):
+    problem = make_problem(case, n=3)
+    before = _slots_of(problem.model)
+    model_fn, params = problem.functional()
+    pf.compute(model_fn, params, problem.X, problem.y, loss=problem.loss, quantities=pf.FIRST_ORDER)
+    pf.diag_ggn(model_fn, params, problem.X, problem.y, loss=problem.loss)
+    _assert_slots_kept(before)
+
+
+class _Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = nn.Linear(3, 3)
+        self.body = nn.Sequential(layer, nn.Tanh(), layer)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.body(x))
+
+
+def test_a_submodule_at_two_paths_gets_its_own_parameters_back():
+    """torch 2.13's ``functional_call`` leaves the given tensor in it (pytorch#164759)."""
+    torch.manual_seed(0)
+    model, X = _Shared(), torch.randn(5, 3)
+    before = _slots_of(model)
+    zeros = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    assert torch.equal(call_with_tensors(model, zeros, (X,), {}), torch.zeros(5, 2))
+    _assert_slots_kept(before)
+    probe = _Shared()  # the torch bug this guards against, so that the test notices a fix
+    functional_call(probe, {"body.0.weight": torch.zeros(3, 3)}, (X,))
+    assert not isinstance(probe.body[0].weight, nn.Parameter)
+
+
+def test_batch_grad_of_a_submodule_at_two_paths_matches_the_loop_and_keeps_the_model():
+    torch.manual_seed(0)
+    model, X, y = _Shared().double(), torch.randn(5, 3).double(), torch.tensor([0, 1, 1, 0, 1])
+    loss = nn.CrossEntropyLoss()
+    before = _slots_of(model)
+    model_fn, params = pf.functional(model)
+    found = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    _assert_slots_kept(before)
+    expected = autograd_batch_grad(model, loss, X, y)
+    assert found.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(found[name], expected[name])
+
+
+def test_the_shim_keeps_a_submodule_at_two_paths():
+    torch.manual_seed(0)
+    model, X, y = compat.extend(_Shared()), torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    loss = compat.extend(nn.CrossEntropyLoss())
+    before = _slots_of(model)
+    with compat.backpack(compat.extensions.BatchGrad()):
+        loss(model(X), y).backward()
+    _assert_slots_kept(before)
+    assert model.body[0].weight.grad_batch.shape == (4, 3, 3)
+
+
+class _Tied(nn.Module):
+    """Two registered names of one parameter, a buffer and a plain tensor attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.b.weight = self.a.weight
+        self.register_buffer("shift", torch.ones(3))
+        self.scale = torch.tensor(2.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.a(x)) * self.scale + self.shift
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ("a.weight",),  # its tied name b.weight follows
+        ("b.weight", "a.bias"),
+        ("a.weight", "b.weight"),  # one tensor given for both
+        ("shift",),  # a buffer
+        ("scale",),  # a plain attribute: set for the call, as torch does
+        ("missing",),  # a name the module lacks
+        (),
+    ],
+)
+def test_values_equal_functional_call(names):
+    torch.manual_seed(0)
+    model, X = _Tied(), torch.randn(4, 3)
+    shared = torch.randn(3, 3)
+    given = {name: shared if "weight" in name else torch.randn(()) + 3 for name in names}
+    expected = functional_call(model, dict(given), (X,))
+    before = _slots_of(model)
+    torch.testing.assert_close(call_with_tensors(model, given, (X,), {}), expected, rtol=0, atol=0)
+    _assert_slots_kept(before)
+    assert torch.equal(model.scale, torch.tensor(2.0)) and not hasattr(model, "missing")
+
+
+def test_tied_names_given_different_tensors_are_refused():
+    model = _Tied()
+    given = {"a.weight": torch.zeros(3, 3), "b.weight": torch.ones(3, 3)}
+    with pytest.raises(ValueError, match="tied"):
+        call_with_tensors(model, given, (torch.randn(2, 3),), {})
+    assert isinstance(model.a.weight, nn.Parameter) and model.b.weight is model.a.weight
+
+
+class _Rebinding(nn.Module):
+    """Counts its calls in a buffer it rebinds, and fails when asked to."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: Tensor, fail: bool = False) -> Tensor:
+        self.calls = self.calls + 1
+        if fail:
+            raise RuntimeError("asked to fail")
+        return self.lin(x)
+
+
+def test_a_rebound_buffer_is_written_back_to_the_dict_as_torch_does():
+    model = _Rebinding()
+    own = model.calls
+    mine, theirs = {"calls": torch.zeros(())}, {"calls": torch.zeros(())}
+    call_with_tensors(model, mine, (torch.ones(1, 2),), {})
+    functional_call(model, theirs, (torch.ones(1, 2),))
+    assert torch.equal(mine["calls"], theirs["calls"]) and mine["calls"].item() == 1
+    assert model.calls is own and own.item() == 0
+
+
+def test_a_forward_that_raises_leaves_the_given_slots_as_they_were():
+    model = _Rebinding()
+    before = _slots_of(model.lin)  # (its buffer it rebinds itself)
+    with pytest.raises(RuntimeError, match="asked to fail"):
+        call_with_tensors(
+            model, {"lin.weight": torch.zeros(2, 2)}, (torch.ones(1, 2),), {"fail": True}
+        )
+    _assert_slots_kept(before)
