@@ -148,9 +148,9 @@ def _plus_gaussian(
     """Each leaf plus ``N(0, std²)`` noise, drawn on the generator's device.
 
     Consecutive leaves of one dtype and device draw their noise at once, up to
-    :data:`_NOISE_BUFFER` elements (a larger leaf draws its own), and get it added in place,
-    so that nothing beside the results is allocated; a leaf that requires grad gets it added
-    out of place.
+    :data:`_NOISE_BUFFER` elements (a larger leaf draws its own), and get it added in place in
+    one call, so that nothing beside the results is allocated; a group with a leaf that
+    requires grad gets it added out of place.
     """
     noisy: list[Tensor] = []
     for group in _noise_groups(leaves):
@@ -159,9 +159,12 @@ def _plus_gaussian(
         drawn_on = device if generator is None else generator.device
         z = torch.randn(sum(sizes), generator=generator, dtype=dtype, device=drawn_on)
         z = z.to(device).mul_(std)
-        for leaf, part in zip(group, z.split(sizes), strict=True):
-            part = part.view(leaf.shape)
-            noisy.append(leaf + part if leaf.requires_grad else part.add_(leaf))
+        parts = [part.view(leaf.shape) for leaf, part in zip(group, z.split(sizes), strict=True)]
+        if any(leaf.requires_grad for leaf in group):
+            noisy.extend(torch._foreach_add(group, parts))
+        else:  # into the noise itself: one call for the group, nothing allocated
+            torch._foreach_add_(parts, group)
+            noisy.extend(parts)
     return noisy
 
 
