@@ -78,15 +78,17 @@ def test_batch_grad_of_a_submodule_at_two_paths_matches_the_loop_and_keeps_the_m
         torch.testing.assert_close(found[name], expected[name])
 
 
-def test_the_shim_keeps_a_submodule_at_two_paths():
+def test_the_shim_keeps_a_submodule_at_two_paths_and_matches_the_loop():
     torch.manual_seed(0)
-    model, X, y = compat.extend(_Shared()), torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
-    loss = compat.extend(nn.CrossEntropyLoss())
+    model, X, y = _Shared().double(), torch.randn(4, 3).double(), torch.tensor([0, 1, 1, 0])
+    expected = autograd_batch_grad(model, nn.CrossEntropyLoss(), X, y)
+    model, loss = compat.extend(model), compat.extend(nn.CrossEntropyLoss())
     before = _slots_of(model)
     with compat.backpack(compat.extensions.BatchGrad()):
         loss(model(X), y).backward()
     _assert_slots_kept(before)
-    assert model.body[0].weight.grad_batch.shape == (4, 3, 3)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad_batch, expected[name])
 
 
 class _Tied(nn.Module):
