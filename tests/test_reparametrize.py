@@ -14,7 +14,7 @@ from torch.func import functional_call
 import packfunc as pf
 import packfunc.compat as compat
 from packfunc.reparametrize import call_with_tensors, named_slots
-from tests.cases import autograd_batch_grad, make_problem
+from tests.cases import HUGGING_FACE, autograd_batch_grad, hugging_face_problem, make_problem
 
 
 def _slots_of(model: nn.Module) -> dict[str, tuple[dict, str, Tensor, Tensor]]:
@@ -35,8 +35,21 @@ def test_every_case_keeps_every_parameter_and_buffer(case):
     problem = make_problem(case, n=3)
     before = _slots_of(problem.model)
     model_fn, params = problem.functional()
-    pf.compute(model_fn, params, problem.X, problem.y, loss=problem.loss, quantities=pf.FIRST_ORDER)
-    pf.diag_ggn(model_fn, params, problem.X, problem.y, loss=problem.loss)
+    X, y, loss = problem.X, problem.y, problem.loss
+    pf.compute(model_fn, params, X, y, loss=loss, quantities=pf.FIRST_ORDER)
+    pf.diag_ggn(model_fn, params, X, y, loss=loss)
+    pf.kfac(model_fn, params, X, y, loss=loss, on_unsupported="skip")
+    pf.hessian_vector_product(model_fn, params, X, y, params, loss=loss)
+    pf.clipped_grad(model_fn, params, X, y, loss=type(loss)(reduction="sum"), max_norm=1.0)
+    _assert_slots_kept(before)
+
+
+@pytest.mark.parametrize("name", list(HUGGING_FACE))
+def test_hugging_face_models_keep_every_parameter_and_buffer(name):
+    """Their tied embeddings included (GPT-2's head is its token embedding at a second name)."""
+    model, X, y = hugging_face_problem(name)
+    before = _slots_of(model)
+    pf.compute(*pf.functional(model), X, y, quantities=pf.FIRST_ORDER)
     _assert_slots_kept(before)
 
 
