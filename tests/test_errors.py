@@ -67,6 +67,72 @@ def test_output_without_batch_dimension():
         pf.batch_grad(lambda p, X: model_fn(p, X).sum(0), params, X, Y)
 
 
+class _SharedPositions(nn.Module):
+    """Tokens ``[N, T]`` and positions ``[T]`` shared by the batch (not batched: a misuse)."""
+
+    def __init__(self, length: int = 4):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(10, 3), nn.Embedding(length, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.tokens(tokens) + self.positions(positions)).mean(1))
+
+
+@pytest.mark.parametrize(
+    "quantity", [pf.batch_grad, pf.diag_ggn, pf.kfac, pf.sum_grad_squared, pf.variance]
+)
+def test_a_shared_input_as_long_as_the_batch_is_refused_not_mis_sliced(quantity):
+    """It passes every shape check: the first sample's output alone is what tells."""
+    torch.manual_seed(0)
+    model = _SharedPositions()
+    model_fn, params = pf.functional(model)
+    tokens, labels = torch.randint(0, 10, (4, 4)), torch.tensor([0, 1, 1, 0])
+    before = {k: v.clone() for k, v in params.items()}
+    with pytest.raises(ValueError, match=r"first sample alone.*expand it to \[N, \.\.\.\]"):
+        quantity(model_fn, params, (tokens, torch.arange(4)), labels)
+    assert all(torch.equal(before[k], params[k]) for k in params)
+    # expanded, it is batched: per-sample gradients match the loop
+    expanded = (tokens, torch.arange(4).expand(4, 4))
+    found = pf.batch_grad(model_fn, params, expanded, labels)
+    for n in range(4):
+        model.zero_grad()
+        (
+            nn.functional.cross_entropy(
+                model(tokens[n : n + 1], torch.arange(4)), labels[n : n + 1]
+            )
+            / 4
+        ).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(found[name][n], p.grad)
+
+
+class _Centered(nn.Module):
+    """Subtracts the batch mean: every sample's output depends on the others."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner(x)
+        return self.head(torch.tanh(h - h.mean(0)))
+
+
+def test_a_layer_that_mixes_samples_is_refused():
+    model_fn, params = pf.functional(_Centered())
+    with pytest.raises(ValueError, match="mixes samples"):
+        pf.batch_grad(model_fn, params, X, Y)
+
+
+def test_a_batch_of_one_and_dropout_pass_the_first_sample_check():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Tanh(), nn.Linear(4, 2)).train()
+    model_fn, params = pf.functional(model)
+    assert pf.batch_grad(model_fn, params, X, Y)["0.weight"].shape == (len(X), 4, 3)
+    assert pf.batch_grad(*_mlp(), X[:1], Y[:1])["0.weight"].shape[0] == 1
+
+
 def test_integer_params_are_refused():
     model_fn, params = _mlp()
     params = dict(params, step=torch.tensor(3))

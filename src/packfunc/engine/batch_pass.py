@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from packfunc.engine import whole_model
 from packfunc.engine.batch_record import BatchRecord, PlanMismatch, SiteConsumer, record
-from packfunc.engine.discovery import Plan, cached_discover, forget_plan
+from packfunc.engine.discovery import Plan, cached_discover, check_first_sample, forget_plan
 from packfunc.engine.memory import (
     OUTPUT_CHUNK_BUDGET,
     chunk_length,
@@ -158,6 +158,7 @@ class BatchPass:
             rewind()  # and run it on the random numbers the stopped pass began with
             self.plan, _ = cached_discover(model_fn, params, self.leaves, X)
             self.record = self._batch_pass(reuse)
+        check_first_sample(self.plan, self.record.output)  # a fresh plan's first sample
         failed = {leaf for k in self.record.failed for _, leaf in self.plan.sites[k].call.leaves}
         self.whole_model = sorted(self.plan.uncovered | failed)
         self._convolutional = any(

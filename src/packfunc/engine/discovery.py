@@ -33,6 +33,7 @@ from typing import Any, cast
 import optree
 import torch
 from torch import Tensor, nn
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 from packfunc.engine.attention import ATTENTION_OPS
 from packfunc.engine.local import CallArguments, LocalInputs, Source
@@ -136,6 +137,9 @@ class Plan:
     rewritten_ops: set[Callable[..., Any]] = field(default_factory=set)
     """The functions of the calls on parameters that were decomposed or changed (an RNN,
     attention, BatchNorm; see :data:`~packfunc.engine.modes.REWRITTEN_OPS`)."""
+    first_output: Tensor | None = None
+    """The model's output for the first sample alone, until a batch pass compared it with its
+    own first row (:func:`check_first_sample`)."""
 
     @property
     def rewritten(self) -> bool:
@@ -421,7 +425,67 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
             f"model_fn returned {shape} for a batch of one sample; it must return a tensor "
             "whose leading dimension is the batch dimension."
         )
+    mode.plan.first_output = out
     return mode.plan
+
+
+FIRST_SAMPLE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-2}
+"""Largest difference, relative to the output's largest entry, between the first sample's
+output alone and its row of the batch (rounding; TF32 on GPUs); half precision: 0.1."""
+
+
+def check_first_sample(plan: Plan, batch_output: Tensor) -> None:
+    """Refuse a batch whose first row is not the first sample's output alone, then drop it.
+
+    Per-sample quantities take sample ``n``'s output as a function of sample ``n`` alone,
+    with dim 0 of every input its batch dimension. An input shared by the batch whose
+    length happens to equal the batch size (positions ``[T]`` with ``T = N``) passes
+    every shape check, and a layer that mixes samples gives no error of its own: both
+    would give wrong values silently. Discovery ran the first sample alone; its output
+    must be the batch's first row, to rounding. Skipped for a model that draws random
+    numbers or changes a buffer (a run differs from the next), under ``torch.func``
+    transforms, and once the plan is cached (the signature already passed).
+
+    Args:
+        plan: A plan fresh from :func:`discover` (its ``first_output`` set).
+        batch_output: The batch pass's output of the whole batch.
+
+    Raises:
+        ValueError: if the two differ beyond rounding, naming both likely causes.
+
+    Example:
+        >>> layer = torch.nn.Linear(3, 2)
+        >>> fn, p = packfunc.functional(layer)
+        >>> X = torch.randn(4, 3)
+        >>> plan = discover(fn, p, list(p.values()), X[:1])
+        >>> check_first_sample(plan, layer(X))  # no error
+    """
+    first, plan.first_output = plan.first_output, None
+    if first is None or plan.random is not None or plan.updated_buffer is not None:
+        return
+    if is_functorch_wrapped_tensor(first) or is_functorch_wrapped_tensor(batch_output):
+        return  # (values under vmap cannot decide)
+    if not (first.is_floating_point() and batch_output.is_floating_point()):
+        return
+    row = batch_output.detach()[:1]
+    if row.shape == first.shape:
+        a, b = first.detach().double(), row.double()
+        dtype = min(first.dtype, batch_output.dtype, key=lambda d: torch.finfo(d).bits)
+        tolerance = FIRST_SAMPLE_TOLERANCE.get(dtype, 0.1)
+        difference = float((a - b).abs().max()) if a.numel() else 0.0
+        scale = float(b.abs().max()) if b.numel() else 0.0
+        if difference <= tolerance * max(scale, torch.finfo(dtype).tiny):
+            return
+        what = f"differs by up to {difference:.3g} (its largest entry: {scale:.3g})"
+    else:
+        what = f"has shape {tuple(first.shape)}, the batch's first row {tuple(row.shape)}"
+    raise ValueError(
+        f"the model's output for the first sample alone {what}: its row of the batch must "
+        "depend on that sample alone. Either an input is not batched along dim 0 (an input "
+        "shared by the batch whose length equals the batch size, e.g. positions [T] with "
+        "T = N: expand it to [N, ...] or close over it in model_fn), or a layer mixes "
+        "samples (batch statistics), which per-sample quantities cannot follow."
+    )
 
 
 @contextlib.contextmanager
