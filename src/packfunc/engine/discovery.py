@@ -24,6 +24,7 @@ RNN's zero initial state); the batch pass tells for sure.
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -434,6 +435,33 @@ FIRST_SAMPLE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-2}
 output alone and its row of the batch (rounding; TF32 on GPUs); half precision: 0.1."""
 
 
+def _largest_difference(a: Tensor, b: Tensor) -> tuple[float, float]:
+    """The largest ``|a - b|`` and the largest finite ``|b|``, in float64.
+
+    Entries equal in both (infinities and NaNs too: a masked position of a padded sample)
+    differ by nothing; a NaN or infinity in one only differs infinitely.
+
+    Args:
+        a: One tensor.
+        b: Another of the same shape.
+
+    Returns:
+        ``(largest difference, largest finite magnitude of b)``.
+
+    Example:
+        >>> nan = float("nan")
+        >>> _largest_difference(torch.tensor([1.0, nan]), torch.tensor([1.5, nan]))
+        (0.5, 1.5)
+    """
+    a, b = a.double(), b.double()
+    if not b.numel():
+        return 0.0, 0.0
+    same = (a == b) | (a.isnan() & b.isnan())
+    difference = (a - b).abs().nan_to_num(nan=math.inf).masked_fill(same, 0.0)
+    scale = b.abs().masked_fill(~b.isfinite(), 0.0)
+    return float(difference.max()), float(scale.max())
+
+
 def check_first_sample(plan: Plan, batch_output: Tensor) -> None:
     """Refuse a batch whose first row is not the first sample's output alone, then drop it.
 
@@ -469,12 +497,11 @@ def check_first_sample(plan: Plan, batch_output: Tensor) -> None:
         return
     row = batch_output.detach()[:1]
     if row.shape == first.shape:
-        a, b = first.detach().double(), row.double()
         dtype = min(first.dtype, batch_output.dtype, key=lambda d: torch.finfo(d).bits)
-        tolerance = FIRST_SAMPLE_TOLERANCE.get(dtype, 0.1)
-        difference = float((a - b).abs().max()) if a.numel() else 0.0
-        scale = float(b.abs().max()) if b.numel() else 0.0
-        if difference <= tolerance * max(scale, torch.finfo(dtype).tiny):
+        difference, scale = _largest_difference(first.detach(), row)
+        if difference <= FIRST_SAMPLE_TOLERANCE.get(dtype, 0.1) * max(
+            scale, torch.finfo(dtype).tiny
+        ):
             return
         what = f"differs by up to {difference:.3g} (its largest entry: {scale:.3g})"
     else:
