@@ -133,6 +133,39 @@ def test_a_batch_of_one_and_dropout_pass_the_first_sample_check():
     assert pf.batch_grad(*_mlp(), X[:1], Y[:1])["0.weight"].shape[0] == 1
 
 
+class _ScalesItsInput(nn.Module):
+    """Doubles its input in place before a Linear (``x.mul_(2)``: preprocessing in the model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(x.mul_(2)))
+
+
+def test_a_model_that_changes_its_input_changes_it_once_and_is_exact():
+    """Discovery runs on a copy: the batch is changed once, as by a plain forward."""
+    torch.manual_seed(0)
+    model = _ScalesItsInput().double()
+    model_fn, params = pf.functional(model)
+    inputs, labels = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 0, 1])
+    original = inputs.clone()
+    found = pf.batch_grad(model_fn, params, inputs, labels)
+    assert torch.equal(inputs, 2 * original)
+    for n in range(4):
+        model.zero_grad()
+        row = original[n : n + 1].clone()
+        (nn.functional.cross_entropy(model(row), labels[n : n + 1]) / 4).backward()
+        torch.testing.assert_close(found["lin.weight"][n], model.lin.weight.grad)
+
+
+def test_a_model_that_changes_its_input_is_not_run_again():
+    model_fn, params = pf.functional(_ScalesItsInput())
+    with pytest.raises(ValueError, match=r"changes its input in place.*x\.mul_\(2\)"):
+        pf.kfra(model_fn, params, X.clone(), Y)
+
+
 def test_integer_params_are_refused():
     model_fn, params = _mlp()
     params = dict(params, step=torch.tensor(3))

@@ -180,14 +180,14 @@ class BatchPass:
         )
 
     def check_rerun(self, rerun: str) -> None:
-        """Refuse to run the model again for values if it draws random numbers or changes a buffer.
+        """Refuse to run the model again if it draws random numbers or changes a buffer or input.
 
         Args:
             rerun: What would run it, for the message (e.g. ``"the whole-model path"``).
 
         Raises:
             RandomModelError: if discovery saw the model draw random numbers.
-            ValueError: if discovery saw its forward change a buffer.
+            ValueError: if discovery saw its forward change a buffer or its input.
         """
         refuse_rerun(self.plan.random, rerun)
         if self.plan.updated_buffer is not None:
@@ -197,6 +197,14 @@ class BatchPass:
                 "again, which would see other values than the forward pass whose loss is "
                 "reported. Call model.eval() before computing this, or request only parameters "
                 "on op-local paths (pf.explain shows each parameter's path)."
+            )
+        if self.plan.updated_input:
+            raise ValueError(
+                f"the model changes its input in place in its forward pass, and {rerun} runs it "
+                "again on the changed input, which would give other values than the forward "
+                "pass whose loss is reported. Change it out of place in the forward (x = x * 2, "
+                "not x.mul_(2)), or request only parameters on op-local paths (pf.explain shows "
+                "each parameter's path)."
             )
 
     @property

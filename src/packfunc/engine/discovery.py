@@ -135,6 +135,8 @@ class Plan:
     random: str | None = None
     updated_buffer: str | None = None
     """A buffer the forward changes (a running statistic), by name: a re-run would differ."""
+    updated_input: bool = False
+    """Whether the forward changes its input in place: a re-run would see another input."""
     rewritten_ops: set[Callable[..., Any]] = field(default_factory=set)
     """The functions of the calls on parameters that were decomposed or changed (an RNN,
     attention, BatchNorm; see :data:`~packfunc.engine.modes.REWRITTEN_OPS`)."""
@@ -413,6 +415,8 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
     """
     module = module_of(model_fn)
     buffers = list(module.buffers()) if module is not None else []
+    # a private copy: a model that changes its input in place changes this one, not the batch
+    X_first, pristine = _copied(X_first), _copied(X_first)
     mode = _DiscoveryMode(LeafIndex(leaves), X_first, buffers)
     with private_generators(leaves) as drew, kept_buffers(module) as changed:
         with torch.no_grad(), mode:
@@ -420,6 +424,7 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
         if mode.plan.random is None and drew():
             mode.plan.random = "a call that draws from torch's default random generator"
     mode.plan.updated_buffer = changed[0] if changed else None
+    mode.plan.updated_input = not _equal_trees(X_first, pristine)
     if not (isinstance(out, Tensor) and out.dim() and out.shape[0] == 1):
         shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(
@@ -428,6 +433,21 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
         )
     mode.plan.first_output = out
     return mode.plan
+
+
+def _copied(tree: Any) -> Any:
+    """``tree`` with every tensor cloned."""
+    return optree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, tree)
+
+
+def _equal_trees(a: Any, b: Any) -> bool:
+    """Whether two pytrees of one structure hold equal tensors (NaNs equal to NaNs)."""
+    return all(
+        not isinstance(x, Tensor)
+        or torch.equal(x, y)
+        or (x.is_floating_point() and torch.allclose(x, y, rtol=0, atol=0, equal_nan=True))
+        for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b), strict=True)
+    )
 
 
 FIRST_SAMPLE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-2}
@@ -490,7 +510,7 @@ def check_first_sample(plan: Plan, batch_output: Tensor) -> None:
     """
     first, plan.first_output = plan.first_output, None
     if first is None or plan.random is not None or plan.updated_buffer is not None:
-        return
+        return  # (a model that changes its input ran on a copy: the batch's first row agrees)
     if is_functorch_wrapped_tensor(first) or is_functorch_wrapped_tensor(batch_output):
         return  # (values under vmap cannot decide)
     if not (first.is_floating_point() and batch_output.is_floating_point()):
