@@ -160,6 +160,28 @@ def test_a_model_that_changes_its_input_changes_it_once_and_is_exact():
         torch.testing.assert_close(found["lin.weight"][n], model.lin.weight.grad)
 
 
+def test_the_shim_on_a_model_that_changes_its_input_is_exact():
+    """The user's forward changed the batch before discovery copies the first sample."""
+    import packfunc.compat as compat
+
+    torch.manual_seed(0)
+    model = _ScalesItsInput().double()
+    inputs, labels = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 0, 1])
+    original, expected = inputs.clone(), []
+    for n in range(4):
+        model.zero_grad()
+        row = original[n : n + 1].clone()
+        (nn.functional.cross_entropy(model(row), labels[n : n + 1]) / 4).backward()
+        expected.append(model.lin.weight.grad.clone())
+    model.zero_grad()
+    extended, loss = compat.extend(model), compat.extend(nn.CrossEntropyLoss())
+    value = loss(extended(inputs), labels)
+    with compat.backpack(compat.extensions.BatchGrad()):
+        value.backward()
+    assert torch.equal(inputs, 2 * original)
+    torch.testing.assert_close(model.lin.weight.grad_batch, torch.stack(expected))
+
+
 def test_a_model_that_changes_its_input_is_not_run_again():
     model_fn, params = pf.functional(_ScalesItsInput())
     with pytest.raises(ValueError, match=r"changes its input in place.*x\.mul_\(2\)"):

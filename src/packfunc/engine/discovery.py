@@ -491,8 +491,8 @@ def check_first_sample(plan: Plan, batch_output: Tensor) -> None:
     every shape check, and a layer that mixes samples gives no error of its own: both
     would give wrong values silently. Discovery ran the first sample alone; its output
     must be the batch's first row, to rounding. Skipped for a model that draws random
-    numbers or changes a buffer (a run differs from the next), under ``torch.func``
-    transforms, and once the plan is cached (the signature already passed).
+    numbers or changes a buffer or its input (a run differs from the next), under
+    ``torch.func`` transforms, and once the plan is cached (the signature already passed).
 
     Args:
         plan: A plan fresh from :func:`discover` (its ``first_output`` set).
@@ -510,7 +510,9 @@ def check_first_sample(plan: Plan, batch_output: Tensor) -> None:
     """
     first, plan.first_output = plan.first_output, None
     if first is None or plan.random is not None or plan.updated_buffer is not None:
-        return  # (a model that changes its input ran on a copy: the batch's first row agrees)
+        return
+    if plan.updated_input:  # the shim's forward changed the input before discovery saw it
+        return
     if is_functorch_wrapped_tensor(first) or is_functorch_wrapped_tensor(batch_output):
         return  # (values under vmap cannot decide)
     if not (first.is_floating_point() and batch_output.is_floating_point()):
