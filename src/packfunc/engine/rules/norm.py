@@ -165,10 +165,16 @@ def _group_statistics(x: Tensor, groups: int, eps: float) -> tuple[Tensor, Tenso
     return cast(Tensor, found[1]), cast(Tensor, found[2])
 
 
-def _settings(local: LocalInputs) -> dict[str | None, Any]:
-    """The recorded call's arguments by name, the function's defaults for those not given."""
+def _settings(
+    local: LocalInputs, names: tuple[str | None, ...] | None = None
+) -> dict[str | None, Any]:
+    """The recorded call's arguments by name, the function's defaults for those not given.
+
+    ``names``: the arguments' names, where the caller has them already.
+    """
     arguments = local.arguments
-    names = _argument_names(local.func, arguments.layout, arguments.keys)
+    if names is None:
+        names = _argument_names(local.func, arguments.layout, arguments.keys)
     return {**_defaults(local.func), **dict(zip(names, arguments.values))}
 
 
@@ -184,7 +190,7 @@ def _normalized(local: LocalInputs) -> Tensor:
     arguments = local.arguments
     names = _argument_names(local.func, arguments.layout, arguments.keys)
     dropped = {"weight", "bias"}
-    settings = _settings(local)
+    settings = _settings(local, names)
     if (local.func is F.instance_norm and settings["use_input_stats"]) or (
         local.func is F.batch_norm and settings["training"]
     ):
