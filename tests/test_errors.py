@@ -188,6 +188,40 @@ def test_a_model_that_changes_its_input_is_not_run_again():
         pf.kfra(model_fn, params, X.clone(), Y)
 
 
+class _ChangesItsWeight(nn.Module):
+    """Changes its weight in the forward: decays it, or zeroes its first row."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.lin, self.how = nn.Linear(3, 2), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if self.how == "decay":
+                self.lin.weight.mul_(0.5)
+            elif self.how == "setitem":
+                self.lin.weight[0] = 0.0
+            else:  # a copy of it, changed in place: the parameter stays
+                scaled = self.lin.weight * 1.0
+                scaled.mul_(2.0)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize(("how", "name"), [("decay", "mul_"), ("setitem", "__setitem__")])
+def test_a_model_that_changes_a_parameter_in_its_forward_is_refused_unchanged(how, name):
+    model = _ChangesItsWeight(how)
+    weight = model.lin.weight.detach().clone()
+    model_fn, params = pf.functional(model)
+    with pytest.raises(ValueError, match=rf"changes a parameter in place .*\({name}\)"):
+        pf.batch_grad(model_fn, params, X, Y)
+    assert torch.equal(model.lin.weight, weight)
+
+
+def test_a_copy_of_a_parameter_changed_in_place_is_fine():
+    model_fn, params = pf.functional(_ChangesItsWeight("copy"))
+    assert pf.batch_grad(model_fn, params, X, Y)["lin.weight"].shape == (len(X), 2, 3)
+
+
 def test_integer_params_are_refused():
     model_fn, params = _mlp()
     params = dict(params, step=torch.tensor(3))

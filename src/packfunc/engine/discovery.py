@@ -201,6 +201,16 @@ class _DiscoveryMode(ParameterMode):
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
+        changed = changed_in_place(func, args, kwargs or {})
+        if changed is not None and self.leaf_of.used_in(changed, changed._base):
+            raise ValueError(
+                f"the model changes a parameter in place in its forward pass "
+                f"({getattr(func, '__name__', func)}), so every forward would see other values: "
+                "packfunc's forward of one sample and its batch pass would each change it, where "
+                "your training step changes it once. Change it outside the forward (after the "
+                "optimizer's step, as weight clipping does) or use it out of place "
+                "(w.clamp(...) instead of w.clamp_(...))."
+            )
         if self.plan.random is None:
             self.plan.random = random_call(func, args, kwargs or {})
         if func in REWRITTEN_OPS and self._touches_parameters(args, kwargs or {}):
@@ -433,6 +443,40 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
         )
     mode.plan.first_output = out
     return mode.plan
+
+
+def changed_in_place(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Tensor | None:
+    """The tensor whose values a call writes: an ``out=`` argument, or ``self`` of ``x.op_()``.
+
+    Args:
+        func: The function called.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
+
+    Returns:
+        The tensor written, or ``None`` for a call that writes none of its arguments (or
+        only changes flags: ``requires_grad_``).
+
+    Example:
+        >>> w = torch.ones(2)
+        >>> changed_in_place(torch.Tensor.mul_, (w, 2.0), {}) is w
+        True
+        >>> changed_in_place(torch.Tensor.mul, (w, 2.0), {}) is None
+        True
+    """
+    out = kwargs.get("out")
+    if isinstance(out, Tensor):
+        return out
+    name = getattr(func, "__name__", "")
+    writes = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+    writes = (writes or name == "__setitem__") and name not in _FLAGS_ONLY
+    return args[0] if writes and args and isinstance(args[0], Tensor) else None
+
+
+_FLAGS_ONLY = frozenset({"requires_grad_", "share_memory_", "retain_grad", "detach_"})
+"""In-place methods that change no values."""
 
 
 def _copied(tree: Any) -> Any:
