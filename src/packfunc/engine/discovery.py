@@ -494,7 +494,7 @@ def _equal_trees(a: Any, b: Any) -> bool:
     )
 
 
-FIRST_SAMPLE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 2e-2}
+FIRST_SAMPLE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 5e-2}
 """Largest difference, relative to the output's largest entry, between the first sample's
 output alone and its row of the batch (rounding; TF32 on GPUs); half precision: 0.1."""
 
