@@ -426,15 +426,15 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
     module = module_of(model_fn)
     buffers = list(module.buffers()) if module is not None else []
     # a private copy: a model that changes its input in place changes this one, not the batch
-    X_first, pristine = _copied(X_first), _copied(X_first)
-    mode = _DiscoveryMode(LeafIndex(leaves), X_first, buffers)
+    sample = _copied(X_first)
+    mode = _DiscoveryMode(LeafIndex(leaves), sample, buffers)
     with private_generators(leaves) as drew, kept_buffers(module) as changed:
         with torch.no_grad(), mode:
-            out = model_fn(params, X_first)
+            out = model_fn(params, sample)
         if mode.plan.random is None and drew():
             mode.plan.random = "a call that draws from torch's default random generator"
     mode.plan.updated_buffer = changed[0] if changed else None
-    mode.plan.updated_input = not _equal_trees(X_first, pristine)
+    mode.plan.updated_input = not _equal_trees(sample, X_first)  # (the batch is untouched)
     if not (isinstance(out, Tensor) and out.dim() and out.shape[0] == 1):
         shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(
