@@ -189,25 +189,41 @@ def test_a_model_that_changes_its_input_is_not_run_again():
 
 
 class _ChangesItsWeight(nn.Module):
-    """Changes its weight in the forward: decays it, or zeroes its first row."""
+    """Changes its weight in the forward (decays it, zeroes a row, clamps it), or a copy of it."""
 
     def __init__(self, how: str):
         super().__init__()
         self.lin, self.how = nn.Linear(3, 2), how
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.lin.weight
         with torch.no_grad():
             if self.how == "decay":
-                self.lin.weight.mul_(0.5)
+                weight.mul_(0.5)
             elif self.how == "setitem":
-                self.lin.weight[0] = 0.0
+                weight[0] = 0.0
+            elif self.how == "data":  # through .data, which is no view (no _base)
+                weight.data.clamp_(-0.1, 0.1)
+            elif self.how == "detached":
+                weight.detach()[1].zero_()
+            elif self.how == "set data":
+                weight.data = weight.data * 0.5
             else:  # a copy of it, changed in place: the parameter stays
-                scaled = self.lin.weight * 1.0
+                scaled = weight * 1.0
                 scaled.mul_(2.0)
         return self.lin(x)
 
 
-@pytest.mark.parametrize(("how", "name"), [("decay", "mul_"), ("setitem", "__setitem__")])
+_IN_PLACE_WRITES = [
+    ("decay", "mul_"),
+    ("setitem", "__setitem__"),
+    ("data", "clamp_"),
+    ("detached", "zero_"),
+    ("set data", "data ="),
+]
+
+
+@pytest.mark.parametrize(("how", "name"), _IN_PLACE_WRITES)
 def test_a_model_that_changes_a_parameter_in_its_forward_is_refused_unchanged(how, name):
     model = _ChangesItsWeight(how)
     weight = model.lin.weight.detach().clone()
@@ -215,6 +231,40 @@ def test_a_model_that_changes_a_parameter_in_its_forward_is_refused_unchanged(ho
     with pytest.raises(ValueError, match=rf"changes a parameter in place .*\({name}\)"):
         pf.batch_grad(model_fn, params, X, Y)
     assert torch.equal(model.lin.weight, weight)
+
+
+@pytest.mark.parametrize(("how", "name"), _IN_PLACE_WRITES)
+def test_the_shim_refuses_a_model_that_changes_a_parameter_in_its_forward(how, name):
+    import packfunc.compat as compat
+
+    model = compat.extend(_ChangesItsWeight(how))
+    value = compat.extend(nn.CrossEntropyLoss())(model(X), Y)  # the user's forward changes it
+    weight = model.lin.weight.detach().clone()
+    with (
+        pytest.raises(ValueError, match=rf"changes a parameter in place .*\({name}\)"),
+        compat.backpack(compat.extensions.BatchGrad()),
+    ):
+        value.backward()
+    assert torch.equal(model.lin.weight, weight)  # packfunc changed it no further
+
+
+def test_a_write_next_to_a_parameter_in_shared_memory_is_fine():
+    """A tensor beside the parameters in one allocation (a flat buffer) may be written."""
+
+    class BesideItsWeight(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            flat = torch.randn(2 * 3 + 4)
+            self.weight = nn.Parameter(flat[:6].view(2, 3))
+            self.register_buffer("scratch", flat[6:])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.scratch.add_(1.0)
+            return x @ self.weight.T
+
+    model = BesideItsWeight()
+    model_fn, params = pf.functional(model)
+    assert pf.batch_grad(model_fn, params, X, Y)["weight"].shape == (len(X), 2, 3)
 
 
 def test_a_copy_of_a_parameter_changed_in_place_is_fine():

@@ -197,15 +197,17 @@ class _DiscoveryMode(ParameterMode):
             {id(t): t for t in optree.tree_leaves(X) if isinstance(t, Tensor)}
         )
         self.fixed = FixedTensors(buffers)
+        spans = [memory_span(leaf) for leaf in leaf_of.leaves]
+        self.parameter_spans = [span for span in spans if span is not None]
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         changed = changed_in_place(func, args, kwargs or {})
-        if changed is not None and self.leaf_of.used_in(changed, changed._base):
+        if changed is not None and self._lies_in_a_parameter(changed):
             raise ValueError(
                 f"the model changes a parameter in place in its forward pass "
-                f"({getattr(func, '__name__', func)}), so every forward would see other values: "
+                f"({_written_by(func)}), so every forward would see other values: "
                 "packfunc's forward of one sample and its batch pass would each change it, where "
                 "your training step changes it once. Change it outside the forward (after the "
                 "optimizer's step, as weight clipping does) or use it out of place "
@@ -216,6 +218,13 @@ class _DiscoveryMode(ParameterMode):
         if func in REWRITTEN_OPS and self._touches_parameters(args, kwargs or {}):
             self.plan.rewritten_ops.add(func)
         return super().__torch_function__(func, types, args, kwargs)
+
+    def _lies_in_a_parameter(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` is a parameter, a view of one, or shares its memory (``w.data``)."""
+        if self.leaf_of.used_in(tensor, tensor._base):
+            return True
+        span = memory_span(tensor)
+        return span is not None and _overlaps(span, self.parameter_spans)
 
     def _carries_samples(self, value: Any, sources: dict[int, Source], position: int) -> bool:
         if not isinstance(value, Tensor) or position in sources or value in self.fixed:
@@ -469,6 +478,8 @@ def changed_in_place(
     out = kwargs.get("out")
     if isinstance(out, Tensor):
         return out
+    if _sets_data(func):  # w.data = ...
+        return args[0] if args and isinstance(args[0], Tensor) else None
     name = getattr(func, "__name__", "")
     writes = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
     writes = (writes or name == "__setitem__") and name not in _FLAGS_ONLY
@@ -477,6 +488,53 @@ def changed_in_place(
 
 _FLAGS_ONLY = frozenset({"requires_grad_", "share_memory_", "retain_grad", "detach_"})
 """In-place methods that change no values."""
+
+
+def _sets_data(func: Callable[..., Any]) -> bool:
+    """Whether ``func`` is the setter of ``Tensor.data`` (``w.data = v`` replaces its values)."""
+    descriptor = getattr(func, "__self__", None)
+    return descriptor is torch._C.TensorBase.data and func.__name__ == "__set__"
+
+
+def _written_by(func: Callable[..., Any]) -> str:
+    """How a message names a call that writes a tensor: ``mul_``, ``__setitem__``, ``data =``."""
+    return "data =" if _sets_data(func) else getattr(func, "__name__", str(func))
+
+
+def memory_span(tensor: Tensor) -> tuple[int, int, int] | None:
+    """Where ``tensor``'s elements lie: its memory's address, and the bytes it spans there.
+
+    Views of a tensor and its ``.data`` lie in the same memory, within its span.
+
+    Args:
+        tensor: Any tensor.
+
+    Returns:
+        ``(address, first byte, end byte)``; ``None`` for a tensor without memory of its
+        own (``torch.func`` wrappers, meta tensors) or without elements.
+
+    Example:
+        >>> w = torch.ones(2, 2)
+        >>> memory_span(w.data) == memory_span(w)
+        True
+        >>> memory_span(w[1])[1:]  # its second row: bytes 8 to 16
+        (8, 16)
+    """
+    if tensor.numel() == 0:
+        return None
+    try:
+        address = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    start = tensor.storage_offset() * tensor.element_size()
+    return address, start, start + (last + 1) * tensor.element_size()
+
+
+def _overlaps(span: tuple[int, int, int], spans: list[tuple[int, int, int]]) -> bool:
+    """Whether a memory span shares bytes with any of ``spans``."""
+    address, start, end = span
+    return any(a == address and s < end and start < e for a, s, e in spans)
 
 
 def _copied(tree: Any) -> Any:
