@@ -527,8 +527,8 @@ def memory_span(tensor: Tensor) -> tuple[int, int, int] | None:
     except (RuntimeError, NotImplementedError):
         return None
     last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    start = tensor.storage_offset() * tensor.element_size()
-    return address, start, start + (last + 1) * tensor.element_size()
+    start = int(tensor.storage_offset()) * tensor.element_size()
+    return address, start, start + int(last + 1) * tensor.element_size()
 
 
 def _overlaps(span: tuple[int, int, int], spans: list[tuple[int, int, int]]) -> bool:
