@@ -125,6 +125,39 @@ def test_a_layer_that_mixes_samples_is_refused():
         pf.batch_grad(model_fn, params, X, Y)
 
 
+def test_a_refused_batch_is_refused_again():
+    """The plan a refusal found is cached: calling again must not skip the check (it did)."""
+    model_fn, params = pf.functional(_SharedPositions())
+    batch = (torch.randint(0, 10, (4, 4)), torch.arange(4))
+    for quantity in (pf.batch_grad, pf.batch_grad, pf.sum_grad_squared):
+        with pytest.raises(ValueError, match="first sample alone"):
+            quantity(model_fn, params, batch, torch.tensor([0, 1, 1, 0]))
+
+
+def test_a_plan_found_under_vmap_is_checked_by_the_next_plain_call():
+    """Under vmap values cannot decide the check: that plan was cached unchecked, and a plain
+    call after it returned wrong per-sample gradients silently."""
+    model_fn, params = pf.functional(_SharedPositions())
+    batch, labels = (torch.randint(0, 10, (4, 4)), torch.arange(4)), torch.tensor([0, 1, 1, 0])
+    ensemble = {name: torch.stack([p, p]) for name, p in params.items()}
+    torch.func.vmap(lambda p: pf.batch_grad(model_fn, p, batch, labels))(ensemble)
+    with pytest.raises(ValueError, match="first sample alone"):
+        pf.batch_grad(model_fn, params, batch, labels)
+
+
+def test_the_first_sample_check_runs_under_grad():
+    """``grad`` of a quantity (a penalty) is checked: values decide there."""
+    model_fn, params = pf.functional(_SharedPositions())
+    batch, labels = (torch.randint(0, 10, (4, 4)), torch.arange(4)), torch.tensor([0, 1, 1, 0])
+
+    def penalty(p):
+        norms = pf.batch_l2_grad(model_fn, p, batch, labels)
+        return sum(n.sum() for n in norms.values())
+
+    with pytest.raises(ValueError, match="first sample alone"):
+        torch.func.grad(penalty)(params)
+
+
 def test_a_batch_of_one_and_dropout_pass_the_first_sample_check():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Tanh(), nn.Linear(4, 2)).train()

@@ -158,7 +158,8 @@ class BatchPass:
             rewind()  # and run it on the random numbers the stopped pass began with
             self.plan, _ = cached_discover(model_fn, params, self.leaves, X)
             self.record = self._batch_pass(reuse)
-        check_first_sample(self.plan, self.record.output)  # a fresh plan's first sample
+        if not check_first_sample(self.plan, self.record.output):  # a fresh plan's first row
+            forget_plan(model_fn)  # (unchecked under vmap: discovered again until checked)
         failed = {leaf for k in self.record.failed for _, leaf in self.plan.sites[k].call.leaves}
         self.whole_model = sorted(self.plan.uncovered | failed)
         self._convolutional = any(

@@ -584,21 +584,26 @@ def _largest_difference(a: Tensor, b: Tensor) -> tuple[float, float]:
     return float(difference.max()), float(scale.max())
 
 
-def check_first_sample(plan: Plan, batch_output: Tensor) -> None:
-    """Refuse a batch whose first row is not the first sample's output alone, then drop it.
+def check_first_sample(plan: Plan, batch_output: Tensor) -> bool:
+    """Refuse a batch whose first row is not the first sample's output alone.
 
     Per-sample quantities take sample ``n``'s output as a function of sample ``n`` alone,
     with dim 0 of every input its batch dimension. An input shared by the batch whose
     length happens to equal the batch size (positions ``[T]`` with ``T = N``) passes
     every shape check, and a layer that mixes samples gives no error of its own: both
     would give wrong values silently. Discovery ran the first sample alone; its output
-    must be the batch's first row, to rounding. Skipped for a model that draws random
-    numbers or changes a buffer or its input (a run differs from the next), under
-    ``torch.func`` transforms, and once the plan is cached (the signature already passed).
+    must be the batch's first row, to rounding. Once passed, the plan drops that output
+    (a cached plan is not checked again); a refused plan keeps it, so that every later
+    pass with it is refused too. Skipped for a model that draws random numbers or changes
+    a buffer or its input (a run differs from the next). Under ``vmap``, whose values
+    cannot decide, it cannot run: the caller must not keep the plan (see the return).
 
     Args:
-        plan: A plan fresh from :func:`discover` (its ``first_output`` set).
+        plan: A plan fresh from :func:`discover` (its ``first_output`` set), or cached.
         batch_output: The batch pass's output of the whole batch.
+
+    Returns:
+        Whether the plan may be kept: ``False`` where the check could not run (``vmap``).
 
     Raises:
         ValueError: if the two differ beyond rounding, naming both likely causes.
@@ -608,25 +613,32 @@ def check_first_sample(plan: Plan, batch_output: Tensor) -> None:
         >>> fn, p = packfunc.functional(layer)
         >>> X = torch.randn(4, 3)
         >>> plan = discover(fn, p, list(p.values()), X[:1])
-        >>> check_first_sample(plan, layer(X))  # no error
+        >>> check_first_sample(plan, layer(X)), plan.first_output
+        (True, None)
     """
-    first, plan.first_output = plan.first_output, None
-    if first is None or plan.random is not None or plan.updated_buffer is not None:
-        return
-    if plan.updated_input:  # the shim's forward changed the input before discovery saw it
-        return
-    if is_functorch_wrapped_tensor(first) or is_functorch_wrapped_tensor(batch_output):
-        return  # (values under vmap cannot decide)
+    first = plan.first_output
+    if first is None:
+        return True
+    if plan.random is not None or plan.updated_buffer is not None or plan.updated_input:
+        plan.first_output = None  # (the shim's forward may change the input before discovery)
+        return True
     if not (first.is_floating_point() and batch_output.is_floating_point()):
-        return
+        plan.first_output = None
+        return True
     row = batch_output.detach()[:1]
     if row.shape == first.shape:
         dtype = min(first.dtype, batch_output.dtype, key=lambda d: torch.finfo(d).bits)
-        difference, scale = _largest_difference(first.detach(), row)
+        try:
+            difference, scale = _largest_difference(first.detach(), row)
+        except RuntimeError:  # values under vmap decide nothing
+            if is_functorch_wrapped_tensor(first) or is_functorch_wrapped_tensor(row):
+                return False
+            raise
         if difference <= FIRST_SAMPLE_TOLERANCE.get(dtype, 0.1) * max(
             scale, torch.finfo(dtype).tiny
         ):
-            return
+            plan.first_output = None
+            return True
         what = f"differs by up to {difference:.3g} (its largest entry: {scale:.3g})"
     else:
         what = f"has shape {tuple(first.shape)}, the batch's first row {tuple(row.shape)}"
