@@ -472,3 +472,104 @@ def test_clipped_grad_extension_clips_the_trainable_parameters_by_their_own_boun
     too_few = backpack(ClippedGrad([1.0, 1.0]))
     with pytest.raises(ValueError, match="2 clipping bounds for 3 trainable"), too_few:
         lossfunc(model(X), y).backward()
+
+
+def _lstm_model() -> nn.Module:
+    """An LSTM head: its forward is never reused (packfunc's own pass runs it again)."""
+
+    class Recurrent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.lstm, self.out = (
+                nn.Linear(3, 4),
+                nn.LSTM(4, 4, batch_first=True),
+                nn.Linear(4, 2),
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.lstm(self.inp(x))[0][:, -1])
+
+    return Recurrent()
+
+
+def _step(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.9)  # what optimizer.step() does: in place, under no_grad
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (_step, r"'[\w.]+' was changed in place since the forward pass"),
+        (lambda model: model.eval(), "switched to evaluation mode"),
+    ],
+)
+@pytest.mark.parametrize("architecture", ["mlp, two forwards", "lstm"])
+def test_a_model_changed_between_forward_and_backward_is_refused_where_it_would_run_again(
+    change, message, architecture
+):
+    """packfunc's own pass ran the changed model: other values than the forward's (silently)."""
+    torch.manual_seed(0)
+    X, y = torch.randn(4, 5, 3), torch.tensor([0, 1, 1, 0])
+    if architecture == "lstm":
+        model = extend(_lstm_model())
+    else:  # a second forward releases the first one's recording
+        model, X = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))), X[:, 0]
+    lossfunc = extend(nn.CrossEntropyLoss())
+    with backpack(ours.BatchGrad()):
+        value = lossfunc(model(X), y)
+        if architecture != "lstm":
+            lossfunc(model(X), y)  # (validation with grad enabled)
+        change(model)
+        with pytest.raises(ValueError, match=message):
+            value.backward()
+
+
+def test_an_unchanged_model_is_run_again_exactly():
+    """The LSTM's re-run, with nothing changed, is the forward's own: grad_batch sums to .grad."""
+    torch.manual_seed(0)
+    model, lossfunc = extend(_lstm_model()), extend(nn.CrossEntropyLoss())
+    with backpack(ours.BatchGrad()):
+        lossfunc(model(torch.randn(4, 5, 3)), torch.tensor([0, 1, 1, 0])).backward()
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
+
+
+@pytest.mark.parametrize("extension", ["KFAC", "KFLR", "KFRA"])
+def test_kronecker_factors_refuse_a_model_they_would_run_again_with_other_random_numbers(
+    extension,
+):
+    """They run the model again: with dropout that was another mask than the forward's."""
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2)))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    value = lossfunc(model(torch.randn(4, 3)), torch.tensor([0, 1, 1, 0]))
+    with backpack(getattr(ours, extension)()), pytest.raises(pf.RandomModelError):
+        value.backward()
+
+
+def test_kronecker_factors_refuse_a_model_that_changes_its_buffers():
+    """Spectral norm in training mode: a second run advanced the power iteration again."""
+    torch.manual_seed(0)
+    layer = nn.utils.spectral_norm(nn.Linear(3, 4))
+    model, lossfunc = extend(nn.Sequential(layer, nn.Tanh(), nn.Linear(4, 2))), extend(nn.MSELoss())
+    value = lossfunc(model(torch.randn(4, 3)), torch.randn(4, 2))
+    u = layer.weight_u.clone()
+    with backpack(ours.KFLR()), pytest.raises(ValueError, match="changes its buffer '0.weight_u'"):
+        value.backward()
+    assert torch.equal(layer.weight_u, u)
+
+
+def test_block_product_closures_refuse_a_model_changed_after_the_backward_pass():
+    """BackPACK's closures keep the backward pass's curvature; ours would run the new model."""
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    with backpack(ours.GGNMP()):
+        lossfunc(model(torch.randn(4, 3)), torch.tensor([0, 1, 1, 0])).backward()
+    weight = model[2].weight
+    before = weight.ggnmp(torch.ones_like(weight))
+    assert before.shape == weight.shape
+    _step(model)
+    with pytest.raises(ValueError, match="block product"):
+        weight.ggnmp(torch.ones_like(weight))

@@ -34,7 +34,7 @@ from torch.nn.modules.loss import _Loss
 from packfunc.compat import context
 from packfunc.compat._stored_io import store_io
 from packfunc.compat.layout import RECORD_KEY, SampleLayout, find_layout, node_metadata
-from packfunc.compat.records import ForwardRecord, LossCall, LossRoute
+from packfunc.compat.records import ForwardRecord, LossCall, LossRoute, ModelState
 from packfunc.compat.run import NO_OP_MODULES, forget_inputs_and_outputs, run_extensions
 from packfunc.compat.watch import ForwardRecorder
 from packfunc.engine.api import FunctionalMode
@@ -131,7 +131,9 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     if not isinstance(output, Tensor) or output.grad_fn is None:
         return
     recorder.release(output)
-    record = ForwardRecord(module, args, kwargs, recorder, output, output.shape)
+    record = ForwardRecord(
+        module, args, kwargs, recorder, output, output.shape, state=ModelState.of(module)
+    )
     previous = module.__dict__.get(_LATEST, _no_record)()
     if previous is not None:
         previous.output = None

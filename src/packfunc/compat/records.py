@@ -44,6 +44,74 @@ class LossCall:
 
 
 @dataclass(eq=False)
+class ModelState:
+    """What running a model again depends on besides its inputs: its tensors and modes.
+
+    Taken at the end of a forward pass. A backward pass that runs the model again
+    (packfunc's own pass, Kronecker factors, block products) compares it first: a
+    parameter or buffer changed in place (``optimizer.step()``) or replaced, or a module
+    switched between training and evaluation, would give values of another forward pass.
+    Writes through ``.data`` bump no version and are not seen.
+
+    Attributes:
+        tensors: Qualified name -> ``(id, version)`` of every parameter and buffer.
+        training: Qualified name -> training flag of every module.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())
+        >>> state = ModelState.of(model)
+        >>> state.change(model) is None
+        True
+        >>> _ = model[1].eval()
+        >>> state.change(model)
+        "module '1' (Dropout) was switched to evaluation mode"
+    """
+
+    tensors: dict[str, tuple[int, int]]
+    training: dict[str, bool]
+
+    @staticmethod
+    def of(model: nn.Module) -> ModelState:
+        """The state of ``model`` now.
+
+        Args:
+            model: A module.
+
+        Returns:
+            Its :class:`ModelState`.
+        """
+        named = itertools.chain(
+            model.named_parameters(remove_duplicate=False),
+            model.named_buffers(remove_duplicate=False),
+        )
+        tensors = {name: (id(t), t._version) for name, t in named}
+        return ModelState(tensors, {name: m.training for name, m in model.named_modules()})
+
+    def change(self, model: nn.Module) -> str | None:
+        """What changed in ``model`` since this state, or ``None``.
+
+        Args:
+            model: The module this state was taken of.
+
+        Returns:
+            The first change found, as a clause for a message.
+        """
+        now = ModelState.of(model)
+        for name, (identity, version) in self.tensors.items():
+            found = now.tensors.get(name)
+            if found is None or found[0] != identity:
+                return f"{name!r} was replaced"
+            if found[1] != version:
+                return f"{name!r} was changed in place"
+        for name, training in self.training.items():
+            if now.training.get(name, training) != training:
+                what = f"module {name!r} ({type(model.get_submodule(name)).__name__})"
+                mode = "training" if not training else "evaluation"
+                return f"{what if name else 'the model'} was switched to {mode} mode"
+        return None
+
+
+@dataclass(eq=False)
 class ForwardRecord:
     """One forward pass of an extended model.
 
@@ -58,6 +126,7 @@ class ForwardRecord:
         consumers: Records of extended modules that took its output as their only input
             (weak references, with the layout of that input).
         serial: Numbers the forward passes: the model's latest one has the highest.
+        state: The model's parameters, buffers and modes at the end of the forward pass.
     """
 
     model: nn.Module
@@ -69,6 +138,26 @@ class ForwardRecord:
     losses: list[LossCall] = field(default_factory=list)
     consumers: list[tuple[weakref.ref, SampleLayout]] = field(default_factory=list)
     serial: int = field(default_factory=lambda: next(_serials))
+    state: ModelState | None = None
+
+    def check_unchanged(self, rerun: str) -> None:
+        """Refuse to run the model again if it changed since this forward pass.
+
+        Args:
+            rerun: What would run it, for the message.
+
+        Raises:
+            ValueError: naming the change and what to do instead.
+        """
+        change = self.state.change(self.model) if self.state is not None else None
+        if change is not None:
+            raise ValueError(
+                f"{change} since the forward pass of the extended "
+                f"{type(self.model).__name__}, and {rerun} runs the "
+                "model again: its values would not be those of the forward pass whose loss "
+                "is backpropagated. Backpropagate before changing the model (before "
+                "optimizer.step(), model.eval() or model.train())."
+            )
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from packfunc.compat._stored_io import memory_cleanup, stored_io
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
 from packfunc.compat.layout import SampleLayout
 from packfunc.compat.records import ForwardRecord, LossRoute
-from packfunc.engine.api import BatchPass, BatchRecord, Plan
+from packfunc.engine.api import BatchPass, BatchRecord, Plan, cached_discover, check_rerun
 from packfunc.evaluation import evaluate
-from packfunc.functionalize import wraps_module_of
+from packfunc.functionalize import flatten_params, wraps_module_of
 from packfunc.losses import GivenOutputGradient, hessian_factors
 from packfunc.specs import Family
 
@@ -94,7 +94,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
                     passes[job.second_order], (job.name,), **_options(job, names)
                 )[job.name]
             else:
-                results[ext.savefield] = _compute(job, fn, params, X, y, loss)
+                results[ext.savefield] = _compute(job, record, fn, params, X, y, loss)
         results[ext.savefield].update(_module_extensions(ext, job, record, route, gradient))
     for ext in ctx.extensions:
         for name in names:
@@ -135,7 +135,7 @@ def _second_order_problem(
     route: LossRoute,
     model_fn: Callable,
     differentiable: bool,
-) -> tuple[Callable, nn.Module, Any, Callable | None]:
+) -> tuple[Callable, nn.Module, Any, Callable]:
     """``(model_fn, loss, targets, watched)`` for the loss this backward pass goes through.
 
     The model function ends where the loss starts: extended modules the output
@@ -158,7 +158,7 @@ def _second_order_problem(
     def ends_at_loss(params: Any, X: Any) -> Tensor:
         return call.output(fn(params, X))
 
-    watched = None
+    watched = partial(_not_reusable, record)
     if not route.stages:
         watched = partial(_watched, record, call.output, differentiable)
     return ends_at_loss, call.module, call.targets(), watched
@@ -197,19 +197,49 @@ def _watched(
     y: Any,
     n: int,
 ) -> BatchRecord | None:
-    """The batch pass from the user's own forward, if its recording fits."""
+    """The batch pass from the user's own forward, if its recording fits.
+
+    Where it does not, packfunc's own pass runs the model again: refused if the model
+    changed since its forward pass (see :meth:`ForwardRecord.check_unchanged`).
+    """
     output = record.output
-    if output is None:
-        return None
-    return record.recorder.record(
-        plan, leaves, output, loss, y, n, adapt=adapt, differentiable=differentiable
-    )
+    found = None
+    if output is not None:
+        found = record.recorder.record(
+            plan, leaves, output, loss, y, n, adapt=adapt, differentiable=differentiable
+        )
+    if found is None:
+        record.check_unchanged(_OWN_PASS)
+    return found
+
+
+def _not_reusable(record: ForwardRecord, *_: Any) -> BatchRecord | None:
+    """A reuse of a recording that cannot serve (the loss comes after further modules)."""
+    record.check_unchanged(_OWN_PASS)
+    return None
+
+
+_OWN_PASS = "packfunc's own pass (the recorded forward pass cannot be reused here)"
 
 
 def _compute(
-    job: Job, model_fn: Callable, params: dict[str, Tensor], X: Any, y: Any, loss: nn.Module
+    job: Job,
+    record: ForwardRecord,
+    model_fn: Callable,
+    params: dict[str, Tensor],
+    X: Any,
+    y: Any,
+    loss: nn.Module,
 ) -> dict[str, Any]:
-    """Run a Kronecker or block-product job with the functional API, by parameter name."""
+    """Run a Kronecker or block-product job with the functional API, by parameter name.
+
+    These run the model again: refused for a model that changed since its forward pass,
+    draws random numbers, or changes a buffer or its input in its forward.
+    """
+    rerun = f"{job.name} (which packfunc computes with a pass of its own)"
+    record.check_unchanged(rerun)
+    leaves = flatten_params(params)[0]
+    check_rerun(cached_discover(model_fn, params, leaves, X)[0], rerun)
     options = dict(job.options)
     public_function = getattr(pf, job.name)  # every spec names its public function
     if job.quantity.family is Family.FACTORS:
@@ -218,9 +248,9 @@ def _compute(
         )
         _warn_about_unsupported(job.name, [name for name, f in factors.items() if f is None])
         return {name: f for name, f in factors.items() if f is not None}
+    problem = (model_fn, params, X, y, loss, options)
     return {
-        name: partial(_block_product, public_function, name, model_fn, params, X, y, loss, options)
-        for name in params
+        name: partial(_block_product, record, public_function, name, problem) for name in params
     }
 
 
@@ -237,17 +267,19 @@ def _warn_about_unsupported(quantity: str, names: list[str]) -> None:
 
 
 def _block_product(
+    record: ForwardRecord,
     product: Callable,
     name: str,
-    model_fn: Callable,
-    params: dict[str, Tensor],
-    X: Any,
-    y: Any,
-    loss: nn.Module,
-    options: dict,
+    problem: tuple[Callable, dict[str, Tensor], Any, Any, nn.Module, dict],
     mat: Tensor,
 ) -> Tensor:
-    """``block(name) @ mat`` for ``mat`` of shape ``[V, *param.shape]`` or ``param.shape``."""
+    """``block(name) @ mat`` for ``mat`` of shape ``[V, *param.shape]`` or ``param.shape``.
+
+    Refused once the model changed since the forward pass (BackPACK's closures keep the
+    curvature of the backward pass; this one runs the model again).
+    """
+    model_fn, params, X, y, loss, options = problem
+    record.check_unchanged(f"the {name} block product")
     single = mat.shape == params[name].shape
     mats = {key: (mat.unsqueeze(0) if single else mat) if key == name else None for key in params}
     with context.disable():  # may run inside ``with backpack(...)``: record nothing

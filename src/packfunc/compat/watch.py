@@ -315,6 +315,20 @@ def _watched(
     versions = tuple(v._version if isinstance(v, Tensor) else None for v in arguments.values)
     outputs = tensor_outputs(out)
     tensor = out if isinstance(out, Tensor) else None
-    edge = get_gradient_edge(tensor) if tensor is not None and tensor.requires_grad else None
+    edge = _gradient_edge(tensor)
     version = tensor._version if tensor is not None else 0
     return WatchedCall(func, arguments, versions, tensor, version, edge, outputs, samples, shape)
+
+
+def _gradient_edge(tensor: Tensor | None) -> GradientEdge | None:
+    """Where autograd would pull a tensor back to; ``None`` where there is no such node.
+
+    A view of a parameter made under ``no_grad`` (spectral norm's power iteration) requires
+    grad but has no node: nothing pulls back through it.
+    """
+    if tensor is None or not tensor.requires_grad:
+        return None
+    try:
+        return get_gradient_edge(tensor)
+    except AssertionError:  # torch's "Expected gradient function to be set"
+        return None

@@ -7,9 +7,16 @@ of the engine, so what the shim depends on is listed in one place.
 """
 
 from packfunc.engine.attention import ATTENTION_OPS
-from packfunc.engine.batch_pass import BatchPass
+from packfunc.engine.batch_pass import BatchPass, check_rerun
 from packfunc.engine.batch_record import BatchRecord, autograd_record, sample_layout
-from packfunc.engine.discovery import FixedTensors, Plan, Recorded, Use, UseKind
+from packfunc.engine.discovery import (
+    FixedTensors,
+    Plan,
+    Recorded,
+    Use,
+    UseKind,
+    cached_discover,
+)
 from packfunc.engine.layer_factors import CURVATURES
 from packfunc.engine.local import CallArguments, LocalInputs, Source
 from packfunc.engine.modes import (
@@ -54,6 +61,8 @@ __all__ = [
     "Use",
     "UseKind",
     "autograd_record",
+    "cached_discover",
+    "check_rerun",
     "is_metadata_query",
     "leaves_of",
     "linear_in_out",

@@ -108,6 +108,43 @@ def check_pass_arguments(
     chunk_length(1, 1, chunk_size)
 
 
+def check_rerun(plan: Plan, rerun: str) -> None:
+    """Refuse to run a model again if it draws random numbers or changes a buffer or input.
+
+    Another run would not see the values of the forward pass whose loss is reported.
+
+    Args:
+        plan: The model's plan.
+        rerun: What would run it, for the message (e.g. ``"the whole-model path"``).
+
+    Raises:
+        RandomModelError: if discovery saw the model draw random numbers.
+        ValueError: if discovery saw its forward change a buffer or its input.
+
+    Example:
+        >>> from packfunc.engine.discovery import discover
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> check_rerun(discover(fn, p, list(p.values()), torch.ones(1, 3)), "a re-run")
+    """
+    refuse_rerun(plan.random, rerun)
+    if plan.updated_buffer is not None:
+        raise ValueError(
+            f"the model changes its buffer {plan.updated_buffer!r} in its forward pass "
+            f"(a running statistic, spectral norm's power iteration), and {rerun} runs it "
+            "again, which would see other values than the forward pass whose loss is "
+            "reported. Call model.eval() before computing this, or request only parameters "
+            "on op-local paths (pf.explain shows each parameter's path)."
+        )
+    if plan.updated_input:
+        raise ValueError(
+            f"the model changes its input in place in its forward pass, and {rerun} runs it "
+            "again on the changed input, which would give other values than the forward "
+            "pass whose loss is reported. Change it out of place in the forward (x = x * 2, "
+            "not x.mul_(2)), or request only parameters on op-local paths (pf.explain shows "
+            "each parameter's path)."
+        )
+
+
 class BatchPass:
     """Discovery and the batch pass of ``loss(model_fn(params, X), y)``.
 
@@ -181,32 +218,12 @@ class BatchPass:
         )
 
     def check_rerun(self, rerun: str) -> None:
-        """Refuse to run the model again if it draws random numbers or changes a buffer or input.
+        """:func:`check_rerun` of this pass's plan.
 
         Args:
             rerun: What would run it, for the message (e.g. ``"the whole-model path"``).
-
-        Raises:
-            RandomModelError: if discovery saw the model draw random numbers.
-            ValueError: if discovery saw its forward change a buffer or its input.
         """
-        refuse_rerun(self.plan.random, rerun)
-        if self.plan.updated_buffer is not None:
-            raise ValueError(
-                f"the model changes its buffer {self.plan.updated_buffer!r} in its forward pass "
-                f"(a running statistic, spectral norm's power iteration), and {rerun} runs it "
-                "again, which would see other values than the forward pass whose loss is "
-                "reported. Call model.eval() before computing this, or request only parameters "
-                "on op-local paths (pf.explain shows each parameter's path)."
-            )
-        if self.plan.updated_input:
-            raise ValueError(
-                f"the model changes its input in place in its forward pass, and {rerun} runs it "
-                "again on the changed input, which would give other values than the forward "
-                "pass whose loss is reported. Change it out of place in the forward (x = x * 2, "
-                "not x.mul_(2)), or request only parameters on op-local paths (pf.explain shows "
-                "each parameter's path)."
-            )
+        check_rerun(self.plan, rerun)
 
     @property
     def loss_value(self) -> Tensor:

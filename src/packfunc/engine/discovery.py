@@ -677,17 +677,21 @@ def kept_buffers(module: nn.Module | None) -> Iterator[list[str]]:
         for name, buffer in owner.named_buffers(recurse=False)
         if buffer.device.type != "meta"
     ]
+    versions = [buffer._version for *_, buffer, _ in named]
     changed: list[str] = []
     try:
         yield changed
     finally:
         with torch.no_grad():
-            for owner, qualified, name, buffer, value in named:
+            for (owner, qualified, name, buffer, value), version in zip(named, versions):
                 if owner._buffers.get(name) is not buffer:  # rebound
                     owner._buffers[name] = buffer
                     changed.append(qualified)
                 elif not torch.equal(buffer, value):
                     buffer.copy_(value)
+                    # its version too: to autograd (a graph that saved it) and to the shim's
+                    # check for a model changed since its forward, it never changed
+                    torch._C._autograd._unsafe_set_version_counter((buffer,), (version,))
                     changed.append(qualified)
 
 

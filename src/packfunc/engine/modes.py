@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from packfunc.engine.attention import ATTENTION_OPS, run_attention, supports_attention
 from packfunc.engine.checkpointing import plain_checkpoints
+from packfunc.engine.decompositions import DECOMPOSED_OPS
 from packfunc.engine.local import (
     CallArguments,
     Derivation,
@@ -144,7 +145,7 @@ class LeafIndex:
         return found
 
 
-REWRITTEN_OPS = RECURRENT_OPS | ATTENTION_OPS | LINEAR_CALLS | {F.batch_norm}
+REWRITTEN_OPS = RECURRENT_OPS | ATTENTION_OPS | LINEAR_CALLS | set(DECOMPOSED_OPS) | {F.batch_norm}
 """Calls :class:`FunctionalMode` replaces by a decomposition, or refuses, or changes."""
 
 
@@ -185,6 +186,9 @@ class FunctionalMode(TorchFunctionMode):
         if func in ATTENTION_OPS and supports_attention(args, kwargs):
             with self:
                 return run_attention(args, kwargs)
+        if func in DECOMPOSED_OPS:
+            with self:
+                return DECOMPOSED_OPS[func](*args, **kwargs)
         if func in LINEAR_CALLS:
             layer = self.rows.layer(func, args, kwargs, self._is_parameter)
             if layer is not None:  # a linear layer with its weight stored [in, out]
