@@ -573,3 +573,23 @@ def test_block_product_closures_refuse_a_model_changed_after_the_backward_pass()
     _step(model)
     with pytest.raises(ValueError, match="block product"):
         weight.ggnmp(torch.ones_like(weight))
+
+
+def test_a_model_returning_a_tuple_warns_that_nothing_is_recorded():
+    """It was silent: no grad_batch, or an earlier step's left on the parameters."""
+
+    class WithFeatures(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            features = torch.tanh(self.body(x))
+            return self.head(features), features
+
+    model, lossfunc = extend(WithFeatures()), extend(nn.CrossEntropyLoss())
+    with backpack(ours.BatchGrad()):
+        with pytest.warns(UserWarning, match="returned a tuple, not a tensor"):
+            logits, _ = model(torch.randn(4, 3))
+        lossfunc(logits, torch.tensor([0, 1, 1, 0])).backward()
+    assert not hasattr(model.head.weight, "grad_batch")

@@ -128,7 +128,10 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     if recorder is None:
         return
     recorder.__exit__(None, None, None)
-    if not isinstance(output, Tensor) or output.grad_fn is None:
+    if not isinstance(output, Tensor):
+        _warn_unrecorded(module, output)
+        return
+    if output.grad_fn is None:
         return
     recorder.release(output)
     record = ForwardRecord(
@@ -141,6 +144,25 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     _link_to_producer(record)
     node_metadata(output.grad_fn)[RECORD_KEY] = record
     output.grad_fn.register_prehook(partial(_on_backward, record))
+
+
+def _warn_unrecorded(module: nn.Module, output: Any) -> None:
+    """Inside ``with backpack(...)``, say that a forward returning no tensor is not recorded.
+
+    BackPACK hooks each module; the shim records the outermost extended module's output,
+    and a tuple (``(logits, features)``, a Hugging Face ``ModelOutput``) has none.
+    """
+    ctx = context.active()
+    if ctx is not None and ctx.extensions:
+        warnings.warn(
+            f"the extended {type(module).__name__} returned a {type(output).__name__}, not a "
+            "tensor: packfunc.compat records models that return the tensor the loss takes, so "
+            "no extension runs for this forward pass (and results of an earlier one stay on "
+            "the parameters). Extend a module that returns that tensor, or wrap the model in "
+            "one that returns it alone.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _no_record() -> None:
