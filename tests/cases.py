@@ -303,7 +303,7 @@ CASES: dict[str, Case] = {
             _tokens(6, 4),
         ),
         Case("batchnorm_eval", lambda: _eval_batchnorm(), _randn(2, 4, 4)),
-        Case(  # a slope per channel, then one for all (torch's prelu rules were wrong)
+        Case(  # a slope per channel, then one for all (torch's nested prelu rules were wrong)
             "prelu",
             lambda: nn.Sequential(
                 nn.Linear(3, 4), nn.PReLU(4), nn.Linear(4, 3), nn.PReLU(), nn.Linear(3, 2)

@@ -401,3 +401,19 @@ def test_an_unknown_keyword_is_refused_not_ignored(quantity, keyword, hint):
     for batch in ({"X": X, "y": Y}, {"data": [(X, Y)]}):
         with pytest.raises(TypeError, match=message):
             getattr(pf, quantity)(model_fn, params, **batch, loss=loss, **options, **{keyword: 1})
+
+
+@pytest.mark.parametrize("quantity", [pf.batch_grad, pf.diag_ggn])
+def test_a_refusal_after_the_batch_pass_puts_the_buffers_back(quantity):
+    """Spectral norm in training mode: the batch pass advanced its power iteration, then the
+    whole-model path refused to run it again, and the refused call had changed the buffers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.utils.parametrizations.spectral_norm(nn.Linear(3, 4)), nn.Tanh(), nn.Linear(4, 2)
+    )
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    model_fn, params = pf.functional(model)
+    with pytest.raises(ValueError, match="changes its buffer"):
+        quantity(model_fn, params, X, Y)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name

@@ -21,7 +21,13 @@ from torch import Tensor, nn
 
 from packfunc.engine import whole_model
 from packfunc.engine.batch_record import BatchRecord, PlanMismatch, SiteConsumer, record
-from packfunc.engine.discovery import Plan, cached_discover, check_first_sample, forget_plan
+from packfunc.engine.discovery import (
+    Plan,
+    buffer_restorer,
+    cached_discover,
+    check_first_sample,
+    forget_plan,
+)
 from packfunc.engine.memory import (
     OUTPUT_CHUNK_BUDGET,
     chunk_length,
@@ -40,6 +46,7 @@ from packfunc.functionalize import (
     batch_size,
     check_model_arguments,
     flatten_params,
+    module_of,
 )
 from packfunc.losses import check_loss
 from packfunc.types import ModelFn
@@ -186,6 +193,10 @@ class BatchPass:
         self.chunk_size = chunk_size
         self.plan, cached = cached_discover(model_fn, params, self.leaves, X)
         rewind = rewinder(self.leaves)
+        # a refusal after this pass leaves the buffers it changed as they were
+        self._restore_buffers = (
+            buffer_restorer(module_of(model_fn)) if self.plan.updated_buffer else None
+        )
         try:
             self.record = self._batch_pass(reuse)
         except PlanMismatch:
@@ -220,10 +231,17 @@ class BatchPass:
     def check_rerun(self, rerun: str) -> None:
         """:func:`check_rerun` of this pass's plan.
 
+        A refusal puts back the buffers this pass changed: the call changes nothing.
+
         Args:
             rerun: What would run it, for the message (e.g. ``"the whole-model path"``).
         """
-        check_rerun(self.plan, rerun)
+        try:
+            check_rerun(self.plan, rerun)
+        except Exception:  # RandomModelError, ValueError
+            if self._restore_buffers is not None:
+                self._restore_buffers()
+            raise
 
     @property
     def loss_value(self) -> Tensor:

@@ -1,10 +1,10 @@
-"""Ops whose batching rules in torch give wrong second derivatives: run as plain ops.
+"""Ops whose batching rules in torch give wrong derivatives nested: run as plain ops.
 
-The op-local path differentiates an op's backward under nested ``vmap`` (samples, then
-columns). For ``torch.prelu`` torch's batching rule of that backward mixes the two
-levels: GGN diagonals of a PReLU weight came out wrong where the number of columns
-equals the batch size, and raised otherwise. Its decomposition into ``where`` and ``mul``
-has exact rules; the modes run it in its place.
+The Hessian paths differentiate the model twice under ``vmap`` over samples and then
+over tangents. For ``torch.prelu`` torch's batching rules of its backward mix the two
+levels (an error, or wrong values where the two sizes are equal). Its decomposition into
+``where`` and ``mul`` has exact rules; the modes run it in its place. (The op-local rule
+avoids nesting altogether: see ``engine/rules/local.py``.)
 """
 
 from __future__ import annotations

@@ -671,6 +671,30 @@ def kept_buffers(module: nn.Module | None) -> Iterator[list[str]]:
         >>> norm.running_mean, changed
         (tensor([0., 0.]), ['running_mean', 'running_var', 'num_batches_tracked'])
     """
+    restore = buffer_restorer(module)
+    changed: list[str] = []
+    try:
+        yield changed
+    finally:
+        changed += restore()
+
+
+def buffer_restorer(module: nn.Module | None) -> Callable[[], list[str]]:
+    """A function that puts ``module``'s buffers back as they are now, values and versions.
+
+    Args:
+        module: A module, or ``None`` (nothing kept).
+
+    Returns:
+        ``restore()``, which returns the names of the buffers it put back.
+
+    Example:
+        >>> norm = torch.nn.BatchNorm1d(2)
+        >>> restore = buffer_restorer(norm)
+        >>> _ = norm(torch.randn(4, 2))
+        >>> restore(), norm.running_mean
+        (['running_mean', 'running_var', 'num_batches_tracked'], tensor([0., 0.]))
+    """
     named = [
         (owner, f"{prefix}.{name}" if prefix else name, name, buffer, buffer.clone())
         for prefix, owner in (module.named_modules() if module is not None else ())
@@ -678,10 +702,9 @@ def kept_buffers(module: nn.Module | None) -> Iterator[list[str]]:
         if buffer.device.type != "meta"
     ]
     versions = [buffer._version for *_, buffer, _ in named]
-    changed: list[str] = []
-    try:
-        yield changed
-    finally:
+
+    def restore() -> list[str]:
+        changed = []
         with torch.no_grad():
             for (owner, qualified, name, buffer, value), version in zip(named, versions):
                 if owner._buffers.get(name) is not buffer:  # rebound
@@ -693,6 +716,9 @@ def kept_buffers(module: nn.Module | None) -> Iterator[list[str]]:
                     # check for a model changed since its forward, it never changed
                     torch._C._autograd._unsafe_set_version_counter((buffer,), (version,))
                     changed.append(qualified)
+        return changed
+
+    return restore
 
 
 _PLANS: weakref.WeakKeyDictionary[ModelFn, tuple[Hashable, Plan]] = weakref.WeakKeyDictionary()
