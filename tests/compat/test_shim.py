@@ -593,3 +593,21 @@ def test_a_model_returning_a_tuple_warns_that_nothing_is_recorded():
             logits, _ = model(torch.randn(4, 3))
         lossfunc(logits, torch.tensor([0, 1, 1, 0])).backward()
     assert not hasattr(model.head.weight, "grad_batch")
+
+
+def test_a_backward_that_computes_nothing_leaves_no_stale_results():
+    """Forward under disable(), backward inside backpack(...): the last step's grad_batch
+    stayed on the parameters, silently (BackPACK raises). A value the user set stays."""
+    torch.manual_seed(0)
+    model, lossfunc = extend(nn.Sequential(nn.Linear(3, 2))), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    with backpack(ours.BatchGrad()):
+        lossfunc(model(X), y).backward()
+    assert model[0].weight.grad_batch.shape == (4, 2, 3)
+    model[0].bias.grad_batch = "the user's own"
+    with disable():
+        value = lossfunc(model(X), y)
+    with backpack(ours.BatchGrad()):
+        value.backward()
+    assert not hasattr(model[0].weight, "grad_batch")
+    assert model[0].bias.grad_batch == "the user's own"

@@ -7,6 +7,9 @@ called ``output``, Hugging Face's ``BertLayer.output``): the shim never
 overwrites or deletes such a parameter, buffer, child module or attribute. Every
 stored value is kept in a private record of the module, which :func:`stored_io`
 reads; only names the module does not define become attributes, as in BackPACK.
+Results on parameters (``param.grad_batch``, …) are noted as the shim's, so that a
+new ``with backpack(...)`` forgets the last ones (:func:`forget_results`) and nothing
+else.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from torch import nn
 
 _STORED = "_packfunc_stored_io"
 """Key of the record in the module's ``__dict__``: stored name -> value."""
+_RESULTS = "_packfunc_results"
+"""Key of the record in a parameter's ``__dict__``: result name -> identity of the value
+the shim set (not the value: ``del param.grad_batch`` frees it)."""
 
 
 def store_io(module: nn.Module, inputs: tuple, output: Any) -> None:
@@ -93,3 +99,51 @@ def memory_cleanup(module: nn.Module) -> None:
     for name, value in stored.items():
         if module.__dict__.get(name) is value:  # still the shim's value, not the user's
             del module.__dict__[name]
+
+
+def store_result(param: nn.Parameter, name: str, value: Any) -> None:
+    """Set ``param.<name>`` to an extension's result, noted as the shim's.
+
+    Args:
+        param: A parameter of an extended model.
+        name: The extension's savefield (``"grad_batch"``, …).
+        value: The result.
+
+    Example:
+        >>> import torch
+        >>> weight = nn.Parameter(torch.zeros(2))
+        >>> store_result(weight, "grad_batch", torch.ones(3, 2))
+        >>> weight.grad_batch.shape
+        torch.Size([3, 2])
+    """
+    setattr(param, name, value)
+    param.__dict__.setdefault(_RESULTS, {})[name] = (type(value), id(value))
+
+
+def forget_results(module: nn.Module, names: list[str]) -> None:
+    """Delete the results named ``names`` the shim set on ``module``'s parameters.
+
+    A ``with backpack(...)`` block starts without the last results of its extensions:
+    a backward pass that computes none (its forward ran under ``disable()``) leaves no
+    stale values behind, where BackPACK raises. A value the user set is kept.
+
+    Args:
+        module: An extended model.
+        names: Savefields of the extensions about to run.
+
+    Example:
+        >>> import torch
+        >>> layer = nn.Linear(2, 1)
+        >>> store_result(layer.weight, "grad_batch", torch.ones(3, 1, 2))
+        >>> layer.bias.grad_batch = "the user's"
+        >>> forget_results(layer, ["grad_batch"])
+        >>> hasattr(layer.weight, "grad_batch"), layer.bias.grad_batch
+        (False, "the user's")
+    """
+    for param in module.parameters():
+        mine = param.__dict__.get(_RESULTS, {})
+        for name in names:
+            value = param.__dict__.get(name)
+            if name in mine and mine[name] == (type(value), id(value)):
+                del param.__dict__[name]
+                del mine[name]

@@ -7,6 +7,7 @@ client code hands in, so that ``CTX.remove_hooks()`` removes them as BackPACK's 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from packfunc.compat._stored_io import forget_results
 from packfunc.compat.extensions.backprop_extension import BackpropExtension
 
 
@@ -26,6 +28,9 @@ class Context:
     debug: bool
     retain_graph: bool
 
+
+EXTENDED_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""The modules passed to ``extend`` (models, not their layers)."""
 
 _ACTIVE: list[Context] = []
 _DISABLED: list[bool] = []
@@ -91,6 +96,9 @@ class backpack:  # noqa: N801 (BackPACK's name)
                 "backpack(...) cannot run inside disable(): forward passes there "
                 "record nothing. Leave the disable() block first."
             )
+        fields = [ext.savefield for ext in self.context.extensions]
+        for model in list(EXTENDED_MODELS):  # no stale results of an earlier block
+            forget_results(model, fields)
         _ACTIVE.append(self.context)
         return self
 

@@ -49,8 +49,6 @@ Only that one keeps its output (and with it its autograd graph) alive: a model r
 without a backward pass (validation with gradients enabled) holds one graph, as
 BackPACK's ``module.output`` does; an earlier pass backpropagated later is
 answered by packfunc's own forward pass on its recorded inputs."""
-_ROOTS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-"""The modules passed to :func:`extend` (models, not their layers)."""
 _RUN = "_packfunc_extensions_ran"
 """Attribute of an extended model: ``(graph task, serial)`` of the last extensions run."""
 
@@ -89,7 +87,7 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
             setattr(module, "_packfunc_extended", True)  # noqa: B010 (not a declared attribute)
             module.register_forward_hook(_loss_forward)
         return module
-    _ROOTS.add(module)
+    context.EXTENDED_MODELS.add(module)
     for sub in module.modules():
         if getattr(sub, "_packfunc_extended", False):
             continue
@@ -157,7 +155,7 @@ def _warn_unrecorded(module: nn.Module, output: Any) -> None:
     a module passed to :func:`extend` (a layer run alone by activation checkpointing's
     recomputation is not the model), and an output holding a tensor that requires grad.
     """
-    if module not in _ROOTS:
+    if module not in context.EXTENDED_MODELS:
         return
     values = output.values() if isinstance(output, dict) else output
     if not isinstance(values, (tuple, list)) and not isinstance(output, dict):

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 import packfunc as pf
 from packfunc.compat import context
-from packfunc.compat._stored_io import memory_cleanup, stored_io
+from packfunc.compat._stored_io import memory_cleanup, store_result, stored_io
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
 from packfunc.compat.layout import SampleLayout
 from packfunc.compat.records import ForwardRecord, LossRoute
@@ -99,7 +99,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
     for ext in ctx.extensions:
         for name in names:
             if name in results[ext.savefield]:
-                setattr(model.get_parameter(name), ext.savefield, results[ext.savefield][name])
+                store_result(model.get_parameter(name), ext.savefield, results[ext.savefield][name])
     if ctx.extension_hook is not None:
         for module in _backward_order(record, route):
             ctx.extension_hook(module)
