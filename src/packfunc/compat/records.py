@@ -87,6 +87,25 @@ class ModelState:
         tensors = {name: (id(t), t._version) for name, t in named}
         return ModelState(tensors, {name: m.training for name, m in model.named_modules()})
 
+    def check(self, model: nn.Module, rerun: str) -> None:
+        """Refuse to run ``model`` again if it changed since this state.
+
+        Args:
+            model: The module this state was taken of.
+            rerun: What would run it, for the message.
+
+        Raises:
+            ValueError: naming the change and what to do instead.
+        """
+        change = self.change(model)
+        if change is not None:
+            raise ValueError(
+                f"{change} since the forward pass of the extended {type(model).__name__}, "
+                f"and {rerun} runs the model again: its values would not be those of the "
+                "forward pass whose loss is backpropagated. Backpropagate before changing the "
+                "model (before optimizer.step(), model.eval() or model.train())."
+            )
+
     def change(self, model: nn.Module) -> str | None:
         """What changed in ``model`` since this state, or ``None``.
 
@@ -149,15 +168,8 @@ class ForwardRecord:
         Raises:
             ValueError: naming the change and what to do instead.
         """
-        change = self.state.change(self.model) if self.state is not None else None
-        if change is not None:
-            raise ValueError(
-                f"{change} since the forward pass of the extended "
-                f"{type(self.model).__name__}, and {rerun} runs the "
-                "model again: its values would not be those of the forward pass whose loss "
-                "is backpropagated. Backpropagate before changing the model (before "
-                "optimizer.step(), model.eval() or model.train())."
-            )
+        if self.state is not None:
+            self.state.check(self.model, rerun)
 
 
 @dataclass(frozen=True)

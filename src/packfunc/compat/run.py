@@ -20,7 +20,7 @@ from packfunc.compat import context
 from packfunc.compat._stored_io import memory_cleanup, store_result, stored_io
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
 from packfunc.compat.layout import SampleLayout
-from packfunc.compat.records import ForwardRecord, LossRoute
+from packfunc.compat.records import ForwardRecord, LossRoute, ModelState
 from packfunc.engine.api import BatchPass, BatchRecord, Plan, cached_discover, check_rerun
 from packfunc.evaluation import evaluate
 from packfunc.functionalize import flatten_params, wraps_module_of
@@ -248,10 +248,18 @@ def _compute(
         )
         _warn_about_unsupported(job.name, [name for name, f in factors.items() if f is None])
         return {name: f for name, f in factors.items() if f is not None}
+    # the state and model, not the record: a closure must not keep the forward's graph
     problem = (model_fn, params, X, y, loss, options)
+    unchanged = partial(_check_state, record.state, record.model)
     return {
-        name: partial(_block_product, record, public_function, name, problem) for name in params
+        name: partial(_block_product, unchanged, public_function, name, problem) for name in params
     }
+
+
+def _check_state(state: ModelState | None, model: nn.Module, rerun: str) -> None:
+    """:meth:`ModelState.check` where a state was taken."""
+    if state is not None:
+        state.check(model, rerun)
 
 
 def _warn_about_unsupported(quantity: str, names: list[str]) -> None:
@@ -267,7 +275,7 @@ def _warn_about_unsupported(quantity: str, names: list[str]) -> None:
 
 
 def _block_product(
-    record: ForwardRecord,
+    check_unchanged: Callable[[str], None],
     product: Callable,
     name: str,
     problem: tuple[Callable, dict[str, Tensor], Any, Any, nn.Module, dict],
@@ -279,7 +287,7 @@ def _block_product(
     curvature of the backward pass; this one runs the model again).
     """
     model_fn, params, X, y, loss, options = problem
-    record.check_unchanged(f"the {name} block product")
+    check_unchanged(f"the {name} block product")
     single = mat.shape == params[name].shape
     mats = {key: (mat.unsqueeze(0) if single else mat) if key == name else None for key in params}
     with context.disable():  # may run inside ``with backpack(...)``: record nothing
