@@ -389,25 +389,40 @@ class _RadialBasis(nn.Module):
         return self.head(torch.exp(-torch.cdist(self.inner(x), self.centres).square()))
 
 
+class _SignedScale(nn.Module):
+    """A scale that also decides a sign through ``torch.where``'s condition."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.head = nn.Linear(3, 4), nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.rand(4) * 0.5 + 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner(x)
+        return self.head(torch.where(self.scale > 0.3, h, -h) * self.scale)
+
+
 @pytest.mark.parametrize("budget", [None, 8])  # 8 elements: one column at a time
 @pytest.mark.parametrize("n", [3, 4])  # 3 = the number of classes: the columns' count
-@pytest.mark.parametrize("layer", ["cdist", "prelu"])
+@pytest.mark.parametrize("layer", ["cdist", "prelu", "where"])
 def test_local_ops_whose_nested_batching_rules_are_wrong_give_exact_ggn_diagonals(
     layer, n, budget, monkeypatch
 ):
-    """torch's rules for prelu's and cdist's backward, vmapped over samples and then over
-    columns, mixed the two levels: wrong where the columns were as many as the samples
+    """torch's rules for prelu's, cdist's and where's backward, vmapped over samples and then
+    over columns, mixed the two levels (where: an error when the columns were not as many as
+    the samples): wrong where the columns were as many as the samples
     (2e-3 off entries of 7e-3 for PReLU, 0.1 off 0.12 for the centres), an error otherwise.
     Against the dense GGN ``Σ_n J_nᵀ H_n J_n`` (the Hessian of cdist has no second
     derivative in torch: not compared)."""
     if budget is not None:
         monkeypatch.setattr(local_rule, "DEFAULT_BUDGET", budget)
     torch.manual_seed(0)
-    model = (
-        _RadialBasis()
-        if layer == "cdist"
-        else nn.Sequential(nn.Linear(3, 4), nn.PReLU(4), nn.Linear(4, 3))
-    ).double()
+    models = {
+        "cdist": _RadialBasis,
+        "prelu": lambda: nn.Sequential(nn.Linear(3, 4), nn.PReLU(4), nn.Linear(4, 3)),
+        "where": _SignedScale,
+    }
+    model = models[layer]().double()
     X, y = torch.randn(n, 3, dtype=torch.float64), torch.randint(0, 3, (n,))
     model_fn, params = pf.functional(model)
     loss = nn.CrossEntropyLoss()
