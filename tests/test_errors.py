@@ -125,6 +125,20 @@ def test_a_layer_that_mixes_samples_is_refused():
         pf.batch_grad(model_fn, params, X, Y)
 
 
+def test_the_last_sample_alone_is_compared_too():
+    """A shared input as long as the batch whose use leaves the first sample its own value
+    (``s.max()`` with the largest entry first) passed the first sample's comparison."""
+    model_fn, params = pf.functional(nn.Linear(3, 2))
+
+    def scaled(p, inputs):
+        x, s = inputs  # s [N]: shared by the batch (a misuse)
+        return model_fn(p, x * s.max())
+
+    s = torch.tensor([3.0, 1.0, 2.0, 0.5, 1.5])
+    with pytest.raises(ValueError, match="last sample alone"):
+        pf.batch_grad(scaled, params, (X, s), Y)
+
+
 def test_a_refused_batch_is_refused_again():
     """The plan a refusal found is cached: calling again must not skip the check (it did)."""
     model_fn, params = pf.functional(_SharedPositions())

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, cast
 
 import torch
@@ -27,6 +27,7 @@ from packfunc.engine.discovery import (
     cached_discover,
     check_first_sample,
     forget_plan,
+    last_sample_output,
 )
 from packfunc.engine.memory import (
     OUTPUT_CHUNK_BUDGET,
@@ -206,7 +207,8 @@ class BatchPass:
             rewind()  # and run it on the random numbers the stopped pass began with
             self.plan, _ = cached_discover(model_fn, params, self.leaves, X)
             self.record = self._batch_pass(reuse)
-        if not check_first_sample(self.plan, self.record.output):  # a fresh plan's first row
+        last = partial(last_sample_output, model_fn, params, X, self.n)
+        if not check_first_sample(self.plan, self.record.output, last):  # a fresh plan's rows
             forget_plan(model_fn)  # (unchecked under vmap: discovered again until checked)
         failed = {leaf for k in self.record.failed for _, leaf in self.plan.sites[k].call.leaves}
         self.whole_model = sorted(self.plan.uncovered | failed)

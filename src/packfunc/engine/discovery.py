@@ -55,6 +55,7 @@ from packfunc.engine.ops import (
     SiteCall,
     make_call,
 )
+from packfunc.engine.precision import forward_autocast
 from packfunc.engine.randomness import private_generators, random_call
 from packfunc.functionalize import module_of, select_samples
 from packfunc.types import ModelFn
@@ -584,36 +585,41 @@ def _largest_difference(a: Tensor, b: Tensor) -> tuple[float, float]:
     return float(difference.max()), float(scale.max())
 
 
-def check_first_sample(plan: Plan, batch_output: Tensor) -> bool:
-    """Refuse a batch whose first row is not the first sample's output alone.
+def check_first_sample(
+    plan: Plan, batch_output: Tensor, last_alone: Callable[[], Tensor] | None = None
+) -> bool:
+    """Refuse a batch whose first (or last) row is not that sample's output alone.
 
     Per-sample quantities take sample ``n``'s output as a function of sample ``n`` alone,
     with dim 0 of every input its batch dimension. An input shared by the batch whose
     length happens to equal the batch size (positions ``[T]`` with ``T = N``) passes
     every shape check, and a layer that mixes samples gives no error of its own: both
     would give wrong values silently. Discovery ran the first sample alone; its output
-    must be the batch's first row, to rounding. Once passed, the plan drops that output
-    (a cached plan is not checked again); a refused plan keeps it, so that every later
-    pass with it is refused too. Skipped for a model that draws random numbers or changes
-    a buffer or its input (a run differs from the next). Under ``vmap``, whose values
-    cannot decide, it cannot run: the caller must not keep the plan (see the return).
+    must be the batch's first row, to rounding; and ``last_alone()``, the last sample's
+    output alone, the last row (a shared mask whose first row happens to be the global one
+    passes the first comparison). Once passed, the plan drops discovery's output (a cached
+    plan is not checked again); a refused plan keeps it, so that every later pass with it
+    is refused too. Skipped for a model that draws random numbers or changes a buffer or
+    its input (a run differs from the next). Under ``vmap``, whose values cannot decide,
+    it cannot run: the caller must not keep the plan (see the return).
 
     Args:
         plan: A plan fresh from :func:`discover` (its ``first_output`` set), or cached.
         batch_output: The batch pass's output of the whole batch.
+        last_alone: Runs the model on the last sample alone (:func:`last_sample_output`).
 
     Returns:
         Whether the plan may be kept: ``False`` where the check could not run (``vmap``).
 
     Raises:
-        ValueError: if the two differ beyond rounding, naming both likely causes.
+        ValueError: if a row differs beyond rounding, naming both likely causes.
 
     Example:
         >>> layer = torch.nn.Linear(3, 2)
         >>> fn, p = packfunc.functional(layer)
         >>> X = torch.randn(4, 3)
         >>> plan = discover(fn, p, list(p.values()), X[:1])
-        >>> check_first_sample(plan, layer(X)), plan.first_output
+        >>> check_first_sample(plan, layer(X), lambda: layer(X[3:])), plan.first_output
         (True, None)
     """
     first = plan.first_output
@@ -625,30 +631,62 @@ def check_first_sample(plan: Plan, batch_output: Tensor) -> bool:
     if not (first.is_floating_point() and batch_output.is_floating_point()):
         plan.first_output = None
         return True
-    row = batch_output.detach()[:1]
-    if row.shape == first.shape:
-        dtype = min(first.dtype, batch_output.dtype, key=lambda d: torch.finfo(d).bits)
-        try:
-            difference, scale = _largest_difference(first.detach(), row)
-        except RuntimeError:  # values under vmap decide nothing
-            if is_functorch_wrapped_tensor(first) or is_functorch_wrapped_tensor(row):
-                return False
-            raise
-        if difference <= FIRST_SAMPLE_TOLERANCE.get(dtype, 0.1) * max(
-            scale, torch.finfo(dtype).tiny
-        ):
-            plan.first_output = None
-            return True
-        what = f"differs by up to {difference:.3g} (its largest entry: {scale:.3g})"
-    else:
-        what = f"has shape {tuple(first.shape)}, the batch's first row {tuple(row.shape)}"
+    rows, which = batch_output.detach(), "first"
+    try:
+        what = _unlike(first, rows[:1])
+        if what is None and last_alone is not None and len(rows) > 1:
+            what, which = _unlike(last_alone(), rows[-1:]), "last"
+    except RuntimeError:  # values under vmap decide nothing
+        if is_functorch_wrapped_tensor(first) or is_functorch_wrapped_tensor(rows):
+            return False
+        raise
+    if what is None:
+        plan.first_output = None
+        return True
     raise ValueError(
-        f"the model's output for the first sample alone {what}: its row of the batch must "
+        f"the model's output for the {which} sample alone {what}: its row of the batch must "
         "depend on that sample alone. Either an input is not batched along dim 0 (an input "
         "shared by the batch whose length equals the batch size, e.g. positions [T] with "
         "T = N: expand it to [N, ...] or close over it in model_fn), or a layer mixes "
         "samples (batch statistics), which per-sample quantities cannot follow."
     )
+
+
+def _unlike(alone: Tensor, row: Tensor) -> str | None:
+    """How a sample's output alone differs from its row of the batch, or ``None`` (to rounding)."""
+    if row.shape != alone.shape:
+        return f"has shape {tuple(alone.shape)}, its row of the batch {tuple(row.shape)}"
+    dtype = min(alone.dtype, row.dtype, key=lambda d: torch.finfo(d).bits)
+    difference, scale = _largest_difference(alone.detach(), row)
+    if difference <= FIRST_SAMPLE_TOLERANCE.get(dtype, 0.1) * max(scale, torch.finfo(dtype).tiny):
+        return None
+    return f"differs by up to {difference:.3g} (its largest entry: {scale:.3g})"
+
+
+def last_sample_output(model_fn: ModelFn, params: Any, X: Any, n: int) -> Tensor:
+    """The model's output for the last of ``n`` samples alone, run as discovery runs the first.
+
+    Without gradients, under the caller's autocast, its buffers put back afterwards; as
+    the model itself (the modes' rewrites compute the same function, and a recurrent layer
+    runs fused).
+
+    Args:
+        model_fn: ``model_fn(params, X)``.
+        params: Its parameters.
+        X: The batch.
+        n: The batch size.
+
+    Returns:
+        The output, batch size one.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> last_sample_output(fn, p, torch.randn(4, 3), 4).shape
+        torch.Size([1, 2])
+    """
+    with torch.no_grad(), kept_buffers(module_of(model_fn)), forward_autocast():
+        out: Tensor = model_fn(params, select_samples(X, slice(n - 1, n)))
+    return out
 
 
 @contextlib.contextmanager
