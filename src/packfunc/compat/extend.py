@@ -167,9 +167,8 @@ def _warn_unrecorded(module: nn.Module, output: Any) -> None:
         warnings.warn(
             f"the extended {type(module).__name__} returned a {type(output).__name__}, not a "
             "tensor: packfunc.compat records models that return the tensor the loss takes, so "
-            "no extension runs for this forward pass (and results of an earlier one stay on "
-            "the parameters). Extend a module that returns that tensor, or wrap the model in "
-            "one that returns it alone.",
+            "no extension runs for this forward pass. Extend a module that returns that "
+            "tensor, or wrap the model in one that returns it alone.",
             UserWarning,
             stacklevel=3,
         )
