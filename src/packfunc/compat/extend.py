@@ -135,9 +135,8 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     if output.grad_fn is None:
         return
     recorder.release(output)
-    record = ForwardRecord(
-        module, args, kwargs, recorder, output, output.shape, state=ModelState.of(module)
-    )
+    state = ModelState.of(module)
+    record = ForwardRecord(module, args, kwargs, recorder, output, output.shape, state)
     previous = module.__dict__.get(_LATEST, _no_record)()
     if previous is not None:
         previous.output = None
@@ -158,9 +157,9 @@ def _warn_unrecorded(module: nn.Module, output: Any) -> None:
     if module not in context.EXTENDED_MODELS:
         return
     values = output.values() if isinstance(output, dict) else output
-    if not isinstance(values, (tuple, list)) and not isinstance(output, dict):
-        return
-    if not any(isinstance(v, Tensor) and v.requires_grad for v in values):
+    if not isinstance(output, (tuple, list, dict)) or not any(
+        isinstance(v, Tensor) and v.requires_grad for v in values
+    ):
         return
     ctx = context.active()
     if ctx is not None and ctx.extensions:

@@ -141,11 +141,11 @@ class ForwardRecord:
         recorder: What it watched of its own forward pass.
         output: Its output (dropped after the backward pass, unless the graph is retained).
         output_shape: The shape of its output.
+        state: The model's parameters, buffers and modes at the end of the forward pass.
         losses: Extended losses applied to its output.
         consumers: Records of extended modules that took its output as their only input
             (weak references, with the layout of that input).
         serial: Numbers the forward passes: the model's latest one has the highest.
-        state: The model's parameters, buffers and modes at the end of the forward pass.
     """
 
     model: nn.Module
@@ -154,10 +154,10 @@ class ForwardRecord:
     recorder: ForwardRecorder
     output: Tensor | None
     output_shape: torch.Size
+    state: ModelState
     losses: list[LossCall] = field(default_factory=list)
     consumers: list[tuple[weakref.ref, SampleLayout]] = field(default_factory=list)
     serial: int = field(default_factory=lambda: next(_serials))
-    state: ModelState | None = None
 
     def check_unchanged(self, rerun: str) -> None:
         """Refuse to run the model again if it changed since this forward pass.
@@ -168,8 +168,7 @@ class ForwardRecord:
         Raises:
             ValueError: naming the change and what to do instead.
         """
-        if self.state is not None:
-            self.state.check(self.model, rerun)
+        self.state.check(self.model, rerun)
 
 
 @dataclass(frozen=True)

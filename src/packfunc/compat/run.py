@@ -20,7 +20,7 @@ from packfunc.compat import context
 from packfunc.compat._stored_io import memory_cleanup, store_result, stored_io
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
 from packfunc.compat.layout import SampleLayout
-from packfunc.compat.records import ForwardRecord, LossRoute, ModelState
+from packfunc.compat.records import ForwardRecord, LossRoute
 from packfunc.engine.api import BatchPass, BatchRecord, Plan, cached_discover, check_rerun
 from packfunc.evaluation import evaluate
 from packfunc.functionalize import flatten_params, wraps_module_of
@@ -250,16 +250,10 @@ def _compute(
         return {name: f for name, f in factors.items() if f is not None}
     # the state and model, not the record: a closure must not keep the forward's graph
     problem = (model_fn, params, X, y, loss, options)
-    unchanged = partial(_check_state, record.state, record.model)
+    unchanged = partial(record.state.check, record.model)
     return {
         name: partial(_block_product, unchanged, public_function, name, problem) for name in params
     }
-
-
-def _check_state(state: ModelState | None, model: nn.Module, rerun: str) -> None:
-    """:meth:`ModelState.check` where a state was taken."""
-    if state is not None:
-        state.check(model, rerun)
 
 
 def _warn_about_unsupported(quantity: str, names: list[str]) -> None:

@@ -25,7 +25,7 @@ from packfunc.engine.discovery import (
     Plan,
     buffer_restorer,
     cached_discover,
-    check_first_sample,
+    check_rows_alone,
     forget_plan,
     last_sample_output,
 )
@@ -208,7 +208,7 @@ class BatchPass:
             self.plan, _ = cached_discover(model_fn, params, self.leaves, X)
             self.record = self._batch_pass(reuse)
         last = partial(last_sample_output, model_fn, params, X, self.n)
-        if not check_first_sample(self.plan, self.record.output, last):  # a fresh plan's rows
+        if not check_rows_alone(self.plan, self.record.output, last):  # a fresh plan's rows
             forget_plan(model_fn)  # (unchecked under vmap: discovered again until checked)
         failed = {leaf for k in self.record.failed for _, leaf in self.plan.sites[k].call.leaves}
         self.whole_model = sorted(self.plan.uncovered | failed)

@@ -143,7 +143,7 @@ class Plan:
     attention, BatchNorm; see :data:`~packfunc.engine.modes.REWRITTEN_OPS`)."""
     first_output: Tensor | None = None
     """The model's output for the first sample alone, until a batch pass compared it with its
-    own first row (:func:`check_first_sample`)."""
+    own first row (:func:`check_rows_alone`)."""
 
     @property
     def rewritten(self) -> bool:
@@ -585,7 +585,7 @@ def _largest_difference(a: Tensor, b: Tensor) -> tuple[float, float]:
     return float(difference.max()), float(scale.max())
 
 
-def check_first_sample(
+def check_rows_alone(
     plan: Plan, batch_output: Tensor, last_alone: Callable[[], Tensor] | None = None
 ) -> bool:
     """Refuse a batch whose first (or last) row is not that sample's output alone.
@@ -619,7 +619,7 @@ def check_first_sample(
         >>> fn, p = packfunc.functional(layer)
         >>> X = torch.randn(4, 3)
         >>> plan = discover(fn, p, list(p.values()), X[:1])
-        >>> check_first_sample(plan, layer(X), lambda: layer(X[3:])), plan.first_output
+        >>> check_rows_alone(plan, layer(X), lambda: layer(X[3:])), plan.first_output
         (True, None)
     """
     first = plan.first_output

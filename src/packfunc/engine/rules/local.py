@@ -49,8 +49,6 @@ class LocalRule(Rule):
 
         columns, n = g.shape[:2]
         samples = [local.arguments.values[p] for p in local.batched]
-        if columns == 1:
-            return vmap(one_pair)(samples, g[0]).unsqueeze(0)
         per_column = max(1, sum(s.numel() for s in samples))
         found = []
         for part in chunks(columns, max(1, DEFAULT_BUDGET // per_column)):
