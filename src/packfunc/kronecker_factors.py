@@ -34,7 +34,8 @@ embedding, tied weights) raise a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, cast
 
 import optree
@@ -270,9 +271,62 @@ def _sqrt_factors(
         y,
         loss,
         on_unsupported,
-        lambda bp: sqrt_factors(
-            bp, _approx(kfac_approx), mc_samples, generator, _empirical(fisher_type), last=True
+        partial(
+            _columns_factors,
+            last=True,
+            mc_samples=mc_samples,
+            generator=generator,
+            kfac_approx=kfac_approx,
+            fisher_type=fisher_type,
         ),
+    )
+
+
+def factors_from_pass(bp: BatchPass, name: str, options: Mapping[str, Any]) -> Factors:
+    """KFAC's or KFLR's factors from a batch pass that ran, its graph kept for others.
+
+    The BackPACK shim takes them from the user's own forward pass this way (inside the
+    user's backward pass, whose graph goes on): the layers' activations and the random
+    numbers of that pass, not another run's.
+
+    Args:
+        bp: The batch pass.
+        name: ``"kfac"`` or ``"kflr"``.
+        options: Their keyword options (``mc_samples``, ``generator``, ``kfac_approx``,
+            ``fisher_type``; KFLR ``kfac_approx`` only), as :func:`kfac` takes them; an
+            option left out takes :func:`kfac`'s default.
+
+    Returns:
+        The :class:`~packfunc.engine.layer_factors.Factors`, per leaf of ``bp``.
+
+    Raises:
+        ValueError: for another ``name``.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> bp = BatchPass(fn, p, torch.randn(5, 3), torch.randint(0, 2, (5,)),
+        ...                torch.nn.CrossEntropyLoss())
+        >>> [f.shape for f in factors_from_pass(bp, "kflr", {}).per_leaf[0]]
+        [torch.Size([2, 2])]
+    """
+    if name not in ("kfac", "kflr"):
+        raise ValueError(f"factors_from_pass computes 'kfac' or 'kflr', not {name!r}.")
+    exact = {"mc_samples": None} if name == "kflr" else {}
+    return _columns_factors(bp, last=False, **{**options, **exact})
+
+
+def _columns_factors(
+    bp: BatchPass,
+    *,
+    last: bool,
+    mc_samples: int | None = 1,
+    generator: torch.Generator | None = None,
+    kfac_approx: str = "sum",
+    fisher_type: FisherType = "mc",
+) -> Factors:
+    """KFAC (``mc_samples``) or KFLR (``None``) factors of ``bp`` with :func:`kfac`'s options."""
+    return sqrt_factors(
+        bp, _approx(kfac_approx), mc_samples, generator, _empirical(fisher_type), last=last
     )
 
 

@@ -92,6 +92,10 @@ class Quantity:
             "empirical"): 2}``: the empirical Fisher is quadratic in the loss).
         per_sample_loss: Whether it needs each sample's own loss (``reduction='sum'``),
             as clipping does: a mean would clip gradients scaled by ``1/N``.
+        reruns_model: Whether it runs the model again beyond the forward pass whose loss
+            it reports (KFRA's chain, curvature products): the BackPACK shim computes the
+            others from the user's own forward pass, these with a pass of its own (refused
+            for a model that changed since, draws random numbers or changes a buffer).
 
     Example:
         >>> SPECS["batch_l2_grad"].combine, SPECS["batch_l2_grad"].loss_power
@@ -111,6 +115,7 @@ class Quantity:
     )
     power_by_option: Mapping[tuple[str, object], float] = field(default_factory=dict)
     per_sample_loss: bool = False
+    reruns_model: bool = False
 
     def power(self, options: Mapping[str, object]) -> float:
         """``loss_power`` for a call with ``options`` (see :attr:`power_by_option`).
@@ -157,9 +162,17 @@ def _own(
     family: Family,
     combine: Combine,
     power_by_option: Mapping[tuple[str, object], float] | None = None,
+    reruns_model: bool = False,
 ) -> Quantity:
     """A quantity with a function of its own (not a statistic :func:`compute` makes)."""
-    return Quantity(name, summary, family, combine, power_by_option=power_by_option or {})
+    return Quantity(
+        name,
+        summary,
+        family,
+        combine,
+        power_by_option=power_by_option or {},
+        reruns_model=reruns_model,
+    )
 
 
 GRADIENT, GGN, HESSIAN = Cotangents.GRADIENT, Cotangents.GGN, Cotangents.HESSIAN
@@ -243,26 +256,22 @@ SPECS: dict[str, Quantity] = {
             power_by_option={("fisher_type", "empirical"): 2},
         ),
         _own("kflr", "Kronecker factors, exact GGN (KFLR)", Family.FACTORS, Combine.KRONECKER),
-        _own("kfra", "Kronecker factors, recursive (KFRA)", Family.FACTORS, Combine.ONE_BATCH),
-        _own("ggn_vector_product", "GGN-vector product", Family.PRODUCTS, Combine.SUM),
-        _own("hessian_vector_product", "Hessian-vector product", Family.PRODUCTS, Combine.SUM),
         _own(
-            "ggn_block_products",
-            "GGN block-matrix products (GGNMP)",
-            Family.PRODUCTS,
-            Combine.SUM,
+            "kfra",
+            "Kronecker factors, recursive (KFRA)",
+            Family.FACTORS,
+            Combine.ONE_BATCH,
+            reruns_model=True,
         ),
-        _own(
-            "hessian_block_products",
-            "Hessian block-matrix products (HMP)",
-            Family.PRODUCTS,
-            Combine.SUM,
-        ),
-        _own(
-            "pch_block_products",
-            "positive-curvature Hessian block products (PCHMP)",
-            Family.PRODUCTS,
-            Combine.SUM,
+        *(
+            _own(name, summary, Family.PRODUCTS, Combine.SUM, reruns_model=True)
+            for name, summary in (
+                ("ggn_vector_product", "GGN-vector product"),
+                ("hessian_vector_product", "Hessian-vector product"),
+                ("ggn_block_products", "GGN block-matrix products (GGNMP)"),
+                ("hessian_block_products", "Hessian block-matrix products (HMP)"),
+                ("pch_block_products", "positive-curvature Hessian block products (PCHMP)"),
+            )
         ),
     )
 }

@@ -536,15 +536,35 @@ def test_an_unchanged_model_is_run_again_exactly():
         torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
 
 
-@pytest.mark.parametrize("extension", ["KFAC", "KFLR", "KFRA"])
-def test_kronecker_factors_refuse_a_model_they_would_run_again_with_other_random_numbers(
-    extension,
-):
-    """They run the model again: with dropout that was another mask than the forward's."""
+def test_kronecker_factors_come_from_the_forward_of_a_model_with_dropout(backpack_oracle):
+    """KFLR and KFAC take the forward's own activations (its dropout mask), as BackPACK does.
+
+    (They ran the model again, with another mask: 0.75 off; then were refused.)
+    """
+    theirs = backpack_oracle.extensions
+    X, y = torch.randn(6, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1, 0])
+    found = {}
+    for package, extensions in ((pf.compat, ours), (backpack_oracle, theirs)):
+        torch.manual_seed(1)
+        model = package.extend(
+            nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 2)).double()
+        )
+        value = package.extend(nn.CrossEntropyLoss())(model(X), y)  # the same mask
+        with package.backpack(extensions.KFLR(), extensions.KFAC()):
+            value.backward()
+        found[package] = model
+    mine, reference = found[pf.compat], found[backpack_oracle]
+    for (name, p), q in zip(mine.named_parameters(), reference.parameters()):
+        _assert_same(p.kflr, q.kflr, f"KFLR/{name}")
+        _assert_same(p.kfac[1:], q.kfac[1:], f"KFAC's input factor/{name}")  # A is sampled
+
+
+def test_kfra_refuses_a_model_it_would_run_again_with_other_random_numbers():
+    """KFRA runs the model's chain again: with dropout that was another mask than the forward's."""
     model = extend(nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2)))
     lossfunc = extend(nn.CrossEntropyLoss())
     value = lossfunc(model(torch.randn(4, 3)), torch.tensor([0, 1, 1, 0]))
-    with backpack(getattr(ours, extension)()), pytest.raises(pf.RandomModelError):
+    with backpack(ours.KFRA()), pytest.raises(pf.RandomModelError):
         value.backward()
 
 

@@ -166,11 +166,13 @@ def test_the_shim_reuses_the_users_forward_of_hugging_face_models(name, monkeypa
     X = hugging_face_inputs(name, 3)
     out = model(X)
     y = torch.randint(0, out.shape[1], (3,))
-    with backpack(BatchGrad(), DiagGGNExact()):
+    with backpack(BatchGrad(), DiagGGNExact(), KFLR()), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "kflr has no Kronecker rule")
         extend(nn.CrossEntropyLoss())(out, y).backward()
     assert not own_passes
     for p in model.parameters():
         torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
+    assert any(hasattr(p, "kflr") for p in model.parameters())
 
 
 def test_extend_refuses_a_compiled_module():

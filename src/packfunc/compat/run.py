@@ -24,6 +24,7 @@ from packfunc.compat.records import ForwardRecord, LossRoute
 from packfunc.engine.api import BatchPass, BatchRecord, Plan, cached_discover, check_rerun
 from packfunc.evaluation import evaluate
 from packfunc.functionalize import flatten_params, wraps_module_of
+from packfunc.kronecker_factors import factors_from_pass
 from packfunc.losses import GivenOutputGradient, hessian_factors
 from packfunc.specs import Family
 
@@ -42,6 +43,14 @@ NO_OP_MODULES: tuple[type[nn.Module], ...] = (
 def _computes_statistic(job: Job) -> bool:
     """Whether ``job`` is a statistic of column gradients (one batch pass serves them all)."""
     return job.quantity.family is Family.STATISTIC
+
+
+def _uses_forward(job: Job) -> bool:
+    """Whether ``job`` comes from the user's forward pass (statistics, KFAC/KFLR factors).
+
+    The others run the model again (:attr:`~packfunc.specs.Quantity.reruns_model`).
+    """
+    return not job.quantity.reruns_model
 
 
 def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route: LossRoute) -> None:
@@ -86,13 +95,15 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         else:
             fn, loss, y = model_fn, GivenOutputGradient(gradient), gradient
             watched = partial(_watched, record, None, differentiable)
-        if _computes_statistic(job) and job.second_order not in passes:
+        if _uses_forward(job) and job.second_order not in passes:
             passes[job.second_order] = BatchPass(fn, params, X, y, loss, reuse=watched)
         with torch.set_grad_enabled(differentiable):
             if _computes_statistic(job):
                 results[ext.savefield] = evaluate(
                     passes[job.second_order], (job.name,), **_options(job, names)
                 )[job.name]
+            elif _uses_forward(job):
+                results[ext.savefield] = _factors(job, passes[job.second_order])
             else:
                 results[ext.savefield] = _compute(job, record, fn, params, X, y, loss)
         results[ext.savefield].update(_module_extensions(ext, job, record, route, gradient))
@@ -222,6 +233,16 @@ def _not_reusable(record: ForwardRecord, *_: Any) -> BatchRecord | None:
 _OWN_PASS = "packfunc's own pass (the recorded forward pass cannot be reused here)"
 
 
+def _factors(job: Job, bp: BatchPass) -> dict[str, list[Tensor]]:
+    """KFAC's or KFLR's factors from the batch pass of the user's forward, by parameter name.
+
+    Parameters without a Kronecker rule are left out, with a warning.
+    """
+    found = factors_from_pass(bp, job.name, dict(job.options))
+    _warn_about_unsupported(job.name, [bp.names[leaf] for leaf in sorted(found.unsupported)])
+    return {bp.names[leaf]: f for leaf, f in enumerate(found.per_leaf) if f is not None}
+
+
 def _compute(
     job: Job,
     record: ForwardRecord,
@@ -231,10 +252,10 @@ def _compute(
     y: Any,
     loss: nn.Module,
 ) -> dict[str, Any]:
-    """Run a Kronecker or block-product job with the functional API, by parameter name.
+    """Run a job that runs the model again (KFRA, block products), by parameter name.
 
-    These run the model again: refused for a model that changed since its forward pass,
-    draws random numbers, or changes a buffer or its input in its forward.
+    Refused for a model that changed since its forward pass, draws random numbers, or
+    changes a buffer or its input in its forward.
     """
     rerun = f"{job.name} (which packfunc computes with a pass of its own)"
     record.check_unchanged(rerun)
