@@ -67,6 +67,23 @@ class RawParameter(nn.Module):
         return self.head(torch.sigmoid(x @ self.w))
 
 
+class LinearSolve(nn.Module):
+    """``A⁻¹ x`` for a learned matrix ``A`` (``torch.linalg.solve``), then a Linear.
+
+    torch's batching rule of its backward fails under ``vmap`` for one sample's
+    right-hand side ``[1, 3, 1]`` (a shape error): packfunc loops there instead.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.A = nn.Parameter(2 * torch.eye(3) + torch.randn(3, 3) / 4)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        solved = torch.linalg.solve(self.A, x.unsqueeze(-1)).squeeze(-1)
+        return self.head(torch.tanh(solved))
+
+
 class Scale(nn.Module):
     """A custom module nothing knows about: elementwise scale and shift."""
 
@@ -329,6 +346,7 @@ CASES: dict[str, Case] = {
         Case("shared_layer", SharedLayer, _randn(3)),
         Case("shared_submodule", SharedSubmodule, _randn(3)),
         Case("raw_parameter", RawParameter, _randn(3)),
+        Case("linear_solve", LinearSolve, _randn(3)),
         Case(
             "custom_module",
             lambda: nn.Sequential(nn.Linear(3, 4), Scale(4), nn.Tanh(), nn.Linear(4, 2)),

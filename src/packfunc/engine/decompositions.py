@@ -1,10 +1,14 @@
-"""Ops whose batching rules in torch give wrong derivatives nested: run as plain ops.
+"""Ops whose batching rules in torch give wrong derivatives: run as ops whose rules are exact.
 
 The Hessian paths differentiate the model twice under ``vmap`` over samples and then
 over tangents. For ``torch.prelu`` torch's batching rules of its backward mix the two
 levels (an error, or wrong values where the two sizes are equal). Its decomposition into
-``where`` and ``mul`` has exact rules; the modes run it in its place. (The op-local rule
-avoids nesting altogether: see ``engine/rules/local.py``.)
+``where`` and ``mul`` has exact rules. ``torch.linalg.solve`` of a matrix broadcast
+against a right-hand side with batch dims (a parameter ``A [n, n]`` and one sample's
+``[1, n, k]``) has a backward whose rule is wrong under a single ``vmap`` over
+cotangents (silently) or over samples (an error); with both operands expanded to their
+common batch shape first it is exact. The modes and the op-local rule run these in the
+ops' place; the values are the ops' own.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["DECOMPOSED_OPS", "prelu"]
+__all__ = ["DECOMPOSED_OPS", "linalg_solve", "prelu", "run_decomposed"]
 
 
 def prelu(input: Tensor, weight: Tensor) -> Tensor:
@@ -40,5 +44,58 @@ def prelu(input: Tensor, weight: Tensor) -> Tensor:
     return torch.where(input >= 0, input, slope * input)
 
 
-DECOMPOSED_OPS: dict[Callable[..., Any], Callable[..., Tensor]] = {torch.prelu: prelu}
-"""Op -> the decomposition the modes run in its place."""
+def linalg_solve(A: Tensor, B: Tensor, *, left: bool = True, out: Tensor | None = None) -> Any:
+    """``torch.linalg.solve(A, B)`` with ``A`` and ``B`` expanded to their common batch shape.
+
+    Args:
+        A: Matrices ``[*, n, n]``.
+        B: Right-hand sides ``[*, n, k]``, or vectors ``[*, n]`` (torch's rule: ``B`` of one
+            dim, or of ``A``'s shape without its last dim).
+        left: Solve ``A X = B`` (``False``: ``X A = B``, left to torch).
+        out: Left to torch.
+
+    Returns:
+        ``torch.linalg.solve(A, B)``; ``NotImplemented`` where nothing broadcasts (or for
+        ``left=False``, ``out=``): the op itself runs.
+
+    Example:
+        >>> A, B = torch.eye(2) * 2, torch.ones(3, 2, 1)
+        >>> torch.equal(linalg_solve(A, B), torch.linalg.solve(A, B))
+        True
+    """
+    if not left or out is not None:
+        return NotImplemented
+    vector = B.dim() == 1 or (B.dim() == A.dim() - 1 and B.shape == A.shape[:-1])
+    rhs = B.unsqueeze(-1) if vector else B
+    batch = torch.broadcast_shapes(A.shape[:-2], rhs.shape[:-2])
+    if A.shape[:-2] == rhs.shape[:-2] == batch:
+        return NotImplemented
+    X = torch.linalg.solve(A.expand(*batch, *A.shape[-2:]), rhs.expand(*batch, *rhs.shape[-2:]))
+    return X.squeeze(-1) if vector else X
+
+
+def run_decomposed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``func(*args, **kwargs)``, as its decomposition in :data:`DECOMPOSED_OPS` where it has one.
+
+    Args:
+        func: The op.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
+
+    Returns:
+        The op's output.
+
+    Example:
+        >>> run_decomposed(torch.prelu, (torch.tensor([-2.0, 1.0]), torch.tensor([0.5])), {})
+        tensor([-1.,  1.])
+    """
+    decomposition = DECOMPOSED_OPS.get(func)
+    out = NotImplemented if decomposition is None else decomposition(*args, **kwargs)
+    return func(*args, **kwargs) if out is NotImplemented else out
+
+
+DECOMPOSED_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
+    torch.prelu: prelu,
+    torch.linalg.solve: linalg_solve,
+}
+"""Op -> the decomposition the modes run in its place (``NotImplemented``: the op itself)."""

@@ -188,7 +188,9 @@ class FunctionalMode(TorchFunctionMode):
                 return run_attention(args, kwargs)
         if func in DECOMPOSED_OPS:
             with self:
-                return DECOMPOSED_OPS[func](*args, **kwargs)
+                decomposed = DECOMPOSED_OPS[func](*args, **kwargs)
+            if decomposed is not NotImplemented:
+                return decomposed
         if func in LINEAR_CALLS:
             layer = self.rows.layer(func, args, kwargs, self._is_parameter)
             if layer is not None:  # a linear layer with its weight stored [in, out]
