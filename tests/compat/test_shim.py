@@ -526,6 +526,26 @@ def test_a_model_changed_between_forward_and_backward_is_refused_where_it_would_
             value.backward()
 
 
+def test_an_output_changed_in_place_after_the_forward_is_refused_by_name():
+    """The recorded output no longer held the forward's values: refused, blaming the model."""
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    with backpack(ours.BatchGrad()), pytest.raises(ValueError, match="out = out \\+ 1"):
+        out = model(torch.randn(5, 3))
+        out.add_(1.0)
+        lossfunc(out, torch.tensor([0, 1, 1, 0, 1])).backward()
+
+
+def test_a_parameter_changed_through_data_before_the_backward_is_named_in_the_refusal():
+    """``.data`` writes bump no version: the rows check refuses, naming them as a cause."""
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    with backpack(ours.BatchGrad()), pytest.raises(ValueError, match=r"changed through \.data"):
+        value = lossfunc(model(torch.randn(5, 3)), torch.tensor([0, 1, 1, 0, 1]))
+        model[0].weight.data.mul_(2)
+        value.backward()
+
+
 def test_an_unchanged_model_is_run_again_exactly():
     """The LSTM's re-run, with nothing changed, is the forward's own: grad_batch sums to .grad."""
     torch.manual_seed(0)

@@ -136,7 +136,9 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         return
     recorder.release(output)
     state = ModelState.of(module)
-    record = ForwardRecord(module, args, kwargs, recorder, output, output.shape, state)
+    record = ForwardRecord(
+        module, args, kwargs, recorder, output, output.shape, output._version, state
+    )
     previous = module.__dict__.get(_LATEST, _no_record)()
     if previous is not None:
         previous.output = None

@@ -141,6 +141,7 @@ class ForwardRecord:
         recorder: What it watched of its own forward pass.
         output: Its output (dropped after the backward pass, unless the graph is retained).
         output_shape: The shape of its output.
+        output_version: The output's version counter at the end of the forward pass.
         state: The model's parameters, buffers and modes at the end of the forward pass.
         losses: Extended losses applied to its output.
         consumers: Records of extended modules that took its output as their only input
@@ -154,6 +155,7 @@ class ForwardRecord:
     recorder: ForwardRecorder
     output: Tensor | None
     output_shape: torch.Size
+    output_version: int
     state: ModelState
     losses: list[LossCall] = field(default_factory=list)
     consumers: list[tuple[weakref.ref, SampleLayout]] = field(default_factory=list)
@@ -169,6 +171,20 @@ class ForwardRecord:
             ValueError: naming the change and what to do instead.
         """
         self.state.check(self.model, rerun)
+
+    def check_output_unchanged(self) -> None:
+        """Refuse a forward pass whose output was changed in place after it ended.
+
+        Raises:
+            ValueError: naming the fix (an out-of-place change).
+        """
+        if self.output is not None and self.output._version != self.output_version:
+            raise ValueError(
+                f"the output of the extended {type(self.model).__name__} was changed in place "
+                "after its forward pass (out.add_(...), out.clamp_(...), out[...] = ...): "
+                "packfunc.compat computes from that forward pass, whose output it no longer "
+                "is. Change it out of place (out = out + 1), or inside the model."
+            )
 
 
 @dataclass(frozen=True)

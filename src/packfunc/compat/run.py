@@ -75,6 +75,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
             "packfunc.compat passes the model's positional inputs only; call the "
             "extended model without keyword arguments."
         )
+    record.check_output_unchanged()
     X = record.args[0] if len(record.args) == 1 else record.args
     differentiable = torch.is_grad_enabled()
     model_fn, every_param = pf.functional(model)

@@ -116,6 +116,14 @@ def check_pass_arguments(
     chunk_length(1, 1, chunk_size)
 
 
+_REUSED_ROWS = (
+    "Here the rows are those of a forward pass that ran before (packfunc.compat): a parameter "
+    "changed through .data between that forward pass and the backward pass differs the same "
+    "way; change parameters after the backward pass."
+)
+"""Added to a refusal of :func:`check_rows_alone` for a reused record."""
+
+
 def check_rerun(plan: Plan, rerun: str) -> None:
     """Refuse to run a model again if it draws random numbers or changes a buffer or input.
 
@@ -208,7 +216,13 @@ class BatchPass:
             self.plan, _ = cached_discover(model_fn, params, self.leaves, X)
             self.record = self._batch_pass(reuse)
         last = partial(last_sample_output, model_fn, params, X, self.n)
-        if not check_rows_alone(self.plan, self.record.output, last):  # a fresh plan's rows
+        try:
+            checked = check_rows_alone(self.plan, self.record.output, last)  # a fresh plan's rows
+        except ValueError as error:
+            if reuse is None:
+                raise
+            raise ValueError(f"{error} {_REUSED_ROWS}") from None
+        if not checked:
             forget_plan(model_fn)  # (unchecked under vmap: discovered again until checked)
         failed = {leaf for k in self.record.failed for _, leaf in self.plan.sites[k].call.leaves}
         self.whole_model = sorted(self.plan.uncovered | failed)
