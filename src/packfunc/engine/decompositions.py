@@ -3,8 +3,8 @@
 The Hessian paths differentiate the model twice under ``vmap`` over samples and then
 over tangents. For ``torch.prelu`` torch's batching rules of its backward mix the two
 levels (an error, or wrong values where the two sizes are equal). Its decomposition into
-``where`` and ``mul`` has exact rules. ``torch.linalg.solve`` of a matrix broadcast
-against a right-hand side with batch dims (a parameter ``A [n, n]`` and one sample's
+``where`` and ``mul`` has exact rules. ``torch.linalg.solve`` (and ``solve_ex``) of a matrix
+broadcast against a right-hand side with batch dims (a parameter ``A [n, n]`` and one sample's
 ``[1, n, k]``) has a backward whose rule is wrong under a single ``vmap`` over
 cotangents (silently) or over samples (an error); with both operands expanded to their
 common batch shape first it is exact. The modes and the op-local rule run these in the
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["DECOMPOSED_OPS", "linalg_solve", "prelu", "run_decomposed"]
+__all__ = ["DECOMPOSED_OPS", "linalg_solve", "linalg_solve_ex", "prelu", "run_decomposed"]
 
 
 def prelu(input: Tensor, weight: Tensor) -> Tensor:
@@ -44,34 +44,85 @@ def prelu(input: Tensor, weight: Tensor) -> Tensor:
     return torch.where(input >= 0, input, slope * input)
 
 
+def _common_batch(A: Tensor, B: Tensor) -> tuple[Tensor, Tensor, bool] | None:
+    """A solve's operands expanded to their common batch shape; ``None`` where none broadcasts.
+
+    Returns ``(A, B, vector)``: ``vector`` where ``B`` holds vectors (torch's rule: ``B`` of
+    one dim, or of ``A``'s shape without its last dim), then expanded as one column.
+    """
+    vector = B.dim() == 1 or (B.dim() == A.dim() - 1 and B.shape == A.shape[:-1])
+    rhs = B.unsqueeze(-1) if vector else B
+    batch = torch.broadcast_shapes(A.shape[:-2], rhs.shape[:-2])
+    if A.shape[:-2] == rhs.shape[:-2] == batch:
+        return None
+    return A.expand(*batch, *A.shape[-2:]), rhs.expand(*batch, *rhs.shape[-2:]), vector
+
+
 def linalg_solve(A: Tensor, B: Tensor, *, left: bool = True, out: Tensor | None = None) -> Any:
     """``torch.linalg.solve(A, B)`` with ``A`` and ``B`` expanded to their common batch shape.
 
     Args:
         A: Matrices ``[*, n, n]``.
-        B: Right-hand sides ``[*, n, k]``, or vectors ``[*, n]`` (torch's rule: ``B`` of one
-            dim, or of ``A``'s shape without its last dim).
-        left: Solve ``A X = B`` (``False``: ``X A = B``, left to torch).
+        B: Right-hand sides ``[*, n, k]`` (``left=False``: ``[*, k, n]``), or vectors
+            ``[*, n]`` (torch's rule: ``B`` of one dim, or of ``A``'s shape without its
+            last dim).
+        left: Solve ``A X = B`` (``False``: ``X A = B``).
         out: Left to torch.
 
     Returns:
-        ``torch.linalg.solve(A, B)``; ``NotImplemented`` where nothing broadcasts (or for
-        ``left=False``, ``out=``): the op itself runs.
+        ``torch.linalg.solve(A, B, left=left)``; ``NotImplemented`` where nothing
+        broadcasts (or for ``out=``): the op itself runs.
 
     Example:
         >>> A, B = torch.eye(2) * 2, torch.ones(3, 2, 1)
         >>> torch.equal(linalg_solve(A, B), torch.linalg.solve(A, B))
         True
     """
-    if not left or out is not None:
+    expanded = None if out is not None else _common_batch(A, B)
+    if expanded is None:
         return NotImplemented
-    vector = B.dim() == 1 or (B.dim() == A.dim() - 1 and B.shape == A.shape[:-1])
-    rhs = B.unsqueeze(-1) if vector else B
-    batch = torch.broadcast_shapes(A.shape[:-2], rhs.shape[:-2])
-    if A.shape[:-2] == rhs.shape[:-2] == batch:
-        return NotImplemented
-    X = torch.linalg.solve(A.expand(*batch, *A.shape[-2:]), rhs.expand(*batch, *rhs.shape[-2:]))
+    A, B, vector = expanded
+    X = torch.linalg.solve(A, B, left=left)
     return X.squeeze(-1) if vector else X
+
+
+def linalg_solve_ex(
+    A: Tensor,
+    B: Tensor,
+    *,
+    left: bool = True,
+    check_errors: bool = False,
+    out: tuple[Tensor, Tensor] | None = None,
+) -> Any:
+    """``torch.linalg.solve_ex(A, B)`` with ``A`` and ``B`` expanded as in :func:`linalg_solve`.
+
+    Args:
+        A: Matrices ``[*, n, n]``.
+        B: Right-hand sides, as in :func:`linalg_solve`.
+        left: Solve ``A X = B`` (``False``: ``X A = B``).
+        check_errors: Raise for a singular ``A``.
+        out: Left to torch.
+
+    Returns:
+        ``(result, info)`` as torch's (``info`` in ``A``'s batch shape); ``NotImplemented``
+        where nothing broadcasts (or for ``out=``).
+
+    Example:
+        >>> A, B = torch.eye(2) * 2, torch.ones(3, 2, 1)
+        >>> linalg_solve_ex(A, B).info.shape == torch.linalg.solve_ex(A, B).info.shape
+        True
+    """
+    expanded = None if out is not None else _common_batch(A, B)
+    if expanded is None:
+        return NotImplemented
+    wide, rhs, vector = expanded
+    found = torch.linalg.solve_ex(wide, rhs, left=left, check_errors=check_errors)
+    # A's own batch: one entry where it was broadcast (its solves' infos are the same)
+    info = found.info[(0,) * (found.info.dim() - (A.dim() - 2))]
+    for dim, size in enumerate(A.shape[:-2]):
+        info = info.narrow(dim, 0, size)
+    X = found.result
+    return type(found)((X.squeeze(-1) if vector else X, info))
 
 
 def run_decomposed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -97,5 +148,6 @@ def run_decomposed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
 DECOMPOSED_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
     torch.prelu: prelu,
     torch.linalg.solve: linalg_solve,
+    torch.linalg.solve_ex: linalg_solve_ex,
 }
 """Op -> the decomposition the modes run in its place (``NotImplemented``: the op itself)."""
