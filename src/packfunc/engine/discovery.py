@@ -24,7 +24,6 @@ RNN's zero initial state); the batch pass tells for sure.
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -55,7 +54,7 @@ from packfunc.engine.ops import (
     SiteCall,
     make_call,
 )
-from packfunc.engine.precision import forward_autocast
+from packfunc.engine.precision import difference_beyond_rounding, forward_autocast
 from packfunc.engine.randomness import private_generators, random_call
 from packfunc.functionalize import module_of, select_samples
 from packfunc.types import ModelFn
@@ -553,38 +552,6 @@ def _equal_trees(a: Any, b: Any) -> bool:
     )
 
 
-FIRST_SAMPLE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 5e-2}
-"""Largest difference, relative to the output's largest entry, between the first sample's
-output alone and its row of the batch (rounding; TF32 on GPUs); half precision: 0.1."""
-
-
-def _largest_difference(a: Tensor, b: Tensor) -> tuple[float, float]:
-    """The largest ``|a - b|`` and the largest finite ``|b|``, in float64.
-
-    Entries equal in both (infinities and NaNs too: a masked position of a padded sample)
-    differ by nothing; a NaN or infinity in one only differs infinitely.
-
-    Args:
-        a: One tensor.
-        b: Another of the same shape.
-
-    Returns:
-        ``(largest difference, largest finite magnitude of b)``.
-
-    Example:
-        >>> nan = float("nan")
-        >>> _largest_difference(torch.tensor([1.0, nan]), torch.tensor([1.5, nan]))
-        (0.5, 1.5)
-    """
-    a, b = a.double(), b.double()
-    if not b.numel():
-        return 0.0, 0.0
-    same = (a == b) | (a.isnan() & b.isnan())
-    difference = (a - b).abs().nan_to_num(nan=math.inf).masked_fill(same, 0.0)
-    scale = b.abs().masked_fill(~b.isfinite(), 0.0)
-    return float(difference.max()), float(scale.max())
-
-
 def check_rows_alone(
     plan: Plan, batch_output: Tensor, last_alone: Callable[[], Tensor] | None = None
 ) -> bool:
@@ -633,9 +600,9 @@ def check_rows_alone(
         return True
     rows, which = batch_output.detach(), "first"
     try:
-        what = _unlike(first, rows[:1])
+        what = difference_beyond_rounding(first, rows[:1])
         if what is None and last_alone is not None and len(rows) > 1:
-            what, which = _unlike(last_alone(), rows[-1:]), "last"
+            what, which = difference_beyond_rounding(last_alone(), rows[-1:]), "last"
     except RuntimeError:  # values under vmap decide nothing
         if is_functorch_wrapped_tensor(first) or is_functorch_wrapped_tensor(rows):
             return False
@@ -650,17 +617,6 @@ def check_rows_alone(
         "T = N: expand it to [N, ...] or close over it in model_fn), or a layer mixes "
         "samples (batch statistics), which per-sample quantities cannot follow."
     )
-
-
-def _unlike(alone: Tensor, row: Tensor) -> str | None:
-    """How a sample's output alone differs from its row of the batch, or ``None`` (to rounding)."""
-    if row.shape != alone.shape:
-        return f"has shape {tuple(alone.shape)}, its row of the batch {tuple(row.shape)}"
-    dtype = min(alone.dtype, row.dtype, key=lambda d: torch.finfo(d).bits)
-    difference, scale = _largest_difference(alone.detach(), row)
-    if difference <= FIRST_SAMPLE_TOLERANCE.get(dtype, 0.1) * max(scale, torch.finfo(dtype).tiny):
-        return None
-    return f"differs by up to {difference:.3g} (its largest entry: {scale:.3g})"
 
 
 def last_sample_output(model_fn: ModelFn, params: Any, X: Any, n: int) -> Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -131,4 +132,54 @@ def to_dtype_of(tensor: Tensor, reference: Tensor) -> Tensor:
     return tensor.to(reference.dtype)
 
 
-__all__ = ["forward_autocast", "forward_precision_only", "full_precision", "to_dtype_of"]
+ROUNDING_TOLERANCE = {torch.float64: 1e-6, torch.float32: 5e-2}
+"""Largest difference, relative to the largest entry, between two computations of one value
+that :func:`difference_beyond_rounding` puts down to rounding (TF32 on GPUs included);
+half precision: 0.1."""
+
+
+def difference_beyond_rounding(
+    found: Tensor, expected: Tensor, scale: float | None = None
+) -> str | None:
+    """How ``found`` differs from ``expected`` beyond rounding, or ``None``.
+
+    Entries equal in both (infinities and NaNs too: a masked position of a padded sample)
+    differ by nothing; a NaN or infinity in one only differs infinitely. The tolerance is
+    :data:`ROUNDING_TOLERANCE` of the lower precision's, relative to ``scale``.
+
+    Args:
+        found: One computation.
+        expected: Another, of the same value.
+        scale: The magnitude of the terms the values were computed from (a sum's largest
+            term); default: ``expected``'s largest finite entry.
+
+    Returns:
+        ``"differs by up to ... (its largest entry: ...)"``, a shape difference, or ``None``.
+
+    Example:
+        >>> difference_beyond_rounding(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
+        'differs by up to 0.5 (its largest entry: 2.5)'
+    """
+    if found.shape != expected.shape:
+        return f"has shape {tuple(found.shape)}, the other {tuple(expected.shape)}"
+    dtype = min(found.dtype, expected.dtype, key=lambda d: torch.finfo(d).bits)
+    a, b = found.detach().double(), expected.detach().double()
+    if not b.numel():
+        return None
+    same = (a == b) | (a.isnan() & b.isnan())
+    difference = float((a - b).abs().nan_to_num(nan=math.inf).masked_fill(same, 0.0).max())
+    if scale is None:
+        scale = float(b.abs().masked_fill(~b.isfinite(), 0.0).max())
+    if difference <= ROUNDING_TOLERANCE.get(dtype, 0.1) * max(scale, torch.finfo(dtype).tiny):
+        return None
+    return f"differs by up to {difference:.3g} (its largest entry: {scale:.3g})"
+
+
+__all__ = [
+    "ROUNDING_TOLERANCE",
+    "difference_beyond_rounding",
+    "forward_autocast",
+    "forward_precision_only",
+    "full_precision",
+    "to_dtype_of",
+]

@@ -11,12 +11,14 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch._C._functorch import is_functorch_wrapped_tensor
 from torch.func import vmap
 
 from packfunc.engine.autodiff import vjp
 from packfunc.engine.local import LocalInputs
 from packfunc.engine.memory import DEFAULT_BUDGET, chunks
 from packfunc.engine.ops import SiteCall
+from packfunc.engine.precision import difference_beyond_rounding
 from packfunc.engine.rules.base import Rule
 
 
@@ -37,7 +39,13 @@ class LocalRule(Rule):
         and then columns, torch's batching rules of some ops' backward mix the two levels
         (``prelu``, ``cdist``: wrong where ``K`` equals the batch size, an error otherwise).
         The samples' arguments are repeated per column, for as many columns at a time as
-        :data:`~packfunc.engine.memory.DEFAULT_BUDGET` holds.
+        :data:`~packfunc.engine.memory.DEFAULT_BUDGET` holds. The columns must add up to the
+        op's vjp over the batch (:meth:`column_sum`, no ``vmap``), or they are refused:
+        torch's batching rules of other ops' backward have been wrong under one ``vmap``
+        too (``linalg.solve`` of a broadcast matrix, before its decomposition).
+
+        Raises:
+            RuntimeError: where the columns do not add up to the batch's vjp.
         """
         local = as_local(x)
         leaf = local.leaf_of(param)
@@ -56,16 +64,47 @@ class LocalRule(Rule):
             repeated = [s.expand(count, *s.shape).flatten(0, 1) for s in samples]
             pairs = vmap(one_pair)(repeated, g[part].flatten(0, 1))
             found.append(pairs.view(count, n, *param.shape))
-        return found[0] if len(found) == 1 else torch.cat(found)
+        total = found[0] if len(found) == 1 else torch.cat(found)
+        _check_adds_up(total, _batch_vjp(local, param, g), local.func)
+        return total
 
     def column_sum(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """``Σ_{k,n}`` of the column gradients: one vjp of the op over the recorded batch."""
-        local = as_local(x)
-        leaf = local.leaf_of(param)
-        _, pullback = vjp(lambda value: local.evaluate(leaf, value, None), param)
-        if g.shape[0] == 1:
-            return cast(Tensor, pullback(g[0])[0])
-        return cast(Tensor, vmap(lambda c: pullback(c)[0])(g).sum(0))
+        return _batch_vjp(as_local(x), param, g)
+
+
+def _batch_vjp(local: LocalInputs, param: Tensor, g: Tensor) -> Tensor:
+    """``Σ_{k,n}`` of a local call's column gradients: one vjp over the recorded batch.
+
+    The columns' cotangents ``g [K, n, ...]`` are summed first (the vjp is linear in them),
+    so no ``vmap`` runs.
+    """
+    leaf = local.leaf_of(param)
+    _, pullback = vjp(lambda value: local.evaluate(leaf, value, None), param)
+    return cast(Tensor, pullback(g.sum(0))[0])
+
+
+def _check_adds_up(columns: Tensor, total: Tensor, func: Any) -> None:
+    """Refuse column gradients ``[K, n, ...]`` that do not add up to ``total`` (to rounding).
+
+    Skipped under ``vmap``, whose values decide nothing.
+    """
+    try:
+        scale = float(columns.detach().abs().max()) if columns.numel() else 0.0
+        what = difference_beyond_rounding(columns.sum((0, 1)), total, scale)
+    except RuntimeError:
+        if is_functorch_wrapped_tensor(columns):
+            return
+        raise
+    if what is not None:
+        name = getattr(func, "__name__", repr(func))
+        raise RuntimeError(
+            f"the per-sample gradients of a parameter through {name} do not add up to its "
+            f"batch gradient: their sum {what}. torch's batching rule of {name}'s backward "
+            "under vmap is wrong here; packfunc refuses rather than return them. Please "
+            "report it with the model (packfunc's issues), and compute this parameter's "
+            "quantities without packfunc meanwhile (a loop over samples)."
+        )
 
 
 def as_local(x: Any) -> LocalInputs:
