@@ -125,6 +125,22 @@ def test_a_layer_that_mixes_samples_is_refused():
         pf.batch_grad(model_fn, params, X, Y)
 
 
+def test_a_loop_over_the_samples_is_refused_with_the_fix():
+    """A parameter used once per sample: as many calls as samples, not discovery's one."""
+
+    class PerSample(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale, self.head = nn.Parameter(torch.ones(3)), nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.stack([torch.dot(row, self.scale) * row for row in x]))
+
+    model_fn, params = pf.functional(PerSample())
+    with pytest.raises(RuntimeError, match="a Python loop over the samples"):
+        pf.batch_grad(model_fn, params, torch.randn(3, 3), torch.tensor([0, 1, 0]))
+
+
 def test_the_last_sample_alone_is_compared_too():
     """A shared input as long as the batch whose use leaves the first sample its own value
     (``s.max()`` with the largest entry first) passed the first sample's comparison."""

@@ -57,8 +57,10 @@ class PlanMismatch(RuntimeError):
 
     def __init__(self) -> None:
         super().__init__(
-            "model_fn called its layers in a different order for one sample than for the "
-            "batch; packfunc needs the same sequence of layer calls for any batch size."
+            "model_fn called its layers in a different order or number for one sample than "
+            "for the batch (a Python loop over the samples, a branch on the batch size); "
+            "packfunc needs the same sequence of layer calls for any batch size: write the "
+            "per-sample loop as one batched call."
         )
 
 
