@@ -635,6 +635,21 @@ def test_a_model_returning_a_tuple_warns_that_nothing_is_recorded():
     assert not hasattr(model.head.weight, "grad_batch")
 
 
+def test_results_of_another_model_stay_as_in_backpack():
+    """An ensemble, one block per model: each model kept its results (until its own next
+    backward), where every new block had deleted those of all models."""
+    torch.manual_seed(0)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    models = [extend(nn.Sequential(nn.Linear(3, 2))) for _ in range(2)]
+    for model in models:
+        with backpack(ours.BatchGrad(), ours.KFLR()):
+            lossfunc(model(X), y).backward()
+    for model in models:
+        assert model[0].weight.grad_batch.shape == (4, 2, 3)
+        assert len(model[0].weight.kflr) == 2
+
+
 def test_a_backward_that_computes_nothing_leaves_no_stale_results():
     """Forward under disable(), backward inside backpack(...): the last step's grad_batch
     stayed on the parameters, silently (BackPACK raises). A value the user set stays."""

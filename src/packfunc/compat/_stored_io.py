@@ -8,8 +8,8 @@ overwrites or deletes such a parameter, buffer, child module or attribute. Every
 stored value is kept in a private record of the module, which :func:`stored_io`
 reads; only names the module does not define become attributes, as in BackPACK.
 Results on parameters (``param.grad_batch``, …) are noted as the shim's, so that a
-new ``with backpack(...)`` forgets the last ones (:func:`forget_results`) and nothing
-else.
+backward pass that computes none forgets the last ones (:func:`forget_results`) and
+nothing else.
 """
 
 from __future__ import annotations
@@ -123,9 +123,9 @@ def store_result(param: nn.Parameter, name: str, value: Any) -> None:
 def forget_results(module: nn.Module, names: list[str]) -> None:
     """Delete the results named ``names`` the shim set on ``module``'s parameters.
 
-    A ``with backpack(...)`` block starts without the last results of its extensions:
-    a backward pass that computes none (its forward ran under ``disable()``) leaves no
-    stale values behind, where BackPACK raises. A value the user set is kept.
+    A backward pass inside ``with backpack(...)`` that computes none (its forward ran
+    under ``disable()``) leaves no stale values behind this way, where BackPACK raises.
+    A value the user set is kept.
 
     Args:
         module: An extended model.

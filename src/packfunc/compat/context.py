@@ -15,7 +15,6 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from packfunc.compat._stored_io import forget_results
 from packfunc.compat.extensions.backprop_extension import BackpropExtension
 
 
@@ -96,9 +95,6 @@ class backpack:  # noqa: N801 (BackPACK's name)
                 "backpack(...) cannot run inside disable(): forward passes there "
                 "record nothing. Leave the disable() block first."
             )
-        fields = [ext.savefield for ext in self.context.extensions]
-        for model in list(EXTENDED_MODELS):  # no stale results of an earlier block
-            forget_results(model, fields)
         _ACTIVE.append(self.context)
         return self
 

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.nn.modules.loss import _Loss
 
 from packfunc.compat import context
-from packfunc.compat._stored_io import store_io
+from packfunc.compat._stored_io import forget_results, store_io
 from packfunc.compat.layout import RECORD_KEY, SampleLayout, find_layout, node_metadata
 from packfunc.compat.records import ForwardRecord, LossCall, LossRoute, ModelState
 from packfunc.compat.run import NO_OP_MODULES, forget_inputs_and_outputs, run_extensions
@@ -127,6 +127,7 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         return
     recorder = _recorders.pop()
     if recorder is None:
+        _note_unrecorded(module, output)
         return
     recorder.__exit__(None, None, None)
     if not isinstance(output, Tensor):
@@ -146,6 +147,26 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     _link_to_producer(record)
     node_metadata(output.grad_fn)[RECORD_KEY] = record
     output.grad_fn.register_prehook(partial(_on_backward, record))
+
+
+def _note_unrecorded(module: nn.Module, output: Any) -> None:
+    """Hook an unrecorded forward's output: its backward in ``backpack(...)`` computes nothing.
+
+    The hook deletes the earlier results of the block's extensions on ``module`` (a forward
+    under ``disable()``; BackPACK raises in that backward pass, and without the hook the
+    last step's ``grad_batch`` stayed, silently).
+    """
+    if module in context.EXTENDED_MODELS and isinstance(output, Tensor) and output.grad_fn:
+        output.grad_fn.register_prehook(partial(_on_unrecorded_backward, weakref.ref(module)))
+
+
+def _on_unrecorded_backward(
+    model: weakref.ref[nn.Module], grad_outputs: tuple[Tensor | None, ...]
+) -> None:
+    """Delete the active extensions' earlier results on ``model`` (see :func:`_note_unrecorded`)."""
+    ctx, module = context.active(), model()
+    if ctx is not None and context.recording() and module is not None:
+        forget_results(module, [ext.savefield for ext in ctx.extensions])
 
 
 def _warn_unrecorded(module: nn.Module, output: Any) -> None:
