@@ -59,7 +59,20 @@ def test_single_quantity_functions_agree_with_first_order(function):
 
 
 @pytest.mark.parametrize(
-    "case", ["mlp", "conv2d", "embedding", "raw_parameter", "lstm"], indirect=True
+    "case",
+    [
+        "mlp",
+        "conv2d",
+        "embedding",
+        "raw_parameter",
+        "lstm",
+        # op-local parameters: a restricted call copies a broadcast derivation (the class
+        # token of the vision transformer) to its rows
+        "prelu",
+        "linear_solve",
+        "vision_transformer",
+    ],
+    indirect=True,
 )
 def test_subsampling_selects_samples_with_batch_scaling(case):
     problem = make_problem(case, n=5)

@@ -74,7 +74,9 @@ def test_curvature_vector_products(case):
     _close(dense.flatten(hv), dense.hessian @ flat_v, "hessian_vector_product")
 
 
-@pytest.mark.parametrize("case", ["mlp", "conv2d", "embedding", "raw_parameter"], indirect=True)
+@pytest.mark.parametrize(
+    "case", ["mlp", "conv2d", "embedding", "raw_parameter", "linear_solve"], indirect=True
+)
 def test_subsampled_square_root_and_diagonals(case):
     problem = make_problem(case, n=5)
     model_fn, params = problem.functional()

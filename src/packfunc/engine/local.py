@@ -189,7 +189,6 @@ def _substituted(
     sources: Mapping[int, Source],
     leaf_values: Mapping[int, Tensor],
     samples: Mapping[int, Tensor] | None = None,
-    narrow: frozenset[int] = frozenset(),
 ) -> list[Any]:
     """The flat argument values with parameters (re)computed from ``leaf_values``."""
     values = list(arguments.values)
@@ -197,8 +196,7 @@ def _substituted(
         if isinstance(source, int):
             values[position] = leaf_values[source]
         else:
-            derived = source.compute(leaf_values)
-            values[position] = derived[:1] if position in narrow else derived
+            values[position] = source.compute(leaf_values)
     for position, sample in (samples or {}).items():
         values[position] = sample
     return values
@@ -215,6 +213,8 @@ class LocalInputs:
         batched: Flat positions of tensors with one row per sample (dim 0).
         narrow: Positions of broadcast derivations: a sample sees their first row.
         leaf_values: The parameter leaves the call depends on, by index.
+        rows: Samples of a restriction to some of them (``local[:, index]``): the broadcast
+            derivations are copied to as many rows; ``None``: the recorded batch.
     """
 
     func: Callable[..., Any]
@@ -223,6 +223,7 @@ class LocalInputs:
     batched: tuple[int, ...]
     narrow: frozenset[int]
     leaf_values: Mapping[int, Tensor]
+    rows: int | None = None
 
     def __getitem__(self, key: tuple[slice, slice | Tensor]) -> LocalInputs:
         """Restrict to some samples: ``local[:, index]``, as canonical tensors' dim 1."""
@@ -230,7 +231,8 @@ class LocalInputs:
         values = list(self.arguments.values)
         for position in self.batched:
             values[position] = values[position][index]
-        return replace(self, arguments=replace(self.arguments, values=tuple(values)))
+        rows = len(values[self.batched[0]]) if self.batched else None
+        return replace(self, arguments=replace(self.arguments, values=tuple(values)), rows=rows)
 
     def detach(self) -> LocalInputs:
         """The same call with its recorded tensors detached from autograd (values only)."""
@@ -259,8 +261,13 @@ class LocalInputs:
             The output.
         """
         leaf_values = {**self.leaf_values, leaf: value}
-        narrow = self.narrow if samples is not None else frozenset()
-        values = _substituted(self.arguments, self.sources, leaf_values, samples, narrow)
+        values = _substituted(self.arguments, self.sources, leaf_values, samples)
+        for position in self.narrow:  # a sample sees the first row; a restriction, copies
+            first = values[position][:1]
+            if samples is not None:
+                values[position] = first
+            elif self.rows is not None:
+                values[position] = first.expand(self.rows, *first.shape[1:])
         args, kwargs = self.arguments.rebuild(values)
         # an op whose batching rules are wrong runs as one whose rules are exact
         return cast(Tensor, run_decomposed(self.func, args, kwargs))
