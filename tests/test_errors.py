@@ -141,6 +141,35 @@ def test_a_loop_over_the_samples_is_refused_with_the_fix():
         pf.batch_grad(model_fn, params, torch.randn(3, 3), torch.tensor([0, 1, 0]))
 
 
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_a_parameter_inside_a_transform_of_the_forward_is_refused(transform):
+    """``torch.vmap(lambda row: tanh(row @ P))(h)`` in the forward: P was taken as unused and
+    every per-sample quantity of it was zero (batch_grad 0.53 off), silently."""
+
+    class InsideTransform(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.P, self.head = (
+                nn.Linear(3, 4),
+                nn.Parameter(torch.randn(4, 4)),
+                nn.Linear(4, 2),
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            def row(h: torch.Tensor) -> torch.Tensor:
+                return torch.tanh(h @ self.P)
+
+            def energy(h: torch.Tensor) -> torch.Tensor:
+                return row(h).sum()
+
+            per_row = torch.func.grad(energy) if transform == "grad" else row
+            return self.head(torch.vmap(per_row)(self.inner(x)))
+
+    model_fn, params = pf.functional(InsideTransform())
+    with pytest.raises(ValueError, match="inside a torch.func transform of its own forward"):
+        pf.batch_grad(model_fn, params, torch.randn(3, 3), torch.tensor([0, 1, 0]))
+
+
 def test_the_last_sample_alone_is_compared_too():
     """A shared input as long as the batch whose use leaves the first sample its own value
     (``s.max()`` with the largest entry first) passed the first sample's comparison."""

@@ -33,7 +33,7 @@ from typing import Any, cast
 import optree
 import torch
 from torch import Tensor, nn
-from torch._C._functorch import is_functorch_wrapped_tensor
+from torch._C._functorch import is_functorch_wrapped_tensor, maybe_current_level
 
 from packfunc.engine.attention import ATTENTION_OPS
 from packfunc.engine.local import CallArguments, LocalInputs, Source
@@ -199,6 +199,7 @@ class _DiscoveryMode(ParameterMode):
         self.fixed = FixedTensors(buffers)
         spans = [memory_span(leaf) for leaf in leaf_of.leaves]
         self.parameter_spans = [span for span in spans if span is not None]
+        self.level = maybe_current_level()  # the caller's torch.func transforms, if any
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -212,6 +213,15 @@ class _DiscoveryMode(ParameterMode):
                 "your training step changes it once. Change it outside the forward (after the "
                 "optimizer's step, as weight clipping does) or use it out of place "
                 "(w.clamp(...) instead of w.clamp_(...))."
+            )
+        if maybe_current_level() != self.level and self._touches_parameters(args, kwargs or {}):
+            raise ValueError(
+                f"the model uses a parameter inside a torch.func transform of its own forward "
+                f"(torch.vmap, torch.func.grad, jacrev ...: {getattr(func, '__name__', func)}), "
+                "whose calls packfunc cannot follow: it would take the parameter as unused and "
+                "its per-sample quantities as zero. Write that part with batched ops (f applied "
+                "to the whole batch instead of torch.vmap(f)), or compute these quantities "
+                "without packfunc."
             )
         if self.plan.random is None:
             self.plan.random = random_call(func, args, kwargs or {})
