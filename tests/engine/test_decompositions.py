@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.cases import assert_trees_close, autograd_batch_grad
 
+import packfunc as pf
+from packfunc.engine import decompositions
 from packfunc.engine.decompositions import linalg_solve, run_decomposed
 
 
@@ -16,7 +19,8 @@ from packfunc.engine.decompositions import linalg_solve, run_decomposed
         ((3, 3), (1, 3, 3)),  # one sample's right-hand side (a batch of one)
         ((4, 1, 3, 3), (2, 3, 3)),  # both broadcast
         ((2, 3, 3), (2, 3)),  # vectors, torch's rule: A's shape without its last dim
-        ((3, 3), (3,)),  # one vector: nothing broadcasts, the op runs
+        ((3, 3), (3,)),  # one vector: nothing broadcasts
+        ((1, 3, 3), (5, 3, 1)),  # a batch of one matrix (expanded for any batch size)
     ],
 )
 def test_solve_expanded_to_the_common_batch_shape_is_torchs(a_shape, b_shape, left):
@@ -36,9 +40,10 @@ def test_solve_expanded_to_the_common_batch_shape_is_torchs(a_shape, b_shape, le
     assert torch.equal(info, expected.info)
 
 
-def test_solve_leaves_what_it_does_not_expand_to_torch():
+def test_solve_leaves_out_and_its_own_inner_solve_to_torch():
     A, B = 2 * torch.eye(3), torch.ones(4, 3, 2)
-    assert linalg_solve(A, torch.ones(3, 1)) is NotImplemented  # nothing broadcasts
+    with decompositions._solving():  # the solve a decomposition runs
+        assert linalg_solve(A, B) is NotImplemented
     out = torch.empty(4, 3, 2)
     assert linalg_solve(A, B, out=out) is NotImplemented
     torch.testing.assert_close(run_decomposed(torch.linalg.solve, (A, B), {"out": out}), B / 2)
@@ -59,3 +64,24 @@ def test_the_pullback_of_solve_over_cotangents_is_exact_decomposed():
         ]
     )
     torch.testing.assert_close(batched, looped)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_batch_of_one_matrix_is_solved_the_same_way_for_any_batch_size(n):
+    """``solve(A [1, 3, 3], x [N, 3, 1])``: expanded only where it broadcast (N > 1), the
+    decomposition called other ops for one sample than for the batch (a refusal at N > 1)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_SolveBatchOfOne(), torch.nn.Linear(3, 2)).double()
+    X, y = torch.randn(n, 3, dtype=torch.float64), torch.randint(0, 2, (n,))
+    model_fn, params = pf.functional(model)
+    found = pf.batch_grad(model_fn, params, X, y)
+    assert_trees_close(found, autograd_batch_grad(model, torch.nn.CrossEntropyLoss(), X, y))
+
+
+class _SolveBatchOfOne(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.A = torch.nn.Parameter(2 * torch.eye(3)[None] + torch.randn(1, 3, 3) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.linalg.solve(self.A, x[..., None])[..., 0])

@@ -13,7 +13,9 @@ ops' place; the values are the ops' own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -44,18 +46,34 @@ def prelu(input: Tensor, weight: Tensor) -> Tensor:
     return torch.where(input >= 0, input, slope * input)
 
 
+_SOLVING = threading.local()
+"""Set while a decomposed solve runs its own solve (which is not decomposed again)."""
+
+
 def _common_batch(A: Tensor, B: Tensor) -> tuple[Tensor, Tensor, bool] | None:
-    """A solve's operands expanded to their common batch shape; ``None`` where none broadcasts.
+    """A solve's operands expanded to their common batch shape; ``None`` inside a decomposition.
 
     Returns ``(A, B, vector)``: ``vector`` where ``B`` holds vectors (torch's rule: ``B`` of
-    one dim, or of ``A``'s shape without its last dim), then expanded as one column.
+    one dim, or of ``A``'s shape without its last dim), then expanded as one column. They are
+    expanded even where nothing broadcasts (a batch of one), so that the calls are the same
+    for any batch size.
     """
+    if getattr(_SOLVING, "active", False):
+        return None
     vector = B.dim() == 1 or (B.dim() == A.dim() - 1 and B.shape == A.shape[:-1])
     rhs = B.unsqueeze(-1) if vector else B
     batch = torch.broadcast_shapes(A.shape[:-2], rhs.shape[:-2])
-    if A.shape[:-2] == rhs.shape[:-2] == batch:
-        return None
     return A.expand(*batch, *A.shape[-2:]), rhs.expand(*batch, *rhs.shape[-2:]), vector
+
+
+@contextlib.contextmanager
+def _solving() -> Iterator[None]:
+    """Within the block, solves run as themselves (see :data:`_SOLVING`)."""
+    _SOLVING.active = True
+    try:
+        yield
+    finally:
+        _SOLVING.active = False
 
 
 def linalg_solve(A: Tensor, B: Tensor, *, left: bool = True, out: Tensor | None = None) -> Any:
@@ -70,8 +88,8 @@ def linalg_solve(A: Tensor, B: Tensor, *, left: bool = True, out: Tensor | None 
         out: Left to torch.
 
     Returns:
-        ``torch.linalg.solve(A, B, left=left)``; ``NotImplemented`` where nothing
-        broadcasts (or for ``out=``): the op itself runs.
+        ``torch.linalg.solve(A, B, left=left)``; ``NotImplemented`` for ``out=`` and for the
+        solve a decomposition runs: the op itself runs.
 
     Example:
         >>> A, B = torch.eye(2) * 2, torch.ones(3, 2, 1)
@@ -82,7 +100,8 @@ def linalg_solve(A: Tensor, B: Tensor, *, left: bool = True, out: Tensor | None 
     if expanded is None:
         return NotImplemented
     A, B, vector = expanded
-    X = torch.linalg.solve(A, B, left=left)
+    with _solving():
+        X = torch.linalg.solve(A, B, left=left)
     return X.squeeze(-1) if vector else X
 
 
@@ -105,7 +124,7 @@ def linalg_solve_ex(
 
     Returns:
         ``(result, info)`` as torch's (``info`` in ``A``'s batch shape); ``NotImplemented``
-        where nothing broadcasts (or for ``out=``).
+        as for :func:`linalg_solve`.
 
     Example:
         >>> A, B = torch.eye(2) * 2, torch.ones(3, 2, 1)
@@ -116,7 +135,8 @@ def linalg_solve_ex(
     if expanded is None:
         return NotImplemented
     wide, rhs, vector = expanded
-    found = torch.linalg.solve_ex(wide, rhs, left=left, check_errors=check_errors)
+    with _solving():
+        found = torch.linalg.solve_ex(wide, rhs, left=left, check_errors=check_errors)
     # A's own batch: one entry where it was broadcast (its solves' infos are the same)
     info = found.info[(0,) * (found.info.dim() - (A.dim() - 2))]
     for dim, size in enumerate(A.shape[:-2]):
