@@ -66,6 +66,21 @@ def _common_batch(A: Tensor, B: Tensor) -> tuple[Tensor, Tensor, bool] | None:
     return A.expand(*batch, *A.shape[-2:]), rhs.expand(*batch, *rhs.shape[-2:]), vector
 
 
+def _expanded_solve(
+    solve: Callable[..., Any], A: Tensor, B: Tensor, out: Any, **options: Any
+) -> Any:
+    """``(solve(A, B, **options), vector)`` on the operands of :func:`_common_batch`.
+
+    ``NotImplemented`` for ``out=`` and inside a decomposition: the op itself runs.
+    """
+    expanded = None if out is not None else _common_batch(A, B)
+    if expanded is None:
+        return NotImplemented
+    wide, rhs, vector = expanded
+    with _solving():
+        return solve(wide, rhs, **options), vector
+
+
 @contextlib.contextmanager
 def _solving() -> Iterator[None]:
     """Within the block, solves run as themselves (see :data:`_SOLVING`)."""
@@ -96,12 +111,10 @@ def linalg_solve(A: Tensor, B: Tensor, *, left: bool = True, out: Tensor | None 
         >>> torch.equal(linalg_solve(A, B), torch.linalg.solve(A, B))
         True
     """
-    expanded = None if out is not None else _common_batch(A, B)
-    if expanded is None:
-        return NotImplemented
-    A, B, vector = expanded
-    with _solving():
-        X = torch.linalg.solve(A, B, left=left)
+    found = _expanded_solve(torch.linalg.solve, A, B, out, left=left)
+    if found is NotImplemented:
+        return found
+    X, vector = found
     return X.squeeze(-1) if vector else X
 
 
@@ -131,12 +144,10 @@ def linalg_solve_ex(
         >>> linalg_solve_ex(A, B).info.shape == torch.linalg.solve_ex(A, B).info.shape
         True
     """
-    expanded = None if out is not None else _common_batch(A, B)
-    if expanded is None:
-        return NotImplemented
-    wide, rhs, vector = expanded
-    with _solving():
-        found = torch.linalg.solve_ex(wide, rhs, left=left, check_errors=check_errors)
+    solved = _expanded_solve(torch.linalg.solve_ex, A, B, out, left=left, check_errors=check_errors)
+    if solved is NotImplemented:
+        return solved
+    found, vector = solved
     # A's own batch: one entry where it was broadcast (its solves' infos are the same)
     info = found.info[(0,) * (found.info.dim() - (A.dim() - 2))]
     for dim, size in enumerate(A.shape[:-2]):
