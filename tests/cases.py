@@ -134,6 +134,24 @@ class RecurrentHead(nn.Module):
         return self.head(out[:, -1])
 
 
+class UnrolledCells(nn.Module):
+    """``nn.LSTMCell`` unrolled from a zero state, then a ``GRUCell`` and an ``RNNCell`` step."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTMCell(3, 4)
+        self.gru = nn.GRUCell(4, 3)
+        self.rnn = nn.RNNCell(3, 3, nonlinearity="relu")
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        state = None
+        for step in x.unbind(1):
+            state = self.lstm(step, state)
+        h = self.gru(state[0])
+        return self.head(self.rnn(h, h))
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm self-attention and MLP block with a mean-pooled classifier."""
 
@@ -357,6 +375,7 @@ CASES: dict[str, Case] = {
         Case("rnn", lambda: RecurrentHead(nn.RNN, num_layers=2), _randn(5, 3)),
         Case("gru", lambda: RecurrentHead(nn.GRU, bidirectional=True), _randn(4, 3), slow=True),
         Case("lstm", lambda: RecurrentHead(nn.LSTM), _randn(4, 3)),
+        Case("recurrent_cells", UnrolledCells, _randn(3, 3)),
         Case("transformer", TransformerBlock, _randn(5, 8), classes=3, slow=True),
         Case(
             "transformer_seq_first",

@@ -10,7 +10,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from packfunc.engine.recurrent import RECURRENT_OPS, run_recurrent
+from packfunc.engine.recurrent import CELL_OPS, RECURRENT_OPS, run_cell, run_recurrent
 
 KINDS = ["tanh", "relu", "gru", "lstm"]
 
@@ -271,3 +271,44 @@ def test_modes_give_torch_func_wrappers_a_null_data_pointer():
     with FunctionalMode():
         torch.func.vmap(pointer)(torch.ones(2, 3))
         assert torch.ones(2).data_ptr() != 0
+
+
+CELLS = {
+    torch.lstm_cell: lambda: nn.LSTMCell(3, 4),
+    torch.gru_cell: lambda: nn.GRUCell(3, 4),
+    torch.rnn_tanh_cell: lambda: nn.RNNCell(3, 4),
+    torch.rnn_relu_cell: lambda: nn.RNNCell(3, 4, nonlinearity="relu"),
+}
+
+
+@pytest.mark.parametrize("func", list(CELLS), ids=lambda f: f.__name__)
+@pytest.mark.parametrize("bias", [True, False])
+def test_run_cell_is_the_fused_cell_out_of_place(func, bias):
+    """Same values and gradients as torch's cell op, with no in-place op, and vmap batches it."""
+    assert set(CELLS) == set(CELL_OPS)
+    torch.manual_seed(0)
+    module = CELLS[func]().double()
+    weights = [module.weight_ih, module.weight_hh]
+    weights += [module.bias_ih, module.bias_hh] if bias else []
+    x = torch.randn(2, 3, dtype=torch.float64)
+    h = torch.randn(2, 4, dtype=torch.float64)
+    hx = (h, torch.randn_like(h)) if func is torch.lstm_cell else h
+    expected = func(x, hx, *weights)
+    spy = MutationSpy()
+    with spy:
+        found = run_cell(func, x, hx, *weights)
+    assert spy.mutating == []
+    for a, b in zip(tree_leaves(found), tree_leaves(expected), strict=True):
+        torch.testing.assert_close(a, b)
+    grads = torch.autograd.grad(sum(t.sum() for t in tree_leaves(found)), weights)
+    wanted = torch.autograd.grad(sum(t.sum() for t in tree_leaves(expected)), weights)
+    torch.testing.assert_close(grads, wanted)
+    # a zero state shared by every sample (what nn.LSTMCell makes for hx=None) under vmap
+    zero = torch.zeros(4, dtype=torch.float64)
+    state = (zero, zero) if func is torch.lstm_cell else zero
+    rows = torch.randn(5, 3, dtype=torch.float64)
+    batched = vmap(lambda r: run_cell(func, r, state, *weights))(rows)
+    states = tuple(s.expand(5, 4) for s in tree_leaves(state))
+    whole = func(rows, states if func is torch.lstm_cell else states[0], *weights)
+    for a, b in zip(tree_leaves(batched), tree_leaves(whole), strict=True):
+        torch.testing.assert_close(a, b)

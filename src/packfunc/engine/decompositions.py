@@ -7,8 +7,11 @@ levels (an error, or wrong values where the two sizes are equal). Its decomposit
 broadcast against a right-hand side with batch dims (a parameter ``A [n, n]`` and one sample's
 ``[1, n, k]``) has a backward whose rule is wrong under a single ``vmap`` over
 cotangents (silently) or over samples (an error); with both operands expanded to their
-common batch shape first it is exact. The modes and the op-local rule run these in the
-ops' place; the values are the ops' own.
+common batch shape first it is exact. The fused recurrent cells (``nn.LSTMCell`` and the
+others' ``torch.lstm_cell``...) add their gates in place, which ``vmap`` cannot batch against
+an unbatched zero state; they run as ``F.linear`` calls and elementwise ops
+(:func:`~packfunc.engine.recurrent.run_cell`), whose weights are then layers of their own. The
+modes and the op-local rule run these in the ops' place; the values are the ops' own.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from packfunc.engine.recurrent import CELL_OPS, run_cell
 
 __all__ = ["DECOMPOSED_OPS", "linalg_solve", "linalg_solve_ex", "prelu", "run_decomposed"]
 
@@ -180,5 +186,6 @@ DECOMPOSED_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
     torch.prelu: prelu,
     torch.linalg.solve: linalg_solve,
     torch.linalg.solve_ex: linalg_solve_ex,
+    **{cell: partial(run_cell, cell) for cell in CELL_OPS},
 }
 """Op -> the decomposition the modes run in its place (``NotImplemented``: the op itself)."""

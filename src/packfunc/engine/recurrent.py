@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["CUDNN_WEIGHT_LAYOUT", "RECURRENT_OPS", "run_recurrent"]
+__all__ = ["CELL_OPS", "CUDNN_WEIGHT_LAYOUT", "RECURRENT_OPS", "run_cell", "run_recurrent"]
 
 RECURRENT_OPS: frozenset[Callable[..., Any]] = frozenset(
     {torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu}
@@ -98,6 +98,57 @@ _CELLS: dict[Any, Cell] = {
     torch.gru: _gru_cell,
     torch.lstm: _lstm_cell,
 }
+
+
+CELL_OPS: dict[Any, Cell] = {
+    torch.rnn_tanh_cell: _CELLS[torch.rnn_tanh],
+    torch.rnn_relu_cell: _CELLS[torch.rnn_relu],
+    torch.gru_cell: _gru_cell,
+    torch.lstm_cell: _lstm_cell,
+}
+"""The one-step ops of ``nn.RNNCell``, ``nn.GRUCell`` and ``nn.LSTMCell`` (``torch._VF.*_cell``),
+by the step that computes them out of place."""
+
+
+def run_cell(
+    func: Any,
+    input: Tensor,
+    hx: Tensor | Sequence[Tensor],
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None = None,
+    b_hh: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Evaluate one of :data:`CELL_OPS` out of place; the same outputs as ``func``'s.
+
+    The fused cells add their gates in place, which ``vmap`` cannot batch when one operand
+    carries samples and the other does not (a zero initial state); their weights are used
+    inside C++. Here every weight is an ``F.linear`` call.
+
+    Args:
+        func: ``torch.lstm_cell``, ``torch.gru_cell``, ``torch.rnn_tanh_cell`` or
+            ``torch.rnn_relu_cell``.
+        input: ``[N, in]`` (or ``[in]``).
+        hx: The state: ``h`` (``[N, H]``), or ``(h, c)`` for ``torch.lstm_cell``.
+        w_ih: Input weights ``[G·H, in]`` (``G`` gates).
+        w_hh: Hidden weights ``[G·H, H]``.
+        b_ih: Input bias, or ``None``.
+        b_hh: Hidden bias, or ``None``.
+
+    Returns:
+        The new ``h``, or ``(h, c)`` for ``torch.lstm_cell``.
+
+    Example:
+        >>> cell = torch.nn.GRUCell(3, 4)
+        >>> x, h = torch.randn(2, 3), torch.randn(2, 4)
+        >>> weights = (cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
+        >>> torch.allclose(run_cell(torch.gru_cell, x, h, *weights), cell(x, h), atol=1e-6)
+        True
+    """
+    state = tuple(hx) if func is torch.lstm_cell else (hx,)
+    weights = _Weights(w_ih, w_hh, b_ih, b_hh, None)
+    found = CELL_OPS[func](F.linear(input, w_ih, b_ih), cast(State, state), weights)
+    return (found[0], found[1]) if func is torch.lstm_cell else found[0]
 
 
 def _scan(cell: Cell, x: Tensor, state: State, w: _Weights, reverse: bool) -> tuple[Tensor, State]:
