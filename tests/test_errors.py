@@ -170,6 +170,55 @@ def test_a_parameter_inside_a_transform_of_the_forward_is_refused(transform):
         pf.batch_grad(model_fn, params, torch.randn(3, 3), torch.tensor([0, 1, 0]))
 
 
+class _Cube(torch.autograd.Function):
+    """``x · w³`` with its own backward, batched by torch's generated vmap rule."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w**3
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, w = ctx.saved_tensors
+        gw = g * x * 3 * w**2
+        return g * w**3, gw.sum(0) if gw.dim() > w.dim() else gw
+
+
+@pytest.mark.parametrize("quantity", ["diag_hessian", "batch_diag_hessian"])
+def test_a_parameter_inside_a_custom_function_names_it_for_hessians(quantity):
+    """Its first-order quantities and GGN take the whole-model path; Hessian diagonals were
+    refused with the message about per-sample loops, which the model does not have."""
+
+    class WithCustomFunction(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.w, self.head = (
+                nn.Linear(3, 4),
+                nn.Parameter(torch.rand(4)),
+                nn.Linear(4, 2),
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(_Cube.apply(self.inner(x), self.w)))
+
+    model = WithCustomFunction().double()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(3, 3, dtype=torch.float64), torch.tensor([0, 1, 0])
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    found = pf.batch_grad(model_fn, params, X, y, loss=loss)["w"]
+    for n in range(3):
+        expected = torch.autograd.grad(loss(model(X[n : n + 1]), y[n : n + 1]), model.w)[0]
+        torch.testing.assert_close(found[n], expected)
+    with pytest.raises(ValueError, match="custom torch.autograd.Function _Cube"):
+        getattr(pf, quantity)(model_fn, params, X, y, loss=loss)
+
+
 def test_the_last_sample_alone_is_compared_too():
     """A shared input as long as the batch whose use leaves the first sample its own value
     (``s.max()`` with the largest entry first) passed the first sample's comparison."""

@@ -25,6 +25,7 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor, nn
+from torch._functorch.autograd_function import custom_function_call
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.func import vmap
 
@@ -64,6 +65,15 @@ class PlanMismatch(RuntimeError):
         )
 
 
+_CUSTOM_FUNCTION = (
+    "model_fn passes a parameter to the custom torch.autograd.Function {name}: under torch.func "
+    "transforms its calls are hidden behind its own backward, so packfunc cannot take this "
+    "quantity's second derivatives through it (its first-order quantities and GGN take the "
+    "whole-model path). Use a GGN quantity (diag_ggn, batch_diag_ggn) instead of the Hessian "
+    "one, or write the function with differentiable torch ops."
+)
+
+
 class _RecordMode(ParameterMode):
     """Adds probes to site outputs (``torch.func``), or marks them for autograd.
 
@@ -94,6 +104,8 @@ class _RecordMode(ParameterMode):
     ) -> Any:
         if is_metadata_query(func) or not self._touches_parameters(args, kwargs):
             return func(*args, **kwargs)
+        if func is custom_function_call:
+            raise ValueError(_CUSTOM_FUNCTION.format(name=getattr(args[0], "__name__", args[0])))
         u, self.uses_seen = self.uses_seen, self.uses_seen + 1
         if u >= len(self.plan.uses) or self.plan.uses[u].func != func:
             raise PlanMismatch()
