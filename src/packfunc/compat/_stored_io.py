@@ -129,7 +129,7 @@ def forget_results(module: nn.Module, names: list[str]) -> None:
 
     Args:
         module: An extended model.
-        names: Savefields of the extensions about to run.
+        names: Savefields of the block's extensions (their values from an earlier pass go).
 
     Example:
         >>> import torch
