@@ -7,11 +7,9 @@ levels (an error, or wrong values where the two sizes are equal). Its decomposit
 broadcast against a right-hand side with batch dims (a parameter ``A [n, n]`` and one sample's
 ``[1, n, k]``) has a backward whose rule is wrong under a single ``vmap`` over
 cotangents (silently) or over samples (an error); with both operands expanded to their
-common batch shape first it is exact. ``torch.cdist``'s backward has a wrong rule for one
-sample and no derivative of its own: it runs as products and elementwise ops. The fused
-recurrent cells (``nn.LSTMCell`` and the others' ``torch.lstm_cell``...) add their gates in
-place, which ``vmap`` cannot batch against an unbatched zero state; they run as ``F.linear``
-calls and elementwise ops
+common batch shape first it is exact. The fused recurrent cells (``nn.LSTMCell`` and the
+others' ``torch.lstm_cell``...) add their gates in place, which ``vmap`` cannot batch against
+an unbatched zero state; they run as ``F.linear`` calls and elementwise ops
 (:func:`~packfunc.engine.recurrent.run_cell`), whose weights are then layers of their own. The
 modes and the op-local rule run these in the ops' place; the values are the ops' own.
 """
@@ -19,7 +17,6 @@ modes and the op-local rule run these in the ops' place; the values are the ops'
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -30,14 +27,7 @@ from torch import Tensor
 
 from packfunc.engine.recurrent import CELL_OPS, run_cell
 
-__all__ = [
-    "DECOMPOSED_OPS",
-    "cdist",
-    "linalg_solve",
-    "linalg_solve_ex",
-    "prelu",
-    "run_decomposed",
-]
+__all__ = ["DECOMPOSED_OPS", "linalg_solve", "linalg_solve_ex", "prelu", "run_decomposed"]
 
 
 def prelu(input: Tensor, weight: Tensor) -> Tensor:
@@ -60,58 +50,6 @@ def prelu(input: Tensor, weight: Tensor) -> Tensor:
     else:
         slope = weight.reshape(1, -1, *[1] * (input.dim() - 2))
     return torch.where(input >= 0, input, slope * input)
-
-
-def cdist(x1: Tensor, x2: Tensor, p: float = 2.0, compute_mode: str | None = None) -> Any:
-    """``torch.cdist`` from products and elementwise ops: derivatives torch batches exactly.
-
-    Torch's batching rule of cdist's backward is wrong for one sample, and the backward has
-    no derivative of its own (no Hessians). Euclidean distances take torch's choice of form:
-    ``|x|² + |y|² − 2 x·y`` where either operand has more than 25 rows (or
-    ``compute_mode`` asks), else the differences; a zero distance has a zero gradient, as
-    in torch.
-
-    Args:
-        x1: ``[*, P, M]``.
-        x2: ``[*, R, M]``.
-        p: The norm's order; ``NotImplemented`` (the op itself) for ``p < 1`` and ``∞``.
-        compute_mode: As torch's.
-
-    Returns:
-        ``torch.cdist(x1, x2, p, compute_mode)`` ``[*, P, R]``.
-
-    Example:
-        >>> x, y = torch.randn(3, 4), torch.randn(30, 4)
-        >>> torch.allclose(cdist(x, y), torch.cdist(x, y), atol=1e-5)
-        True
-    """
-    if not 1 <= p < math.inf:
-        return NotImplemented
-    if p == 2 and _euclid_by_products(x1, x2, compute_mode):
-        norms1, norms2 = x1.square().sum(-1, keepdim=True), x2.square().sum(-1, keepdim=True)
-        left = torch.cat([x1 * -2, norms1, torch.ones_like(norms1)], -1)
-        right = torch.cat([x2, torch.ones_like(norms2), norms2], -1)
-        return _root((left @ right.mT).clamp_min(0), 2.0)
-    differences = x1.unsqueeze(-2) - x2.unsqueeze(-3)  # [*, P, R, M]
-    if p == 1:
-        return differences.abs().sum(-1)
-    powers = differences.square() if p == 2 else differences.abs().pow(p)
-    return _root(powers.sum(-1), p)
-
-
-def _euclid_by_products(x1: Tensor, x2: Tensor, compute_mode: str | None) -> bool:
-    """Torch's choice of the product form for Euclidean distances."""
-    if compute_mode == "use_mm_for_euclid_dist":
-        return True
-    if compute_mode == "donot_use_mm_for_euclid_dist":
-        return False
-    return x1.shape[-2] > 25 or x2.shape[-2] > 25
-
-
-def _root(sums: Tensor, p: float) -> Tensor:
-    """``sums^(1/p)``, with a zero gradient (and Hessian) where a sum is zero."""
-    positive = sums > 0
-    return torch.where(positive, torch.where(positive, sums, 1.0).pow(1 / p), 0.0)
 
 
 _SOLVING = threading.local()
@@ -245,7 +183,6 @@ def run_decomposed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
 
 
 DECOMPOSED_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
-    torch.cdist: cdist,
     torch.prelu: prelu,
     torch.linalg.solve: linalg_solve,
     torch.linalg.solve_ex: linalg_solve_ex,
