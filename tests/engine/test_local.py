@@ -460,3 +460,15 @@ def test_op_local_columns_that_do_not_add_up_to_the_batch_gradient_are_refused(m
     model_fn, params = pf.functional(model)
     with pytest.raises(RuntimeError, match="through linalg_solve do not add up"):
         pf.diag_ggn(model_fn, params, X, y)
+
+
+def test_an_op_whose_form_depends_on_its_row_count_runs_for_any_batch_size():
+    """``torch.cdist`` picks its Euclidean form by row count (more than 25: products): a
+    decomposition of it that did the same called other ops for one sample than for a batch
+    of 30 (refused, where the op itself is exact)."""
+    torch.manual_seed(0)
+    model = _RadialBasis().double()
+    X, y = torch.randn(30, 3, dtype=torch.float64), torch.randint(0, 3, (30,))
+    model_fn, params = pf.functional(model)
+    found = pf.batch_grad(model_fn, params, X, y)
+    assert_trees_close(found, autograd_batch_grad(model, nn.CrossEntropyLoss(), X, y))
