@@ -536,6 +536,37 @@ def test_an_output_changed_in_place_after_the_forward_is_refused_by_name():
         lossfunc(out, torch.tensor([0, 1, 1, 0, 1])).backward()
 
 
+class _SecondChunk(nn.Module):
+    """Returns the second half of a layer's output: the second output of one autograd node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 4)
+        self.kept: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = self.layer(x).chunk(2, dim=1)
+        self.kept = first
+        return second
+
+
+def test_an_output_that_is_a_later_output_of_its_node_takes_its_own_gradient():
+    """The hook took the node's first gradient (the other chunk's, None): an AttributeError."""
+    torch.manual_seed(0)
+    model = extend(_SecondChunk().double())
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1])
+    lossfunc = extend(nn.CrossEntropyLoss(reduction="sum"))
+    with backpack(ours.BatchGrad()):
+        lossfunc(model(X), y).backward()
+    weight = model.layer.weight
+    for n in range(5):
+        expected = torch.autograd.grad(lossfunc(model(X[n : n + 1]), y[n : n + 1]), weight)[0]
+        torch.testing.assert_close(weight.grad_batch[n], expected)
+    with backpack(ours.BatchGrad()), pytest.raises(ValueError, match="another tensor than its"):
+        model(X)
+        model.kept.square().sum().backward()  # reaches the node through the kept chunk only
+
+
 def test_a_parameter_changed_through_data_before_the_backward_is_named_in_the_refusal():
     """``.data`` writes bump no version: the rows check refuses, naming them as a cause."""
     model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))

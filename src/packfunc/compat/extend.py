@@ -138,7 +138,15 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     recorder.release(output)
     state = ModelState.of(module)
     record = ForwardRecord(
-        module, args, kwargs, recorder, output, output.shape, output._version, state
+        module,
+        args,
+        kwargs,
+        recorder,
+        output,
+        output.shape,
+        output._version,
+        state,
+        output.output_nr,
     )
     previous = module.__dict__.get(_LATEST, _no_record)()
     if previous is not None:
@@ -271,7 +279,27 @@ def _on_backward(record: ForwardRecord, grad_outputs: tuple[Tensor, ...]) -> Non
     _refuse_mixed_forwards(record, ctx, task)
     route = _route_to_loss(record, task)
     with context.disable():  # packfunc's own passes must not record or trigger
-        run_extensions(ctx, record, grad_outputs[0], route)
+        run_extensions(ctx, record, _output_gradient(record, grad_outputs), route)
+
+
+def _output_gradient(record: ForwardRecord, grad_outputs: tuple[Tensor | None, ...]) -> Tensor:
+    """``∂L/∂output`` among the gradients of the outputs of the output's autograd node.
+
+    A model returning ``h.chunk(2, 1)[1]`` has an output that is the second of its node's.
+
+    Raises:
+        ValueError: if the backward pass reaches that node through another of its outputs
+            only (a tensor of the forward kept aside, not the output).
+    """
+    found = grad_outputs[record.output_nr]
+    if found is None:
+        raise ValueError(
+            f"this backward pass goes through the forward pass of the extended "
+            f"{type(record.model).__name__} by another tensor than its output (one the "
+            "forward kept aside): packfunc.compat computes from the gradient of the output. "
+            "Return the tensor the loss takes from the extended model."
+        )
+    return found
 
 
 def _refuse_mixed_forwards(record: ForwardRecord, ctx: context.Context, task: int) -> None:

@@ -143,6 +143,8 @@ class ForwardRecord:
         output_shape: The shape of its output.
         output_version: The output's version counter at the end of the forward pass.
         state: The model's parameters, buffers and modes at the end of the forward pass.
+        output_nr: Which output of its autograd node the output is (``tensor.output_nr``: a
+            chunk of ``h.chunk(2)`` is the second output of one node).
         losses: Extended losses applied to its output.
         consumers: Records of extended modules that took its output as their only input
             (weak references, with the layout of that input).
@@ -157,6 +159,7 @@ class ForwardRecord:
     output_shape: torch.Size
     output_version: int
     state: ModelState
+    output_nr: int = 0
     losses: list[LossCall] = field(default_factory=list)
     consumers: list[tuple[weakref.ref, SampleLayout]] = field(default_factory=list)
     serial: int = field(default_factory=lambda: next(_serials))
