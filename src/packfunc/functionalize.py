@@ -17,7 +17,9 @@ from packfunc.types import ModelFn
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_MODULES: weakref.WeakKeyDictionary[ModelFn, nn.Module] = weakref.WeakKeyDictionary()
+_MODULES: weakref.WeakKeyDictionary[ModelFn, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
+"""The module behind each model function of :func:`functional` (weakly: a cache keyed by the
+module may hold its function)."""
 """The module behind each ``model_fn`` that :func:`functional` returned."""
 
 
@@ -70,14 +72,50 @@ def functional(module: nn.Module) -> tuple[ModelFn, dict[str, Tensor]]:
     params = {name: p.detach() for name, p in module.named_parameters()}
 
     def model_fn(params: dict[str, Tensor], X: Any) -> Tensor:
-        if isinstance(X, tuple):
-            return cast(Tensor, call_with_tensors(module, params, X, {}))
-        if isinstance(X, dict):
-            return cast(Tensor, call_with_tensors(module, params, (), X))
-        return cast(Tensor, call_with_tensors(module, params, (X,), {}))
+        return _call_module(module, params, X)
 
-    _MODULES[model_fn] = module
+    _MODULES[model_fn] = weakref.ref(module)
     return model_fn, params
+
+
+def weakly_bound(module: nn.Module) -> ModelFn:
+    """:func:`functional`'s model function, holding ``module`` weakly.
+
+    For a cache of model functions keyed by the module (so that packfunc's plan, cached
+    per model function, serves every call on that module): the function does not keep
+    its key alive.
+
+    Args:
+        module: The model.
+
+    Returns:
+        ``model_fn(params, X)``; it raises ``ReferenceError`` once ``module`` is gone.
+
+    Example:
+        >>> layer = torch.nn.Linear(3, 2)
+        >>> fn = weakly_bound(layer)
+        >>> fn(functional(layer)[1], torch.zeros(4, 3)).shape, module_of(fn) is layer
+        (torch.Size([4, 2]), True)
+    """
+    ref = weakref.ref(uncompiled(module))
+
+    def model_fn(params: dict[str, Tensor], X: Any) -> Tensor:
+        found = ref()
+        if found is None:
+            raise ReferenceError("the module of this model function was deleted")
+        return _call_module(found, params, X)
+
+    _MODULES[model_fn] = ref
+    return model_fn
+
+
+def _call_module(module: nn.Module, params: dict[str, Tensor], X: Any) -> Tensor:
+    """``module`` on ``X`` (a tuple: positional inputs; a dict: keyword inputs) with ``params``."""
+    if isinstance(X, tuple):
+        return cast(Tensor, call_with_tensors(module, params, X, {}))
+    if isinstance(X, dict):
+        return cast(Tensor, call_with_tensors(module, params, (), X))
+    return cast(Tensor, call_with_tensors(module, params, (X,), {}))
 
 
 def is_compiled(value: Any) -> bool:
@@ -207,9 +245,10 @@ def module_of(model_fn: ModelFn) -> nn.Module | None:
         (True, None)
     """
     try:
-        return _MODULES.get(model_fn)
+        ref = _MODULES.get(model_fn)
     except TypeError:  # not weakly referenceable: not one of ours
         return None
+    return None if ref is None else ref()
 
 
 def wraps_module_of(model_fn: ModelFn, wrapper: F) -> F:
@@ -232,7 +271,7 @@ def wraps_module_of(model_fn: ModelFn, wrapper: F) -> F:
     """
     module = module_of(model_fn)
     if module is not None:
-        _MODULES[wrapper] = module
+        _MODULES[wrapper] = weakref.ref(module)
     return wrapper
 
 

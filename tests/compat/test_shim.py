@@ -697,3 +697,49 @@ def test_a_backward_that_computes_nothing_leaves_no_stale_results():
         value.backward()
     assert not hasattr(model[0].weight, "grad_batch")
     assert model[0].bias.grad_batch == "the user's own"
+
+
+def test_a_training_loop_on_the_shim_discovers_its_model_once(monkeypatch):
+    """Each backward pass discovered the model again (a one-sample forward, and the checks of
+    a fresh plan: two more): the shim made a new model function per pass, and packfunc keeps
+    its plans per model function."""
+    from packfunc.engine import discovery
+
+    found = []
+    original = discovery.discover
+    monkeypatch.setattr(discovery, "discover", lambda *a, **k: found.append(1) or original(*a, **k))
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2)))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1])
+    for _ in range(4):
+        model.zero_grad()
+        with backpack(ours.BatchGrad(), ours.DiagGGNExact()):
+            lossfunc(model(X), y).backward()
+    assert len(found) == 2  # the model's, and the model's up to the loss
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
+
+
+class _Branching(nn.Module):
+    """Takes one of two layers as an attribute says: the cached plan no longer fits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.drop = nn.Linear(3, 2), nn.Linear(3, 2), nn.Dropout(0.5)
+        self.use_second = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.second if self.use_second else self.first)(self.drop(x))
+
+
+def test_a_forward_that_left_the_cached_plan_is_discovered_again_not_run_again():
+    """A model with dropout cannot be run again: its forward's own recording must serve, also
+    when the plan kept from the last step no longer fits it."""
+    torch.manual_seed(0)
+    model, lossfunc = extend(_Branching()), extend(nn.CrossEntropyLoss(reduction="sum"))
+    X, y = torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1])
+    for use_second in (False, True):
+        model.use_second = use_second
+        with backpack(ours.BatchGrad()):
+            lossfunc(model(X), y).backward()
+    torch.testing.assert_close(model.second.weight.grad_batch.sum(0), model.second.weight.grad)

@@ -8,9 +8,10 @@ extended loss and its targets. Results land on ``param.<savefield>``.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Hashable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -20,12 +21,12 @@ from packfunc.compat import context
 from packfunc.compat._stored_io import memory_cleanup, store_result, stored_io
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
 from packfunc.compat.layout import SampleLayout
-from packfunc.compat.records import ForwardRecord, LossRoute
+from packfunc.compat.records import ForwardRecord, LossCall, LossRoute
 from packfunc.engine.api import BatchPass, BatchRecord, Plan, cached_discover, check_rerun
 from packfunc.evaluation import evaluate
-from packfunc.functionalize import flatten_params, wraps_module_of
+from packfunc.functionalize import flatten_params, module_of, weakly_bound, wraps_module_of
 from packfunc.kronecker_factors import factors_from_pass
-from packfunc.losses import GivenOutputGradient, hessian_factors
+from packfunc.losses import CLASS_LOSSES, GivenOutputGradient, hessian_factors
 from packfunc.specs import Family
 
 if TYPE_CHECKING:
@@ -78,7 +79,8 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
     record.check_output_unchanged()
     X = record.args[0] if len(record.args) == 1 else record.args
     differentiable = torch.is_grad_enabled()
-    model_fn, every_param = pf.functional(model)
+    model_fn = _model_function(model)
+    every_param = {name: p.detach() for name, p in model.named_parameters()}
     # as BackPACK: the parameters that require gradients (a frozen one is a constant, and
     # outside the norm ClippedGrad clips)
     names = [name for name, p in model.named_parameters() if p.requires_grad]
@@ -164,16 +166,52 @@ def _second_order_problem(
             "extend(lossfunc)), apply it to the model's output (or a reshape of it, or the "
             "output of further extended modules) and call backward on the loss itself."
         )
-    fn = _composed(model_fn, route.stages)
-
-    @partial(wraps_module_of, model_fn)
-    def ends_at_loss(params: Any, X: Any) -> Tensor:
-        return call.output(fn(params, X))
-
+    ends_at_loss = _ending_at_loss(model_fn, route.stages, call)
     watched = partial(_not_reusable, record)
     if not route.stages:
         watched = partial(_watched, record, call.output, differentiable)
     return ends_at_loss, call.module, call.targets(), watched
+
+
+_FUNCTIONS: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, Callable]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per extended model, the model functions the shim ran, kept across backward passes:
+packfunc caches its plan per model function, so a training loop discovers once, as with
+the functional API (each function holds the model weakly)."""
+
+
+def _model_function(model: nn.Module) -> Callable:
+    """The model function of ``model`` (:func:`~packfunc.functionalize.weakly_bound`), kept."""
+    functions = _FUNCTIONS.setdefault(model, {})
+    if None not in functions:
+        functions[None] = weakly_bound(model)
+    return functions[None]
+
+
+def _ending_at_loss(model_fn: Callable, stages: tuple, call: LossCall) -> Callable:
+    """``model_fn`` up to the loss input in packfunc's per-sample form (see :class:`LossCall`).
+
+    Kept per model and layout where the layout holds no index tensors and no extended
+    modules come in between (a loss on the output or a reshape of it, the usual case).
+    """
+    key = None
+    layout, model = call.layout, module_of(model_fn)
+    class_dim = isinstance(call.module, CLASS_LOSSES)
+    if not stages and layout.gather is None and layout.row_order is None and model is not None:
+        key = (layout.positions, layout.row_shape, class_dim)
+        found = _FUNCTIONS.setdefault(model, {}).get(key)
+        if found is not None:
+            return found
+    fn = _composed(model_fn, stages)
+
+    @partial(wraps_module_of, model_fn)
+    def ends_at_loss(params: Any, X: Any) -> Tensor:
+        return layout.output(fn(params, X), class_dim)
+
+    if key is not None:
+        _FUNCTIONS[cast(nn.Module, model)][key] = ends_at_loss
+    return ends_at_loss
 
 
 def _composed(model_fn: Callable, stages: tuple) -> Callable:

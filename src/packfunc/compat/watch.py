@@ -264,12 +264,19 @@ def _match(
         edge = get_gradient_edge(output) if call.output is None else call.edge
         expected = (n, *plan.sites[k].tail)
         shape = call.shape or tuple(out.shape)
-        recorded = _recorded(call, use, plan, sources, leaf_of, leaves, n)
+        try:
+            recorded = _recorded(call, use, plan, sources, leaf_of, leaves, n)
+        except _OtherLeaves:
+            return None
         if edge is None or shape != expected or recorded is None:
             failed.add(k)
         else:
             inputs[k], shapes[k], edges[k] = recorded, shape, edge
     return inputs, edges, shapes, failed
+
+
+class _OtherLeaves(Exception):
+    """A watched layer call took other parameters than the plan's call there: another path."""
 
 
 def _recorded(
@@ -281,7 +288,12 @@ def _recorded(
     leaves: list[Tensor],
     n: int,
 ) -> Recorded | None:
-    """What the batch pass keeps of a tapped or local call (``None``: its layout is off)."""
+    """What the batch pass keeps of a tapped or local call (``None``: its layout is off).
+
+    Raises:
+        _OtherLeaves: if a layer call took other parameters than the plan's call (the
+            forward took another path than the plan's: the plan does not fit).
+    """
     args, kwargs = call.arguments.rebuild(list(call.arguments.values))
     if use.kind is UseKind.TAPPED:
         sig = SIGNATURES.get(call.func)
@@ -292,9 +304,9 @@ def _recorded(
         x = bound["input"]
         k = use.site
         assert k is not None
-        if site_call.leaves != plan.sites[k].call.leaves or x.shape[:1] != (n,):
-            return None
-        return x
+        if site_call.leaves != plan.sites[k].call.leaves:
+            raise _OtherLeaves
+        return x if x.shape[:1] == (n,) else None
     assert use.site is not None
     layout = sample_layout(plan.sites[use.site].shapes, call.arguments.values, sources, n)
     if layout is None:

@@ -201,6 +201,7 @@ class BatchPass:
         self.model_fn, self.params, self.X, self.y, self.loss = model_fn, params, X, y, loss
         self.chunk_size = chunk_size
         self.plan, cached = cached_discover(model_fn, params, self.leaves, X)
+        self._cached = cached
         rewind = rewinder(self.leaves)
         # a refusal after this pass leaves the buffers it changed as they were
         self._restore_buffers = (
@@ -209,11 +210,11 @@ class BatchPass:
         try:
             self.record = self._batch_pass(reuse)
         except PlanMismatch:
-            if not cached:
+            if not self._cached:
                 raise
             forget_plan(model_fn)  # the code took another path: discover it again
             rewind()  # and run it on the random numbers the stopped pass began with
-            self.plan, _ = cached_discover(model_fn, params, self.leaves, X)
+            self.plan, self._cached = cached_discover(model_fn, params, self.leaves, X)
             self.record = self._batch_pass(reuse)
         last = partial(last_sample_output, model_fn, params, X, self.n)
         try:
@@ -233,6 +234,13 @@ class BatchPass:
     def _batch_pass(self, reuse: ReusedRecord | None) -> BatchRecord:
         """The reused record if its forward pass fits the plan, else that of packfunc's own pass."""
         reused = reuse(self.plan, self.leaves, self.loss, self.y, self.n) if reuse else None
+        if reused is None and reuse is not None and self._cached:
+            # the recorded forward may have taken another path than the cached plan's one
+            forget_plan(self.model_fn)
+            self.plan, self._cached = cached_discover(
+                self.model_fn, self.params, self.leaves, self.X
+            )
+            reused = reuse(self.plan, self.leaves, self.loss, self.y, self.n)
         if reused is not None:
             return reused
         if reuse is not None:
