@@ -646,24 +646,25 @@ def test_block_product_closures_refuse_a_model_changed_after_the_backward_pass()
         weight.ggnmp(torch.ones_like(weight))
 
 
-def test_a_model_returning_a_tuple_warns_that_nothing_is_recorded():
-    """It was silent: no grad_batch, or an earlier step's left on the parameters."""
+def test_a_model_returning_no_tensor_with_a_row_per_sample_warns_that_nothing_is_recorded():
+    """Tensors over the whole batch (a loss computed inside the model, a mean) have no
+    per-sample output to differentiate: a warning, no results (it was silent)."""
 
-    class WithFeatures(nn.Module):
+    class BatchSummaries(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.body, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+            self.body = nn.Linear(3, 5)
 
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             features = torch.tanh(self.body(x))
-            return self.head(features), features
+            return features.mean(0), features.square().sum()  # [5] for 4 samples, and []
 
-    model, lossfunc = extend(WithFeatures()), extend(nn.CrossEntropyLoss())
+    model = extend(BatchSummaries())
     with backpack(ours.BatchGrad()):
-        with pytest.warns(UserWarning, match="returned a tuple, not a tensor"):
-            logits, _ = model(torch.randn(4, 3))
-        lossfunc(logits, torch.tensor([0, 1, 1, 0])).backward()
-    assert not hasattr(model.head.weight, "grad_batch")
+        with pytest.warns(UserWarning, match="without a tensor with one row per sample"):
+            mean, energy = model(torch.randn(4, 3))
+        (mean.sum() + energy).backward()
+    assert not hasattr(model.body.weight, "grad_batch")
 
 
 def test_results_of_another_model_stay_as_in_backpack():

@@ -33,12 +33,13 @@ from torch.nn.modules.loss import _Loss
 
 from packfunc.compat import context
 from packfunc.compat._stored_io import forget_results, store_io
+from packfunc.compat.elements import aliased_output, output_nodes
 from packfunc.compat.layout import RECORD_KEY, SampleLayout, find_layout, node_metadata
 from packfunc.compat.records import ForwardRecord, LossCall, LossRoute, ModelState
 from packfunc.compat.run import NO_OP_MODULES, forget_inputs_and_outputs, run_extensions
 from packfunc.compat.watch import ForwardRecorder
 from packfunc.engine.api import FunctionalMode
-from packfunc.functionalize import is_compiled
+from packfunc.functionalize import batch_size, is_compiled
 
 _depth: list[int] = [0]
 _recorders: list[ForwardRecorder | None] = []
@@ -119,22 +120,21 @@ def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
         _recorders.append(recorder)
 
 
-def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     _depth[0] -= 1
     if _recording() and not isinstance(module, NO_OP_MODULES):
         store_io(module, args, output[0] if isinstance(output, tuple) else output)
     if _depth[0]:
-        return
+        return None
     recorder = _recorders.pop()
     if recorder is None:
         _note_unrecorded(module, output)
-        return
+        return None
     recorder.__exit__(None, None, None)
     if not isinstance(output, Tensor):
-        _warn_unrecorded(module, output)
-        return
+        return _record_outputs(module, args, kwargs, recorder, output)
     if output.grad_fn is None:
-        return
+        return None
     recorder.release(output)
     state = ModelState.of(module)
     record = ForwardRecord(
@@ -148,13 +148,50 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         state,
         output.output_nr,
     )
+    _note_latest(module, record)
+    _link_to_producer(record)
+    node_metadata(output.grad_fn)[RECORD_KEY] = record
+    output.grad_fn.register_prehook(partial(_on_backward, record))
+    return None
+
+
+def _note_latest(module: nn.Module, record: ForwardRecord) -> None:
+    """Make ``record`` the model's latest forward; the one before drops its output."""
     previous = module.__dict__.get(_LATEST, _no_record)()
     if previous is not None:
         previous.output = None
     module.__dict__[_LATEST] = weakref.ref(record)  # weak: deepcopy of the model works
-    _link_to_producer(record)
-    node_metadata(output.grad_fn)[RECORD_KEY] = record
-    output.grad_fn.register_prehook(partial(_on_backward, record))
+
+
+def _record_outputs(
+    module: nn.Module, args: tuple, kwargs: dict, recorder: ForwardRecorder, output: Any
+) -> Any:
+    """Record a forward returning several tensors; the output, its tensors aliased.
+
+    See :mod:`packfunc.compat.elements`. Without a tensor with a row per sample that
+    requires grad, nothing is recorded (inside ``backpack(...)`` a warning says so).
+    """
+    try:
+        n = batch_size(args[0] if len(args) == 1 else (args or kwargs))
+    except ValueError:  # no tensor input, or leading sizes that disagree: no rows per sample
+        n = -1
+    state, serial = ModelState.of(module), ForwardRecord.next_serial()
+
+    def make_record(tensor: Tensor, element: tuple[Any, int]) -> ForwardRecord:
+        version = tensor._version
+        return ForwardRecord(
+            module, args, kwargs, recorder, tensor, tensor.shape, version, state,
+            element=element, serial=serial,
+        )  # fmt: skip
+
+    aliased, records = aliased_output(output, n, make_record, _on_backward)
+    if not records:
+        _warn_unrecorded(module, output)
+        return None
+    _note_latest(module, records[0])
+    for record in records:
+        _link_to_producer(record)
+    return aliased
 
 
 def _note_unrecorded(module: nn.Module, output: Any) -> None:
@@ -164,8 +201,9 @@ def _note_unrecorded(module: nn.Module, output: Any) -> None:
     under ``disable()``; BackPACK raises in that backward pass, and without the hook the
     last step's ``grad_batch`` stayed, silently).
     """
-    if module in context.EXTENDED_MODELS and isinstance(output, Tensor) and output.grad_fn:
-        output.grad_fn.register_prehook(partial(_on_unrecorded_backward, weakref.ref(module)))
+    if module in context.EXTENDED_MODELS:
+        for node in output_nodes(output):
+            node.register_prehook(partial(_on_unrecorded_backward, weakref.ref(module)))
 
 
 def _on_unrecorded_backward(
@@ -178,27 +216,24 @@ def _on_unrecorded_backward(
 
 
 def _warn_unrecorded(module: nn.Module, output: Any) -> None:
-    """Inside ``with backpack(...)``, say that a model returning tensors in a tuple is not recorded.
+    """Inside ``with backpack(...)``, say that an output without per-sample tensors is unused.
 
-    BackPACK hooks each module; the shim records the outermost extended module's output,
-    and a tuple (``(logits, features)``, a Hugging Face ``ModelOutput``) has none. Only for
-    a module passed to :func:`extend` (a layer run alone by activation checkpointing's
-    recomputation is not the model), and an output holding a tensor that requires grad.
+    The shim records the tensors of the outermost extended module's output that have a row
+    per sample (see :mod:`packfunc.compat.elements`); a container of others (a loss or
+    statistics over the batch, or tensors inside an object the pytree does not know) has
+    none. Only for a module passed to :func:`extend` (a layer run alone by activation
+    checkpointing's recomputation is not the model), and an output holding a tensor that
+    requires grad.
     """
-    if module not in context.EXTENDED_MODELS:
-        return
-    values = output.values() if isinstance(output, dict) else output
-    if not isinstance(output, (tuple, list, dict)) or not any(
-        isinstance(v, Tensor) and v.requires_grad for v in values
-    ):
+    if module not in context.EXTENDED_MODELS or not output_nodes(output):
         return
     ctx = context.active()
     if ctx is not None and ctx.extensions:
         warnings.warn(
-            f"the extended {type(module).__name__} returned a {type(output).__name__}, not a "
-            "tensor: packfunc.compat records models that return the tensor the loss takes, so "
-            "no extension runs for this forward pass. Extend a module that returns that "
-            "tensor, or wrap the model in one that returns it alone.",
+            f"the extended {type(module).__name__} returned a {type(output).__name__} without "
+            "a tensor with one row per sample (dim 0 the batch) among those that require "
+            "grad: packfunc.compat records the output the loss takes, so no extension runs for "
+            "this forward pass. Extend a module that returns that tensor.",
             UserWarning,
             stacklevel=3,
         )
@@ -329,7 +364,8 @@ def _refuse_mixed_forwards(record: ForwardRecord, ctx: context.Context, task: in
     hooked = ctx.extension_hook is not None or any(
         getattr(ext, "module_extensions", None) for ext in ctx.extensions
     )
-    if hooked and model.__dict__.get(_LATEST, _no_record)() not in (None, record):
+    latest = model.__dict__.get(_LATEST, _no_record)()
+    if hooked and latest is not None and latest.serial != record.serial:
         raise ValueError(
             f"this backward pass goes through an earlier forward pass of the extended {name} "
             "than its latest one: module.input0/output hold the latest forward, which "

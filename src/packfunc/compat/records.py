@@ -145,6 +145,8 @@ class ForwardRecord:
         state: The model's parameters, buffers and modes at the end of the forward pass.
         output_nr: Which output of its autograd node the output is (``tensor.output_nr``: a
             chunk of ``h.chunk(2)`` is the second output of one node).
+        element: For a model returning several tensors, ``(structure, position)`` of this
+            record's one (see :mod:`packfunc.compat.elements`); ``None``: the output itself.
         losses: Extended losses applied to its output.
         consumers: Records of extended modules that took its output as their only input
             (weak references, with the layout of that input).
@@ -160,9 +162,15 @@ class ForwardRecord:
     output_version: int
     state: ModelState
     output_nr: int = 0
+    element: tuple[Any, int] | None = None
     losses: list[LossCall] = field(default_factory=list)
     consumers: list[tuple[weakref.ref, SampleLayout]] = field(default_factory=list)
     serial: int = field(default_factory=lambda: next(_serials))
+
+    @staticmethod
+    def next_serial() -> int:
+        """A serial for records of one forward pass (a model returning several tensors)."""
+        return next(_serials)
 
     def check_unchanged(self, rerun: str) -> None:
         """Refuse to run the model again if it changed since this forward pass.

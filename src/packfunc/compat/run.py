@@ -19,6 +19,7 @@ from torch import Tensor, nn
 import packfunc as pf
 from packfunc.compat import context
 from packfunc.compat._stored_io import memory_cleanup, store_result, stored_io
+from packfunc.compat.elements import select_element
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
 from packfunc.compat.layout import SampleLayout
 from packfunc.compat.records import ForwardRecord, LossCall, LossRoute
@@ -79,7 +80,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
     record.check_output_unchanged()
     X = record.args[0] if len(record.args) == 1 else record.args
     differentiable = torch.is_grad_enabled()
-    model_fn = _model_function(model)
+    model_fn = _model_function(model, record.element)
     every_param = {name: p.detach() for name, p in model.named_parameters()}
     # as BackPACK: the parameters that require gradients (a frozen one is a constant, and
     # outside the norm ClippedGrad clips)
@@ -181,12 +182,27 @@ packfunc caches its plan per model function, so a training loop discovers once, 
 the functional API (each function holds the model weakly)."""
 
 
-def _model_function(model: nn.Module) -> Callable:
-    """The model function of ``model`` (:func:`~packfunc.functionalize.weakly_bound`), kept."""
+def _model_function(model: nn.Module, element: tuple[Any, int] | None = None) -> Callable:
+    """The model function of ``model`` (:func:`~packfunc.functionalize.weakly_bound`), kept.
+
+    For a model returning several tensors, the one at ``element`` (see
+    :func:`~packfunc.compat.elements.select_element`).
+    """
     functions = _FUNCTIONS.setdefault(model, {})
     if None not in functions:
         functions[None] = weakly_bound(model)
-    return functions[None]
+    whole = functions[None]
+    if element is None:
+        return whole
+    key = ("element", element[1], element[0])
+    if key not in functions:
+        functions[key] = wraps_module_of(whole, partial(_selected, whole, element))
+    return functions[key]
+
+
+def _selected(model_fn: Callable, element: tuple[Any, int], params: Any, X: Any) -> Tensor:
+    """The output tensor at ``element`` of ``model_fn(params, X)``."""
+    return select_element(model_fn(params, X), element)
 
 
 def _ending_at_loss(model_fn: Callable, stages: tuple, call: LossCall) -> Callable:
