@@ -525,3 +525,31 @@ def test_a_refusal_after_the_batch_pass_puts_the_buffers_back(quantity):
         quantity(model_fn, params, X, Y)
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
+
+
+class _Symmetric(nn.Module):
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        return X.triu() + X.triu(1).T
+
+
+@pytest.mark.parametrize("quantity", ["batch_grad", "diag_ggn", "hessian_vector_product"])
+def test_a_parametrized_model_inside_parametrize_cached_is_refused_unchanged(quantity):
+    """Inside ``parametrize.cached()`` the weight is computed once: ``original``'s per-sample
+    quantities came out zero, silently, and a pass of packfunc's own left its weight in the
+    cache, so the caller's next backward gave ``original`` no gradient."""
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))
+    parametrize.register_parametrization(model[0], "weight", _Symmetric())
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(2, 3), torch.tensor([0, 2])
+    extra = (params,) if quantity == "hessian_vector_product" else ()
+    with parametrize.cached():
+        with pytest.raises(ValueError, match="parametrize.cached"):
+            getattr(pf, quantity)(model_fn, params, X, y, *extra)
+        nn.CrossEntropyLoss()(model(X), y).backward()
+    assert model[0].parametrizations.weight.original.grad is not None
+    plain = pf.functional(nn.Linear(3, 2))
+    with parametrize.cached():  # a model without parametrizations is fine there
+        pf.batch_grad(*plain, X, torch.tensor([0, 1]))

@@ -10,6 +10,7 @@ from typing import Any, TypeVar, cast
 import optree
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from packfunc.engine.precision import forward_precision_only
 from packfunc.reparametrize import call_with_tensors
@@ -275,6 +276,34 @@ def wraps_module_of(model_fn: ModelFn, wrapper: F) -> F:
     return wrapper
 
 
+def check_no_cached_parametrizations(model_fn: ModelFn) -> None:
+    """Refuse to run inside ``torch.nn.utils.parametrize.cached()`` on a parametrized model.
+
+    There a parametrized weight is computed once and kept: the parameters packfunc passes in
+    (``original``) never reach it (its per-sample quantities came out zero, silently), and
+    a weight computed from packfunc's tensors would stay in the cache, cut off from the
+    model's own parameters, for the caller's next backward pass.
+
+    Args:
+        model_fn: The model function (of :func:`packfunc.functional`: its module is looked
+            at; any other is refused while the cache is on).
+
+    Raises:
+        ValueError: naming the fix.
+    """
+    if not parametrize._cache_enabled:
+        return
+    module = module_of(model_fn)
+    if module is not None and not any(parametrize.is_parametrized(m) for m in module.modules()):
+        return
+    raise ValueError(
+        "packfunc was called inside torch.nn.utils.parametrize.cached(), which computes each "
+        "parametrized weight once and keeps it: the parameters packfunc passes in would not "
+        "reach it (zero per-sample quantities), and the cache would keep packfunc's weight. "
+        "Call packfunc outside the cached() block."
+    )
+
+
 def check_model_arguments(model_fn: Any, params: Any) -> None:
     """Check that ``model_fn`` and ``params`` are a pure function and its parameter pytree.
 
@@ -290,6 +319,8 @@ def check_model_arguments(model_fn: Any, params: Any) -> None:
         TypeError: if ``model_fn`` is a module, not callable or compiled, if ``params`` is a
             module or an iterator, or if a ``model_fn`` from :func:`functional`
             gets something other than a dict of its parameters.
+        ValueError: inside ``torch.nn.utils.parametrize.cached()`` on a parametrized model
+            (see :func:`check_no_cached_parametrizations`).
 
     Example:
         >>> try:
@@ -326,6 +357,7 @@ def check_model_arguments(model_fn: Any, params: Any) -> None:
             f"pf.functional returned (name -> tensor), not a {type(params).__name__}; "
             f"{fix} and pass those params."
         )
+    check_no_cached_parametrizations(model_fn)
 
 
 def flatten_params(params: Any) -> tuple[list[Tensor], optree.PyTreeSpec, list[str]]:

@@ -56,7 +56,7 @@ from packfunc.engine.ops import (
 )
 from packfunc.engine.precision import difference_beyond_rounding, forward_autocast
 from packfunc.engine.randomness import private_generators, random_call
-from packfunc.functionalize import module_of, select_samples
+from packfunc.functionalize import check_no_cached_parametrizations, module_of, select_samples
 from packfunc.types import ModelFn
 
 Recorded = Tensor | LocalInputs
@@ -442,6 +442,7 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
         >>> len(discover(fn, p, list(p.values()), torch.zeros(1, 3)).sites)
         1
     """
+    check_no_cached_parametrizations(model_fn)
     module = module_of(model_fn)
     buffers = list(module.buffers()) if module is not None else []
     # a private copy: a model that changes its input in place changes this one, not the batch
@@ -756,6 +757,7 @@ def cached_discover(
         >>> [cached_discover(fn, p, list(p.values()), torch.ones(4, 3))[1] for _ in range(2)]
         [False, True]
     """
+    check_no_cached_parametrizations(model_fn)
     key = _signature(model_fn, params, leaves, X)
     try:
         entry = _PLANS.get(model_fn)
