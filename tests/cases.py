@@ -134,6 +134,20 @@ class RecurrentHead(nn.Module):
         return self.head(out[:, -1])
 
 
+class LearnedInitialState(nn.Module):
+    """A GRU whose initial state is a parameter copied over the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(3, 4, batch_first=True)
+        self.h0 = nn.Parameter(0.5 * torch.randn(1, 1, 4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, _ = self.rnn(x, self.h0.expand(1, x.shape[0], 4).contiguous())
+        return self.head(out[:, -1])
+
+
 class UnrolledCells(nn.Module):
     """``nn.LSTMCell`` unrolled from a zero state, then a ``GRUCell`` and an ``RNNCell`` step."""
 
@@ -376,6 +390,7 @@ CASES: dict[str, Case] = {
         Case("gru", lambda: RecurrentHead(nn.GRU, bidirectional=True), _randn(4, 3), slow=True),
         Case("lstm", lambda: RecurrentHead(nn.LSTM), _randn(4, 3)),
         Case("recurrent_cells", UnrolledCells, _randn(3, 3)),
+        Case("learned_initial_state", LearnedInitialState, _randn(3, 3)),
         Case("transformer", TransformerBlock, _randn(5, 8), classes=3, slow=True),
         Case(
             "transformer_seq_first",

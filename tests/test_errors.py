@@ -428,6 +428,15 @@ def test_batchnorm_in_training_mode_is_refused():
         pf.batch_grad(model_fn, params, X, Y)
 
 
+def test_batchnorm_without_running_statistics_names_why_eval_does_not_help():
+    """``track_running_stats=False`` normalizes with batch statistics in eval mode too: the
+    message told to call ``model.eval()``, which it already was."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, track_running_stats=False))
+    model_fn, params = pf.functional(model.eval())
+    with pytest.raises(ValueError, match="track_running_stats=False uses batch statistics"):
+        pf.batch_grad(model_fn, params, X, Y)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [({"max_norm": 1.0}, "max_norm"), ({"scale_grad_by_freq": True}, "couples samples")],

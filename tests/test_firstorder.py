@@ -246,3 +246,16 @@ def test_per_sample_gradients_cost_their_size_plus_a_backward(architecture):
 
     found = peak_bytes(lambda: pf.batch_grad(model_fn, params, X, y))
     assert found <= output + 1.1 * peak_bytes(plain)
+
+
+@pytest.mark.parametrize("case", ["norms_and_scales", "conv2d", "prelu"], indirect=True)
+def test_subsampling_one_sample_twice(case):
+    """``subsampling=[0, 0]`` of a batch of one: a norm layer's op-local call kept its input
+    at one row beside cotangents of two (torch's shape error)."""
+    problem = make_problem(case, n=1)
+    model_fn, params = problem.functional()
+    X, y, loss = problem.X, problem.y, problem.loss
+    full = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    twice = pf.batch_grad(model_fn, params, X, y, loss=loss, subsampling=[0, 0])
+    for name in params:
+        torch.testing.assert_close(twice[name], full[name][[0, 0]])

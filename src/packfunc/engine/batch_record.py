@@ -209,7 +209,8 @@ def sample_layout(
 
     An argument whose leading dim was one for one sample and is ``n`` now is batched;
     one whose shape did not change is the same for every sample. A derivation copied
-    along the batch (``cls.expand(N, 1, D)``) gives each sample its first row.
+    along the batch (``cls.expand(N, 1, D)``), or one whose rows are all the same (that copy
+    through a layer), gives each sample its first row.
 
     Returns:
         ``(batched positions, narrowed derivations)``, or ``None`` if some argument
@@ -220,14 +221,18 @@ def sample_layout(
     """
     batched, narrow = [], set()
     for position, (before, value) in enumerate(zip(shapes, values)):
-        if before is None or not isinstance(value, Tensor) or value.shape == before:
+        if before is None or not isinstance(value, Tensor):
+            continue
+        if value.shape == before:
             continue
         if before[:1] != (1,) or value.shape != (n, *before[1:]):
             return None
         source = sources.get(position)
         if source is None:
             batched.append(position)
-        elif isinstance(source, Derivation) and source.broadcast:
+        elif isinstance(source, Derivation) and (
+            source.broadcast or (source.copied and _rows_alike(value))
+        ):
             narrow.add(position)
         else:
             raise ValueError(
@@ -237,6 +242,23 @@ def sample_layout(
                 "Copy a parameter over the batch with expand/repeat instead."
             )
     return tuple(batched), frozenset(narrow)
+
+
+def _rows_alike(value: Tensor) -> bool:
+    """Whether every row (along dim 0) of a tensor made of parameters equals the first.
+
+    A parameter copied over the batch and then transformed row by row (a learned initial
+    state ``h0.expand(N, H)`` through a layer) has the same row for every sample: each
+    sample's share is its first. Equal to rounding: a kernel may round rows differently.
+    """
+    first = value[:1].expand_as(value)
+    if torch.equal(value, first):
+        return True
+    if not value.is_floating_point():
+        return False
+    scale = float(first.detach().abs().max())
+    tolerance = 16 * torch.finfo(value.dtype).eps * max(scale, torch.finfo(value.dtype).tiny)
+    return bool(((value - first).abs() <= tolerance).all())
 
 
 def zero_probes(plan: Plan, sites: list[int], n: int) -> dict[int, Tensor]:

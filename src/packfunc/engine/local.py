@@ -110,11 +110,14 @@ class Derivation:
         compute: Maps leaf index -> value (for every leaf in :attr:`leaves`) to the tensor.
         broadcast: Whether every row along dim 0 is the same (a size-one dim copied,
             e.g. ``cls.expand(N, 1, D)``): one sample's share is its first row.
+        copied: Whether it is, or is computed from, such a copy (``h0.expand(N, H)``
+            through a layer): its rows are then the same where their values are.
     """
 
     leaves: frozenset[int]
     compute: Callable[[Mapping[int, Tensor]], Tensor]
     broadcast: bool = False
+    copied: bool = False
 
 
 def copies_along_batch(func: Callable[..., Any], arguments: CallArguments, out: Any) -> bool:
@@ -181,7 +184,8 @@ def derive(
         out = func(*args, **kwargs)
         return cast(Tensor, out if index is None else out[index])
 
-    return Derivation(leaves, compute, broadcast)
+    copied = broadcast or any(isinstance(s, Derivation) and s.copied for s in sources.values())
+    return Derivation(leaves, compute, broadcast, copied)
 
 
 def _substituted(
@@ -229,10 +233,27 @@ class LocalInputs:
         """Restrict to some samples: ``local[:, index]``, as canonical tensors' dim 1."""
         index = key[1]
         values = list(self.arguments.values)
-        for position in self.batched:
+        batched = self.batched or self._rows_of_one()
+        for position in batched:
             values[position] = values[position][index]
-        rows = len(values[self.batched[0]]) if self.batched else None
-        return replace(self, arguments=replace(self.arguments, values=tuple(values)), rows=rows)
+        rows = len(values[batched[0]]) if batched else None
+        arguments = replace(self.arguments, values=tuple(values))
+        return replace(self, arguments=arguments, batched=batched, rows=rows)
+
+    def _rows_of_one(self) -> tuple[int, ...]:
+        """A record of one sample, whose arguments kept their shapes: those with one row.
+
+        They are that sample's (or the same for it): a restriction to samples ``[0, 0]``
+        copies them (without, a norm's input kept one row beside cotangents of two).
+        """
+        return tuple(
+            position
+            for position, value in enumerate(self.arguments.values)
+            if position not in self.sources
+            and isinstance(value, Tensor)
+            and value.dim()
+            and value.shape[0] == 1
+        )
 
     def detach(self) -> LocalInputs:
         """The same call with its recorded tensors detached from autograd (values only)."""

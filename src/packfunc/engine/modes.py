@@ -272,7 +272,9 @@ def _batch_norm_arguments(
         raise ValueError(
             "BatchNorm in training mode normalizes with batch statistics, which mixes samples: "
             "per-sample quantities are not defined. Call model.eval() (or use GroupNorm/"
-            "LayerNorm) before computing them."
+            "LayerNorm) before computing them; a BatchNorm built with "
+            "track_running_stats=False uses batch statistics in evaluation mode too (build it "
+            "with running statistics)."
         )
     return (), bound | {"running_mean": None, "running_var": None}
 
