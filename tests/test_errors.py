@@ -562,3 +562,23 @@ def test_a_parametrized_model_inside_parametrize_cached_is_refused_unchanged(qua
     plain = pf.functional(nn.Linear(3, 2))
     with parametrize.cached():  # a model without parametrizations is fine there
         pf.batch_grad(*plain, X, torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("quantity", ["diag_hessian", "batch_diag_hessian"])
+def test_a_hessian_through_an_op_without_second_derivative_names_the_ggn(quantity):
+    """``nn.EmbeddingBag``'s backward has no derivative in torch: torch's bare message, now
+    with what packfunc can compute instead (its GGN quantities are exact)."""
+
+    class Bag(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bag, self.head = nn.EmbeddingBag(7, 3, mode="mean"), nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.bag(x)))
+
+    model_fn, params = pf.functional(Bag())
+    X, y = torch.randint(0, 7, (3, 4)), torch.tensor([0, 1, 0])
+    assert pf.diag_ggn(model_fn, params, X, y)["bag.weight"].shape == (7, 3)
+    with pytest.raises(NotImplementedError, match="use the GGN quantities"):
+        getattr(pf, quantity)(model_fn, params, X, y)

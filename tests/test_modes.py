@@ -234,3 +234,35 @@ def test_the_shim_under_autocast_is_float32_and_close_to_float32():
     for name, p in model.named_parameters():
         assert p.grad_batch.dtype == torch.float32
         assert (p.grad_batch - expected[name]).norm() <= AUTOCAST_TOLERANCE * scale
+
+
+class _PaddedEncoder(nn.Module):
+    """``nn.TransformerEncoder`` (nested tensors on) with every sample padding its last token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(4, 2, 6, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        padding = torch.zeros(x.shape[:2], dtype=torch.bool)
+        padding[:, -1] = True
+        return self.head(self.encoder(x, src_key_padding_mask=padding)).transpose(1, 2)
+
+
+def test_an_eval_encoder_whose_fast_path_zeroes_padding_is_exact():
+    """In eval mode without gradients the encoder runs nested tensors (padded positions come
+    out zero); with them, or in a torch function mode, it does not. The check of the last
+    sample alone ran it the first way and the batch the second: refused, 1.12 apart."""
+    torch.manual_seed(0)
+    model = _PaddedEncoder().double().eval()
+    X, y = torch.randn(2, 3, 4, dtype=torch.float64), torch.randint(0, 3, (2, 3))
+    model_fn, params = pf.functional(model)
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    found = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    for name, p in model.named_parameters():
+        rows = [
+            torch.autograd.grad(loss(model(X[n : n + 1]), y[n : n + 1]), p)[0] for n in range(2)
+        ]
+        torch.testing.assert_close(found[name], torch.stack(rows), msg=name)

@@ -34,6 +34,7 @@ import optree
 import torch
 from torch import Tensor, nn
 from torch._C._functorch import is_functorch_wrapped_tensor, maybe_current_level
+from torch.overrides import TorchFunctionMode
 
 from packfunc.engine.attention import ATTENTION_OPS
 from packfunc.engine.local import CallArguments, LocalInputs, Source
@@ -635,7 +636,9 @@ def last_sample_output(model_fn: ModelFn, params: Any, X: Any, n: int) -> Tensor
 
     Without gradients, under the caller's autocast, its buffers put back afterwards; as
     the model itself (the modes' rewrites compute the same function, and a recurrent layer
-    runs fused).
+    runs fused), but inside a torch function mode as every pass of packfunc's: code that
+    takes another path without one (``nn.TransformerEncoder``'s nested-tensor fast path in
+    eval mode, whose padded positions come out zero) takes discovery's and the batch's.
 
     Args:
         model_fn: ``model_fn(params, X)``.
@@ -651,9 +654,18 @@ def last_sample_output(model_fn: ModelFn, params: Any, X: Any, n: int) -> Tensor
         >>> last_sample_output(fn, p, torch.randn(4, 3), 4).shape
         torch.Size([1, 2])
     """
-    with torch.no_grad(), kept_buffers(module_of(model_fn)), forward_autocast():
+    with torch.no_grad(), kept_buffers(module_of(model_fn)), forward_autocast(), _AsIs():
         out: Tensor = model_fn(params, select_samples(X, slice(n - 1, n)))
     return out
+
+
+class _AsIs(TorchFunctionMode):
+    """A torch function mode that runs every call as it is (see :func:`last_sample_output`)."""
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager

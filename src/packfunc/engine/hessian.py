@@ -67,6 +67,9 @@ def diagonals(bp: BatchPass, stats: set[Statistic], index: slice | Tensor) -> li
     Returns:
         One dict of diagonals per leaf, each shaped like the leaf (per sample: ``[n, *p]``).
 
+    Raises:
+        NotImplementedError: where torch has no second derivative of an op, naming the GGN.
+
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
         >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
@@ -75,7 +78,16 @@ def diagonals(bp: BatchPass, stats: set[Statistic], index: slice | Tensor) -> li
         torch.Size([2, 3])
     """
     with twice_differentiable(), full_precision():  # re-runs: see engine/precision.py
-        return _diagonals(bp, stats, index)
+        try:
+            return _diagonals(bp, stats, index)
+        except NotImplementedError as error:
+            if "derivative for" not in str(error):
+                raise
+            raise NotImplementedError(
+                f"{error} Hessian diagonals differentiate the model twice, and torch has no "
+                "second derivative of that op (nn.EmbeddingBag's, for one): use the GGN "
+                "quantities (diag_ggn, batch_diag_ggn) for this model."
+            ) from error
 
 
 def _diagonals(bp: BatchPass, stats: set[Statistic], index: slice | Tensor) -> list[Stats]:
