@@ -122,3 +122,46 @@ def test_a_hugging_face_model_output_under_the_shim(name):
     assert weight.diag_ggn_exact.shape == weight.shape
     with backpack(ours.BatchGrad()), pytest.raises(ValueError, match="no row per sample"):
         model(X, labels=y).loss.backward()
+
+
+def test_a_second_order_rerun_follows_the_output_the_loss_takes_now():
+    """The function up to the loss was kept per model and layout, not per output: after a
+    loss on ``logits``, a loss on ``aux`` (same shape) took ``logits``' Hessian (0.39 off)."""
+    torch.manual_seed(0)
+    model, lossfunc = extend(_SeveralOutputs("tuple").double()), extend(nn.CrossEntropyLoss())
+    X, y = _batch()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    for taken in ("logits", "aux"):
+        with backpack(ours.DiagHessian()):
+            lossfunc(_take(model(X), taken), y).backward()
+
+        def alone(params, inputs, taken=taken):
+            return _take(torch.func.functional_call(model, params, (inputs,)), taken)
+
+        expected = pf.diag_hessian(alone, params, X, y, loss=nn.CrossEntropyLoss())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.diag_h, expected[name], msg=f"{taken}: {name}")
+
+
+class _WithNoiseScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 2)
+        self.log_sigma = nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, x: torch.Tensor):
+        return self.layer(x), self.log_sigma
+
+
+def test_a_parameter_returned_as_an_output_and_taken_by_the_loss_is_refused():
+    """It had no autograd node, so it was not watched: its per-sample gradients came out
+    zero where its gradient was -0.31."""
+    model = extend(_WithNoiseScale())
+    X, y = torch.randn(5, 3), torch.randn(5, 2)
+    with backpack(ours.BatchGrad()), pytest.raises(ValueError, match="several outputs"):
+        mean, log_sigma = model(X)
+        (((mean - y) / log_sigma.exp()).square().sum() / 2 + 10 * log_sigma).backward()
+    with backpack(ours.BatchGrad()):  # a loss of the mean alone is computed
+        mean, _ = model(X)
+        mean.square().sum().backward()
+    assert model.layer.weight.grad_batch.shape == (5, 2, 3)

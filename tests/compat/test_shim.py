@@ -744,3 +744,23 @@ def test_a_forward_that_left_the_cached_plan_is_discovered_again_not_run_again()
         with backpack(ours.BatchGrad()):
             lossfunc(model(X), y).backward()
     torch.testing.assert_close(model.second.weight.grad_batch.sum(0), model.second.weight.grad)
+
+
+def test_dropout_switched_on_after_the_plan_was_kept_is_refused_where_a_rerun_would_run():
+    """The plan kept from a step without dropout said "draws nothing": a later step with
+    dropout on computed the Hessian from another mask than its forward's (0.63 off)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Dropout(0.0), nn.Linear(4, 2))
+    model, lossfunc = extend(model.double()), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1])
+    with backpack(ours.DiagHessian()):
+        lossfunc(model(X), y).backward()
+    model[2].p = 0.5
+    with backpack(ours.DiagHessian()), pytest.raises(pf.RandomModelError):
+        lossfunc(model(X), y).backward()
+    model_fn, params = pf.functional(model)  # the functional API, on its kept plan
+    model[2].p = 0.0
+    pf.diag_hessian(model_fn, params, X, y)
+    model[2].p = 0.5
+    with pytest.raises(pf.RandomModelError):
+        pf.diag_hessian(model_fn, params, X, y)

@@ -78,9 +78,13 @@ def aliased_output(
     tensors = [
         (i, path, value)
         for i, (path, value) in enumerate(flat)
-        if isinstance(value, Tensor) and value.grad_fn is not None
+        if isinstance(value, Tensor) and value.requires_grad
     ]
-    batched = [value.dim() > 0 and value.shape[0] == n for _, _, value in tensors]
+    # a parameter returned as it is has no row per sample either (a learned noise scale)
+    batched = [
+        value.grad_fn is not None and value.dim() > 0 and value.shape[0] == n
+        for _, _, value in tensors
+    ]
     if not any(batched):
         return output, []
     leaves = [value for _, value in flat]
@@ -167,9 +171,10 @@ def _record(group: OutputGroup, j: int) -> ForwardRecord:
     if found is None:
         raise ValueError(
             f"the loss of this backward pass takes the output {group.names[j]} of the extended "
-            "model, which has no row per sample (a loss computed inside the model, such as a "
-            "Hugging Face model's .loss when given labels): apply the loss to the per-sample "
-            "output (the logits) outside the model."
+            "model, which has no row per sample: a loss computed inside the model (a Hugging "
+            "Face model's .loss when given labels), or a parameter returned as it is (a learned "
+            "noise scale). Apply the loss to the per-sample output (the logits) outside the "
+            "model, and keep parameters the loss takes outside the extended model."
         )
     return found
 

@@ -208,14 +208,15 @@ def _selected(model_fn: Callable, element: tuple[Any, int], params: Any, X: Any)
 def _ending_at_loss(model_fn: Callable, stages: tuple, call: LossCall) -> Callable:
     """``model_fn`` up to the loss input in packfunc's per-sample form (see :class:`LossCall`).
 
-    Kept per model and layout where the layout holds no index tensors and no extended
-    modules come in between (a loss on the output or a reshape of it, the usual case).
+    Kept per model function (the model's, or one of its outputs') and layout where the
+    layout holds no index tensors and no extended modules come in between (a loss on the
+    output or a reshape of it, the usual case).
     """
     key = None
     layout, model = call.layout, module_of(model_fn)
     class_dim = isinstance(call.module, CLASS_LOSSES)
     if not stages and layout.gather is None and layout.row_order is None and model is not None:
-        key = (layout.positions, layout.row_shape, class_dim)
+        key = ("loss", model_fn, layout.positions, layout.row_shape, class_dim)
         found = _FUNCTIONS.setdefault(model, {}).get(key)
         if found is not None:
             return found
@@ -268,6 +269,10 @@ def _watched(
     Where it does not, packfunc's own pass runs the model again: refused if the model
     changed since its forward pass (see :meth:`ForwardRecord.check_unchanged`).
     """
+    if plan.random is None and record.recorder.random is not None:
+        # a plan kept from a forward that drew nothing (dropout switched on since): whatever
+        # would run this model again must now refuse
+        plan.random = record.recorder.random
     output = record.output
     found = None
     if output is not None:

@@ -48,6 +48,7 @@ from packfunc.engine.api import (
     linear_in_out,
     make_call,
     parameter_sources,
+    random_call,
     remember_derivations,
     sample_layout,
     tensor_outputs,
@@ -124,6 +125,7 @@ class ForwardRecorder(TorchFunctionMode):
         self.made_of_parameters: dict[int, Tensor] = {}
         self.fixed = FixedTensors(buffers, (1, self.n or 1))
         self.rows = FlatRows()
+        self.random: str | None = None  # the first call that drew random numbers
 
     def __torch_function__(
         self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None
@@ -132,6 +134,8 @@ class ForwardRecorder(TorchFunctionMode):
         out = func(*args, **kwargs)
         if is_metadata_query(func):
             return out
+        if self.random is None:
+            self.random = random_call(func, args, kwargs)
         if func in RESHAPES:
             self.rows.remember(func, args, out)
         layer = None

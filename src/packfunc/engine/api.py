@@ -37,6 +37,7 @@ from packfunc.engine.ops import (
     linear_in_out,
     make_call,
 )
+from packfunc.engine.randomness import random_call
 from packfunc.engine.recurrent import RECURRENT_OPS
 
 __all__ = [
@@ -68,6 +69,7 @@ __all__ = [
     "linear_in_out",
     "make_call",
     "parameter_sources",
+    "random_call",
     "remember_derivations",
     "sample_layout",
     "tensor_outputs",

@@ -39,7 +39,7 @@ from packfunc.engine.memory import (
 )
 from packfunc.engine.ops import SiteCall
 from packfunc.engine.precision import to_dtype_of
-from packfunc.engine.randomness import refuse_rerun, rewinder
+from packfunc.engine.randomness import GeneratorMark, refuse_rerun
 from packfunc.engine.rules import Rule, rule_for
 from packfunc.engine.rules.base import Route
 from packfunc.engine.vocabulary import Statistic
@@ -202,7 +202,7 @@ class BatchPass:
         self.chunk_size = chunk_size
         self.plan, cached = cached_discover(model_fn, params, self.leaves, X)
         self._cached = cached
-        rewind = rewinder(self.leaves)
+        mark = GeneratorMark(self.leaves)
         # a refusal after this pass leaves the buffers it changed as they were
         self._restore_buffers = (
             buffer_restorer(module_of(model_fn)) if self.plan.updated_buffer else None
@@ -213,9 +213,12 @@ class BatchPass:
             if not self._cached:
                 raise
             forget_plan(model_fn)  # the code took another path: discover it again
-            rewind()  # and run it on the random numbers the stopped pass began with
+            mark.rewind()  # and run it on the random numbers the stopped pass began with
             self.plan, self._cached = cached_discover(model_fn, params, self.leaves, X)
             self.record = self._batch_pass(reuse)
+        if self.plan.random is None and mark.moved():
+            # a kept plan whose forward drew nothing then (dropout switched on since)
+            self.plan.random = "a call that draws from torch's default random generator"
         last = partial(last_sample_output, model_fn, params, X, self.n)
         try:
             checked = check_rows_alone(self.plan, self.record.output, last)  # a fresh plan's rows

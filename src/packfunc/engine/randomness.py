@@ -152,12 +152,47 @@ def private_generators(tensors: list[Tensor]) -> Iterator[Callable[[], bool]]:
         yield drew
 
 
-def rewinder(tensors: list[Tensor]) -> Callable[[], None]:
-    """A function that puts the default random generators back where they are now.
+class GeneratorMark:
+    """The default random generators' states at one point: put them back, or see them move.
 
     A forward pass that stopped part-way (the calls were not its plan's) runs again from
-    the same random numbers: the pass whose values are used draws what one forward pass
-    draws, and the user's streams advance by one forward pass, not two.
+    the same random numbers (:meth:`rewind`): the pass whose values are used draws what
+    one forward pass draws, and the user's streams advance by one forward pass, not two.
+    A pass on a kept plan that drew random numbers where discovery's drew none
+    (:meth:`moved`: dropout switched on since) makes that plan random.
+
+    Args:
+        tensors: Tensors the pass computes with (their CUDA devices' generators too).
+
+    Example:
+        >>> mark = GeneratorMark([])
+        >>> first = torch.rand(2)
+        >>> mark.moved()
+        True
+        >>> mark.rewind()
+        >>> torch.equal(torch.rand(2), first)
+        True
+    """
+
+    def __init__(self, tensors: list[Tensor]):
+        self.devices = _cuda_devices(tensors)
+        self.states = _generator_states(self.devices)
+
+    def rewind(self) -> None:
+        """Put the generators back where they were."""
+        cpu, *cuda = self.states
+        torch.set_rng_state(cpu)
+        for device, state in zip(self.devices, cuda, strict=True):
+            torch.cuda.set_rng_state(state, device)
+
+    def moved(self) -> bool:
+        """Whether a generator drew since."""
+        now = _generator_states(self.devices)
+        return any(not torch.equal(a, b) for a, b in zip(self.states, now, strict=True))
+
+
+def rewinder(tensors: list[Tensor]) -> Callable[[], None]:
+    """:meth:`GeneratorMark.rewind` of the generators' states now.
 
     Args:
         tensors: Tensors the pass computes with (their CUDA devices' generators too).
@@ -172,15 +207,7 @@ def rewinder(tensors: list[Tensor]) -> Callable[[], None]:
         >>> torch.equal(torch.rand(2), first)
         True
     """
-    devices = _cuda_devices(tensors)
-    cpu, *cuda = _generator_states(devices)
-
-    def rewind() -> None:
-        torch.set_rng_state(cpu)
-        for device, state in zip(devices, cuda, strict=True):
-            torch.cuda.set_rng_state(state, device)
-
-    return rewind
+    return GeneratorMark(tensors).rewind
 
 
 def refuse_rerun(random: str | None, rerun: str) -> None:
