@@ -165,3 +165,17 @@ def test_a_parameter_returned_as_an_output_and_taken_by_the_loss_is_refused():
         mean, _ = model(X)
         mean.square().sum().backward()
     assert model.layer.weight.grad_batch.shape == (5, 2, 3)
+
+
+def test_a_plain_backward_of_any_outputs_runs_as_without_extend():
+    """Outside ``backpack(...)`` nothing is computed, so nothing is refused: a model's own
+    loss, or a loss of several outputs, backpropagates as it would unextended."""
+    model = extend(_WithNoiseScale())
+    X, y = torch.randn(5, 3), torch.randn(5, 2)
+    mean, log_sigma = model(X)
+    (((mean - y) / log_sigma.exp()).square().sum() + log_sigma).backward()
+    assert model.log_sigma.grad is not None and model.layer.weight.grad is not None
+    hf = extend(HUGGING_FACE["gpt2"](0.0).model.eval())
+    X = hugging_face_inputs("gpt2", 2)
+    hf(X, labels=X).loss.backward()
+    assert hf.lm_head.weight.grad is not None

@@ -150,9 +150,11 @@ def _on_alias_backward(group: OutputGroup, k: int, grad_outputs: tuple[Tensor | 
     del group.gradients[task]
     reached = sorted(seen)
     ctx = context.active()
-    if not reached or ctx is None or not ctx.extensions:
-        if reached:  # a plain backward: the records drop what they stored
-            group.on_backward(_record(group, reached[0]), (seen[reached[0]],))
+    if not reached or ctx is None or not ctx.extensions:  # a plain backward pass: the
+        for j in reached:  # records drop what they stored (any loss goes, as without extend)
+            record = group.records[j]
+            if record is not None:
+                group.on_backward(record, (seen[j],))
         return
     if len(reached) > 1:
         names = ", ".join(group.names[j] for j in reached)
