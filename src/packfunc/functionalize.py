@@ -21,7 +21,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 _MODULES: weakref.WeakKeyDictionary[ModelFn, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
 """The module behind each model function of :func:`functional` (weakly: a cache keyed by the
 module may hold its function)."""
-"""The module behind each ``model_fn`` that :func:`functional` returned."""
 
 
 def functional(module: nn.Module) -> tuple[ModelFn, dict[str, Tensor]]:

@@ -44,7 +44,7 @@ from packfunc.engine.modes import (
 )
 from packfunc.engine.ops import SIGNATURES, tapped_leaves
 from packfunc.engine.precision import forward_autocast, to_dtype_of
-from packfunc.engine.randomness import rewinder
+from packfunc.engine.randomness import GeneratorMark
 from packfunc.losses import check_loss_inputs
 from packfunc.types import ModelFn
 
@@ -221,9 +221,7 @@ def sample_layout(
     """
     batched, narrow = [], set()
     for position, (before, value) in enumerate(zip(shapes, values)):
-        if before is None or not isinstance(value, Tensor):
-            continue
-        if value.shape == before:
+        if before is None or not isinstance(value, Tensor) or value.shape == before:
             continue
         if before[:1] != (1,) or value.shape != (n, *before[1:]):
             return None
@@ -596,7 +594,7 @@ def _tapped_leaves_forward(
     """
     if not plan.leaf_calls_only:
         return None
-    rewind = rewinder(leaves)
+    rewind = GeneratorMark(leaves).rewind
     aliases: list[Tensor] = [leaf.as_subclass(_TappedLeaf) for leaf in leaves]
     alias_of = {id(leaf): alias for leaf, alias in zip(leaves, aliases)}
     mode = _RecordMode(LeafIndex(aliases), plan, probes, mark=True, originals=leaves)

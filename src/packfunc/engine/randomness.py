@@ -17,8 +17,8 @@ Other runs of the model are of two kinds:
 
 A batch pass that stops part-way (its calls were not the plan's: the aliased pass of a model
 that reaches a parameter another way, or a cached plan the code no longer follows) is run
-again from the random numbers it began with (:func:`rewinder`): its values are those of one
-forward pass, and the user's streams advance by one.
+again from the random numbers it began with (:meth:`GeneratorMark.rewind`): its values are
+those of one forward pass, and the user's streams advance by one.
 """
 
 from __future__ import annotations
@@ -189,25 +189,6 @@ class GeneratorMark:
         """Whether a generator drew since."""
         now = _generator_states(self.devices)
         return any(not torch.equal(a, b) for a, b in zip(self.states, now, strict=True))
-
-
-def rewinder(tensors: list[Tensor]) -> Callable[[], None]:
-    """:meth:`GeneratorMark.rewind` of the generators' states now.
-
-    Args:
-        tensors: Tensors the pass computes with (their CUDA devices' generators too).
-
-    Returns:
-        ``rewind()``.
-
-    Example:
-        >>> rewind = rewinder([])
-        >>> first = torch.rand(2)
-        >>> rewind()
-        >>> torch.equal(torch.rand(2), first)
-        True
-    """
-    return GeneratorMark(tensors).rewind
 
 
 def refuse_rerun(random: str | None, rerun: str) -> None:

@@ -128,7 +128,7 @@ def run_cell(
     Args:
         func: ``torch.lstm_cell``, ``torch.gru_cell``, ``torch.rnn_tanh_cell`` or
             ``torch.rnn_relu_cell``.
-        input: ``[N, in]`` (or ``[in]``).
+        input: ``[N, in]``.
         hx: The state: ``h`` (``[N, H]``), or ``(h, c)`` for ``torch.lstm_cell``.
         w_ih: Input weights ``[G·H, in]`` (``G`` gates).
         w_hh: Hidden weights ``[G·H, H]``.
