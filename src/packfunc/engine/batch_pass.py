@@ -85,6 +85,19 @@ class Term:
     call: SiteCall
 
 
+def canonical_term(term: Term, param: Tensor) -> Term:
+    """A recorded term in its rule's canonical layout.
+
+    Args:
+        term: A call's recorded input and cotangents.
+        param: The leaf.
+
+    Returns:
+        The term with canonical ``x`` and ``g``.
+    """
+    return Term(term.rule, *term.rule.canonical(term.x, term.g, term.call, param), term.call)
+
+
 def _merge(terms: list[Term]) -> list[Term]:
     """Combine the terms of several calls of one rule into one term, where the rule can."""
     rule = terms[0].rule
@@ -294,6 +307,28 @@ class BatchPass:
             )
         }
 
+    def site_terms(self, k: int, g: Tensor) -> list[tuple[int, Term]]:
+        """Each leaf of a recorded site with its term: the recorded input and cotangents ``g``.
+
+        Both in the parameters' dtype (recorded in bfloat16 under autocast), not canonical.
+
+        Args:
+            k: A recorded site none of whose leaves takes the whole-model path.
+            g: Cotangents of the site's output ``[K, N, ...]``.
+
+        Returns:
+            ``[(leaf, term), ...]`` in the call's order of roles.
+        """
+        call, x = self.plan.sites[k].call, self.record.inputs[k]
+        param = self.leaves[call.leaves[0][1]]  # its weight and bias share a dtype
+        # a local site's rule receives the recorded call (LocalInputs) as its input
+        x = to_dtype_of(x, param) if isinstance(x, Tensor) else x
+        g = to_dtype_of(g, param)
+        return [
+            (leaf, Term(rule_for(call, role), cast(Tensor, x), g, call))
+            for role, leaf in call.leaves
+        ]
+
     def column_width(self) -> int:
         """Elements one column of one sample occupies at the output and the recorded calls."""
         sites = sum(self.plan.sites[k].tail.numel() for k in self.record.inputs)
@@ -450,16 +485,8 @@ class ColumnGradients:
         inputs = self.bp.record.inputs
         # in call order (the record's); only those given (a reweighted subset, one site)
         for k in sorted(k for k in sites if k in inputs):
-            x, call = inputs[k], self.bp.plan.sites[k].call
-            # statistics in the parameters' dtype (recorded in bfloat16 under autocast), once
-            # per call: its weight and bias share a dtype
-            param = self.bp.leaves[call.leaves[0][1]]
-            # a local site's rule receives the recorded call (LocalInputs) as its input
-            x = to_dtype_of(x, param) if isinstance(x, Tensor) else x
-            g = to_dtype_of(sites[k], param)
-            for role, leaf in call.leaves:
+            for leaf, term in self.bp.site_terms(k, sites[k]):
                 if leaf not in self.bp.whole_model:
-                    term = Term(rule_for(call, role), cast(Tensor, x), g, call)
                     by_leaf.setdefault(leaf, []).append(term)
         return by_leaf
 
@@ -479,10 +506,7 @@ class ColumnGradients:
         """
         if leaf not in self._canonical:
             param = self.bp.leaves[leaf]
-            terms = [
-                Term(c.rule, *c.rule.canonical(c.x, c.g, c.call, param), c.call)
-                for c in self.recorded.get(leaf, [])
-            ]
+            terms = [canonical_term(c, param) for c in self.recorded.get(leaf, [])]
             self._canonical[leaf] = _merge(terms) if terms else []
         return self._canonical[leaf]
 

@@ -78,19 +78,22 @@ class _RecordMode(ParameterMode):
     """Adds probes to site outputs (``torch.func``), or marks them for autograd.
 
     Calls that consume parameters are matched, in order, with discovery's
-    :attr:`Plan.uses`: each is handled as discovery classified it.
+    :attr:`Plan.uses`: each is handled as discovery classified it. ``shapes`` are the
+    outputs' expected shapes of the sites to record; ``probes`` the tensors added to
+    them, or ``None``: their outputs are marked for autograd instead.
     """
 
     def __init__(
         self,
         leaf_of: LeafIndex,
         plan: Plan,
-        probes: dict[int, Tensor],
-        mark: bool = False,
+        shapes: dict[int, torch.Size],
+        probes: dict[int, Tensor] | None = None,
         originals: list[Tensor] | None = None,
     ):
         super().__init__(leaf_of)
-        self.plan, self.probes, self.mark = plan, probes, mark
+        self.plan, self.shapes, self.probes = plan, shapes, probes
+        self.mark = probes is None
         # the leaves a local call's record names: the parameters themselves where the
         # calls receive aliases of them (see _TappedLeaf)
         self.originals = originals
@@ -100,16 +103,30 @@ class _RecordMode(ParameterMode):
         self.rooted: set[int] = set()  # sites whose output was computed from a fresh leaf
 
     def _dispatch(
-        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        touches: bool = False,
     ) -> Any:
-        if is_metadata_query(func) or not self._touches_parameters(args, kwargs):
-            return func(*args, **kwargs)
-        if func is custom_function_call:
-            raise ValueError(_CUSTOM_FUNCTION.format(name=getattr(args[0], "__name__", args[0])))
-        u, self.uses_seen = self.uses_seen, self.uses_seen + 1
-        if u >= len(self.plan.uses) or self.plan.uses[u].func != func:
-            raise PlanMismatch()
-        use = self.plan.uses[u]
+        """Handle one call as the plan's next use, or run it as it is.
+
+        ``touches``: the call is known to receive a parameter (a :class:`_TappedLeaf`); the
+        plan's next use then needs no other test (a metadata query is never a use).
+        """
+        u, uses = self.uses_seen, self.plan.uses
+        expected = u < len(uses) and uses[u].func == func
+        if not (expected and touches):
+            if is_metadata_query(func) or not (touches or self._touches_parameters(args, kwargs)):
+                return func(*args, **kwargs)
+            if func is custom_function_call:
+                name = getattr(args[0], "__name__", args[0])
+                raise ValueError(_CUSTOM_FUNCTION.format(name=name))
+            if not expected:
+                raise PlanMismatch()
+        self.uses_seen = u + 1
+        use = uses[u]
         if use.kind is UseKind.TAPPED:
             sig = SIGNATURES[func]
             bound = sig.bind(args, kwargs)
@@ -121,7 +138,7 @@ class _RecordMode(ParameterMode):
             out = func(*args, **kwargs)
             self._derive(func, arguments, sources, out)
             return out
-        if use.kind is UseKind.LOCAL and use.site in self.probes:
+        if use.kind is UseKind.LOCAL and use.site in self.shapes:
             return self._record_local(use.site, func, arguments, sources)
         return func(*args, **kwargs)
 
@@ -141,8 +158,8 @@ class _RecordMode(ParameterMode):
         assert k is not None
         if self.plan.sites[k].call.leaves != leaves:
             raise PlanMismatch()
-        probe = self.probes.get(k)
-        if probe is None:
+        shape = self.shapes.get(k)
+        if shape is None:
             return run()
         if self.mark and not any(isinstance(v, Tensor) and v.requires_grad for v in bound.values()):
             # the output would be a leaf, which an in-place op after the call (ReLU(inplace=True))
@@ -152,16 +169,16 @@ class _RecordMode(ParameterMode):
             self.rooted.add(k)
         else:
             out = run()
-        if out.shape != probe.shape or bound["input"].shape[0] != probe.shape[0]:
+        if out.shape != shape or bound["input"].shape[0] != shape[0]:
             self.failed.add(k)
             return out
         self.inputs[k] = bound["input"]
-        return self._probed(k, out, probe)
+        return self._probed(k, out)
 
     def _record_local(
         self, k: int, func: Callable[..., Any], arguments: CallArguments, sources: dict[int, Source]
     ) -> object:
-        probe = self.probes[k]
+        shape = self.shapes[k]
         values = list(arguments.values)
         if self.mark and not any(isinstance(v, Tensor) and v.requires_grad for v in values):
             first = min(sources)  # see _record_tapped: never let the output be a leaf
@@ -170,8 +187,8 @@ class _RecordMode(ParameterMode):
         args, kwargs = arguments.rebuild(values)
         out = func(*args, **kwargs)
         shapes = self.plan.sites[k].shapes
-        layout = sample_layout(shapes, arguments.values, sources, probe.shape[0])
-        if layout is None or not isinstance(out, Tensor) or out.shape != probe.shape:
+        layout = sample_layout(shapes, arguments.values, sources, shape[0])
+        if layout is None or not isinstance(out, Tensor) or out.shape != shape:
             self.failed.add(k)
             return out
         batched, narrow = layout
@@ -182,21 +199,22 @@ class _RecordMode(ParameterMode):
                 values[position] = leaves[source]
         arguments = replace(arguments, values=tuple(values))
         self.inputs[k] = LocalInputs(func, arguments, sources, batched, narrow, leaves)
-        return self._probed(k, out, probe)
+        return self._probed(k, out)
 
     def _original(self, leaf: int) -> Tensor:
         """Leaf ``leaf`` as the caller passed it."""
         return self.leaf_of.leaf(leaf) if self.originals is None else self.originals[leaf]
 
-    def _probed(self, k: int, out: Tensor, probe: Tensor) -> Tensor:
-        if self.mark:  # autograd: the output itself is differentiated
+    def _probed(self, k: int, out: Tensor) -> Tensor:
+        if self.probes is None:  # autograd: the output itself is differentiated
             if out.grad_fn is None:  # no graph here (inside a custom autograd.Function's
                 self.failed.add(k)  # forward, or no_grad): the leaves take the whole model
                 self.inputs.pop(k, None)
                 return out
-            self.outputs[k] = get_gradient_edge(out)  # still right if out is changed in place
+            # (get_gradient_edge's value): still right if out is changed in place
+            self.outputs[k] = GradientEdge(out.grad_fn, out.output_nr)
             return out
-        return out + probe
+        return out + self.probes[k]
 
 
 def sample_layout(
@@ -324,7 +342,7 @@ def probed_forward(
     leaf_of = LeafIndex(leaves)
 
     def forward(probes: dict[int, Tensor]) -> tuple[Tensor, dict[int, Recorded]]:
-        mode = _RecordMode(leaf_of, plan, probes)
+        mode = _RecordMode(leaf_of, plan, {k: p.shape for k, p in probes.items()}, probes)
         with mode:
             output = model_fn(params, X)
         mode.finish()
@@ -504,7 +522,7 @@ class _TappedLeaf(Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             if not recorders:  # kept by the model beyond its pass: a plain tensor
                 return func(*args, **kwargs)
-            return recorders[-1]._dispatch(func, args, kwargs)
+            return recorders[-1]._dispatch(func, args, kwargs, touches=True)
 
 
 _THREAD = threading.local()
@@ -556,11 +574,11 @@ def _record_with_autograd(
     or a model that reaches its parameters another way than through ``params``, in a mode
     that sees every call.
     """
-    probes = zero_probes(plan, plan.active(), n)
+    shapes = {k: torch.Size((n, *plan.sites[k].tail)) for k in plan.active()}
     with torch.enable_grad():
-        found = _tapped_leaves_forward(model_fn, params, leaves, plan, X, probes)
+        found = _tapped_leaves_forward(model_fn, params, leaves, plan, X, shapes)
         if found is None:
-            mode = _RecordMode(LeafIndex(leaves), plan, probes, mark=True)
+            mode = _RecordMode(LeafIndex(leaves), plan, shapes)
             with mode:
                 output = model_fn(params, X)
             mode.finish()
@@ -570,10 +588,16 @@ def _record_with_autograd(
         check_loss_inputs(loss, output, y, n)
         if not output.requires_grad:  # no tapped call upstream
             output.requires_grad_()
-    shapes = {k: (n, *plan.sites[k].tail) for k in mode.outputs}
     streamed = set(mode.outputs) - mode.rooted
     return autograd_record(
-        output, mode.inputs, mode.outputs, shapes, mode.failed, loss, y, streamed=streamed
+        output,
+        mode.inputs,
+        mode.outputs,
+        {k: shapes[k] for k in mode.outputs},
+        mode.failed,
+        loss,
+        y,
+        streamed=streamed,
     )
 
 
@@ -583,7 +607,7 @@ def _tapped_leaves_forward(
     leaves: list[Tensor],
     plan: Plan,
     X: Any,
-    probes: dict[int, Tensor],
+    shapes: dict[int, torch.Size],
 ) -> tuple[_RecordMode, Tensor] | None:
     """The forward with :class:`_TappedLeaf` aliases of the leaves, and its record.
 
@@ -597,7 +621,7 @@ def _tapped_leaves_forward(
     rewind = GeneratorMark(leaves).rewind
     aliases: list[Tensor] = [leaf.as_subclass(_TappedLeaf) for leaf in leaves]
     alias_of = {id(leaf): alias for leaf, alias in zip(leaves, aliases)}
-    mode = _RecordMode(LeafIndex(aliases), plan, probes, mark=True, originals=leaves)
+    mode = _RecordMode(LeafIndex(aliases), plan, shapes, originals=leaves)
     try:
         with _routing_tapped_leaves(mode), plain_checkpoints(), forward_autocast():
             output = model_fn(optree.tree_map(lambda t: alias_of[id(t)], params), X)

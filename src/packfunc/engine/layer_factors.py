@@ -18,7 +18,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from packfunc.engine.batch_pass import BatchPass, ColumnGradients, Term
+from packfunc.engine.batch_pass import BatchPass, ColumnGradients, Term, canonical_term
 from packfunc.engine.chain import Link, NotSequentialError, trace_chain
 from packfunc.engine.kfra import expected_jacobian_sandwich
 from packfunc.engine.memory import chunk_length, chunks
@@ -199,14 +199,13 @@ class _FactorsDuringBackward:
         """
         if k not in self.sites:
             return g
-        alone = ColumnGradients(self.bp, self.cotangents, {k: g[None]})
         summed: dict[int, Tensor] = {}
-        for leaf, (raw,) in alone.recorded.items():
+        for leaf, raw in self.bp.site_terms(k, g[None]):
             param = self.bp.leaves[leaf]
             if raw.rule.unfolds_input(raw.x, raw.g, raw.call, param):
                 self.factors[leaf] = self._unfolded_in_chunks(raw, param)
                 continue
-            (term,) = alone.leaf_terms(leaf)
+            term = canonical_term(raw, param)
             output = _output_factor(term, self.approx, summed)
             self.factors[leaf] = _assemble(term, output, self.approx)
         self.bp.record.inputs.pop(k)

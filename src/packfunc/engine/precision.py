@@ -86,8 +86,11 @@ def forward_autocast() -> Iterator[None]:
         False
     """
     stack = _captured()
+    if not stack:  # (no autocast served: nothing to enter)
+        yield
+        return
     with contextlib.ExitStack() as entered:
-        for device, dtype in stack[-1] if stack else ():
+        for device, dtype in stack[-1]:
             entered.enter_context(torch.autocast(device, dtype=dtype))
         yield
 

@@ -103,7 +103,7 @@ class ProductWeight(Rule):
         With ``"expand"``, one outer product per position instead.
         """
         columns, n, groups, n_out, length = g.shape
-        if approx == "expand":
+        if approx == "expand" or length == 1:  # (one position: no sum to take)
             flat = g.permute(0, 1, 4, 2, 3).reshape(-1, groups * n_out)
         else:
             flat = g.sum(-1).reshape(-1, groups * n_out)
