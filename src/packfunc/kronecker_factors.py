@@ -118,7 +118,7 @@ def kfac(
         (torch.Size([2, 2]), torch.Size([3, 3]))
     """
     columns = (kfac_approx, mc_samples, generator, fisher_type)
-    factors = _sqrt_factors(model_fn, params, X, y, loss, on_unsupported, *columns)[0]
+    factors = _sqrt_factors(model_fn, params, X, y, loss, on_unsupported, *columns, False)[0]
     return cast(FactorTree, factors)
 
 
@@ -149,7 +149,7 @@ def kflr(
         torch.Size([2, 2])
     """
     factors = _sqrt_factors(
-        model_fn, params, X, y, loss, on_unsupported, kfac_approx, None, None, "mc"
+        model_fn, params, X, y, loss, on_unsupported, kfac_approx, None, None, "mc", False
     )[0]
     return cast(FactorTree, factors)
 
@@ -200,7 +200,7 @@ def kfra(
     if curvature not in CURVATURES:
         raise ValueError(f"curvature must be one of {tuple(CURVATURES)}; got {curvature!r}.")
     factors = _factors(
-        model_fn, params, X, y, loss, on_unsupported, lambda bp: kfra_factors(bp, curvature)
+        model_fn, params, X, y, loss, on_unsupported, True, lambda bp: kfra_factors(bp, curvature)
     )[0]
     return cast(FactorTree, factors)
 
@@ -247,7 +247,7 @@ def sqrt_factors_and_loss(
         True
     """
     columns = (kfac_approx, mc_samples, generator, fisher_type)
-    factors, bp = _sqrt_factors(model_fn, params, X, y, loss, on_unsupported, *columns)
+    factors, bp = _sqrt_factors(model_fn, params, X, y, loss, on_unsupported, *columns, True)
     return factors, bp.loss_value.detach()
 
 
@@ -262,8 +262,12 @@ def _sqrt_factors(
     mc_samples: int | None,
     generator: torch.Generator | None,
     fisher_type: FisherType,
+    keeps_loss: bool,
 ) -> tuple[Any, BatchPass]:
-    """KFAC/KFLR factors from square-root columns, and the batch pass they came from."""
+    """KFAC/KFLR factors from square-root columns, and the batch pass they came from.
+
+    Without ``keeps_loss`` the pass's loss is not taken (:attr:`BatchPass.keeps_loss`).
+    """
     return _factors(
         model_fn,
         params,
@@ -271,6 +275,7 @@ def _sqrt_factors(
         y,
         loss,
         on_unsupported,
+        keeps_loss,
         partial(
             _columns_factors,
             last=True,
@@ -347,12 +352,14 @@ def _factors(
     y: Targets,
     loss: nn.Module | None,
     on_unsupported: str,
+    keeps_loss: bool,
     method: Callable[[BatchPass], Factors],
 ) -> tuple[Any, BatchPass]:
     """The factor pytree that ``method`` finds in the batch pass, and the pass."""
     if on_unsupported not in ("raise", "skip"):
         raise ValueError(f"on_unsupported must be 'raise' or 'skip'; got {on_unsupported!r}.")
     bp = BatchPass(model_fn, params, X, given_targets(y, "kfac"), loss or default_loss())
+    bp.keeps_loss = keeps_loss
     found = method(bp)
     if found.unsupported and on_unsupported == "raise":
         listing = "; ".join(

@@ -278,11 +278,13 @@ def test_sites_stream_when_the_graph_starts_at_a_frozen_layer(monkeypatch):
 def test_kfac_lets_the_output_go_before_its_backward(monkeypatch):
     """KFAC pulls back sampled cotangents, never ``∂L/∂output``: the model output (the
     logits, often the largest activation) is freed before that backward, not after it;
-    the loss is still reported, and the unsampled gradient can no longer be read."""
+    the loss is reported where it is asked for (not by ``kfac``, which does not take it),
+    and the unsampled gradient can no longer be read."""
     import weakref
 
     from packfunc.engine import layer_factors
     from packfunc.engine.batch_record import BatchRecord
+    from packfunc.kronecker_factors import sqrt_factors_and_loss
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5)).double()
@@ -309,6 +311,15 @@ def test_kfac_lets_the_output_go_before_its_backward(monkeypatch):
     factors = pf.kfac(model_fn, params, X, y, loss=loss, generator=torch.Generator().manual_seed(0))
     assert alive_during and not any(alive_during)
     assert set(factors) == set(params)
-    torch.testing.assert_close(records[0].loss, loss(model(X), y))
+    with pytest.raises(RuntimeError, match="loss was not taken"):
+        _ = records[0].loss
     with pytest.raises(RuntimeError, match="not taken before"):
         _ = records[0].output_cotangent
+    outputs.clear()
+    alive_during.clear()
+    factors, value = sqrt_factors_and_loss(
+        model_fn, params, X, y, loss=loss, mc_samples=1, generator=torch.Generator().manual_seed(0)
+    )
+    assert alive_during and not any(alive_during)
+    torch.testing.assert_close(value, loss(model(X), y))
+    torch.testing.assert_close(records[1].loss, value)

@@ -190,6 +190,11 @@ class BatchPass:
             :class:`~packfunc.engine.batch_record.BatchRecord`, or ``None`` if that pass does
             not fit the plan (packfunc then runs its own).
 
+    Attributes:
+        keeps_loss: ``False`` where nothing reads :attr:`loss_value`: a last pullback of
+            other cotangents than ``∂L/∂output`` then lets the output go without taking
+            the loss.
+
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
         >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
@@ -213,6 +218,7 @@ class BatchPass:
         self.n = batch_size(X)
         self.model_fn, self.params, self.X, self.y, self.loss = model_fn, params, X, y, loss
         self.chunk_size = chunk_size
+        self.keeps_loss = True
         self.plan, cached = cached_discover(model_fn, params, self.leaves, X)
         self._cached = cached
         mark = GeneratorMark(self.leaves)
@@ -370,7 +376,7 @@ class BatchPass:
         columns = cotangents.shape[0]
         if last and columns == 1 and self.record.inputs:
             if not self.whole_model:  # (the loss gradient, if wanted, was taken before)
-                self.record.release_output(gradient=False)
+                self.record.release_output(gradient=False, loss=self.keeps_loss)
             found = self.record.last_pullback(cotangents[0], consume)
             sites = {k: g[None] for k, g in found.items()}
             return ColumnGradients(self, cotangents, sites, owns_record=True)

@@ -211,8 +211,7 @@ class _RecordMode(ParameterMode):
                 self.failed.add(k)  # forward, or no_grad): the leaves take the whole model
                 self.inputs.pop(k, None)
                 return out
-            # (get_gradient_edge's value): still right if out is changed in place
-            self.outputs[k] = GradientEdge(out.grad_fn, out.output_nr)
+            self.outputs[k] = get_gradient_edge(out)  # still right if out is changed in place
             return out
         return out + self.probes[k]
 
@@ -376,6 +375,7 @@ class BatchRecord:
             during it, so that what it drops is never held beside the others.
         loss_alone: Returns the reduced loss without ``∂L/∂output`` (which can then not
             be taken); called at most once, instead of :attr:`loss_gradient`.
+        drop_output: Lets the record's hold on the output go without taking the loss.
     """
 
     output: Tensor
@@ -386,7 +386,9 @@ class BatchRecord:
     loss_gradient: Callable[[], tuple[Tensor, Tensor]]
     last_pullback: Callable[[Tensor, SiteConsumer | None], dict[int, Tensor]]
     loss_alone: Callable[[], Tensor]
+    drop_output: Callable[[], None] = lambda: None
     _loss_without_gradient: Tensor | None = field(default=None, init=False, repr=False)
+    _loss_dropped: bool = field(default=False, init=False, repr=False)
 
     @cached_property
     def _loss_and_cotangent(self) -> tuple[Tensor, Tensor]:
@@ -395,6 +397,11 @@ class BatchRecord:
     @property
     def loss(self) -> Tensor:
         """The reduced loss."""
+        if self._loss_dropped:
+            raise RuntimeError(
+                "the loss was not taken before the output was released without it "
+                "(release_output(loss=False))."
+            )
         if self._loss_without_gradient is not None:
             return self._loss_without_gradient
         return self._loss_and_cotangent[0]
@@ -402,25 +409,31 @@ class BatchRecord:
     @property
     def output_cotangent(self) -> Tensor:
         """``∂L/∂output``; row ``n`` is sample ``n``'s share."""
-        if self._loss_without_gradient is not None:
+        if self._loss_without_gradient is not None or self._loss_dropped:
             raise RuntimeError(
                 "∂L/∂output was not taken before the output was released without it "
                 "(release_output(gradient=False)); take it first."
             )
         return self._loss_and_cotangent[1]
 
-    def release_output(self, *, gradient: bool = True) -> None:
+    def release_output(self, *, gradient: bool = True, loss: bool = True) -> None:
         """Let the output's memory go (nothing reads it again).
 
         With ``gradient`` it goes as the loss gradient is taken. Without (no pullback of
         ``∂L/∂output`` follows), the loss alone is taken now, unless the gradient already
-        was, so that the output goes before the next pullback instead of after it.
+        was, so that the output goes before the next pullback instead of after it; or,
+        without ``loss`` (nothing reads :attr:`loss`), the output goes untouched.
         :attr:`output` keeps its shape and dtype on the meta device: a read of its
         values fails instead of seeing freed memory.
         """
         self.output = torch.empty_like(self.output, device="meta")
-        if not gradient and "_loss_and_cotangent" not in self.__dict__:
+        if gradient or "_loss_and_cotangent" in self.__dict__:
+            return
+        if loss:
             self._loss_without_gradient = self.loss_alone()
+        else:
+            self.drop_output()
+            self._loss_dropped = True
 
 
 def record(
@@ -761,6 +774,8 @@ def autograd_record(
         loss_gradient,
         last_gradients,
         loss_alone,
+        # (a differentiable record's output stays with the graph its loss would keep)
+        (lambda: None) if differentiable else held.clear,
     )
 
 
