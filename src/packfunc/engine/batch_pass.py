@@ -522,6 +522,9 @@ class ColumnGradients:
         Calls' statistics from the recorded call add up only for additive statistics.
         """
         calls, param = self.recorded[leaf], self.bp.leaves[leaf]
+        if len(calls) == 1:
+            (c,) = calls
+            return c.rule.route(stat, c.x, c.g, c.call, param)
         routes = {c.rule.route(stat, c.x, c.g, c.call, param) for c in calls}
         route = routes.pop() if len(routes) == 1 else Route.CANONICAL
         if route is Route.CALL and len(calls) > 1 and stat not in _ADDITIVE:
@@ -597,7 +600,9 @@ class ColumnGradients:
         if self._route(leaf, Statistic.COLUMNS) is Route.CALL:
             return self._from_calls(leaf, Statistic.COLUMNS, index)
         # the calls of a tied weight add into the first's own tensor (embedding + head)
-        terms = sorted(self.leaf_terms(leaf), key=lambda t: not t.rule.fresh_columns)
+        terms = self.leaf_terms(leaf)
+        if len(terms) > 1:
+            terms = sorted(terms, key=lambda t: not t.rule.fresh_columns)
         first, *others = terms
         total = first.rule.columns(*self._samples(first, index), first.call, param)
         for i, t in enumerate(others):
