@@ -94,6 +94,13 @@ def canonical_term(term: Term, param: Tensor) -> Term:
 
     Returns:
         The term with canonical ``x`` and ``g``.
+
+    Example:
+        >>> from packfunc.engine.ops import SIGNATURES
+        >>> call = SiteCall(SIGNATURES[F.linear], (("weight", 0),), ())
+        >>> term = Term(rule_for(call, "weight"), torch.ones(4, 3), torch.ones(1, 4, 2), call)
+        >>> canonical_term(term, torch.ones(2, 3)).x.shape
+        torch.Size([1, 4, 1, 3, 1])
     """
     return Term(term.rule, *term.rule.canonical(term.x, term.g, term.call, param), term.call)
 
@@ -319,11 +326,18 @@ class BatchPass:
         Both in the parameters' dtype (recorded in bfloat16 under autocast), not canonical.
 
         Args:
-            k: A recorded site none of whose leaves takes the whole-model path.
+            k: A recorded site.
             g: Cotangents of the site's output ``[K, N, ...]``.
 
         Returns:
             ``[(leaf, term), ...]`` in the call's order of roles.
+
+        Example:
+            >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+            >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+            ...               torch.nn.CrossEntropyLoss())
+            >>> [(leaf, term.g.shape) for leaf, term in bp.site_terms(0, torch.ones(1, 4, 2))]
+            [(1, torch.Size([1, 4, 2])), (0, torch.Size([1, 4, 2]))]
         """
         call, x = self.plan.sites[k].call, self.record.inputs[k]
         param = self.leaves[call.leaves[0][1]]  # its weight and bias share a dtype
