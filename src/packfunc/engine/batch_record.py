@@ -113,11 +113,12 @@ class _RecordMode(ParameterMode):
         """Handle one call as the plan's next use, or run it as it is.
 
         ``touches``: the call is known to receive a parameter (a :class:`_TappedLeaf`); the
-        plan's next use then needs no other test (a metadata query is never a use).
+        plan's next use then needs no other test (a metadata query is never a use), unless
+        it is a custom ``autograd.Function`` (refused as ever).
         """
         u, uses = self.uses_seen, self.plan.uses
         expected = u < len(uses) and uses[u].func == func
-        if not (expected and touches):
+        if not (expected and touches) or func is custom_function_call:
             if is_metadata_query(func) or not (touches or self._touches_parameters(args, kwargs)):
                 return func(*args, **kwargs)
             if func is custom_function_call:
