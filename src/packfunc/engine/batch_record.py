@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import Any
@@ -93,7 +93,6 @@ class _RecordMode(ParameterMode):
     ):
         super().__init__(leaf_of)
         self.plan, self.shapes, self.probes = plan, shapes, probes
-        self.mark = probes is None
         # the leaves a local call's record names: the parameters themselves where the
         # calls receive aliases of them (see _TappedLeaf)
         self.originals = originals
@@ -101,6 +100,11 @@ class _RecordMode(ParameterMode):
         self.outputs: dict[int, GradientEdge] = {}
         self.failed: set[int] = set()
         self.rooted: set[int] = set()  # sites whose output was computed from a fresh leaf
+
+    @property
+    def mark(self) -> bool:
+        """Whether site outputs are marked for autograd (no probes are added)."""
+        return self.probes is None
 
     def _dispatch(
         self,
@@ -604,14 +608,7 @@ def _record_with_autograd(
             output.requires_grad_()
     streamed = set(mode.outputs) - mode.rooted
     return autograd_record(
-        output,
-        mode.inputs,
-        mode.outputs,
-        {k: shapes[k] for k in mode.outputs},
-        mode.failed,
-        loss,
-        y,
-        streamed=streamed,
+        output, mode.inputs, mode.outputs, shapes, mode.failed, loss, y, streamed=streamed
     )
 
 
@@ -650,7 +647,7 @@ def autograd_record(
     output: Tensor,
     inputs: dict[int, Recorded],
     outputs: dict[int, GradientEdge],
-    shapes: dict[int, tuple[int, ...]],
+    shapes: Mapping[int, tuple[int, ...]],
     failed: set[int],
     loss: nn.Module,
     y: Any,
