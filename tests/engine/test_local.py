@@ -116,6 +116,45 @@ def test_added_parameters_have_a_closed_form(n):
     assert_trees_close(clipped, {k: g.sum(0) for k, g in per_sample.items()}, "clipped_grad")
 
 
+class AddedDerived(nn.Module):
+    """Operands computed from one parameter each, added to the samples (a position table)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(7, 4))  # looked up at arange(T): Hugging Face's wpe
+        self.pos = nn.Parameter(torch.randn(9, 4))  # sliced, and subtracted with a scale
+        self.log_scale = nn.Parameter(torch.randn(5, 1))  # exp, broadcast over features
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        positions = torch.arange(x.shape[1]).unsqueeze(0)
+        h = torch.tanh(x + F.embedding(positions, self.table))
+        h = torch.tanh(torch.sub(h, self.pos[: x.shape[1]], alpha=0.5))
+        h = torch.tanh(self.log_scale.exp() + h)
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_added_derivations_have_a_closed_form(monkeypatch, n):
+    torch.manual_seed(0)
+    model, X, y, loss = _problem(AddedDerived(), torch.randn(n, 5, 4))
+    model_fn, params = pf.functional(model)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the op-local vjp ran for an added derivation")
+
+    monkeypatch.setattr(local_rule.LocalRule, "columns", refused)
+    expected = autograd_batch_grad(model, loss, X, y)
+    out = pf.compute(model_fn, params, X, y, loss=loss, quantities=("batch_grad", "batch_l2_grad"))
+    assert_trees_close(out["batch_grad"], expected, "batch_grad")
+    norms = {k: g.flatten(1).square().sum(1) for k, g in expected.items()}
+    assert_trees_close(out["batch_l2_grad"], norms, "batch_l2_grad")
+    summed = nn.CrossEntropyLoss(reduction="sum")
+    clipped = pf.clipped_grad(model_fn, params, X, y, loss=summed, max_norm=0.1)
+    per_sample = pf.clip_per_sample(autograd_batch_grad(model, summed, X, y), 0.1)
+    assert_trees_close(clipped, {k: g.sum(0) for k, g in per_sample.items()}, "clipped_grad")
+
+
 class AddedAlone(nn.Module):
     """One parameter of a given shape added to (or subtracted from) ``[N, 3, 4]`` inputs."""
 
