@@ -269,10 +269,7 @@ def _watched(
     Where it does not, packfunc's own pass runs the model again: refused if the model
     changed since its forward pass (see :meth:`ForwardRecord.check_unchanged`).
     """
-    if plan.random is None and record.recorder.random is not None:
-        # a plan kept from a forward that drew nothing (dropout switched on since): whatever
-        # would run this model again must now refuse
-        plan.random = record.recorder.random
+    plan.note_random(record.recorder.random)
     output = record.output
     found = None
     if output is not None:

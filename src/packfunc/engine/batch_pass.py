@@ -39,7 +39,7 @@ from packfunc.engine.memory import (
 )
 from packfunc.engine.ops import SiteCall
 from packfunc.engine.precision import to_dtype_of
-from packfunc.engine.randomness import GeneratorMark, refuse_rerun
+from packfunc.engine.randomness import DEFAULT_GENERATOR_DRAW, GeneratorMark, refuse_rerun
 from packfunc.engine.rules import Rule, rule_for
 from packfunc.engine.rules.base import Route
 from packfunc.engine.vocabulary import Statistic
@@ -242,9 +242,8 @@ class BatchPass:
             mark.rewind()  # and run it on the random numbers the stopped pass began with
             self.plan, self._cached = cached_discover(model_fn, params, self.leaves, X)
             self.record = self._batch_pass(reuse)
-        if self.plan.random is None and mark.moved():
-            # a kept plan whose forward drew nothing then (dropout switched on since)
-            self.plan.random = "a call that draws from torch's default random generator"
+        if mark.moved():
+            self.plan.note_random(DEFAULT_GENERATOR_DRAW)
         last = partial(last_sample_output, model_fn, params, X, self.n)
         try:
             checked = check_rows_alone(self.plan, self.record.output, last)  # a fresh plan's rows
@@ -493,7 +492,7 @@ class ColumnGradients:
         self.recorded.pop(leaf, None)
         self._canonical.pop(leaf, None)
         calls = self.bp.plan.sites
-        for k in [k for k in self.sites if leaf in {i for _, i in calls[k].call.leaves}]:
+        for k in [k for k in self.sites if any(i == leaf for _, i in calls[k].call.leaves)]:
             if not any(i in self.recorded for _, i in calls[k].call.leaves):
                 del self.sites[k]
                 if self.owns_record:

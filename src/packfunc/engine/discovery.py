@@ -56,7 +56,7 @@ from packfunc.engine.ops import (
     make_call,
 )
 from packfunc.engine.precision import difference_beyond_rounding, forward_autocast
-from packfunc.engine.randomness import private_generators, random_call
+from packfunc.engine.randomness import DEFAULT_GENERATOR_DRAW, private_generators, random_call
 from packfunc.functionalize import check_no_cached_parametrizations, module_of, select_samples
 from packfunc.types import ModelFn
 
@@ -150,6 +150,24 @@ class Plan:
         """Whether a call that consumed parameters was decomposed or changed."""
         return bool(self.rewritten_ops)
 
+    def note_random(self, what: str | None) -> None:
+        """Make the plan random: ``what`` drew random numbers (the first one seen is kept).
+
+        A kept plan becomes random where a later forward draws what discovery's did not
+        (dropout switched on since): whatever would run the model again then refuses.
+
+        Args:
+            what: The call that drew, described, or ``None`` (nothing drew).
+
+        Example:
+            >>> plan = Plan()
+            >>> plan.note_random(None); plan.note_random("dropout"); plan.note_random("rand")
+            >>> plan.random
+            'dropout'
+        """
+        if self.random is None:
+            self.random = what
+
     @property
     def leaf_calls_only(self) -> bool:
         """Whether every use of a parameter is a tapped or local call of a leaf itself.
@@ -224,8 +242,7 @@ class _DiscoveryMode(ParameterMode):
                 "to the whole batch instead of torch.vmap(f)), or compute these quantities "
                 "without packfunc."
             )
-        if self.plan.random is None:
-            self.plan.random = random_call(func, args, kwargs or {})
+        self.plan.note_random(random_call(func, args, kwargs or {}))
         if func in REWRITTEN_OPS and self._touches_parameters(args, kwargs or {}):
             self.plan.rewritten_ops.add(func)
         return super().__torch_function__(func, types, args, kwargs)
@@ -452,8 +469,8 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
     with private_generators(leaves) as drew, kept_buffers(module) as changed:
         with torch.no_grad(), mode:
             out = model_fn(params, sample)
-        if mode.plan.random is None and drew():
-            mode.plan.random = "a call that draws from torch's default random generator"
+        if drew():
+            mode.plan.note_random(DEFAULT_GENERATOR_DRAW)
     mode.plan.updated_buffer = changed[0] if changed else None
     mode.plan.updated_input = not _equal_trees(sample, X_first)  # (the batch is untouched)
     if not (isinstance(out, Tensor) and out.dim() and out.shape[0] == 1):

@@ -63,6 +63,9 @@ RANDOM_FUNCTIONS = frozenset(
 )
 """Calls that always draw from a random generator."""
 
+DEFAULT_GENERATOR_DRAW = "a call that draws from torch's default random generator"
+"""How a plan describes a forward seen to move the default generator by no call it knows."""
+
 
 class RandomModelError(ValueError):
     """A model that draws random numbers would be run again where the values must match."""
