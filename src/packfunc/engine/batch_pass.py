@@ -42,6 +42,7 @@ from packfunc.engine.precision import to_dtype_of
 from packfunc.engine.randomness import DEFAULT_GENERATOR_DRAW, GeneratorMark, refuse_rerun
 from packfunc.engine.rules import Rule, rule_for
 from packfunc.engine.rules.base import Route
+from packfunc.engine.tied import tied_gram_is_cheaper, tied_squared_norms
 from packfunc.engine.vocabulary import Statistic
 from packfunc.functionalize import (
     batch_size,
@@ -590,12 +591,30 @@ class ColumnGradients:
         if stat is Statistic.SUM:
             sums = [t.rule.column_sum(*self._samples(t, index), t.call, param) for t in terms]
             return _total(sums)
-        if len(terms) != 1:
-            return None
+        if len(terms) != 1:  # calls of several kinds
+            tied = stat is Statistic.SQUARED_NORMS
+            return self._tied_squared_norms(leaf, index) if tied else None
         (t,) = terms
         return cast(
             Tensor | None, getattr(t.rule, stat.value)(*self._samples(t, index), t.call, param)
         )
+
+    def _tied_squared_norms(self, leaf: int, index: slice | Tensor) -> Tensor | None:
+        """A leaf's squared norms over calls of several kinds, in Gram form where cheaper.
+
+        See :mod:`packfunc.engine.tied` (one column only; ``None``: form the gradients).
+        """
+        param = self.bp.leaves[leaf]
+        if self.count != 1 or param.dim() != 2:
+            return None
+        factors = [
+            c.rule.outer_factors(*self._samples(c, index, x_dim=0), c.call, param)
+            for c in self.recorded[leaf]
+        ]
+        present = [f for f in factors if f is not None]
+        if len(present) != len(factors) or not tied_gram_is_cheaper(present, param.shape[0]):
+            return None
+        return tied_squared_norms(present)
 
     def leaf_columns(self, leaf: int, index: slice | Tensor) -> Tensor:
         """Column gradients ``[K, n, *leaf.shape]`` of a tapped or unused leaf.

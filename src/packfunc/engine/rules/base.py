@@ -227,6 +227,28 @@ class Rule:
         """``Σ_k ‖c[k, n]‖²`` per sample, ``[n]``, or ``None``."""
         return None
 
+    def outer_factors(
+        self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
+    ) -> tuple[Tensor, Tensor] | None:
+        """The call's share of each sample's gradient as outer products over positions.
+
+        Sample ``n``'s share is ``Σ_l a[n, l] b[n, l]ᵀ`` in the parameter's layout: ``a``
+        holds its rows (``[n, L, rows]``, or ``[n, L]`` integer indices of one-hot rows),
+        ``b`` its columns ``[n, L, cols]``. Calls of several kinds that share a parameter
+        (tied weights) get their squared norms in Gram form from these
+        (:mod:`packfunc.engine.tied`).
+
+        Args:
+            x: The op's recorded input ``[n, ...]`` (not canonical).
+            g: Cotangents of its output ``[1, n, ...]``: one column.
+            call: The op call.
+            param: The parameter, a matrix.
+
+        Returns:
+            ``(a, b)``, or ``None`` where the rule has no such form.
+        """
+        return None
+
     def sums_positions(self, g: Tensor, approx: str) -> bool:
         """Whether :meth:`output_factor` is ``Σ_{k,n} s sᵀ`` of the position-summed cotangent.
 

@@ -32,6 +32,22 @@ class EmbeddingWeight(Rule):
             g = g * (x != padding_idx % param.shape[0]).unsqueeze(-1).to(g.dtype)
         return x, g
 
+    def outer_factors(
+        self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """``(indices [n, L], cotangents [n, L, D])``: row ``idx`` receives the cotangent at it.
+
+        Example:
+            >>> from packfunc.engine.ops import SIGNATURES
+            >>> call = SiteCall(SIGNATURES[F.embedding], (("weight", 1),), (("padding_idx", None),))
+            >>> a, b = EmbeddingWeight().outer_factors(
+            ...     torch.tensor([[0, 2]]), torch.ones(1, 1, 2, 3), call, torch.ones(4, 3))
+            >>> a, b.shape
+            (tensor([[0, 2]]), torch.Size([1, 2, 3]))
+        """
+        indices, cotangents = self.canonical(x, g, call, param)
+        return indices[0], cotangents[0]
+
     def columns(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """Scatter-add each column's cotangents into its own copy of the weight."""
         columns, n, _, width = g.shape

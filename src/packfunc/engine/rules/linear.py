@@ -71,6 +71,25 @@ class LinearWeight(ProductWeight):
             return u.square().sum((1, 2)) * v.square().sum((1, 2))
         return gram_squared_norms(v @ v.mT, u @ u.mT)
 
+    def outer_factors(
+        self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """``(v, u)``: the cotangents ``[n, L, out]`` and inputs ``[n, L, in]`` per position.
+
+        A weight stored ``[in, out]`` gets ``(u, v)``.
+
+        Example:
+            >>> from packfunc.engine.ops import SIGNATURES
+            >>> call = SiteCall(SIGNATURES[F.linear], (("weight", 0),), ())
+            >>> a, b = LinearWeight().outer_factors(
+            ...     torch.ones(2, 3, 4), torch.ones(1, 2, 3, 5), call, torch.ones(5, 4))
+            >>> a.shape, b.shape
+            (torch.Size([2, 3, 5]), torch.Size([2, 3, 4]))
+        """
+        n = x.shape[0]
+        u, v = x.reshape(n, -1, x.shape[-1]), g[0].reshape(n, -1, g.shape[-1])
+        return (u, v) if call.transposed else (v, u)
+
     def canonical(
         self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
     ) -> tuple[Tensor, Tensor]:
