@@ -27,7 +27,7 @@ heads and positions are interleaved; opacus pull request 825), as in the LMs: th
 by how much the output differs, and its time is the cost of the same amount of work.
 
 Run: ``python benchmarks/dp_step.py [--problems LM,LM-N64,LM-d256,ResNet-GN,ResNet-BN,GPT-2]
-[--large-lm]``.
+[--large-lm]`` (``--large-lm`` adds the 55M LM and GPT-2 with its full vocabulary).
 """
 
 from __future__ import annotations
@@ -75,6 +75,15 @@ def large_lm(n: int = 16) -> problems.Problem:
     return problems.Problem("LM-55M", model, X, y)
 
 
+def gpt2_vocabulary(n: int = 8) -> problems.Problem:
+    """Hugging Face GPT-2 with its 50257-token vocabulary, tied to the head: 2 layers, d=768, T=128.
+
+    The tied ``[50257, 768]`` matrix is most of the parameters: its per-sample gradients
+    would be 154 MB a sample.
+    """
+    return problems.hugging_face("gpt2", n=n, length=128, width=768, layers=2, vocab=50257)
+
+
 PROBLEMS: dict[str, Callable[[], problems.Problem]] = {
     "LM": problems.lm,
     # the LM with 4x the samples, and 4x as wide: where kernels outweigh per-call overhead
@@ -84,7 +93,10 @@ PROBLEMS: dict[str, Callable[[], problems.Problem]] = {
     "ResNet-BN": problems.resnet_bn,
     "GPT-2": lambda: problems.hugging_face("gpt2"),
     "LM-55M": large_lm,
+    "GPT-2-50k": gpt2_vocabulary,
 }
+LARGE = ("LM-55M", "GPT-2-50k")
+"""The problems ``--large-lm`` adds: one process per contender, three steps."""
 
 
 def _sgd(parameters: Sequence[Tensor], updates: Sequence[Tensor], scale: float = 1.0) -> None:
@@ -446,7 +458,9 @@ def main() -> None:
     """Run every contender of every problem in a fresh process; print a markdown table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", default="LM,LM-N64,LM-d256,ResNet-GN,ResNet-BN,GPT-2")
-    parser.add_argument("--large-lm", action="store_true", help="add the 55M LM (slow)")
+    parser.add_argument(
+        "--large-lm", action="store_true", help="add the 55M LM and GPT-2's vocabulary (slow)"
+    )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
         "--processes", type=int, default=3, help="fresh processes per contender (interleaved)"
@@ -456,16 +470,16 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure(args.one[0], args.one[1], args.repeats)))
         return
-    names = args.problems.split(",") + (["LM-55M"] if args.large_lm else [])
+    names = args.problems.split(",") + (list(LARGE) if args.large_lm else [])
     print(
         "| problem | contender | step ms (min–max) | × plain | peak MB added | × plain "
         "| peak RSS MB | × plain |"
     )
     print("|---|---|--:|--:|--:|--:|--:|--:|")
     for name in names:
-        repeats = 3 if name == "LM-55M" else args.repeats
+        repeats = 3 if name in LARGE else args.repeats
         runs: dict[str, list[dict[str, object]]] = {c: [] for c in CONTENDERS}
-        for _ in range(1 if name == "LM-55M" else args.processes):
+        for _ in range(1 if name in LARGE else args.processes):
             for contender in CONTENDERS:  # interleaved: a slow spell hits every contender
                 if not any("refused" in run for run in runs[contender]):
                     runs[contender].append(_fresh(name, contender, repeats))
