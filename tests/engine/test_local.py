@@ -155,6 +155,69 @@ def test_added_derivations_have_a_closed_form(monkeypatch, n):
     assert_trees_close(clipped, {k: g.sum(0) for k, g in per_sample.items()}, "clipped_grad")
 
 
+class Multiplied(nn.Module):
+    """Scales multiplied with the samples: an RMSNorm written by hand, and others."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))  # Hugging Face's LlamaRMSNorm: weight * h
+        self.gain = nn.Parameter(torch.randn(5, 1))  # the parameter first, broadcast over features
+        self.log_gain = nn.Parameter(torch.randn(1, 5, 4))  # derived (exp), one row for all
+        self.level = nn.Parameter(torch.randn(()))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        h = torch.tanh(self.weight * h)
+        h = torch.tanh(self.gain.mul(h))
+        h = torch.tanh(torch.mul(h, self.log_gain.exp()))
+        h = h * self.level
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_multiplied_parameters_have_a_closed_form(monkeypatch, n):
+    torch.manual_seed(0)
+    model, X, y, loss = _problem(Multiplied(), torch.randn(n, 5, 4))
+    model_fn, params = pf.functional(model)
+    paths = pf.explain(model_fn, params, X)
+    assert {paths[k] for k in ("weight", "gain", "log_gain", "level")} == {"closed form (mul)"}
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the op-local vjp ran for a multiplied parameter")
+
+    monkeypatch.setattr(local_rule.LocalRule, "columns", refused)
+    expected = autograd_batch_grad(model, loss, X, y)
+    quantities = ("batch_grad", "sum_grad_squared", "batch_l2_grad")
+    out = pf.compute(model_fn, params, X, y, loss=loss, quantities=quantities)
+    assert_trees_close(out["batch_grad"], expected, "batch_grad")
+    squares = {k: g.square().sum(0) for k, g in expected.items()}
+    assert_trees_close(out["sum_grad_squared"], squares, "sum_grad_squared")
+    norms = {k: g.reshape(len(g), -1).square().sum(1) for k, g in expected.items()}
+    assert_trees_close(out["batch_l2_grad"], norms, "batch_l2_grad")
+    summed = nn.CrossEntropyLoss(reduction="sum")
+    clipped = pf.clipped_grad(model_fn, params, X, y, loss=summed, max_norm=0.1)
+    per_sample = pf.clip_per_sample(autograd_batch_grad(model, summed, X, y), 0.1)
+    assert_trees_close(clipped, {k: g.sum(0) for k, g in per_sample.items()}, "clipped_grad")
+
+
+def test_a_product_with_a_factor_of_other_dims_takes_the_op_local_vjp():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.randn(5, 4))
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x: Tensor) -> Tensor:  # x [N, 4] against a [5, 4] scale: [N, 5, 4]
+            return self.head((x.unsqueeze(1) * self.scale).tanh().mean(1))
+
+    torch.manual_seed(0)
+    model, X, y, loss = _problem(Scaled(), torch.randn(3, 4))
+    model_fn, params = pf.functional(model)
+    expected = autograd_batch_grad(model, loss, X, y)
+    assert_trees_close(pf.batch_grad(model_fn, params, X, y, loss=loss), expected, "batch_grad")
+
+
 class AddedAlone(nn.Module):
     """One parameter of a given shape added to (or subtracted from) ``[N, 3, 4]`` inputs."""
 
@@ -198,14 +261,14 @@ def test_explain_names_each_path():
             self.unused = nn.Parameter(torch.zeros(2))
 
         def forward(self, x: Tensor) -> Tensor:
-            h = self.norm(self.linear(x)) * self.scale
+            h = torch.maximum(self.norm(self.linear(x)), self.scale)
             return (self.time_major @ h.T).T
 
     model_fn, params = pf.functional(Mixed())
     paths = pf.explain(model_fn, params, torch.randn(5, 3))
     assert paths["linear.weight"] == "closed form (F.linear)"
     assert paths["norm.bias"] == "closed form (layer_norm)"
-    assert paths["scale"] == "op-local (mul)"
+    assert paths["scale"] == "op-local (maximum)"
     assert paths["time_major"].startswith("whole model: used by matmul")
     assert paths["unused"] == "unused"
 

@@ -233,12 +233,23 @@ class LocalInputs:
         """Restrict to some samples: ``local[:, index]``, as canonical tensors' dim 1."""
         index = key[1]
         values = list(self.arguments.values)
-        batched = self.batched or self._rows_of_one()
+        batched = self.per_sample()
         for position in batched:
             values[position] = values[position][index]
         rows = len(values[batched[0]]) if batched else None
         arguments = replace(self.arguments, values=tuple(values))
         return replace(self, arguments=arguments, batched=batched, rows=rows)
+
+    def per_sample(self) -> tuple[int, ...]:
+        """Positions of the arguments with one row per sample.
+
+        :attr:`batched`; in a record of one sample, whose arguments kept their shapes,
+        those with one row (that sample's, or the same for it).
+
+        Returns:
+            Flat argument positions.
+        """
+        return self.batched or self._rows_of_one()
 
     def _rows_of_one(self) -> tuple[int, ...]:
         """A record of one sample, whose arguments kept their shapes: those with one row.

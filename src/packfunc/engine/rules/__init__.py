@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from packfunc.engine.ops import LayerKind, SiteCall
-from packfunc.engine.rules.add import ADD_RULES
 from packfunc.engine.rules.base import Rule
+from packfunc.engine.rules.broadcast import BROADCAST_RULES
 from packfunc.engine.rules.conv import ConvWeight
 from packfunc.engine.rules.embedding import EmbeddingWeight
 from packfunc.engine.rules.linear import Bias, LinearWeight, LinearWeightInOut
@@ -20,7 +20,7 @@ RULES: dict[tuple[LayerKind, str], Rule] = {
 }
 """The rule for each (kind, role) of :data:`packfunc.engine.ops.SIGNATURES`."""
 
-LOCAL_RULES = NORM_RULES | ADD_RULES
+LOCAL_RULES = NORM_RULES | BROADCAST_RULES
 """The closed-form rule of each function a local call may make (else the local rule's vjp)."""
 
 LINEAR_WEIGHT_IN_OUT = LinearWeightInOut()
