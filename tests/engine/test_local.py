@@ -218,6 +218,46 @@ def test_a_product_with_a_factor_of_other_dims_takes_the_op_local_vjp():
     assert_trees_close(pf.batch_grad(model_fn, params, X, y, loss=loss), expected, "batch_grad")
 
 
+class Prompted(nn.Module):
+    """Rows of parameters copied over the batch and concatenated with it (prompt, registers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.prompt = nn.Parameter(torch.randn(1, 2, 4))  # prompt tuning: before the tokens
+        self.registers = nn.Parameter(torch.randn(3, 4))  # after them, along dim -2
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = x.shape[0]
+        h = torch.cat([self.prompt.expand(n, -1, -1), x], dim=1)
+        h = torch.tanh(torch.cat((h, self.registers.expand(n, 3, 4)), -2))
+        return self.head((h * torch.arange(1.0, 11.0).view(10, 1)).mean(1))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_concatenated_copies_have_a_closed_form(monkeypatch, n):
+    torch.manual_seed(0)
+    model, X, y, loss = _problem(Prompted(), torch.randn(n, 5, 4))
+    model_fn, params = pf.functional(model)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the op-local vjp ran for a concatenated copy")
+
+    monkeypatch.setattr(local_rule.LocalRule, "columns", refused)
+    expected = autograd_batch_grad(model, loss, X, y)
+    quantities = ("batch_grad", "sum_grad_squared", "batch_l2_grad")
+    out = pf.compute(model_fn, params, X, y, loss=loss, quantities=quantities)
+    assert_trees_close(out["batch_grad"], expected, "batch_grad")
+    squares = {k: g.square().sum(0) for k, g in expected.items()}
+    assert_trees_close(out["sum_grad_squared"], squares, "sum_grad_squared")
+    norms = {k: g.reshape(len(g), -1).square().sum(1) for k, g in expected.items()}
+    assert_trees_close(out["batch_l2_grad"], norms, "batch_l2_grad")
+    summed = nn.CrossEntropyLoss(reduction="sum")
+    clipped = pf.clipped_grad(model_fn, params, X, y, loss=summed, max_norm=0.1)
+    per_sample = pf.clip_per_sample(autograd_batch_grad(model, summed, X, y), 0.1)
+    assert_trees_close(clipped, {k: g.sum(0) for k, g in per_sample.items()}, "clipped_grad")
+
+
 class AddedAlone(nn.Module):
     """One parameter of a given shape added to (or subtracted from) ``[N, 3, 4]`` inputs."""
 

@@ -8,7 +8,10 @@ Face's LLaMA: ``weight * hidden``) gets the cotangent times the other operand, s
 the same way. An operand computed from ``w`` alone (a derivation: Hugging Face's
 position embedding ``wpe(arange(T))``, a slice ``pos[:T]``) gets that sum pulled back
 through its derivation, one vjp ``vmap``-ed over the columns. Any other use (the
-parameter on both sides, a weight with a batch dim) takes the local rule's vjp.
+parameter on both sides, a weight with a batch dim) takes the local rule's vjp. A
+parameter's rows copied over the batch and concatenated with the samples' (a class
+token ``cat([cls.expand(N, 1, D), x], 1)``, prompt tuning's prompt) get their slice of
+the cotangent, pulled back through the copy as one sample sees it.
 """
 
 from __future__ import annotations
@@ -127,6 +130,88 @@ class BroadcastMul(_Broadcast):
         return g * factor
 
 
+class ConcatenatedCopy(LocalRule):
+    """A parameter copied over the batch and concatenated with batched tensors (a class token)."""
+
+    closed_form = True
+
+    def columns(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
+        """Column gradients ``[K, n, *param.shape]``: the copy's slice of ``g``, pulled back.
+
+        The copy is a derivation whose rows are alike (``cls.expand(N, 1, D)``): each
+        sample sees its first row, and its slice of the cotangent is that row's.
+
+        Args:
+            x: The recorded call (:class:`~packfunc.engine.local.LocalInputs`).
+            g: Its output cotangents ``[K, n, ...]``.
+            call: The site's call.
+            param: The parameter.
+
+        Returns:
+            The column gradients.
+
+        Example:
+            >>> from packfunc.engine.local import CallArguments, derive
+            >>> cls, x = torch.ones(1, 1, 2), torch.ones(3, 4, 2)
+            >>> copy = derive(Tensor.expand, CallArguments.of((cls, 3, 1, 2), {}), {0: 0},
+            ...               None, broadcast=True)
+            >>> arguments = CallArguments.of(([copy.compute({0: cls}), x],), {"dim": 1})
+            >>> local = LocalInputs(torch.cat, arguments, {0: copy}, (1,), frozenset({0}),
+            ...                     {0: cls})
+            >>> g = torch.arange(30.0).view(1, 3, 5, 2)
+            >>> ConcatenatedCopy().columns(local, g, None, cls)[0, :, 0, 0]
+            tensor([[ 0.,  1.],
+                    [10., 11.],
+                    [20., 21.]])
+        """
+        local = as_local(x)
+        found = _concatenated(local, param)
+        if found is None:
+            return super().columns(x, g, call, param)
+        source, dim, start, size = found
+        leaf = local.leaf_of(param)
+        row, pullback = vjp(lambda w: source.compute({leaf: w})[:1], param)
+        piece = g.narrow(dim + 1, start, size)  # [K, n, ...]: each sample's share of its row
+        pulled = vmap(lambda s: pullback(s)[0])(piece.flatten(0, 1).unsqueeze(1))
+        return cast(Tensor, pulled).view(*g.shape[:2], *param.shape)
+
+    def column_sum(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
+        """``Σ_{k,n}`` of the column gradients (which have the parameter's size per sample)."""
+        return self.columns(x, g, call, param).sum((0, 1))
+
+
+def _concatenated(local: LocalInputs, param: Tensor) -> tuple[Derivation, int, int, int] | None:
+    """``(copy, dim, start, size)`` of ``param``'s copy in a concatenation, else ``None``.
+
+    The copy must be one tensor of the list, a derivation of ``param`` alone whose rows
+    are alike (or a single row, of a batch of one), and the list concatenated along
+    another dim than the samples'.
+    """
+    arguments = local.arguments
+    if not arguments.layout or arguments.layout[0] is None:
+        return None
+    length, keywords = arguments.layout[0][1], len(arguments.values) - len(arguments.keys)
+    items = arguments.values[:length]
+    named = dict(zip(arguments.keys, arguments.values[keywords:]))
+    positional = arguments.values[length:keywords]
+    if any(arguments.layout[1:]) or set(named) - {"dim"} or len(positional) > 1:
+        return None
+    dim = positional[0] if positional else named.get("dim", 0)
+    if len(local.sources) != 1 or not isinstance(dim, int):
+        return None
+    ((position, source),) = local.sources.items()
+    rank = items[position].dim()
+    if not isinstance(source, Derivation) or source.leaves != {local.leaf_of(param)}:
+        return None
+    # its rows alike, or a single row (one sample's): each sample sees its first row
+    alike = position in local.narrow or items[position].shape[0] == 1
+    if not alike or not -rank <= dim < rank or dim % rank == 0:
+        return None
+    dim %= rank
+    start = sum(item.shape[dim] for item in items[:position])
+    return source, dim, start, items[position].shape[dim]
+
+
 def _summed_to(g: Tensor, operand: Tensor) -> Tensor | None:
     """``g [K, n, ...]`` summed over the dims ``operand`` is broadcast along: ``[K, n, *operand]``.
 
@@ -169,5 +254,6 @@ def _operand(
 BROADCAST_RULES: dict[Callable[..., Any], LocalRule] = {
     **{func: BroadcastAdd() for func in (*_ADD, *_SUBTRACT)},
     **{func: BroadcastMul() for func in _MULTIPLY},
+    **{func: ConcatenatedCopy() for func in (torch.cat, torch.concat, torch.concatenate)},
 }
-"""The closed-form rule of each addition, subtraction and multiplication function."""
+"""The closed-form rule of each addition, subtraction, multiplication and concatenation."""
