@@ -26,7 +26,7 @@ only it: its other fixes, such as BatchNorm to GroupNorm, change the model). In 
 heads and positions are interleaved; opacus pull request 825), as in the LMs: the row says
 by how much the output differs, and its time is the cost of the same amount of work.
 
-Run: ``python benchmarks/dp_step.py [--problems LM,LM-N64,LM-d256,ResNet-GN,ResNet-BN,GPT-2]
+Run: ``python benchmarks/dp_step.py [--problems LM,LM-N64,LM-d256,ResNet-GN,ResNet-BN,GPT-2,LLaMA]
 [--large-lm]`` (``--large-lm`` adds the 55M LM and GPT-2 with its full vocabulary).
 """
 
@@ -92,6 +92,7 @@ PROBLEMS: dict[str, Callable[[], problems.Problem]] = {
     "ResNet-GN": problems.resnet_gn,
     "ResNet-BN": problems.resnet_bn,
     "GPT-2": lambda: problems.hugging_face("gpt2"),
+    "LLaMA": lambda: problems.hugging_face("llama"),
     "LM-55M": large_lm,
     "GPT-2-50k": gpt2_vocabulary,
 }
@@ -457,7 +458,7 @@ def _rss_mb() -> float:
 def main() -> None:
     """Run every contender of every problem in a fresh process; print a markdown table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--problems", default="LM,LM-N64,LM-d256,ResNet-GN,ResNet-BN,GPT-2")
+    parser.add_argument("--problems", default="LM,LM-N64,LM-d256,ResNet-GN,ResNet-BN,GPT-2,LLaMA")
     parser.add_argument(
         "--large-lm", action="store_true", help="add the 55M LM and GPT-2's vocabulary (slow)"
     )
