@@ -116,6 +116,28 @@ def test_added_parameters_have_a_closed_form(n):
     assert_trees_close(clipped, {k: g.sum(0) for k, g in per_sample.items()}, "clipped_grad")
 
 
+def _check_closed_forms(monkeypatch, model: nn.Module, X: Tensor, y: Tensor, loss) -> None:
+    """Per-sample quantities and the clipped sum equal autograd's, with the op-local vjp refused."""
+    model_fn, params = pf.functional(model)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the op-local vjp ran where a closed form applies")
+
+    monkeypatch.setattr(local_rule.LocalRule, "columns", refused)
+    expected = autograd_batch_grad(model, loss, X, y)
+    quantities = ("batch_grad", "sum_grad_squared", "batch_l2_grad")
+    out = pf.compute(model_fn, params, X, y, loss=loss, quantities=quantities)
+    assert_trees_close(out["batch_grad"], expected, "batch_grad")
+    squares = {k: g.square().sum(0) for k, g in expected.items()}
+    assert_trees_close(out["sum_grad_squared"], squares, "sum_grad_squared")
+    norms = {k: g.reshape(len(g), -1).square().sum(1) for k, g in expected.items()}
+    assert_trees_close(out["batch_l2_grad"], norms, "batch_l2_grad")
+    summed = nn.CrossEntropyLoss(reduction="sum")
+    clipped = pf.clipped_grad(model_fn, params, X, y, loss=summed, max_norm=0.1)
+    per_sample = pf.clip_per_sample(autograd_batch_grad(model, summed, X, y), 0.1)
+    assert_trees_close(clipped, {k: g.sum(0) for k, g in per_sample.items()}, "clipped_grad")
+
+
 class AddedDerived(nn.Module):
     """Operands computed from one parameter each, added to the samples (a position table)."""
 
@@ -132,27 +154,6 @@ class AddedDerived(nn.Module):
         h = torch.tanh(torch.sub(h, self.pos[: x.shape[1]], alpha=0.5))
         h = torch.tanh(self.log_scale.exp() + h)
         return self.head(h.mean(1))
-
-
-@pytest.mark.parametrize("n", [1, 3])
-def test_added_derivations_have_a_closed_form(monkeypatch, n):
-    torch.manual_seed(0)
-    model, X, y, loss = _problem(AddedDerived(), torch.randn(n, 5, 4))
-    model_fn, params = pf.functional(model)
-
-    def refused(*args, **kwargs):
-        raise AssertionError("the op-local vjp ran for an added derivation")
-
-    monkeypatch.setattr(local_rule.LocalRule, "columns", refused)
-    expected = autograd_batch_grad(model, loss, X, y)
-    out = pf.compute(model_fn, params, X, y, loss=loss, quantities=("batch_grad", "batch_l2_grad"))
-    assert_trees_close(out["batch_grad"], expected, "batch_grad")
-    norms = {k: g.flatten(1).square().sum(1) for k, g in expected.items()}
-    assert_trees_close(out["batch_l2_grad"], norms, "batch_l2_grad")
-    summed = nn.CrossEntropyLoss(reduction="sum")
-    clipped = pf.clipped_grad(model_fn, params, X, y, loss=summed, max_norm=0.1)
-    per_sample = pf.clip_per_sample(autograd_batch_grad(model, summed, X, y), 0.1)
-    assert_trees_close(clipped, {k: g.sum(0) for k, g in per_sample.items()}, "clipped_grad")
 
 
 class Multiplied(nn.Module):
@@ -182,23 +183,7 @@ def test_multiplied_parameters_have_a_closed_form(monkeypatch, n):
     model_fn, params = pf.functional(model)
     paths = pf.explain(model_fn, params, X)
     assert {paths[k] for k in ("weight", "gain", "log_gain", "level")} == {"closed form (mul)"}
-
-    def refused(*args, **kwargs):
-        raise AssertionError("the op-local vjp ran for a multiplied parameter")
-
-    monkeypatch.setattr(local_rule.LocalRule, "columns", refused)
-    expected = autograd_batch_grad(model, loss, X, y)
-    quantities = ("batch_grad", "sum_grad_squared", "batch_l2_grad")
-    out = pf.compute(model_fn, params, X, y, loss=loss, quantities=quantities)
-    assert_trees_close(out["batch_grad"], expected, "batch_grad")
-    squares = {k: g.square().sum(0) for k, g in expected.items()}
-    assert_trees_close(out["sum_grad_squared"], squares, "sum_grad_squared")
-    norms = {k: g.reshape(len(g), -1).square().sum(1) for k, g in expected.items()}
-    assert_trees_close(out["batch_l2_grad"], norms, "batch_l2_grad")
-    summed = nn.CrossEntropyLoss(reduction="sum")
-    clipped = pf.clipped_grad(model_fn, params, X, y, loss=summed, max_norm=0.1)
-    per_sample = pf.clip_per_sample(autograd_batch_grad(model, summed, X, y), 0.1)
-    assert_trees_close(clipped, {k: g.sum(0) for k, g in per_sample.items()}, "clipped_grad")
+    _check_closed_forms(monkeypatch, model, X, y, loss)
 
 
 def test_a_product_with_a_factor_of_other_dims_takes_the_op_local_vjp():
@@ -235,27 +220,11 @@ class Prompted(nn.Module):
 
 
 @pytest.mark.parametrize("n", [1, 3])
-def test_concatenated_copies_have_a_closed_form(monkeypatch, n):
+@pytest.mark.parametrize("module", [AddedDerived, Prompted])
+def test_derivations_added_or_concatenated_have_a_closed_form(monkeypatch, module, n):
     torch.manual_seed(0)
-    model, X, y, loss = _problem(Prompted(), torch.randn(n, 5, 4))
-    model_fn, params = pf.functional(model)
-
-    def refused(*args, **kwargs):
-        raise AssertionError("the op-local vjp ran for a concatenated copy")
-
-    monkeypatch.setattr(local_rule.LocalRule, "columns", refused)
-    expected = autograd_batch_grad(model, loss, X, y)
-    quantities = ("batch_grad", "sum_grad_squared", "batch_l2_grad")
-    out = pf.compute(model_fn, params, X, y, loss=loss, quantities=quantities)
-    assert_trees_close(out["batch_grad"], expected, "batch_grad")
-    squares = {k: g.square().sum(0) for k, g in expected.items()}
-    assert_trees_close(out["sum_grad_squared"], squares, "sum_grad_squared")
-    norms = {k: g.reshape(len(g), -1).square().sum(1) for k, g in expected.items()}
-    assert_trees_close(out["batch_l2_grad"], norms, "batch_l2_grad")
-    summed = nn.CrossEntropyLoss(reduction="sum")
-    clipped = pf.clipped_grad(model_fn, params, X, y, loss=summed, max_norm=0.1)
-    per_sample = pf.clip_per_sample(autograd_batch_grad(model, summed, X, y), 0.1)
-    assert_trees_close(clipped, {k: g.sum(0) for k, g in per_sample.items()}, "clipped_grad")
+    model, X, y, loss = _problem(module(), torch.randn(n, 5, 4))
+    _check_closed_forms(monkeypatch, model, X, y, loss)
 
 
 class AddedAlone(nn.Module):

@@ -33,10 +33,19 @@ _SUBTRACT = (torch.sub, Tensor.sub, Tensor.__sub__)
 _MULTIPLY = (torch.mul, torch.multiply, Tensor.mul, Tensor.multiply, Tensor.__mul__)
 
 
-class _Broadcast(LocalRule):
-    """A parameter that is one operand of two of an elementwise op with a batched tensor."""
+class _SampleSized(LocalRule):
+    """A closed form whose column gradients have the parameter's size per sample."""
 
     closed_form = True
+
+    def column_sum(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
+        """``Σ_{k,n}`` of the column gradients."""
+        return self.columns(x, g, call, param).sum((0, 1))
+
+
+class _Broadcast(_SampleSized):
+    """A parameter that is one operand of two of an elementwise op with a batched tensor."""
+
     keywords: frozenset[str] = frozenset()
     """Keyword arguments the op may take besides its two operands."""
 
@@ -78,10 +87,6 @@ class _Broadcast(LocalRule):
             return super().columns(x, g, call, param)
         pulled = vmap(lambda s: pullback(s)[0])(summed.flatten(0, 1))
         return cast(Tensor, pulled).view(*g.shape[:2], *param.shape)
-
-    def column_sum(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
-        """``Σ_{k,n}`` of the column gradients (which have the parameter's size per sample)."""
-        return self.columns(x, g, call, param).sum((0, 1))
 
     def operand_cotangent(self, local: LocalInputs, g: Tensor, position: int) -> Tensor | None:
         """The cotangents ``[K, n, ...]`` of the operand at ``position``, not summed to its shape.
@@ -130,25 +135,23 @@ class BroadcastMul(_Broadcast):
         return g * factor
 
 
-class ConcatenatedCopy(LocalRule):
+class ConcatenatedCopy(_SampleSized):
     """A parameter copied over the batch and concatenated with batched tensors (a class token)."""
 
-    closed_form = True
-
     def columns(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
-        """Column gradients ``[K, n, *param.shape]``: the copy's slice of ``g``, pulled back.
+        """The copy's slice of ``g``, pulled back through the copy: ``[K, n, *param.shape]``.
 
         The copy is a derivation whose rows are alike (``cls.expand(N, 1, D)``): each
         sample sees its first row, and its slice of the cotangent is that row's.
 
         Args:
-            x: The recorded call (:class:`~packfunc.engine.local.LocalInputs`).
-            g: Its output cotangents ``[K, n, ...]``.
-            call: The site's call.
-            param: The parameter.
+            x: The recorded concatenation, its list holding the copy.
+            g: Cotangents ``[K, n, ...]`` of the concatenated tensor.
+            call: The concatenation's site call.
+            param: The parameter copied.
 
         Returns:
-            The column gradients.
+            Its column gradients (the op-local vjp's, where the copy is not one).
 
         Example:
             >>> from packfunc.engine.local import CallArguments, derive
@@ -174,10 +177,6 @@ class ConcatenatedCopy(LocalRule):
         piece = g.narrow(dim + 1, start, size)  # [K, n, ...]: each sample's share of its row
         pulled = vmap(lambda s: pullback(s)[0])(piece.flatten(0, 1).unsqueeze(1))
         return cast(Tensor, pulled).view(*g.shape[:2], *param.shape)
-
-    def column_sum(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
-        """``Σ_{k,n}`` of the column gradients (which have the parameter's size per sample)."""
-        return self.columns(x, g, call, param).sum((0, 1))
 
 
 def _concatenated(local: LocalInputs, param: Tensor) -> tuple[Derivation, int, int, int] | None:
