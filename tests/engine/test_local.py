@@ -219,9 +219,26 @@ class Prompted(nn.Module):
         return self.head((h * torch.arange(1.0, 11.0).view(10, 1)).mean(1))
 
 
+class Divided(nn.Module):
+    """Parameters dividing the samples (temperatures) or divided by them."""
+
+    def __init__(self):
+        super().__init__()
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+        self.log_scale = nn.Parameter(torch.randn(5, 1))  # derived (exp), broadcast over features
+        self.numerator = nn.Parameter(torch.randn(4))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(x / self.temperature)
+        h = torch.tanh(torch.div(h, self.log_scale.exp()))
+        h = torch.tanh(self.numerator.div(h.square() + 1))
+        return self.head(h.mean(1))
+
+
 @pytest.mark.parametrize("n", [1, 3])
-@pytest.mark.parametrize("module", [AddedDerived, Prompted])
-def test_derivations_added_or_concatenated_have_a_closed_form(monkeypatch, module, n):
+@pytest.mark.parametrize("module", [AddedDerived, Prompted, Divided])
+def test_added_divided_or_concatenated_parameters_have_a_closed_form(monkeypatch, module, n):
     torch.manual_seed(0)
     model, X, y, loss = _problem(module(), torch.randn(n, 5, 4))
     _check_closed_forms(monkeypatch, model, X, y, loss)

@@ -1,17 +1,18 @@
-"""Closed forms for a parameter broadcast against a batch: ``x ± α·w`` and ``x ⊙ w``.
+"""Closed forms for a parameter broadcast against a batch: ``x ± α·w``, ``x ⊙ w``, ``x / w``.
 
 A learned position embedding or a bias added by hand broadcasts ``w`` over the
 samples: sample ``n``'s column gradient is its output cotangent summed over the
 dims ``w`` is broadcast along, times the sign and scale ``w`` enters with. A scale
 multiplied with the samples (the weight of an RMSNorm written by hand, as in Hugging
 Face's LLaMA: ``weight * hidden``) gets the cotangent times the other operand, summed
-the same way. An operand computed from ``w`` alone (a derivation: Hugging Face's
-position embedding ``wpe(arange(T))``, a slice ``pos[:T]``) gets that sum pulled back
-through its derivation, one vjp ``vmap``-ed over the columns. Any other use (the
-parameter on both sides, a weight with a batch dim) takes the local rule's vjp. A
-parameter's rows copied over the batch and concatenated with the samples' (a class
-token ``cat([cls.expand(N, 1, D), x], 1)``, prompt tuning's prompt) get their slice of
-the cotangent, pulled back through the copy as one sample sees it.
+the same way; a temperature dividing the logits, ``-g·x / w²``. An operand computed
+from ``w`` alone (a derivation: Hugging Face's position embedding ``wpe(arange(T))``, a
+slice ``pos[:T]``) gets that sum pulled back through its derivation, one vjp ``vmap``-ed
+over the columns. Any other use (the parameter on both sides, a weight with a batch dim)
+takes the local rule's vjp. A parameter's rows copied over the batch and concatenated
+with the samples' (a class token ``cat([cls.expand(N, 1, D), x], 1)``, prompt tuning's
+prompt) get their slice of the cotangent, pulled back through the copy as one sample
+sees it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ from packfunc.engine.rules.local import LocalRule, as_local
 _ADD = (torch.add, Tensor.add, Tensor.__add__)
 _SUBTRACT = (torch.sub, Tensor.sub, Tensor.__sub__)
 _MULTIPLY = (torch.mul, torch.multiply, Tensor.mul, Tensor.multiply, Tensor.__mul__)
+_DIVIDE = (
+    torch.div,
+    torch.divide,
+    torch.true_divide,
+    Tensor.div,
+    Tensor.divide,
+    Tensor.true_divide,
+    Tensor.__truediv__,
+)
 
 
 class _SampleSized(LocalRule):
@@ -211,6 +221,32 @@ def _concatenated(local: LocalInputs, param: Tensor) -> tuple[Derivation, int, i
     return source, dim, start, items[position].shape[dim]
 
 
+class BroadcastDiv(_Broadcast):
+    """A parameter that divides a batched tensor, or is divided by one (a temperature)."""
+
+    def operand_cotangent(self, local: LocalInputs, g: Tensor, position: int) -> Tensor | None:
+        """``g / b`` for the dividend, ``-g·a / b²`` for the divisor (``a / b`` the call).
+
+        Example:
+            >>> from packfunc.engine.local import CallArguments
+            >>> x, t = torch.tensor([[2.0, 4.0]]), torch.tensor(2.0)
+            >>> local = LocalInputs(torch.div, CallArguments.of((x, t), {}), {1: 0}, (0,),
+            ...                     frozenset(), {0: t})
+            >>> BroadcastDiv().operand_cotangent(local, torch.ones(1, 1, 2), 1)
+            tensor([[[-0.5000, -1.0000]]])
+        """
+        other = 1 - position
+        values = local.arguments.values
+        if other not in local.per_sample() or not isinstance(values[other], Tensor):
+            return None
+        if values[other].dim() != g.dim() - 1:  # its first dim would not be the samples'
+            return None
+        dividend, divisor = cast(Tensor, values[0]), cast(Tensor, values[1])
+        if position == 0:
+            return g / divisor
+        return -g * dividend / divisor.square()
+
+
 def _summed_to(g: Tensor, operand: Tensor) -> Tensor | None:
     """``g [K, n, ...]`` summed over the dims ``operand`` is broadcast along: ``[K, n, *operand]``.
 
@@ -253,6 +289,8 @@ def _operand(
 BROADCAST_RULES: dict[Callable[..., Any], LocalRule] = {
     **{func: BroadcastAdd() for func in (*_ADD, *_SUBTRACT)},
     **{func: BroadcastMul() for func in _MULTIPLY},
+    **{func: BroadcastDiv() for func in _DIVIDE},
     **{func: ConcatenatedCopy() for func in (torch.cat, torch.concat, torch.concatenate)},
 }
-"""The closed-form rule of each addition, subtraction, multiplication and concatenation."""
+"""The closed-form rule of each addition, subtraction, multiplication, division and
+concatenation function."""
