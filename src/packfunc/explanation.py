@@ -9,7 +9,7 @@ import optree
 import torch
 
 from packfunc.engine.batch_record import probed_forward, zero_probes
-from packfunc.engine.discovery import Plan, discover
+from packfunc.engine.discovery import Plan, Recorded, discover
 from packfunc.engine.ops import SiteCall
 from packfunc.engine.randomness import private_generators
 from packfunc.engine.rules import rule_for
@@ -54,13 +54,19 @@ def explain(model_fn: ModelFn, params: Params, X: Inputs) -> PathTree:
         plan = discover(model_fn, params, leaves, select_samples(X, slice(0, 1)))
         failed: set[int] = set()
         forward = probed_forward(model_fn, params, leaves, plan, X, failed)
-        forward(zero_probes(plan, plan.active(), batch_size(X)))
-    paths = [_path(plan, failed, leaf) for leaf in range(len(leaves))]
+        _, inputs = forward(zero_probes(plan, plan.active(), batch_size(X)))
+    paths = [_path(plan, failed, inputs, leaves, leaf) for leaf in range(len(leaves))]
     return cast(PathTree, optree.tree_unflatten(treespec, paths))
 
 
-def _path(plan: Plan, failed: set[int], leaf: int) -> str:
-    """The description of one leaf's path."""
+def _path(
+    plan: Plan,
+    failed: set[int],
+    inputs: Mapping[int, Recorded],
+    leaves: list[torch.Tensor],
+    leaf: int,
+) -> str:
+    """The description of one leaf's path (``inputs``: each site's recorded input)."""
     if leaf in plan.uncovered:
         return f"whole model: {plan.reasons.get(leaf, 'used outside the ops packfunc follows')}"
     calls = [
@@ -78,10 +84,22 @@ def _path(plan: Plan, failed: set[int], leaf: int) -> str:
             "size in a way that does not keep one row per sample"
         )
     names = sorted({call.name for _, call, _ in calls})
-    kinds = {_kind(call, role) for _, call, role in calls}
+    kinds = {
+        _kind(call, role, inputs.get(k), leaves[leaf], len(plan.sites[k].tail) + 1)
+        for k, call, role in calls
+    }
     return f"{' and '.join(sorted(kinds))} ({', '.join(names)})"
 
 
-def _kind(call: SiteCall, role: str) -> str:
-    """``"closed form"`` if the parameter's rule has closed forms, else ``"op-local"``."""
-    return "closed form" if rule_for(call, role).closed_form else "op-local"
+def _kind(
+    call: SiteCall, role: str, recorded: Recorded | None, param: torch.Tensor, rank: int
+) -> str:
+    """``"closed form"`` if the parameter's rule takes its closed forms here, else ``"op-local"``.
+
+    Without a record of the call (a site not recorded), the rule's kind decides.
+    """
+    rule = rule_for(call, role)
+    if recorded is None:
+        return "closed form" if rule.closed_form else "op-local"
+    closed = rule.takes_closed_form(recorded, call, param, rank)
+    return "closed form" if closed else "op-local"

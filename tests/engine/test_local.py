@@ -186,19 +186,28 @@ def test_multiplied_parameters_have_a_closed_form(monkeypatch, n):
     _check_closed_forms(monkeypatch, model, X, y, loss)
 
 
-def test_a_product_with_a_factor_of_other_dims_takes_the_op_local_vjp():
-    class Scaled(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.scale = nn.Parameter(torch.randn(5, 4))
-            self.head = nn.Linear(4, 3)
+class Products(nn.Module):
+    """A scale broadcast over a new dim of the samples, and a product of two parameters."""
 
-        def forward(self, x: Tensor) -> Tensor:  # x [N, 4] against a [5, 4] scale: [N, 5, 4]
-            return self.head((x.unsqueeze(1) * self.scale).tanh().mean(1))
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(5, 4))  # x [N, 1, 4] times it: [N, 5, 4]
+        self.a = nn.Parameter(torch.randn(4))
+        self.b = nn.Parameter(torch.randn(4))
+        self.head = nn.Linear(4, 3)
 
+    def forward(self, x: Tensor) -> Tensor:
+        h = (x.unsqueeze(1) * self.scale).tanh()
+        return self.head((h * (self.a * self.b)).mean(1))
+
+
+def test_explain_says_which_products_take_the_closed_form():
     torch.manual_seed(0)
-    model, X, y, loss = _problem(Scaled(), torch.randn(3, 4))
+    model, X, y, loss = _problem(Products(), torch.randn(3, 4))
     model_fn, params = pf.functional(model)
+    paths = pf.explain(model_fn, params, X)
+    assert paths["scale"] == "closed form (mul)"
+    assert paths["a"] == paths["b"] == "op-local (mul)"  # two parameters in one operand
     expected = autograd_batch_grad(model, loss, X, y)
     assert_trees_close(pf.batch_grad(model_fn, params, X, y, loss=loss), expected, "batch_grad")
 

@@ -227,6 +227,22 @@ class Rule:
         """``Σ_k ‖c[k, n]‖²`` per sample, ``[n]``, or ``None``."""
         return None
 
+    def takes_closed_form(self, x: Any, call: SiteCall, param: Tensor, rank: int) -> bool:
+        """Whether this call's column gradients come from the rule's closed forms.
+
+        Args:
+            x: The op's recorded input (a local call's
+                :class:`~packfunc.engine.local.LocalInputs`).
+            call: The op call.
+            param: The parameter.
+            rank: Dims of the op's output.
+
+        Returns:
+            :attr:`closed_form` here; a rule whose closed form depends on the call's
+            arguments (falling back to the op-local vjp otherwise) looks at them.
+        """
+        return self.closed_form
+
     def outer_factors(
         self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
     ) -> tuple[Tensor, Tensor] | None:

@@ -82,27 +82,42 @@ class _Broadcast(_SampleSized):
             >>> BroadcastAdd().columns(local, torch.ones(1, 2, 4, 3), None, w)[0, 0]
             tensor([-8., -8., -8.])
         """
+        if not self.takes_closed_form(x, call, param, g.dim() - 1):
+            return super().columns(x, g, call, param)
         local = as_local(x)
-        found = _operand(local, param, self.keywords)
-        shares = None if found is None else self.operand_cotangent(local, g, found[0])
-        if found is None or shares is None:
-            return super().columns(x, g, call, param)
-        source, leaf = found[1], local.leaf_of(param)
+        position, source = cast(tuple[int, Source], _operand(local, param, self.keywords))
+        shares = self.operand_cotangent(local, g, position)
         if isinstance(source, int):
-            summed = _summed_to(shares, param)
-            return super().columns(x, g, call, param) if summed is None else summed
+            return _summed_to(shares, param)
+        leaf = local.leaf_of(param)
         operand, pullback = vjp(lambda w: source.compute({leaf: w}), param)
-        summed = _summed_to(shares, operand)
-        if summed is None:  # the operand covers the samples
-            return super().columns(x, g, call, param)
-        pulled = vmap(lambda s: pullback(s)[0])(summed.flatten(0, 1))
+        summed = _summed_to(shares, operand).flatten(0, 1)
+        pulled = vmap(lambda s: pullback(s)[0])(summed)
         return cast(Tensor, pulled).view(*g.shape[:2], *param.shape)
 
-    def operand_cotangent(self, local: LocalInputs, g: Tensor, position: int) -> Tensor | None:
-        """The cotangents ``[K, n, ...]`` of the operand at ``position``, not summed to its shape.
+    def takes_closed_form(self, x: Any, call: SiteCall, param: Tensor, rank: int) -> bool:
+        """Whether ``param`` is one operand of two, the other fits, and its rows are shared.
 
-        ``None`` where this rule has no closed form for the call.
+        Example:
+            >>> from packfunc.engine.local import CallArguments
+            >>> x, w = torch.ones(2, 4, 3), torch.ones(3)
+            >>> local = LocalInputs(torch.mul, CallArguments.of((x, w), {}), {1: 0}, (0,),
+            ...                     frozenset(), {0: w})
+            >>> BroadcastMul().takes_closed_form(local, None, w, 3)
+            True
         """
+        local = as_local(x)
+        found = _operand(local, param, self.keywords)
+        if found is None or not self.other_fits(local, found[0], rank):
+            return False
+        return _shared(local.arguments.values[found[0]], rank)
+
+    def other_fits(self, local: LocalInputs, position: int, rank: int) -> bool:
+        """Whether the call's other arguments allow the closed form, the operand at ``position``."""
+        return True
+
+    def operand_cotangent(self, local: LocalInputs, g: Tensor, position: int) -> Tensor:
+        """The cotangents ``[K, n, ...]`` of the operand at ``position``, before the sum."""
         raise NotImplementedError
 
 
@@ -111,21 +126,39 @@ class BroadcastAdd(_Broadcast):
 
     keywords = frozenset({"alpha"})
 
-    def operand_cotangent(self, local: LocalInputs, g: Tensor, position: int) -> Tensor | None:
+    def other_fits(self, local: LocalInputs, position: int, rank: int) -> bool:
+        """Whether ``alpha`` is a number (not a tensor)."""
+        alpha = _alpha(local)
+        return isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
+
+    def operand_cotangent(self, local: LocalInputs, g: Tensor, position: int) -> Tensor:
         """``g`` times the sign and scale the operand enters with."""
-        arguments = local.arguments
-        alpha = dict(zip(arguments.keys, arguments.values[2:])).get("alpha", 1)
-        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-            return None
-        scale = 1.0 if position == 0 else float(alpha) * (1 if local.func in _ADD else -1)
+        scale = 1.0 if position == 0 else float(_alpha(local)) * (1 if local.func in _ADD else -1)
         return g if scale == 1 else g * scale
 
 
-class BroadcastMul(_Broadcast):
+def _alpha(local: LocalInputs) -> Any:
+    """The ``alpha`` of an addition or subtraction (1 if not given)."""
+    arguments = local.arguments
+    return dict(zip(arguments.keys, arguments.values[2:])).get("alpha", 1)
+
+
+class _Factor(_Broadcast):
+    """An operand whose cotangent needs the other: one row per sample and the output's dims."""
+
+    def other_fits(self, local: LocalInputs, position: int, rank: int) -> bool:
+        """Whether the other operand has one row per sample and ``rank`` dims."""
+        other = 1 - position
+        value = local.arguments.values[other]
+        # with fewer dims, its first would not be the samples' in the output
+        return other in local.per_sample() and isinstance(value, Tensor) and value.dim() == rank
+
+
+class BroadcastMul(_Factor):
     """A parameter that is one factor of a product with a batched tensor (an RMSNorm's weight)."""
 
-    def operand_cotangent(self, local: LocalInputs, g: Tensor, position: int) -> Tensor | None:
-        """``g`` times the other factor, where that has one row per sample and the output's dims.
+    def operand_cotangent(self, local: LocalInputs, g: Tensor, position: int) -> Tensor:
+        """``g`` times the other factor.
 
         Example:
             >>> from packfunc.engine.local import CallArguments
@@ -136,17 +169,15 @@ class BroadcastMul(_Broadcast):
             tensor([[[0., 1., 2.],
                      [3., 4., 5.]]])
         """
-        other = 1 - position
-        factor = local.arguments.values[other]
-        if other not in local.per_sample() or not isinstance(factor, Tensor):
-            return None
-        if factor.dim() != g.dim() - 1:  # its first dim would not be the samples' in the output
-            return None
-        return g * factor
+        return g * cast(Tensor, local.arguments.values[1 - position])
 
 
 class ConcatenatedCopy(_SampleSized):
     """A parameter copied over the batch and concatenated with batched tensors (a class token)."""
+
+    def takes_closed_form(self, x: Any, call: SiteCall, param: Tensor, rank: int) -> bool:
+        """Whether ``param``'s copy is one tensor of the list, concatenated beside the samples."""
+        return _concatenated(as_local(x), param) is not None
 
     def columns(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """The copy's slice of ``g``, pulled back through the copy: ``[K, n, *param.shape]``.
@@ -221,10 +252,10 @@ def _concatenated(local: LocalInputs, param: Tensor) -> tuple[Derivation, int, i
     return source, dim, start, items[position].shape[dim]
 
 
-class BroadcastDiv(_Broadcast):
+class BroadcastDiv(_Factor):
     """A parameter that divides a batched tensor, or is divided by one (a temperature)."""
 
-    def operand_cotangent(self, local: LocalInputs, g: Tensor, position: int) -> Tensor | None:
+    def operand_cotangent(self, local: LocalInputs, g: Tensor, position: int) -> Tensor:
         """``g / b`` for the dividend, ``-g·a / b²`` for the divisor (``a / b`` the call).
 
         Example:
@@ -235,31 +266,40 @@ class BroadcastDiv(_Broadcast):
             >>> BroadcastDiv().operand_cotangent(local, torch.ones(1, 1, 2), 1)
             tensor([[[-0.5000, -1.0000]]])
         """
-        other = 1 - position
         values = local.arguments.values
-        if other not in local.per_sample() or not isinstance(values[other], Tensor):
-            return None
-        if values[other].dim() != g.dim() - 1:  # its first dim would not be the samples'
-            return None
         dividend, divisor = cast(Tensor, values[0]), cast(Tensor, values[1])
         if position == 0:
             return g / divisor
         return -g * dividend / divisor.square()
 
 
-def _summed_to(g: Tensor, operand: Tensor) -> Tensor | None:
-    """``g [K, n, ...]`` summed over the dims ``operand`` is broadcast along: ``[K, n, *operand]``.
+def _shared(operand: Any, rank: int) -> bool:
+    """Whether an operand of an op with ``rank`` output dims is the same for every sample.
 
-    ``None`` where the operand has a dim of the samples' own (its rows are not shared).
+    It has fewer dims than the output, or a leading dim of one (else a dim of the samples'
+    own).
+
+    Example:
+        >>> _shared(torch.ones(4), 3), _shared(torch.ones(1, 2, 4), 3), _shared(torch.ones(2, 4), 2)
+        (True, True, False)
+    """
+    if not isinstance(operand, Tensor):
+        return False
+    leading = rank - operand.dim()
+    return leading > 0 or (leading == 0 and operand.shape[0] == 1)
+
+
+def _summed_to(g: Tensor, operand: Tensor) -> Tensor:
+    """``g [K, n, ...]`` summed over the dims a :func:`_shared` operand is broadcast along.
+
+    Returns:
+        ``[K, n, *operand.shape]``.
 
     Example:
         >>> _summed_to(torch.ones(1, 2, 3, 4), torch.ones(4)).shape
         torch.Size([1, 2, 4])
     """
-    leading = g.dim() - 1 - operand.dim()  # output dims beyond the operand's, the sample's
-    if leading < 0 or (leading == 0 and operand.shape[0] != 1):
-        return None
-    padded = (1,) * leading + tuple(operand.shape)
+    padded = (1,) * (g.dim() - 1 - operand.dim()) + tuple(operand.shape)
     return g.sum_to_size(g.shape[:2] + padded[1:]).reshape(*g.shape[:2], *operand.shape)
 
 

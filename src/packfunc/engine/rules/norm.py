@@ -40,6 +40,10 @@ class AffineNorm(LocalRule):
 
     closed_form = True
 
+    def takes_closed_form(self, x: Any, call: SiteCall, param: Tensor, rank: int) -> bool:
+        """Whether ``param`` is the call's weight or bias itself (not a tensor derived from it)."""
+        return _role(as_local(x), param) is not None
+
     def columns(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
         """Column gradients ``[K, n, *param.shape]``: ``g`` (times ``x̂``) summed over positions."""
         local = as_local(x)
