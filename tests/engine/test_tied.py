@@ -122,3 +122,43 @@ def test_tied_squared_norms_equal_the_formed_gradients(n, lengths, one_hot, rows
         formed += a_dense.mT @ b
     found = tied.tied_squared_norms(factors)
     torch.testing.assert_close(found, formed.square().sum((1, 2)))
+
+
+class GPT2Sequence(nn.Module):
+    """Hugging Face GPT-2 (its embedding tied to the head) with ``[N, V, T]`` logits."""
+
+    def __init__(self, vocab: int = 300):
+        super().__init__()
+        import transformers as hf
+
+        config = hf.GPT2Config(
+            vocab_size=vocab,
+            n_embd=8,
+            n_layer=1,
+            n_head=2,
+            n_positions=8,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        self.model = hf.GPT2LMHeadModel(config)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.model(tokens).logits.permute(0, 2, 1)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_hugging_face_gpt2_with_ignored_targets_takes_the_gram_form(spied, n):
+    torch.manual_seed(0)
+    model = GPT2Sequence().double().eval()
+    X, y = torch.randint(0, 300, (n, 6)), torch.randint(0, 300, (n, 6))
+    y[:, :2] = -100  # a prompt whose tokens are not predicted
+    summed = nn.CrossEntropyLoss(reduction="sum", ignore_index=-100)
+    model_fn, params = pf.functional(model)
+    expected = autograd_batch_grad(model, summed, X, y)
+    norms = {k: g.flatten(1).square().sum(1) for k, g in expected.items()}
+    assert_trees_close(pf.batch_l2_grad(model_fn, params, X, y, loss=summed), norms, "norms")
+    clipped = pf.clipped_grad(model_fn, params, X, y, loss=summed, max_norm=0.5)
+    per_sample = pf.clip_per_sample(expected, 0.5)
+    assert_trees_close(clipped, {k: g.sum(0) for k, g in per_sample.items()}, "clipped_grad")
+    assert spied
