@@ -131,16 +131,8 @@ class GPT2Sequence(nn.Module):
         super().__init__()
         import transformers as hf
 
-        config = hf.GPT2Config(
-            vocab_size=vocab,
-            n_embd=8,
-            n_layer=1,
-            n_head=2,
-            n_positions=8,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
+        # eval mode: no dropout
+        config = hf.GPT2Config(vocab_size=vocab, n_embd=8, n_layer=1, n_head=2, n_positions=8)
         self.model = hf.GPT2LMHeadModel(config)
 
     def forward(self, tokens: Tensor) -> Tensor:
