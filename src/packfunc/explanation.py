@@ -100,6 +100,7 @@ def _kind(
     """
     rule = rule_for(call, role)
     if recorded is None:
-        return "closed form" if rule.closed_form else "op-local"
-    closed = rule.takes_closed_form(recorded, call, param, rank)
+        closed = rule.closed_form
+    else:
+        closed = rule.takes_closed_form(recorded, call, param, rank)
     return "closed form" if closed else "op-local"

@@ -82,10 +82,11 @@ class _Broadcast(_SampleSized):
             >>> BroadcastAdd().columns(local, torch.ones(1, 2, 4, 3), None, w)[0, 0]
             tensor([-8., -8., -8.])
         """
-        if not self.takes_closed_form(x, call, param, g.dim() - 1):
-            return super().columns(x, g, call, param)
         local = as_local(x)
-        position, source = cast(tuple[int, Source], _operand(local, param, self.keywords))
+        found = self._closed_operand(local, param, g.dim() - 1)
+        if found is None:
+            return super().columns(x, g, call, param)
+        position, source = found
         shares = self.operand_cotangent(local, g, position)
         if isinstance(source, int):
             return _summed_to(shares, param)
@@ -106,11 +107,16 @@ class _Broadcast(_SampleSized):
             >>> BroadcastMul().takes_closed_form(local, None, w, 3)
             True
         """
-        local = as_local(x)
+        return self._closed_operand(as_local(x), param, rank) is not None
+
+    def _closed_operand(
+        self, local: LocalInputs, param: Tensor, rank: int
+    ) -> tuple[int, Source] | None:
+        """``param``'s operand (position, source) where the closed form applies, else ``None``."""
         found = _operand(local, param, self.keywords)
         if found is None or not self.other_fits(local, found[0], rank):
-            return False
-        return _shared(local.arguments.values[found[0]], rank)
+            return None
+        return found if _shared(local.arguments.values[found[0]], rank) else None
 
     def other_fits(self, local: LocalInputs, position: int, rank: int) -> bool:
         """Whether the call's other arguments allow the closed form, the operand at ``position``."""
