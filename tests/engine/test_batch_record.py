@@ -39,8 +39,25 @@ class Encoder(nn.Module):
         return self.head(self.layer(x + self.position).flatten(1))
 
 
+class DerivedPositions(nn.Module):
+    """Positions derived from parameters before they meet the samples: a table's lookup of
+    ``arange(T)`` (Hugging Face's ``wpe(arange(T))``) and a slice of a longer table."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(5, 4)
+        self.longer = nn.Parameter(torch.randn(6, 4))
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        length = x.shape[1]
+        positions = self.table(torch.arange(length)) + self.longer[:length]
+        return self.head(torch.tanh(x + positions).flatten(1))
+
+
 def _models():
-    """``(name, model_fn, params, X, y)``: an MLP, an LSTM's head, a CNN, a Transformer layer."""
+    """``(name, model_fn, params, X, y)``: an MLP, an LSTM's head, a CNN, a Transformer layer,
+    positions derived from parameters."""
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(6, 5), nn.ReLU(inplace=True), nn.Linear(5, 4))
     lstm = RecurrentHead(nn.LSTM)
@@ -51,6 +68,7 @@ def _models():
         ("lstm head", lstm, torch.randn(8, 6, 3), 2),
         ("cnn", cnn, torch.randn(8, 2, 4, 4), 4),
         ("encoder", Encoder(), torch.randn(8, 3, 4), 3),
+        ("derived positions", DerivedPositions(), torch.randn(8, 3, 4), 3),
     ):
         model_fn, params = pf.functional(model)
         if name == "lstm head":
@@ -86,7 +104,7 @@ def test_which_plans_call_the_leaves_only():
     assert not _plan(derived, {"w": torch.randn(3, 4)}, torch.randn(2, 4)).leaf_calls_only
 
 
-@pytest.mark.parametrize("name", ["mlp", "lstm head", "cnn", "encoder"])
+@pytest.mark.parametrize("name", ["mlp", "lstm head", "cnn", "encoder", "derived positions"])
 def test_tapped_leaves_give_the_results_of_the_mode(name, monkeypatch):
     _, model_fn, params, X, y = next(m for m in _models() if m[0] == name)
     passes = []

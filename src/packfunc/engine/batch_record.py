@@ -141,6 +141,8 @@ class _RecordMode(ParameterMode):
         sources = self._sources(arguments.values) or {}
         if use.kind is UseKind.DERIVED:
             out = func(*args, **kwargs)
+            if self.originals is not None:  # tapped leaves: the calls that use it come here too
+                out = _as_tapped(out)
             self._derive(func, arguments, sources, out)
             return out
         if use.kind is UseKind.LOCAL and use.site in self.shapes:
@@ -202,6 +204,8 @@ class _RecordMode(ParameterMode):
         for position, source in sources.items():
             if isinstance(source, int):
                 values[position] = leaves[source]
+            elif isinstance(values[position], _TappedLeaf):  # a derived tensor's alias
+                values[position] = values[position].as_subclass(Tensor)
         arguments = replace(arguments, values=tuple(values))
         self.inputs[k] = LocalInputs(func, arguments, sources, batched, narrow, leaves)
         return self._probed(k, out)
@@ -542,6 +546,21 @@ class _TappedLeaf(Tensor):
             if not recorders:  # kept by the model beyond its pass: a plain tensor
                 return func(*args, **kwargs)
             return recorders[-1]._dispatch(func, args, kwargs, touches=True)
+
+
+def _as_tapped(out: Any) -> Any:
+    """A deriving call's tensor outputs as :class:`_TappedLeaf` aliases (calls on them come back).
+
+    Example:
+        >>> type(_as_tapped((torch.ones(1), 2))[0]).__name__
+        '_TappedLeaf'
+    """
+    if isinstance(out, Tensor):
+        return out.as_subclass(_TappedLeaf)
+    if type(out) in (list, tuple):  # (any other container: its uses do not come back, and
+        # the pass stops at the plan's next use, to run in the mode that sees every call)
+        return type(out)(t.as_subclass(_TappedLeaf) if isinstance(t, Tensor) else t for t in out)
+    return out
 
 
 _THREAD = threading.local()

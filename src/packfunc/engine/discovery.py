@@ -170,14 +170,15 @@ class Plan:
 
     @property
     def leaf_calls_only(self) -> bool:
-        """Whether every use of a parameter is a tapped or local call of a leaf itself.
+        """Whether every use of a parameter is a tapped, local or deriving call.
 
-        No use derives a tensor from the leaves, and no call that consumed them was
-        rewritten but attention: the batch pass can then follow the calls that receive the
-        leaves alone (see :class:`~packfunc.engine.batch_record._TappedLeaf`).
+        No call that consumed them was rewritten but attention, and none takes the
+        whole-model path: the batch pass can then follow the calls that receive the leaves
+        and the tensors derived from them alone (see
+        :class:`~packfunc.engine.batch_record._TappedLeaf`).
         """
         return not (self.rewritten_ops - ATTENTION_OPS or self.uncovered) and all(
-            use.kind in (UseKind.TAPPED, UseKind.LOCAL) for use in self.uses
+            use.kind is not UseKind.OTHER for use in self.uses
         )
 
     def covered(self) -> set[int]:
