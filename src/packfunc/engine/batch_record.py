@@ -557,8 +557,9 @@ def _as_tapped(out: Any) -> Any:
     """
     if isinstance(out, Tensor):
         return out.as_subclass(_TappedLeaf)
-    if type(out) in (list, tuple):  # (any other container: its uses do not come back, and
-        # the pass stops at the plan's next use, to run in the mode that sees every call)
+    # another container's uses do not come back: the pass stops at the plan's next use and
+    # runs in the mode that sees every call
+    if type(out) in (list, tuple):
         return type(out)(t.as_subclass(_TappedLeaf) if isinstance(t, Tensor) else t for t in out)
     return out
 
