@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, as one script for a short lease of a CUDA machine:
 # tests/test_devices.py (every quantity on CUDA equals the CPU result), then the scaling
-# study with --device cuda, one problem at a time so that a time limit keeps what finished,
-# and a row at a batch size too large for the CPU study. Results go to $OUT (default
-# ./gpu-study): tests.log, scaling-<tag>.log and scaling-<tag>.tgz (the problems' .md, .csv,
-# .png). Settings (environment): TESTS=1|0, PROBLEMS="MLP CNN LM GPT-2",
-# SIZES=8,128,4096, LARGEST=32768 (MLP batch_grad; empty to skip), TAG=all, LIMIT=100
-# (seconds per problem).
+# study with --device cuda, one problem and quantity at a time so that a time limit keeps
+# what finished, and a row at a batch size too large for the CPU study. Results go to $OUT
+# (default ./gpu-study): tests.log, scaling-<tag>.log (every cell, in significant digits)
+# and scaling-<tag>.tgz (each run's .md, .csv, .png). Settings (environment): TESTS=1|0,
+# PROBLEMS="MLP CNN LM GPT-2", QUANTITIES="batch_grad kfac", SIZES=8,128,4096,
+# LARGEST=32768 (MLP batch_grad; empty to skip), TAG=all, LIMIT=75 (seconds per problem and
+# quantity). Seen on an H100 (2026-11-27): the tests take 30 s, a cell 12-20 s, GPT-2's
+# batch_grad at N=4096 more than 40 s; a problem's two quantities took more than 80 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-study}
 TAG=${TAG:-all}
-LIMIT=${LIMIT:-100}
+LIMIT=${LIMIT:-75}
 mkdir -p "$OUT/scaling-$TAG"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # A machine without a package registry: wheels in .whl/ (optree, the peers; see CONTRIBUTING.md)
@@ -28,9 +30,11 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 {
     for problem in ${PROBLEMS:-MLP CNN LM GPT-2}; do
-        timeout "$LIMIT" python3 benchmarks/scaling.py --device cuda --problems "$problem" \
-            --sizes "${SIZES:-8,128,4096}" --processes 1 --repeats 5 --ranks '' \
-            --out "$OUT/scaling-$TAG/$problem"
+        for quantity in ${QUANTITIES:-batch_grad kfac}; do
+            timeout "$LIMIT" python3 benchmarks/scaling.py --device cuda --problems "$problem" \
+                --quantities "$quantity" --sizes "${SIZES:-8,128,4096}" --processes 1 \
+                --repeats 5 --ranks '' --out "$OUT/scaling-$TAG/$problem-$quantity"
+        done
     done
     if [ -n "${LARGEST-32768}" ]; then
         timeout "$LIMIT" python3 benchmarks/scaling.py --device cuda --problems MLP \

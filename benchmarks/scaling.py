@@ -214,12 +214,13 @@ def _in_fresh_process(args: tuple) -> list[Cell]:
 
 
 def _line(cell: Cell) -> str:
+    """One cell as a log line, in significant digits (a run cut short keeps only its log)."""
     head = f"{cell.problem} {cell.quantity} n={cell.n} {cell.contender}:"
     if cell.ms_per_sample is None or cell.mib_per_sample is None:
         return f"{head} {cell.note}"
     return (
-        f"{head} {cell.ms_per_sample:.3f} ({cell.ms_low:.3f}-{cell.ms_high:.3f}) ms/sample, "
-        f"{cell.mib_per_sample:.3f} MiB/sample"
+        f"{head} {cell.ms_per_sample:.4g} ({cell.ms_low:.4g}-{cell.ms_high:.4g}) ms/sample, "
+        f"{cell.mib_per_sample:.4g} MiB/sample"
     )
 
 

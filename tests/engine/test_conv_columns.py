@@ -241,3 +241,45 @@ def test_gram_route_matches_autograd_loop():
     model_fn, params = pf.functional(model)
     norms = pf.batch_l2_grad(model_fn, params, X, y, loss=loss)
     torch.testing.assert_close(norms["0.weight"], expected["0.weight"].flatten(1).square().sum(1))
+
+
+@pytest.mark.parametrize("options", [o for o in OPTIONS if not o[1] and o[2] > 1], ids=str)
+@pytest.mark.parametrize("approx", ["sum", "expand", "reduce"])
+@pytest.mark.parametrize("samples", [1, 4])
+def test_kronecker_factors_unfolded_in_chunks_equal_those_of_the_whole_unfolded_input(
+    options, approx, samples
+):
+    """KFAC's factors of a convolution (issue 23): the input unfolded a few samples at a
+    time (with one group straight into one product's layout ``[C·k, samples·L]``) and the
+    output factor taken once give the factors of the input unfolded at once."""
+    torch.manual_seed(0)
+    x, weight, call, op = _conv(options, torch.float64)
+    x = x[:samples]
+    g = torch.randn(2, *op(x, weight).shape, dtype=torch.float64)
+    rule = ConvWeight()
+    assert rule.unfolds_input(x, g, call, weight)
+    unfolded, cotangents = rule.canonical(x, g, call, weight)
+    output, inputs = rule.unfolded_kronecker_factors(x, g, call, weight, approx)
+    torch.testing.assert_close(output, rule.output_factor(cotangents, approx))
+    torch.testing.assert_close(inputs, rule.input_factor(unfolded, approx))
+
+
+def test_the_kronecker_factors_of_a_convolution_unfold_a_few_samples_at_a_time(monkeypatch):
+    """The chunks hold no more of the unfolded input than the input's own size, and with
+    one group each is one copy into the product's layout (no per-sample products)."""
+    x, weight, call, op = _conv(OPTIONS[3], torch.float64)  # 2-d, one group, 3×3 kernel
+    x = x.repeat(8, 1, 1, 1)  # 32 samples: 3 make up the input's size once unfolded
+    g = torch.randn(1, *op(x, weight).shape, dtype=torch.float64)
+    unfolded_sizes: list[int] = []
+    unfold = conv_rules.unfold
+
+    def spy(*args, **kwargs):
+        found = unfold(*args, **kwargs)
+        unfolded_sizes.append(found.numel())
+        assert found.dim() == 2  # [C·k, samples·L]
+        return found
+
+    monkeypatch.setattr(conv_rules, "unfold", spy)
+    ConvWeight().unfolded_kronecker_factors(x, g, call, weight, "sum")
+    assert len(unfolded_sizes) == 11  # ceil(32 / 3)
+    assert max(unfolded_sizes) <= x.numel()

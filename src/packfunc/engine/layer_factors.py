@@ -195,7 +195,8 @@ class _FactorsDuringBackward:
         """Site ``k``'s leaves' factors; ``g`` is kept for any other site.
 
         An input the rule unfolds (a convolution's) is unfolded a few samples at a time
-        (:meth:`_unfolded_in_chunks`): the backward pass's activations are still there.
+        (the rule's ``unfolded_kronecker_factors``): the backward pass's activations are
+        still there.
         """
         if k not in self.sites:
             return g
@@ -203,30 +204,16 @@ class _FactorsDuringBackward:
         for leaf, raw in self.bp.site_terms(k, g[None]):
             param = self.bp.leaves[leaf]
             if raw.rule.unfolds_input(raw.x, raw.g, raw.call, param):
-                self.factors[leaf] = self._unfolded_in_chunks(raw, param)
+                output, inputs = raw.rule.unfolded_kronecker_factors(
+                    raw.x, raw.g, raw.call, param, self.approx
+                )
+                self.factors[leaf] = raw.rule.kronecker_order(output, inputs)
                 continue
             term = canonical_term(raw, param)
             output = _output_factor(term, self.approx, summed)
             self.factors[leaf] = _assemble(term, output, self.approx)
         self.bp.record.inputs.pop(k)
         return None
-
-    def _unfolded_in_chunks(self, raw: Term, param: Tensor) -> list[Tensor]:
-        """A weight's factors from its input unfolded no more at once than the input's size.
-
-        Both factors add up over samples (the input factor, a mean over the batch, in place).
-        """
-        n = raw.x.shape[0]
-        unfolded = raw.rule.canonical_input_size(raw.x, raw.g, raw.call, param)
-        output: Tensor | None = None
-        inputs: Tensor | None = None
-        for chunk in chunks(n, max(1, raw.x.numel() // unfolded)):
-            x, g = raw.rule.canonical(raw.x[chunk], raw.g[:, chunk], raw.call, param)
-            found = raw.rule.output_factor(g, self.approx)
-            output = found if output is None else output.add_(found)
-            inputs = raw.rule.input_factor(x, self.approx, add_to=inputs, samples=n)
-        assert output is not None and inputs is not None
-        return raw.rule.kronecker_order(output, inputs)
 
 
 def _output_factor(term: Term, approx: str, summed: dict[int, Tensor]) -> Tensor:

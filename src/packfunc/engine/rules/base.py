@@ -121,6 +121,26 @@ class Rule:
         """
         return self.canonical_input_size(x, g, call, param) > math.prod(x.shape[1:])
 
+    def unfolded_kronecker_factors(
+        self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor, approx: str
+    ) -> tuple[Tensor, Tensor]:
+        """The output and input factors where :meth:`unfolds_input`, unfolded in chunks.
+
+        Args:
+            x: The op's recorded input ``[N, ...]``.
+            g: Cotangents of its output ``[K, N, ...]``.
+            call: The op call.
+            param: The parameter.
+            approx: How positions enter (see :mod:`packfunc.kronecker_factors`).
+
+        Returns:
+            ``(output factor, input factor)``.
+
+        Raises:
+            NotImplementedError: here; rules whose canonical input is unfolded override it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not unfold its input")
+
     def kronecker(self, call: SiteCall) -> int:
         """Number of Kronecker factors this rule gives for ``call`` (0: none)."""
         return self.kronecker_factors

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from packfunc.engine.memory import chunks
 from packfunc.engine.ops import SiteCall
 from packfunc.engine.rules.base import Route
 from packfunc.engine.rules.product import ProductWeight, gram_is_cheaper
@@ -159,6 +160,7 @@ def unfold(
     dilation: list[int],
     padding: list[tuple[int, int]],
     positions: list[int] | None = None,
+    samples_inner: bool = False,
 ) -> Tensor:
     """Unfold ``x: [N, C, *S]`` into ``[N, C·K, L]``: every kernel window as a column.
 
@@ -169,6 +171,8 @@ def unfold(
         dilation: Dilation per spatial dim.
         padding: (before, after) zero padding per spatial dim.
         positions: Windows per spatial dim (default: all that fit).
+        samples_inner: Lay the windows out ``[C·K, N·L]`` instead (one matrix whose
+            product with its transpose sums over samples and positions; the same one copy).
 
     Returns:
         The unfolded input; for 2-D equal to ``F.unfold``.
@@ -194,7 +198,26 @@ def unfold(
             *[s * st for s, st in zip(space, stride)],
         ),
     )
+    if samples_inner:
+        dims = len(kernel)
+        order = (1, *range(2, 2 + dims), 0, *range(2 + dims, 2 + 2 * dims))
+        return windows.permute(order).reshape(channels * math.prod(kernel), -1)
     return windows.reshape(n, channels * math.prod(kernel), math.prod(positions))
+
+
+def _unfold_for(
+    source: Tensor,
+    call: SiteCall,
+    param: Tensor,
+    positions: list[int],
+    samples_inner: bool = False,
+) -> Tensor:
+    """:func:`unfold` with the recorded convolution's kernel, stride, dilation and padding."""
+    kernel = list(param.shape[2:])
+    stride = _per_dim(call.option("stride"), len(kernel))
+    dilation = _per_dim(call.option("dilation"), len(kernel))
+    padding = _padding_pairs(call, kernel, dilation)
+    return unfold(source, kernel, stride, dilation, padding, positions, samples_inner)
 
 
 def unfold_transposed(x: Tensor, kernel: list[int], call: SiteCall) -> Tensor:
@@ -304,25 +327,45 @@ class ConvWeight(ProductWeight):
         self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor
     ) -> tuple[Tensor, Tensor]:
         """Unfold the op's input (or, transposed, its cotangent) and group the channels."""
-        kernel = list(param.shape[2:])
-        dims = len(kernel)
-        stride = _per_dim(call.option("stride"), dims)
-        dilation = _per_dim(call.option("dilation"), dims)
         groups, n, columns = call.option("groups"), x.shape[0], g.shape[0]
         g = g.reshape(columns * n, *g.shape[2:])
         source, target = (g, x) if call.transposed else (x, g)
         # a transposed op's output_padding adds trailing positions no input position reaches
-        windows = unfold(
-            source,
-            kernel,
-            stride,
-            dilation,
-            _padding_pairs(call, kernel, dilation),
-            positions=list(target.shape[2:]),
-        )
+        windows = _unfold_for(source, call, param, list(target.shape[2:]))
         unfolded = windows.view(-1, n, groups, windows.shape[1] // groups, windows.shape[-1])
         other = target.reshape(-1, n, groups, target.shape[1] // groups, windows.shape[-1])
         return unfolded, other
+
+    def unfolded_kronecker_factors(
+        self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor, approx: str
+    ) -> tuple[Tensor, Tensor]:
+        """The output and input factors of a convolution, its input unfolded in chunks.
+
+        The output factor comes from all cotangents at once. The input is unfolded no more
+        samples at a time than make up the input's own size (the backward pass's
+        activations are still alive), each chunk's factor added into the first: with one
+        group and positions not reduced, straight into the layout ``[C_in·k, samples·L]``
+        of one matrix product (one copy and one product per chunk, nothing per sample).
+        """
+        n, groups = x.shape[0], call.option("groups")
+        cotangents = g.reshape(g.shape[0], n, groups, g.shape[2] // groups, -1)
+        output = self.output_factor(cotangents, approx)
+        at_once = max(1, x.numel() // self.canonical_input_size(x, g, call, param))
+        inputs: Tensor | None = None
+        for chunk in chunks(n, at_once):
+            part = x[chunk]
+            if groups != 1 or approx == "reduce":
+                unfolded, _ = self.canonical(part, g[:, chunk], call, param)
+                inputs = self.input_factor(unfolded, approx, add_to=inputs, samples=n)
+                continue
+            flat = _unfold_for(part, call, param, list(g.shape[3:]), samples_inner=True)
+            scale = n * (math.prod(g.shape[3:]) if approx == "expand" else 1)
+            if inputs is None:
+                inputs = torch.addmm(flat.new_zeros(()), flat, flat.T, beta=0, alpha=1 / scale)
+            else:
+                inputs.addmm_(flat, flat.T, alpha=1 / scale)
+        assert inputs is not None
+        return output, inputs
 
     def kronecker_gradients(self, grads: Tensor, call: SiteCall) -> Tensor:
         """Transposed: per group, the kernel's channel axes swapped (see :meth:`kronecker_layout`).

@@ -124,9 +124,14 @@ def _fused_weight_columns(local: LocalInputs, g: Tensor) -> Tensor | None:
 
 
 def _weight_gradient(g: Tensor, x: Tensor, mean: Tensor, inverse_std: Tensor) -> Tensor:
-    """``Σ_positions g ⊙ (x − mean) · inverse_std`` per channel of ``x [1, C, positions]``."""
+    """``Σ_positions g ⊙ (x − mean) · inverse_std`` per channel of ``x [1, C, positions]``.
+
+    The weight passed is ones (its value does not enter this gradient): CUDA's kernel
+    allocates the weight's gradient like the weight and refuses a missing one.
+    """
+    ones = x.new_ones(x.shape[1])
     found = torch.ops.aten.native_batch_norm_backward(
-        g, x, None, None, None, mean, inverse_std, True, 0.0, [False, True, False]
+        g, x, ones, None, None, mean, inverse_std, True, 0.0, [False, True, False]
     )
     return cast(Tensor, found[1])
 
