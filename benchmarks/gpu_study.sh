@@ -3,12 +3,13 @@
 # tests/test_devices.py (every quantity on CUDA equals the CPU result), then the scaling
 # study with --device cuda, one problem and quantity at a time so that a time limit keeps
 # what finished, and a row at a batch size too large for the CPU study. Results go to $OUT
-# (default ./gpu-study): tests.log, scaling-<tag>.log (every cell, in significant digits)
-# and scaling-<tag>.tgz (each run's .md, .csv, .png). Settings (environment): TESTS=1|0,
+# (default ./gpu-study): tests.log, profile.log (benchmarks/cuda_profile.py: host against
+# GPU time), scaling-<tag>.log (every cell, in significant digits) and scaling-<tag>.tgz
+# (each run's .md, .csv, .png). Settings (environment): TESTS=1|0, PROFILE=1|0,
 # PROBLEMS="MLP CNN LM GPT-2", QUANTITIES="batch_grad kfac", SIZES=8,128,4096,
 # LARGEST=32768 (MLP batch_grad; empty to skip), TAG=all, LIMIT=75 (seconds per problem and
-# quantity). Seen on an H100 (2026-11-27): the tests take 30 s, a cell 12-20 s, GPT-2's
-# batch_grad at N=4096 more than 40 s; a problem's two quantities took more than 80 s.
+# quantity). Seen on an H100 (2026-11-27): the tests take 30 s, the profile about 40 s, a
+# cell 12-20 s, GPT-2's batch_grad at N=4096 more than 40 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-study}
@@ -27,6 +28,9 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 if [ "${TESTS:-1}" = 1 ]; then
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_devices.py 2>&1 \
         | tee "$OUT/tests.log" | tail -25
+fi
+if [ "${PROFILE:-1}" = 1 ]; then  # host against GPU time, and the peak's blocks
+    timeout 90 python3 benchmarks/cuda_profile.py 2>&1 | grep -v Warning | tee "$OUT/profile.log"
 fi
 {
     for problem in ${PROBLEMS:-MLP CNN LM GPT-2}; do

@@ -21,6 +21,7 @@ from torch.func import functional_call
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+import cuda_profile  # noqa: E402
 import dp_step  # noqa: E402
 import laplace_fit  # noqa: E402
 import memory  # noqa: E402
@@ -331,7 +332,9 @@ def test_optimizer_step_benchmark_runs_every_optimizer_in_process() -> None:
     )
 
 
-@pytest.mark.parametrize("module", [peers, problems, timing, laplace_fit, optimizer, memory])
+@pytest.mark.parametrize(
+    "module", [peers, problems, timing, laplace_fit, optimizer, memory, cuda_profile]
+)
 def test_doctests(module) -> None:
     assert doctest.testmod(module).failed == 0
 
@@ -453,3 +456,15 @@ def test_closures_leave_no_state(contender: str, quantity: str) -> None:
         del result
         gc.collect()
         assert all(ref() is None for ref in alive), f"{contender} keeps its results"
+
+
+def test_cuda_profile_prints_one_line_per_contender(capsys) -> None:
+    """On a CPU: times and peaks of packfunc, curvlinops and the plain step (no kernels)."""
+    cuda_profile.main(["--cells", "MLP:kfac:2", "--device", "cpu"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "MLP kfac N=2 packfunc",
+        "MLP kfac N=2 curvlinops",
+        "MLP kfac N=2 plain fwd+bwd",
+    ]
+    assert all(" ms (fastest " in line and " MiB" in line for line in lines)
