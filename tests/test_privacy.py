@@ -104,6 +104,14 @@ def test_rejects_invalid_arguments(batch: dict, max_norm: float, noise: float, m
         pf.clip_and_noise(batch, max_norm, noise)
 
 
+def test_clipped_grad_of_no_parameters_is_empty() -> None:
+    """As ``batch_grad`` of no parameters: an empty pytree (it raised from ``torch.stack``)."""
+    model_fn, _ = pf.functional(nn.Linear(3, 2))
+    X, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    assert pf.clipped_grad(model_fn, {}, X, y, max_norm=1.0) == {}
+    assert pf.batch_grad(model_fn, {}, X, y) == {}
+
+
 def _clipped_sum_by_loop(batch: dict[str, torch.Tensor], max_norm: float) -> dict:
     """``Σ_n clip(g_n)``: the clipped mean of the loop times the batch size."""
     num_samples = next(iter(batch.values())).shape[0]

@@ -55,9 +55,40 @@ class DerivedPositions(nn.Module):
         return self.head(torch.tanh(x + positions).flatten(1))
 
 
+class FlatRowsLayers(nn.Module):
+    """Hugging Face's ``Conv1D`` twice: ``torch.addmm(b, x.view(-1, d), W)``, ``W`` stored
+    ``[in, out]``; the second on rows whose base is laid out ``[N, T, H, d]`` but shaped
+    ``[N, H, T, d]`` (GPT-2's attention output after ``transpose(1, 2)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.randn(6))
+        self.w2, self.b2 = nn.Parameter(torch.randn(6, 3)), nn.Parameter(torch.randn(3))
+        self.head = nn.Linear(9, 3)
+
+    def forward(self, x):
+        n, t, d = x.shape
+        h = torch.addmm(self.b1, x.reshape(-1, d), self.w1).view(n, t, 6)
+        heads = torch.tanh(h.view(n, t, 2, 3).transpose(1, 2))  # strides of [N, T, 2, 3]
+        merged = heads.transpose(1, 2).reshape(n, t, 6)  # a view of it
+        out = torch.addmm(self.b2, merged.view(-1, 6), self.w2).view(n, t, 3)
+        return self.head(out.flatten(1))
+
+
+class TransposedWeight(nn.Module):
+    """``x @ w.T`` by hand: a product with a tensor derived from the parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 12))
+
+    def forward(self, x):
+        return torch.tanh(x.flatten(1)) @ self.w.T
+
+
 def _models():
     """``(name, model_fn, params, X, y)``: an MLP, an LSTM's head, a CNN, a Transformer layer,
-    positions derived from parameters."""
+    positions derived from parameters, linear layers on flat rows, a transposed weight."""
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(6, 5), nn.ReLU(inplace=True), nn.Linear(5, 4))
     lstm = RecurrentHead(nn.LSTM)
@@ -69,6 +100,8 @@ def _models():
         ("cnn", cnn, torch.randn(8, 2, 4, 4), 4),
         ("encoder", Encoder(), torch.randn(8, 3, 4), 3),
         ("derived positions", DerivedPositions(), torch.randn(8, 3, 4), 3),
+        ("flat rows", FlatRowsLayers(), torch.randn(8, 3, 4), 3),
+        ("transposed weight", TransposedWeight(), torch.randn(8, 3, 4), 3),
     ):
         model_fn, params = pf.functional(model)
         if name == "lstm head":
@@ -98,23 +131,26 @@ def test_which_plans_call_the_leaves_only():
     bn_fn, bn_params = pf.functional(batch_norm)
     assert not _plan(bn_fn, bn_params, torch.randn(2, 4)).leaf_calls_only  # rewritten
 
-    def derived(p, X):  # the transposed weight is derived from the leaf
+    def derived(p, X):  # a product with a tensor derived from the leaf: a local call
         return X @ p["w"].T
 
-    assert not _plan(derived, {"w": torch.randn(3, 4)}, torch.randn(2, 4)).leaf_calls_only
+    assert _plan(derived, {"w": torch.randn(3, 4)}, torch.randn(2, 4)).leaf_calls_only
 
 
-@pytest.mark.parametrize("name", ["mlp", "lstm head", "cnn", "encoder", "derived positions"])
+@pytest.mark.parametrize(
+    "name",
+    ["mlp", "lstm head", "cnn", "encoder", "derived positions", "flat rows", "transposed weight"],
+)
 def test_tapped_leaves_give_the_results_of_the_mode(name, monkeypatch):
     _, model_fn, params, X, y = next(m for m in _models() if m[0] == name)
     passes = []
-    routing = batch_record._routing_tapped_leaves
+    forward = batch_record._tapped_leaves_forward
 
-    def counted(recorder):
-        passes.append(recorder)
-        return routing(recorder)
+    def counted(*args):
+        passes.append(forward(*args))
+        return passes[-1]
 
-    monkeypatch.setattr(batch_record, "_routing_tapped_leaves", counted)
+    monkeypatch.setattr(batch_record, "_tapped_leaves_forward", counted)
 
     def everything():
         out = pf.compute(
@@ -131,10 +167,10 @@ def test_tapped_leaves_give_the_results_of_the_mode(name, monkeypatch):
         return out
 
     on_tapped_leaves = everything()
-    assert len(passes) == 2  # one batch pass each
+    assert len(passes) == 2 and None not in passes  # one batch pass each, to its end
     monkeypatch.setattr(Plan, "leaf_calls_only", property(lambda plan: False))
     in_mode = everything()
-    assert len(passes) == 2
+    assert passes[2:] == [None, None]
     torch.testing.assert_close(on_tapped_leaves, in_mode, rtol=0, atol=0)
 
 
@@ -364,3 +400,26 @@ def test_released_output_is_kept_on_the_meta_device_once():
     )(params, X, y)
     found = pf.batch_grad(model_fn, params, X, y, loss=nn.CrossEntropyLoss(reduction="sum"))
     torch.testing.assert_close(found, expected)
+
+
+def test_flat_rows_in_another_order_than_the_samples_are_not_read_as_samples():
+    """``Conv1D``-like rows laid out position-major (``[T, N, d]``, ``T = N``): their memory
+    does not hold each sample's rows together, so no pass takes them for a layer on the
+    samples; the per-sample gradients equal a loop over samples."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(4, 3, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float64)}
+
+    def position_major(p, X):
+        n, t, d = X.shape
+        rows = X.transpose(0, 1).contiguous().view(-1, d)
+        return torch.addmm(p["b"], rows, p["w"]).view(t, n, 3).transpose(0, 1).sum(1)
+
+    X, y = torch.randn(3, 3, 4, dtype=torch.float64), torch.tensor([0, 2, 1])
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    found = pf.batch_grad(position_major, params, X, y, loss=loss)
+    for n in range(3):
+        one = torch.func.grad(lambda p, x, t: loss(position_major(p, x), t))(
+            params, X[n : n + 1], y[n : n + 1]
+        )
+        for key in params:
+            torch.testing.assert_close(found[key][n], one[key])

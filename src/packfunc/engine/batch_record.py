@@ -42,7 +42,13 @@ from packfunc.engine.modes import (
     is_metadata_query,
     leaves_of,
 )
-from packfunc.engine.ops import SIGNATURES, tapped_leaves
+from packfunc.engine.ops import (
+    LINEAR_CALLS,
+    SIGNATURES,
+    RowsInMemory,
+    linear_in_out,
+    tapped_leaves,
+)
 from packfunc.engine.precision import forward_autocast, to_dtype_of
 from packfunc.engine.randomness import GeneratorMark
 from packfunc.losses import check_loss_inputs
@@ -148,6 +154,13 @@ class _RecordMode(ParameterMode):
         if use.kind is UseKind.LOCAL and use.site in self.shapes:
             return self._record_local(use.site, func, arguments, sources)
         return func(*args, **kwargs)
+
+    def next_leading_dims(self) -> tuple[int, ...] | None:
+        """All but the last dim of the output the plan's next use records (``None``: none)."""
+        u = self.uses_seen
+        site = self.plan.uses[u].site if u < len(self.plan.uses) else None
+        shape = self.shapes.get(site) if site is not None else None
+        return tuple(shape[:-1]) if shape is not None else None
 
     def finish(self) -> None:
         """Check, after the forward, that every call discovery saw was made."""
@@ -530,8 +543,10 @@ class _TappedLeaf(Tensor):
     Only the calls that receive it reach Python, where a ``TorchFunctionMode`` sees every
     call of the model; :class:`_RecordMode` matches them with the plan as it does in its
     mode (a call the plan does not have raises :class:`PlanMismatch`). Attention runs
-    decomposed, as in the mode: its calls that receive the leaves come back here. Its
-    calls return plain tensors.
+    decomposed, as in the mode: its calls that receive the leaves come back here. A linear
+    layer with its weight stored ``[in, out]`` on flat rows (GPT-2's ``Conv1D``) runs as the
+    mode runs it, its rows' source read off their memory (:class:`RowsInMemory`). Its calls
+    return plain tensors.
     """
 
     @classmethod
@@ -545,7 +560,14 @@ class _TappedLeaf(Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             if not recorders:  # kept by the model beyond its pass: a plain tensor
                 return func(*args, **kwargs)
-            return recorders[-1]._dispatch(func, args, kwargs, touches=True)
+            recorder = recorders[-1]
+            if func in LINEAR_CALLS:
+                rows = RowsInMemory(recorder.next_leading_dims())
+                layer = rows.layer(func, args, kwargs, recorder._is_parameter)
+                if layer is not None:  # as the mode: a linear layer on the rows' source
+                    out = recorder._dispatch(linear_in_out, layer, {}, touches=True)
+                    return out.reshape(-1, out.shape[-1]) if func is torch.addmm else out
+            return recorder._dispatch(func, args, kwargs, touches=True)
 
 
 def _as_tapped(out: Any) -> Any:

@@ -48,6 +48,7 @@ from packfunc.engine.modes import (
 )
 from packfunc.engine.ops import (
     CONVERSIONS,
+    LINEAR_CALLS,
     ROLES,
     SIGNATURES,
     SIZED_BY_ARGUMENTS,
@@ -172,12 +173,13 @@ class Plan:
     def leaf_calls_only(self) -> bool:
         """Whether every use of a parameter is a tapped, local or deriving call.
 
-        No call that consumed them was rewritten but attention, and none takes the
-        whole-model path: the batch pass can then follow the calls that receive the leaves
-        and the tensors derived from them alone (see
-        :class:`~packfunc.engine.batch_record._TappedLeaf`).
+        No call that consumed them was rewritten but attention and linear layers with their
+        weight stored ``[in, out]``, and none takes the whole-model path: the batch pass can
+        then follow the calls that receive the leaves and the tensors derived from them alone
+        (see :class:`~packfunc.engine.batch_record._TappedLeaf`).
         """
-        return not (self.rewritten_ops - ATTENTION_OPS or self.uncovered) and all(
+        rewritten = self.rewritten_ops - ATTENTION_OPS - LINEAR_CALLS
+        return not (rewritten or self.uncovered) and all(
             use.kind is not UseKind.OTHER for use in self.uses
         )
 

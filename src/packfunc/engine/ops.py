@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 
 class LayerKind(Enum):
@@ -245,8 +246,8 @@ class FlatRows:
             return None
         bound = dict(zip(("input", "mat1", "mat2", "beta", "alpha"), args)) | kwargs
         rows, weight, bias = bound.get("mat1"), bound.get("mat2"), bound.get("input")
-        found = self.of.get(id(rows)) if isinstance(rows, torch.Tensor) else None
-        if found is None or found[0] is not rows:
+        x = self.source(rows) if isinstance(rows, torch.Tensor) else None
+        if x is None:
             return None
         if bound.get("beta", 1) != 1 or bound.get("alpha", 1) != 1:
             return None
@@ -255,7 +256,70 @@ class FlatRows:
         if not (isinstance(bias, torch.Tensor) and bias.dim() == 1):
             return None
         assert isinstance(weight, torch.Tensor)
-        return found[1], weight, bias
+        return x, weight, bias
+
+    def source(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """The remembered tensor whose rows ``rows`` lays out flat, or ``None``."""
+        found = self.of.get(id(rows))
+        return found[1] if found is not None and found[0] is rows else None
+
+
+class RowsInMemory(FlatRows):
+    """:class:`FlatRows` for calls seen without the reshape before them (tapped leaves).
+
+    The rows' source is read off their memory: ``rows [R, d]`` a contiguous view that
+    starts where its base starts and covers all of it, a base whose leading dim (the
+    samples) is the source's and the outermost in memory (each sample a block of its own,
+    as in ``attention.transpose(1, 2)`` laid out ``[N, T, H, d]``). Each sample's rows then
+    lie together, in order, and
+    ``rows.view(*leading, d)`` is the source with the leading dims the plan recorded for
+    the call (``leading``; ``None``: the samples and one dim of positions). The plan says
+    whether the call was such a layer; a call that differs from it stops the pass.
+
+    Example:
+        >>> x = torch.ones(2, 3, 4)
+        >>> RowsInMemory((2, 3)).source(x.view(-1, 4)).shape, RowsInMemory(None).source(x[0])
+        (torch.Size([2, 3, 4]), None)
+    """
+
+    def __init__(self, leading: tuple[int, ...] | None) -> None:
+        super().__init__()
+        self.leading = leading
+
+    def source(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """``rows`` viewed as the tensor whose rows they lay out flat, if their memory says so."""
+        base = rows._base
+        if base is None or base.dim() < 2 or rows.dim() != 2:
+            return None
+        if is_functorch_wrapped_tensor(rows) or is_functorch_wrapped_tensor(base):
+            return None
+        if not (rows.is_contiguous() and base.numel() == rows.numel() and _samples_outermost(base)):
+            return None
+        if rows.data_ptr() != base.data_ptr():
+            return None
+        leading = self.leading or (base.shape[0], -1)
+        if leading[0] != base.shape[0] or rows.shape[0] % base.shape[0]:
+            return None
+        try:
+            return rows.view(*leading, rows.shape[-1])
+        except RuntimeError:  # another count of rows than the plan's
+            return None
+
+
+def _samples_outermost(t: torch.Tensor) -> bool:
+    """Whether ``t`` fills its memory without gaps or overlaps, dim 0 the outermost.
+
+    Example:
+        >>> x = torch.ones(2, 3, 4)
+        >>> _samples_outermost(x.transpose(1, 2)), _samples_outermost(x.transpose(0, 1))
+        (True, False)
+    """
+    size = 1
+    for stride, length in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != size:
+            return False
+        size *= length
+    return t.shape[0] == 1 or t.stride(0) * t.shape[0] == size
 
 
 def _matmul_layer(

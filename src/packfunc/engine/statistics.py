@@ -179,6 +179,8 @@ def clipped_sums(
         >>> [s.shape for s in clipped_sums(bp, 1.0, 1e-6)]
         [torch.Size([2]), torch.Size([2, 3])]
     """
+    if not bp.leaves:  # no parameters: nothing to clip (as per-sample gradients of none)
+        return []
     everyone = slice(0, bp.n)
     early = _NormsDuringBackward(bp) if last else None
     columns = bp.gradient_columns(last=last, consume=early)
