@@ -341,7 +341,8 @@ class ConvWeight(ProductWeight):
     ) -> tuple[Tensor, Tensor]:
         """The output and input factors of a convolution, its input unfolded in chunks.
 
-        The output factor comes from all cotangents at once. The input is unfolded no more
+        The output factor comes from all cotangents at once (with ``"expand"``, whose
+        product copies the cotangents, chunk by chunk). The input is unfolded no more
         samples at a time than make up the input's own size (the backward pass's
         activations are still alive), each chunk's factor added into the first: with one
         group and positions not reduced, straight into the layout ``[C_in·k, samples·L]``
@@ -349,10 +350,13 @@ class ConvWeight(ProductWeight):
         """
         n, groups = x.shape[0], call.option("groups")
         cotangents = g.reshape(g.shape[0], n, groups, g.shape[2] // groups, -1)
-        output = self.output_factor(cotangents, approx)
+        output = None if approx == "expand" else self.output_factor(cotangents, approx)
         at_once = max(1, x.numel() // self.canonical_input_size(x, g, call, param))
         inputs: Tensor | None = None
         for chunk in chunks(n, at_once):
+            if approx == "expand":
+                found = self.output_factor(cotangents[:, chunk], approx)
+                output = found if output is None else output.add_(found)
             part = x[chunk]
             if groups != 1 or approx == "reduce":
                 unfolded, _ = self.canonical(part, g[:, chunk], call, param)
@@ -364,7 +368,7 @@ class ConvWeight(ProductWeight):
                 inputs = torch.addmm(flat.new_zeros(()), flat, flat.T, beta=0, alpha=1 / scale)
             else:
                 inputs.addmm_(flat, flat.T, alpha=1 / scale)
-        assert inputs is not None
+        assert output is not None and inputs is not None
         return output, inputs
 
     def kronecker_gradients(self, grads: Tensor, call: SiteCall) -> Tensor:
