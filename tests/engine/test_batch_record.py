@@ -423,3 +423,32 @@ def test_flat_rows_in_another_order_than_the_samples_are_not_read_as_samples():
         )
         for key in params:
             torch.testing.assert_close(found[key][n], one[key])
+
+
+def test_flat_rows_out_of_a_linear_layer_stored_in_out_carry_samples():
+    """``Conv1D``'s flat output times a parameter before the view back: discovery must see
+    those rows depend on the samples (the flat output came from the mode's rewrite, out of
+    its sight, and was taken for a tensor of the parameters alone: ``scale`` read as unused,
+    its per-sample gradients zero)."""
+    torch.manual_seed(0)
+    params = {
+        "w": torch.randn(4, 5, dtype=torch.float64),
+        "b": torch.randn(5, dtype=torch.float64),
+        "scale": torch.randn(5, dtype=torch.float64),
+    }
+
+    def scaled_rows(p, X):
+        n, t, d = X.shape
+        rows = torch.addmm(p["b"], X.view(-1, d), p["w"]) * p["scale"]
+        return rows.view(n, t, 5).sum(1)
+
+    X, y = torch.randn(3, 2, 4, dtype=torch.float64), torch.tensor([0, 3, 1])
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    found = pf.batch_grad(scaled_rows, params, X, y, loss=loss)
+    for n in range(3):
+        one = torch.func.grad(lambda p, x, t: loss(scaled_rows(p, x), t))(
+            params, X[n : n + 1], y[n : n + 1]
+        )
+        for key in params:
+            torch.testing.assert_close(found[key][n], one[key])
+    assert pf.explain(scaled_rows, params, X)["scale"].startswith("whole model")

@@ -195,7 +195,10 @@ class FunctionalMode(TorchFunctionMode):
             layer = self.rows.layer(func, args, kwargs, self._is_parameter)
             if layer is not None:  # a linear layer with its weight stored [in, out]
                 out = self._dispatch(linear_in_out, layer, {})
-                return out.reshape(-1, out.shape[-1]) if func is torch.addmm else out
+                if func is not torch.addmm:
+                    return out
+                # flat rows again, as a call of the mode's: discovery notes they carry samples
+                return self._dispatch(Tensor.reshape, (out, -1, out.shape[-1]), {})
         if func is F.batch_norm:
             args, kwargs = _batch_norm_arguments(args, kwargs, self.batch_statistics)
         if _counts_batches(func, args):
