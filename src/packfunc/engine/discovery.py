@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch._C._functorch import is_functorch_wrapped_tensor, maybe_current_level
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from packfunc.engine.attention import ATTENTION_OPS
 from packfunc.engine.local import CallArguments, LocalInputs, Source
@@ -211,8 +212,15 @@ class _DiscoveryMode(ParameterMode):
     initial state; the batch pass tells for sure).
     """
 
-    def __init__(self, leaf_of: LeafIndex, X: Any, buffers: list[Tensor]):
+    def __init__(
+        self,
+        leaf_of: LeafIndex,
+        X: Any,
+        buffers: list[Tensor],
+        operators: _OperatorsInSight | None = None,
+    ):
         super().__init__(leaf_of)
+        self.operators = operators  # tells the calls of code the batch pass does not see
         self.plan = Plan(uncovered=set(leaf_of.duplicated))
         self.plan.reasons = dict.fromkeys(leaf_of.duplicated, "the same tensor is two parameters")
         self.samples: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary(
@@ -226,6 +234,8 @@ class _DiscoveryMode(ParameterMode):
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
+        if self.operators is not None and self.operators.calling:
+            return self._out_of_sight(func, args, kwargs or {})
         changed = changed_in_place(func, args, kwargs or {})
         if changed is not None and self._lies_in_a_parameter(changed):
             raise ValueError(
@@ -249,6 +259,26 @@ class _DiscoveryMode(ParameterMode):
         if func in REWRITTEN_OPS and self._touches_parameters(args, kwargs or {}):
             self.plan.rewritten_ops.add(func)
         return super().__torch_function__(func, types, args, kwargs)
+
+    def _out_of_sight(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """An operator called by code that reaches no function mode (a TorchScript function).
+
+        The batch pass will not see the call: its outputs carry samples if an input does,
+        and parameters it uses take the whole-model path (no use is planned for it).
+        """
+        out = func(*args, **kwargs)
+        values = CallArguments.of(args, kwargs).values
+        if any(self.samples.get(id(v)) is v for v in values if isinstance(v, Tensor)):
+            self._mark_samples(out)
+        used = self.leaf_of.used_in(values)
+        if used:
+            name = getattr(func, "__name__", repr(func))
+            self.plan.uncover(
+                used, f"used by {name} in code packfunc cannot follow (a TorchScript function)"
+            )
+        return out
 
     def _lies_in_a_parameter(self, tensor: Tensor) -> bool:
         """Whether ``tensor`` is a parameter, a view of one, or shares its memory (``w.data``)."""
@@ -468,9 +498,10 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
     buffers = list(module.buffers()) if module is not None else []
     # a private copy: a model that changes its input in place changes this one, not the batch
     sample = _copied(X_first)
-    mode = _DiscoveryMode(LeafIndex(leaves), sample, buffers)
+    operators = _OperatorsInSight()
+    mode = _DiscoveryMode(LeafIndex(leaves), sample, buffers, operators)
     with private_generators(leaves) as drew, kept_buffers(module) as changed:
-        with torch.no_grad(), mode:
+        with torch.no_grad(), operators, mode:
             out = model_fn(params, sample)
         if drew():
             mode.plan.note_random(DEFAULT_GENERATOR_DRAW)
@@ -484,6 +515,36 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
         )
     mode.plan.first_output = out
     return mode.plan
+
+
+class _OperatorsInSight(TorchDispatchMode):
+    """Calls every operator from Python, so that a function mode sees code that bypasses it.
+
+    A TorchScript function's operators reach no ``TorchFunctionMode``: to discovery its
+    outputs would look like tensors made before the forward, not carrying the samples,
+    and its parameters unused. Called from here, they reach the function mode too, where
+    ``calling`` tells them apart: a function mode handling a call of its own does not see
+    the operators that call runs.
+
+    Example:
+        >>> with _OperatorsInSight() as operators:
+        ...     y = torch.ones(2) + 1
+        >>> operators.calling
+        False
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.calling = False
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        calling, self.calling = self.calling, True
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.calling = calling
 
 
 def changed_in_place(

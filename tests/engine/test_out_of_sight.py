@@ -1,0 +1,78 @@
+"""Code whose calls reach no function mode (TorchScript): never a silently wrong value.
+
+A TorchScript function's operators bypass ``TorchFunctionMode``: discovery took its
+outputs for tensors made before the forward (not carrying the samples) and a parameter
+used inside it for unused, so per-sample gradients of such parameters came out zero.
+Discovery now calls every operator from Python (``_OperatorsInSight``): the outputs carry
+the samples, and parameters used inside take the whole-model path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+import packfunc as pf
+
+
+@torch.jit.script
+def _doubled_rows(x: Tensor) -> Tensor:
+    return x.reshape(-1, x.shape[-1]) * 2.0
+
+
+@torch.jit.script
+def _scaled(x: Tensor, scale: Tensor) -> Tensor:
+    return x * scale
+
+
+class RowsFromScript(nn.Module):
+    """A scripted function flattens the samples' rows; a parameter scales them after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 5)
+        self.scale = nn.Parameter(torch.randn(5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, t, _ = x.shape
+        return (_doubled_rows(self.linear(x)) * self.scale).view(n, t, 5).sum(1)
+
+
+class ParameterInScript(nn.Module):
+    """A parameter used inside a scripted function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 5)
+        self.scale = nn.Parameter(torch.randn(5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _scaled(self.linear(x), self.scale).sum(1)
+
+
+def _assert_per_sample_gradients_equal_a_loop(model: nn.Module) -> dict[str, str]:
+    torch.manual_seed(0)
+    model = model.double()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(3, 2, 4, dtype=torch.float64), torch.tensor([0, 3, 1])
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    found = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    for n in range(3):
+        one = torch.func.grad(lambda p, x, t: loss(model_fn(p, x), t))(
+            params, X[n : n + 1], y[n : n + 1]
+        )
+        for key in params:
+            torch.testing.assert_close(found[key][n], one[key])
+    return pf.explain(model_fn, params, X)
+
+
+def test_rows_made_by_a_script_carry_the_samples():
+    paths = _assert_per_sample_gradients_equal_a_loop(RowsFromScript())
+    assert paths["scale"].startswith("whole model")  # flat rows: not sample-first
+    assert paths["linear.weight"].startswith("closed form")
+
+
+def test_a_parameter_used_inside_a_script_takes_the_whole_model_path():
+    paths = _assert_per_sample_gradients_equal_a_loop(ParameterInScript())
+    assert "TorchScript" in paths["scale"]
+    assert paths["linear.weight"].startswith("closed form")
