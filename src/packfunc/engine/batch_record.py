@@ -276,7 +276,10 @@ def sample_layout(
                 "model_fn uses its parameters differently for different batch sizes (a tensor "
                 "made of parameters has one row per sample, e.g. p[:N]): sample n's gradient "
                 "then depends on its position in the batch, which packfunc cannot compute. "
-                "Copy a parameter over the batch with expand/repeat instead."
+                "Copy a parameter over the batch with expand/repeat instead. (Or sample data "
+                "reached such a tensor through code packfunc does not see: a round trip "
+                "through numpy or Python lists, Tensor.as_subclass, torch.vmap inside the "
+                "model. Write that part with torch operations on the tensors themselves.)"
             )
     return tuple(batched), frozenset(narrow)
 

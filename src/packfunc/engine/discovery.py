@@ -229,6 +229,10 @@ class _DiscoveryMode(ParameterMode):
         self.fixed = FixedTensors(buffers)
         spans = [memory_span(leaf) for leaf in leaf_of.leaves]
         self.parameter_spans = [span for span in spans if span is not None]
+        self.leaf_spans = [(leaf, span) for leaf, span in enumerate(spans) if span is not None]
+        # the memory of tensors that carry samples (see _follow_aliases)
+        self.sample_memory: set[int] = set()
+        self._note_memory(list(self.samples.values()))
         self.level = maybe_current_level()  # the caller's torch.func transforms, if any
 
     def __torch_function__(
@@ -258,7 +262,24 @@ class _DiscoveryMode(ParameterMode):
         self.plan.note_random(random_call(func, args, kwargs or {}))
         if func in REWRITTEN_OPS and self._touches_parameters(args, kwargs or {}):
             self.plan.rewritten_ops.add(func)
-        return super().__torch_function__(func, types, args, kwargs)
+        out = super().__torch_function__(func, types, args, kwargs)
+        if changed is not None:
+            self._note_written(changed, args, kwargs or {})
+        return out
+
+    def _note_written(self, changed: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A tensor written in place with samples (``buf[idx] = h``) carries them from then on.
+
+        So does the tensor it is a view of; neither is fixed any more (a buffer, or zeros
+        made before the write, would otherwise pass for a tensor of parameters alone).
+        """
+        values = CallArguments.of(args, kwargs).values
+        if not any(isinstance(v, Tensor) and self.samples.get(id(v)) is v for v in values):
+            return
+        for tensor in (changed, changed._base):
+            if tensor is not None:
+                self.fixed.forget(tensor)
+                self.samples[id(tensor)] = tensor
 
     def _out_of_sight(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -299,6 +320,7 @@ class _DiscoveryMode(ParameterMode):
             return func(*args, **kwargs)
         arguments = CallArguments.of(args, kwargs)
         values = arguments.values
+        self._follow_aliases(values)
         sources = self._sources(values) if self._touches_parameters(args, kwargs) else {}
         if sources is None:  # a leaf that is two parameters: ambiguous
             out = func(*args, **kwargs)
@@ -384,8 +406,47 @@ class _DiscoveryMode(ParameterMode):
 
     def _mark_samples(self, out: Any) -> None:
         """Record that the outputs of a call depend on the samples."""
-        for _, tensor in tensor_outputs(out):
+        tensors = [tensor for _, tensor in tensor_outputs(out)]
+        for tensor in tensors:
             self.samples[id(tensor)] = tensor
+        self._note_memory(tensors)
+
+    def _note_memory(self, tensors: list[Tensor]) -> None:
+        """Remember where tensors that carry samples lie in memory."""
+        for tensor in tensors:
+            span = memory_span(tensor)
+            if span is not None:
+                self.sample_memory.add(span[0])
+
+    def _follow_aliases(self, values: tuple[Any, ...]) -> None:
+        """Tensors made out of this mode's sight that alias a parameter or samples.
+
+        ``w.as_subclass(T)`` reaches no mode: its output would pass for a constant, and
+        ``w`` for unused. A tensor this mode never saw made (not a parameter, derivation,
+        sample or fixed tensor) is checked against their memory: on samples' memory it
+        carries samples; on a parameter's, that parameter takes the whole-model path.
+        """
+        for value in values:
+            if not isinstance(value, Tensor) or self.leaf_of.contains(value):
+                continue
+            known = self.derived.get(id(value))
+            if (known is not None and known[0] is value) or value in self.fixed:
+                continue
+            if self.samples.get(id(value)) is value:
+                continue
+            span = memory_span(value)
+            if span is None:
+                continue
+            if span[0] in self.sample_memory:
+                self.samples[id(value)] = value
+                continue
+            aliased = {leaf for leaf, at in self.leaf_spans if _overlaps(span, [at])}
+            if aliased:
+                self.plan.uncover(
+                    aliased,
+                    "used through a tensor made out of packfunc's sight that shares its memory "
+                    "(Tensor.as_subclass?)",
+                )
 
 
 def keeps_fixed(
@@ -453,6 +514,14 @@ class FixedTensors:
     def __contains__(self, value: Any) -> bool:
         return isinstance(value, Tensor) and self._of.get(id(value)) is value
 
+    def forget(self, tensor: Tensor) -> None:
+        """Take ``tensor`` out (samples were written into it).
+
+        Args:
+            tensor: A tensor, fixed or not.
+        """
+        self._of.pop(id(tensor), None)
+
     def note(self, func: Callable[..., Any], values: tuple[Any, ...], out: Any) -> None:
         """Add the outputs of a call that :func:`keeps_fixed` says are fixed.
 
@@ -513,8 +582,20 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
             f"model_fn returned {shape} for a batch of one sample; it must return a tensor "
             "whose leading dimension is the batch dimension."
         )
+    if mode.samples.get(id(out)) is not out:
+        raise ValueError(_SAMPLES_OUT_OF_SIGHT)
     mode.plan.first_output = out
     return mode.plan
+
+
+_SAMPLES_OUT_OF_SIGHT = (
+    "the model's output does not depend on its input along any path packfunc can follow: "
+    "the samples reached it only through code packfunc does not see (a round trip through "
+    "numpy, Python lists or numbers, Tensor.as_subclass, torch.vmap inside the model, "
+    "torch._C.DisableTorchFunction), and their per-sample quantities would be wrong. Write "
+    "that part with torch operations on the tensors themselves."
+)
+"""Discovery's refusal of a model whose output it did not see depend on the samples."""
 
 
 class _OperatorsInSight(TorchDispatchMode):
