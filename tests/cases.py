@@ -572,6 +572,21 @@ def autograd_batch_grad(
     return {name: torch.stack(g) for name, g in grads.items()}
 
 
+def assert_batch_grad_is_a_loop(model_fn, params: dict[str, Tensor], X: Tensor, y: Tensor) -> None:
+    """``pf.batch_grad`` of a summed cross-entropy equals ``torch.func.grad`` of each sample
+    alone (a model function of a parameter dict; float64)."""
+    import packfunc as pf
+
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    found = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    for n in range(X.shape[0]):
+        one = torch.func.grad(lambda p, x, t: loss(model_fn(p, x), t))(
+            params, X[n : n + 1], y[n : n + 1]
+        )
+        for key in params:
+            torch.testing.assert_close(found[key][n], one[key])
+
+
 def moments(batch: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
     """All first-order quantities from per-sample gradients, by their definitions."""
     return {

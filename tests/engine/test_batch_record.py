@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.cases import RecurrentHead
+from tests.cases import RecurrentHead, assert_batch_grad_is_a_loop
 from torch import nn
 
 import packfunc as pf
@@ -415,14 +415,7 @@ def test_flat_rows_in_another_order_than_the_samples_are_not_read_as_samples():
         return torch.addmm(p["b"], rows, p["w"]).view(t, n, 3).transpose(0, 1).sum(1)
 
     X, y = torch.randn(3, 3, 4, dtype=torch.float64), torch.tensor([0, 2, 1])
-    loss = nn.CrossEntropyLoss(reduction="sum")
-    found = pf.batch_grad(position_major, params, X, y, loss=loss)
-    for n in range(3):
-        one = torch.func.grad(lambda p, x, t: loss(position_major(p, x), t))(
-            params, X[n : n + 1], y[n : n + 1]
-        )
-        for key in params:
-            torch.testing.assert_close(found[key][n], one[key])
+    assert_batch_grad_is_a_loop(position_major, params, X, y)
 
 
 def test_flat_rows_out_of_a_linear_layer_stored_in_out_carry_samples():
@@ -443,12 +436,5 @@ def test_flat_rows_out_of_a_linear_layer_stored_in_out_carry_samples():
         return rows.view(n, t, 5).sum(1)
 
     X, y = torch.randn(3, 2, 4, dtype=torch.float64), torch.tensor([0, 3, 1])
-    loss = nn.CrossEntropyLoss(reduction="sum")
-    found = pf.batch_grad(scaled_rows, params, X, y, loss=loss)
-    for n in range(3):
-        one = torch.func.grad(lambda p, x, t: loss(scaled_rows(p, x), t))(
-            params, X[n : n + 1], y[n : n + 1]
-        )
-        for key in params:
-            torch.testing.assert_close(found[key][n], one[key])
+    assert_batch_grad_is_a_loop(scaled_rows, params, X, y)
     assert pf.explain(scaled_rows, params, X)["scale"].startswith("whole model")
