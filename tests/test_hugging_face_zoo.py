@@ -258,3 +258,37 @@ def test_per_sample_gradients_norms_and_clipped_sums_match_autograd(name: str) -
     clipped = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=max_norm)
     by_clipping = {k: g.sum(0) for k, g in pf.clip_per_sample(expected, max_norm).items()}
     assert_trees_close(clipped, by_clipping, name, **TOLERANCES)
+
+
+def test_opt_feed_forward_on_flat_rows_takes_the_closed_forms() -> None:
+    """OPT flattens its tokens (``[N·T, d]``) for the feed-forward block's layer norm and two
+    linear layers: they run on the rows' source, so no parameter takes the whole-model
+    path, and dropout in training mode is that of the batch's own forward."""
+    model, X, y = _problem("opt")
+    model_fn, params = pf.functional(model)
+    paths = pf.explain(model_fn, params, X)
+    assert not [name for name, path in paths.items() if path.startswith("whole model")], paths
+    torch.manual_seed(0)
+    build, _ = MODELS["opt"]
+    model = build().double().train()
+    for module in model.modules():  # dropout everywhere: 0.1
+        if hasattr(module, "dropout") and isinstance(module.dropout, float):
+            module.dropout = 0.1
+    with torch.no_grad():
+        assert not torch.equal(model(X), model(X))  # dropout draws
+    model_fn, params = pf.functional(model)
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    torch.manual_seed(1)
+    found = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    torch.manual_seed(1)  # the same forward, row by row
+    out = model(X)
+    for n in range(len(X)):
+        rows = torch.autograd.grad(
+            loss(out[n : n + 1], y[n : n + 1]),
+            list(model.parameters()),
+            retain_graph=True,
+            allow_unused=True,
+        )
+        for (name, p), g in zip(model.named_parameters(), rows):
+            expected = torch.zeros_like(p) if g is None else g
+            torch.testing.assert_close(found[name][n], expected, **TOLERANCES)

@@ -574,6 +574,7 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
             out = model_fn(params, sample)
         if drew():
             mode.plan.note_random(DEFAULT_GENERATOR_DRAW)
+    mode.plan.rewritten_ops |= mode.rows.rewritten  # (the tapped path sees no flat rows' source)
     mode.plan.updated_buffer = changed[0] if changed else None
     mode.plan.updated_input = not _equal_trees(sample, X_first)  # (the batch is untouched)
     if not (isinstance(out, Tensor) and out.dim() and out.shape[0] == 1):

@@ -35,6 +35,7 @@ from packfunc.engine.local import (
     derive,
 )
 from packfunc.engine.ops import (
+    ELEMENTWISE,
     LINEAR_CALLS,
     RESHAPES,
     ROLES,
@@ -199,6 +200,14 @@ class FunctionalMode(TorchFunctionMode):
                     return out
                 # flat rows again, as a call of the mode's: discovery notes they carry samples
                 return self._dispatch(Tensor.reshape, (out, -1, out.shape[-1]), {})
+        source = self.rows.row_wise_source(func, args, kwargs)
+        if source is not None and any(map(self._is_parameter, (*args[1:], *kwargs.values()))):
+            # a row-wise layer on flat rows: run on their source, whose dim 0 is the sample
+            out = self._dispatch(func, (source, *args[1:]), kwargs)
+            self.rows.rewritten.add(func)
+            flat = self._dispatch(Tensor.reshape, (out, -1, out.shape[-1]), {})
+            self.rows.of[id(flat)] = (flat, out)
+            return flat
         if func is F.batch_norm:
             args, kwargs = _batch_norm_arguments(args, kwargs, self.batch_statistics)
         if _counts_batches(func, args):
@@ -208,6 +217,8 @@ class FunctionalMode(TorchFunctionMode):
         out = self._dispatch(func, args, kwargs)
         if func in RESHAPES:
             self.rows.remember(func, args, out)
+        elif func in ELEMENTWISE:
+            self.rows.carry(args, kwargs, out)
         return out
 
     def __enter__(self) -> FunctionalMode:

@@ -67,6 +67,34 @@ RESHAPES = frozenset({Tensor.view, Tensor.reshape, torch.reshape, Tensor.flatten
 A chain's curvature ``H`` passes them unchanged; a mode remembers those that lay the
 rows of a tensor out flat (``x.view(-1, d)``, see :class:`FlatRows`)."""
 
+ROW_WISE = frozenset({F.linear, F.layer_norm})
+"""Calls that act on each row (last dim) alone: on flat rows ``[N·T, d]`` a mode runs them on
+the rows' source ``[N, T, d]`` (OPT's feed-forward block flattens its tokens)."""
+
+ELEMENTWISE = frozenset(
+    {
+        F.relu,
+        torch.relu,
+        Tensor.relu,
+        F.gelu,
+        F.silu,
+        torch.tanh,
+        Tensor.tanh,
+        torch.sigmoid,
+        Tensor.sigmoid,
+        F.dropout,
+        torch.add,
+        torch.mul,
+        Tensor.__add__,
+        Tensor.__radd__,
+        Tensor.__mul__,
+        Tensor.__rmul__,
+        Tensor.__sub__,
+        Tensor.__truediv__,
+    }
+)
+"""Calls that keep each entry's row: flat rows in, the same rows out (:meth:`FlatRows.carry`)."""
+
 MATMULS = frozenset({torch.matmul, Tensor.matmul, Tensor.__matmul__})
 """``x @ W``: a linear layer where ``W`` is a matrix parameter."""
 
@@ -203,6 +231,7 @@ class FlatRows:
 
     def __init__(self) -> None:
         self.of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rewritten: set[Callable[..., Any]] = set()  # row-wise calls run on a source
 
     def remember(self, func: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
         """Note ``out`` if a reshape made it of the rows of its input ``x`` (``x.dim() > 2``).
@@ -262,6 +291,59 @@ class FlatRows:
         """The remembered tensor whose rows ``rows`` lays out flat, or ``None``."""
         found = self.of.get(id(rows))
         return found[1] if found is not None and found[0] is rows else None
+
+    def row_wise_source(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> torch.Tensor | None:
+        """The source of the flat rows a :data:`ROW_WISE` call takes, where it acts on rows alone.
+
+        ``F.layer_norm`` does over a normalized shape of the last dim alone.
+
+        Example:
+            >>> rows, x = FlatRows(), torch.ones(2, 3, 4)
+            >>> flat = x.view(-1, 4)
+            >>> rows.remember(torch.Tensor.view, (x, -1, 4), flat)
+            >>> rows.row_wise_source(F.layer_norm, (flat, (4,)), {}) is x
+            True
+        """
+        if func not in ROW_WISE or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        if func is F.layer_norm:
+            shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
+            if not isinstance(shape, (list, tuple, torch.Size)) or len(shape) != 1:
+                return None
+        return self.source(args[0])
+
+    def carry(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Note ``out`` as flat rows if an :data:`ELEMENTWISE` call kept remembered rows.
+
+        Every tensor argument must be flat rows of one source shape, or broadcast along the
+        rows (a scalar, a vector of the last dim): then each entry of ``out`` lies in the row
+        of its inputs' entries.
+
+        Example:
+            >>> rows, x = FlatRows(), torch.ones(2, 3, 4)
+            >>> flat = x.view(-1, 4)
+            >>> rows.remember(torch.Tensor.view, (x, -1, 4), flat)
+            >>> out = torch.relu(flat)
+            >>> rows.carry((flat,), {}, out)
+            >>> rows.source(out).shape
+            torch.Size([2, 3, 4])
+        """
+        if not isinstance(out, torch.Tensor) or out.dim() != 2 or kwargs.get("out") is not None:
+            return
+        shape = None
+        for value in (*args, *kwargs.values()):
+            if not isinstance(value, torch.Tensor) or value.dim() <= 1:
+                continue
+            source = self.source(value)
+            if source is None or value.shape != out.shape:
+                return
+            if shape is not None and source.shape != shape:
+                return
+            shape = source.shape
+        if shape is not None:
+            self.of[id(out)] = (out, out.view(*shape[:-1], out.shape[-1]))
 
 
 class RowsInMemory(FlatRows):
