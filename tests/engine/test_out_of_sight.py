@@ -131,11 +131,7 @@ def test_samples_that_leave_torch_are_refused():
 
 def test_samples_written_into_a_tensor_made_before_are_not_taken_for_constants():
     """The rows written in place carry the samples: ``scale`` is no derivation of parameters
-    alone (it read as unused, with zero per-sample gradients); its whole-model path cannot
-    run the write under ``vmap`` and says so."""
-    model = RowsThrough(_written_into_zeros).double()
-    model_fn, params = pf.functional(model)
-    X = torch.randn(3, 2, 4, dtype=torch.float64)
-    assert pf.explain(model_fn, params, X)["scale"].startswith("whole model")
-    with pytest.raises(RuntimeError, match="vmap"):
-        pf.batch_grad(model_fn, params, X, torch.tensor([0, 3, 1]))
+    alone (it read as unused, with zero per-sample gradients); its whole-model path, which
+    ``vmap`` cannot run over the write, loops over the samples."""
+    paths = _assert_per_sample_gradients_equal_a_loop(RowsThrough(_written_into_zeros))
+    assert paths["scale"].startswith("whole model")

@@ -74,12 +74,21 @@ def jvp(
     return cast(tuple[Any, Any], torch.func.jvp(func, primals, tangents))
 
 
+_VMAP_CANNOT = (
+    "data-dependent control flow",
+    # an in-place write of a sample's values into a tensor made without them (buf[idx] = h)
+    "is not possible because there exists a Tensor `other`",
+)
+"""What ``vmap`` says of models it cannot run but a loop over samples can."""
+
+
 def over_samples(func: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     """``torch.func.vmap(func, **options)`` over samples, or a loop where vmap cannot go.
 
     A model that branches on tensor values (Hugging Face's mask code calls ``.all()``
-    on the padding mask) cannot run under ``vmap``; it then runs once per sample in a
-    Python loop, with the same results.
+    on the padding mask), or writes a sample's values in place into a tensor it made
+    without them (an unpad/scatter into ``torch.zeros``), cannot run under ``vmap``; it
+    then runs once per sample in a Python loop, with the same results.
 
     Args:
         func: The per-sample function.
@@ -99,7 +108,7 @@ def over_samples(func: Callable[..., Any], **options: Any) -> Callable[..., Any]
         try:
             return mapped(*args)
         except RuntimeError as error:
-            if "data-dependent control flow" not in str(error):
+            if not any(reason in str(error) for reason in _VMAP_CANNOT):
                 raise
         dims = options.get("in_dims", 0)
         dims = dims if isinstance(dims, tuple) else (dims,) * len(args)
