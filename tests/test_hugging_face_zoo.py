@@ -55,9 +55,13 @@ def _tokens(n: int, eos: int | None = None) -> Tensor:
 
 def _resnet() -> nn.Module:
     config = hf.ResNetConfig(
-        num_channels=2, embedding_size=8, hidden_sizes=[8], depths=[1], layer_type="basic",
+        num_channels=2,
+        embedding_size=8,
+        hidden_sizes=[8],
+        depths=[1],
+        layer_type="basic",
         num_labels=3,
-    )  # fmt: skip
+    )
     model = hf.ResNetForImageClassification(config)
     with torch.no_grad():  # running statistics other than the initial ones
         for module in model.modules():
@@ -99,7 +103,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Tensor]]] = {
                     word_embed_proj_dim=8,
                     max_position_embeddings=8,
                     **TOKENS,
-                )  # fmt: skip
+                )
             ),
             last=True,
         ),
@@ -119,7 +123,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Tensor]]] = {
                     pooler_hidden_size=8,
                     num_labels=3,
                     pad_token_id=0,
-                )  # fmt: skip
+                )
             ),
             last=False,
         ),
@@ -141,7 +145,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Tensor]]] = {
                     num_labels=3,
                     decoder_start_token_id=2,
                     **TOKENS,
-                )  # fmt: skip
+                )
             ),
             last=False,
         ),
@@ -159,7 +163,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Tensor]]] = {
                     max_position_embeddings=8,
                     experts_implementation="eager",
                     **TOKENS,
-                )  # fmt: skip
+                )
             ),
             last=True,
         ),
@@ -178,7 +182,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Tensor]]] = {
                     time_step_rank=2,
                     use_mambapy=False,
                     **TOKENS,
-                )  # fmt: skip
+                )
             ),
             last=True,
             masked=False,
@@ -198,7 +202,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Tensor]]] = {
                     window_size=2,
                     mlp_ratio=2.0,
                     num_labels=3,
-                )  # fmt: skip
+                )
             ),
             last=False,
         ),
@@ -216,7 +220,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Tensor]]] = {
                     image_size=8,
                     num_labels=3,
                     layer_scale_init_value=0.5,
-                )  # fmt: skip
+                )
             ),
             last=False,
         ),

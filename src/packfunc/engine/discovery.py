@@ -227,9 +227,8 @@ class _DiscoveryMode(ParameterMode):
             {id(t): t for t in optree.tree_leaves(X) if isinstance(t, Tensor)}
         )
         self.fixed = FixedTensors(buffers)
-        spans = [memory_span(leaf) for leaf in leaf_of.leaves]
-        self.parameter_spans = [span for span in spans if span is not None]
-        self.leaf_spans = [(leaf, span) for leaf, span in enumerate(spans) if span is not None]
+        spans = enumerate(memory_span(leaf) for leaf in leaf_of.leaves)
+        self.leaf_spans = [(leaf, span) for leaf, span in spans if span is not None]
         # the memory of tensors that carry samples (see _follow_aliases)
         self.sample_memory: set[int] = set()
         self._note_memory(list(self.samples.values()))
@@ -273,13 +272,12 @@ class _DiscoveryMode(ParameterMode):
         So does the tensor it is a view of; neither is fixed any more (a buffer, or zeros
         made before the write, would otherwise pass for a tensor of parameters alone).
         """
-        values = CallArguments.of(args, kwargs).values
-        if not any(isinstance(v, Tensor) and self.samples.get(id(v)) is v for v in values):
+        if not self._any_marked(CallArguments.of(args, kwargs).values):
             return
-        for tensor in (changed, changed._base):
-            if tensor is not None:
-                self.fixed.forget(tensor)
-                self.samples[id(tensor)] = tensor
+        written = [tensor for tensor in (changed, changed._base) if tensor is not None]
+        for tensor in written:
+            self.fixed.forget(tensor)
+        self._mark_samples(written)
 
     def _out_of_sight(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -291,7 +289,7 @@ class _DiscoveryMode(ParameterMode):
         """
         out = func(*args, **kwargs)
         values = CallArguments.of(args, kwargs).values
-        if any(self.samples.get(id(v)) is v for v in values if isinstance(v, Tensor)):
+        if self._any_marked(values):
             self._mark_samples(out)
         used = self.leaf_of.used_in(values)
         if used:
@@ -306,7 +304,7 @@ class _DiscoveryMode(ParameterMode):
         if self.leaf_of.used_in(tensor, tensor._base):
             return True
         span = memory_span(tensor)
-        return span is not None and _overlaps(span, self.parameter_spans)
+        return span is not None and _overlaps(span, [at for _, at in self.leaf_spans])
 
     def _carries_samples(self, value: Any, sources: dict[int, Source], position: int) -> bool:
         if not isinstance(value, Tensor) or position in sources or value in self.fixed:
@@ -331,7 +329,7 @@ class _DiscoveryMode(ParameterMode):
         carriers = [p for p, v in enumerate(values) if self._carries_samples(v, sources, p)]
         if not sources:
             out = func(*args, **kwargs)
-            if any(self.samples.get(id(values[p])) is values[p] for p in carriers):
+            if self._any_marked(values[p] for p in carriers):
                 self._mark_samples(out)
             else:
                 self.fixed.note(func, values, out)
@@ -411,6 +409,10 @@ class _DiscoveryMode(ParameterMode):
             self.samples[id(tensor)] = tensor
         self._note_memory(tensors)
 
+    def _any_marked(self, values: Iterable[Any]) -> bool:
+        """Whether any of ``values`` is a tensor marked as carrying samples."""
+        return any(isinstance(v, Tensor) and self.samples.get(id(v)) is v for v in values)
+
     def _note_memory(self, tensors: list[Tensor]) -> None:
         """Remember where tensors that carry samples lie in memory."""
         for tensor in tensors:
@@ -438,7 +440,7 @@ class _DiscoveryMode(ParameterMode):
             if span is None:
                 continue
             if span[0] in self.sample_memory:
-                self.samples[id(value)] = value
+                self._mark_samples(value)
                 continue
             aliased = {leaf for leaf, at in self.leaf_spans if _overlaps(span, [at])}
             if aliased:

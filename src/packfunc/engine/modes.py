@@ -196,16 +196,13 @@ class FunctionalMode(TorchFunctionMode):
             layer = self.rows.layer(func, args, kwargs, self._is_parameter)
             if layer is not None:  # a linear layer with its weight stored [in, out]
                 out = self._dispatch(linear_in_out, layer, {})
-                if func is not torch.addmm:
-                    return out
-                # flat rows again, as a call of the mode's: discovery notes they carry samples
-                return self._dispatch(Tensor.reshape, (out, -1, out.shape[-1]), {})
+                return self._flat_rows(out) if func is torch.addmm else out
         source = self.rows.row_wise_source(func, args, kwargs)
         if source is not None and any(map(self._is_parameter, (*args[1:], *kwargs.values()))):
             # a row-wise layer on flat rows: run on their source, whose dim 0 is the sample
             out = self._dispatch(func, (source, *args[1:]), kwargs)
             self.rows.rewritten.add(func)
-            flat = self._dispatch(Tensor.reshape, (out, -1, out.shape[-1]), {})
+            flat = self._flat_rows(out)
             self.rows.of[id(flat)] = (flat, out)
             return flat
         if func is F.batch_norm:
@@ -220,6 +217,14 @@ class FunctionalMode(TorchFunctionMode):
         elif func in ELEMENTWISE:
             self.rows.carry(args, kwargs, out)
         return out
+
+    def _flat_rows(self, out: Tensor) -> Tensor:
+        """``out [N, …, d]`` as flat rows ``[N·…, d]``, made by a call of the mode's.
+
+        Discovery then notes that they carry samples: made out of its sight, they would pass
+        for a constant.
+        """
+        return cast(Tensor, self._dispatch(Tensor.reshape, (out, -1, out.shape[-1]), {}))
 
     def __enter__(self) -> FunctionalMode:
         """Enter the mode, with checkpoints plain and the caller's autocast on.

@@ -380,7 +380,7 @@ class RowsInMemory(FlatRows):
         if rows.data_ptr() != base.data_ptr():
             return None
         leading = self.leading or (base.shape[0], -1)
-        if leading[0] != base.shape[0] or rows.shape[0] % base.shape[0]:
+        if leading[0] != base.shape[0]:
             return None
         try:
             return rows.view(*leading, rows.shape[-1])
