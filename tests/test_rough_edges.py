@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -271,19 +272,62 @@ class _CustomScaled(nn.Module):
         return self.linear(self.function.apply(x, self.scale))
 
 
-def test_a_parameter_inside_a_custom_autograd_function_takes_the_whole_model():
+class _ScaleWithoutVmap(torch.autograd.Function):
+    """``x * w`` with its own backward and ``setup_context`` but no vmap rule."""
+
+    @staticmethod
+    def forward(x, w):
+        return x * w
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, g * x
+
+
+class _PlainScale:
+    """``x * w`` in plain torch ops: the oracle's model."""
+
+    @staticmethod
+    def apply(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w
+
+
+@pytest.mark.parametrize("function", [_Scale, _ScaleOldStyle, _ScaleWithoutVmap])
+def test_a_parameter_inside_a_custom_autograd_function_takes_the_whole_model(function):
     """Its call inside the Function's forward has no graph to tap: the parameter's
-    gradients come from the whole model (exact), or torch names the fix (setup_context)."""
+    gradients come from the whole model, by vmap or, where torch.func cannot transform
+    the Function (no setup_context, no vmap rule), by plain autograd per sample: exact."""
     torch.manual_seed(0)
-    model = _CustomScaled(_Scale)
+    model = _CustomScaled(function).double()
     loss = nn.CrossEntropyLoss(reduction="sum")
     model_fn, params = pf.functional(model)
-    found = pf.batch_grad(model_fn, params, X, Y, loss=loss)
+    X64 = X.double()
+    found = pf.batch_grad(model_fn, params, X64, Y, loss=loss)
     for n in range(len(X)):
         model.zero_grad()
-        loss(model(X[n : n + 1]), Y[n : n + 1]).backward()
+        loss(model(X64[n : n + 1]), Y[n : n + 1]).backward()
         for name, p in model.named_parameters():
             torch.testing.assert_close(found[name][n], p.grad)
+    plain = copy.deepcopy(model)
+    plain.function = _PlainScale
+    plain_fn, plain_params = pf.functional(plain)
+    for quantity in ("diag_ggn", "variance"):
+        expected = getattr(pf, quantity)(plain_fn, plain_params, X64, Y, loss=loss)
+        got = getattr(pf, quantity)(model_fn, params, X64, Y, loss=loss)
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name])
+    expected = pf.clipped_grad(plain_fn, plain_params, X64, Y, loss=loss, max_norm=0.3)
+    got = pf.clipped_grad(model_fn, params, X64, Y, loss=loss, max_norm=0.3)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name])
+
+
+def test_hessians_through_a_custom_function_torch_func_cannot_transform_name_the_fix():
     model_fn, params = pf.functional(_CustomScaled(_ScaleOldStyle))
-    with pytest.raises(RuntimeError, match="setup_context"):
-        pf.batch_grad(model_fn, params, X, Y, loss=loss)
+    with pytest.raises(ValueError, match="a setup_context staticmethod and a vmap rule"):
+        pf.batch_diag_hessian(model_fn, params, X, Y, loss=nn.CrossEntropyLoss())

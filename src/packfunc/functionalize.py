@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from packfunc.engine.autodiff import is_untransformable_function
 from packfunc.engine.precision import forward_precision_only
 from packfunc.reparametrize import call_with_tensors
 from packfunc.types import ModelFn
@@ -198,13 +199,27 @@ def public_entry(function: F) -> F:
     def run(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # traced by torch.compile: run eagerly, around it
             return torch.compiler.disable(run)(*args, **kwargs)
-        if not torch.is_inference_mode_enabled():
-            return precise(*args, **kwargs)
-        with torch.inference_mode(False):
-            args, kwargs = normal_tensors((args, kwargs))
-            return precise(*args, **kwargs)
+        try:
+            if not torch.is_inference_mode_enabled():
+                return precise(*args, **kwargs)
+            with torch.inference_mode(False):
+                args, kwargs = normal_tensors((args, kwargs))
+                return precise(*args, **kwargs)
+        except RuntimeError as error:
+            if is_untransformable_function(error):
+                raise ValueError(_UNTRANSFORMABLE) from error
+            raise
 
     return run  # type: ignore[return-value]
+
+
+_UNTRANSFORMABLE = (
+    "model_fn calls a custom torch.autograd.Function that torch.func cannot transform (see "
+    "the error above), and this quantity differentiates through it with torch.func. Give the "
+    "Function a setup_context staticmethod and a vmap rule (generate_vmap_rule=True), see "
+    "https://pytorch.org/docs/stable/notes/extending.func.html; per-sample gradients, their "
+    "moments, clipped sums and GGN quantities run such a Function without it."
+)
 
 
 def normal_tensors(tree: Any) -> Any:

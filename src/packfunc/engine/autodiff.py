@@ -82,6 +82,34 @@ _VMAP_CANNOT = (
 """What ``vmap`` says of models it cannot run but a loop over samples can."""
 
 
+_UNTRANSFORMABLE_FUNCTION = (
+    "it must override the setup_context staticmethod",  # an old-style forward(ctx, ...)
+    "but it does not have vmap support",
+)
+"""What ``torch.func`` says of a custom ``autograd.Function`` it cannot transform."""
+
+
+def is_untransformable_function(error: Exception) -> bool:
+    """Whether ``error`` is ``torch.func`` refusing a custom ``autograd.Function``.
+
+    Such a function has no ``setup_context`` (an old-style ``forward(ctx, ...)``) or no
+    vmap rule; plain autograd runs it.
+
+    Args:
+        error: An error raised under a ``torch.func`` transform.
+
+    Returns:
+        ``True`` for those refusals.
+
+    Example:
+        >>> is_untransformable_function(RuntimeError("data-dependent control flow"))
+        False
+    """
+    return isinstance(error, RuntimeError) and any(
+        reason in str(error) for reason in _UNTRANSFORMABLE_FUNCTION
+    )
+
+
 def over_samples(func: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     """``torch.func.vmap(func, **options)`` over samples, or a loop where vmap cannot go.
 

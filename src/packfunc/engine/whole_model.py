@@ -6,6 +6,10 @@ vector-Jacobian product of the model at ``x_n`` (run as a batch of one) with
 pass. Using the batch's output cotangent, instead of re-deriving a per-sample
 loss, keeps every loss option (class weights, ``ignore_index``, label
 smoothing, ``pos_weight``) exact by construction.
+
+A custom ``torch.autograd.Function`` that ``torch.func`` cannot transform (written
+without ``setup_context``, or without a vmap rule) runs in a loop over samples with
+plain autograd instead: the same products, one backward pass per sample and column.
 """
 
 from __future__ import annotations
@@ -13,13 +17,14 @@ from __future__ import annotations
 from typing import Any, cast
 
 import optree
+import torch
 from torch import Tensor
 from torch.func import vmap
 
-from packfunc.engine.autodiff import over_samples, vjp
+from packfunc.engine.autodiff import is_untransformable_function, over_samples, vjp
 from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.engine.precision import to_dtype_of
-from packfunc.functionalize import select_samples
+from packfunc.functionalize import batch_size, select_samples
 from packfunc.types import ModelFn
 
 
@@ -71,8 +76,71 @@ def column_grads(
     xs = select_samples(X, index)
     # attention's math kernel has batching rules; the fused CPU kernels would run in a
     # loop over samples (and PyTorch warns about it on every call)
-    with twice_differentiable():
-        per_sample = over_samples(one_sample, in_dims=(0, 1), randomness="different")(
-            xs, cotangents[:, index]
-        )
+    try:
+        with twice_differentiable():
+            per_sample = over_samples(one_sample, in_dims=(0, 1), randomness="different")(
+                xs, cotangents[:, index]
+            )
+    except RuntimeError as error:
+        if not is_untransformable_function(error):
+            raise
+        return _looped_with_autograd(model_fn, leaves, treespec, wanted, xs, cotangents[:, index])
     return [g.transpose(0, 1) for g in per_sample]
+
+
+def _looped_with_autograd(
+    model_fn: ModelFn,
+    leaves: list[Tensor],
+    treespec: optree.PyTreeSpec,
+    wanted: list[int],
+    xs: Any,
+    columns: Tensor,
+) -> list[Tensor]:
+    """:func:`column_grads` of the samples ``xs`` by plain autograd, one sample at a time.
+
+    Each sample runs alone; each of its ``K`` output cotangents is pulled back by
+    ``torch.autograd.grad`` (any custom ``autograd.Function`` has a backward there).
+
+    Args:
+        model_fn: ``model_fn(params, X)``.
+        leaves: Flattened parameter leaves.
+        treespec: Their pytree structure.
+        wanted: Indices of the leaves to differentiate.
+        xs: The samples' inputs.
+        columns: Their output cotangents ``[K, n, ...]``.
+
+    Returns:
+        One tensor ``[K, n, *leaf.shape]`` per wanted leaf.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> leaves, spec = optree.tree_flatten(p)
+        >>> found = _looped_with_autograd(fn, leaves, spec, [1], torch.ones(4, 3),
+        ...                               torch.ones(1, 4, 2))
+        >>> found[0].shape
+        torch.Size([1, 4, 2, 3])
+    """
+    samples = []
+    for n in range(batch_size(xs)):
+        chosen = [leaves[i].detach().requires_grad_() for i in wanted]
+        current = list(leaves)
+        for i, leaf in zip(wanted, chosen):
+            current[i] = leaf
+        with torch.enable_grad(), functional_mode():
+            output = model_fn(
+                optree.tree_unflatten(treespec, current), select_samples(xs, slice(n, n + 1))
+            )
+        output = to_dtype_of(output, chosen[0])
+        pulled = [
+            torch.autograd.grad(
+                output, chosen, column[n : n + 1], retain_graph=True, allow_unused=True
+            )
+            for column in columns
+        ]
+        samples.append(
+            [
+                torch.stack([g[j] if g[j] is not None else torch.zeros_like(c) for g in pulled])
+                for j, c in enumerate(chosen)
+            ]
+        )
+    return [torch.stack([sample[j] for sample in samples], 1) for j in range(len(wanted))]
