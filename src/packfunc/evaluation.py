@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from packfunc.engine import hessian
 from packfunc.engine.batch_pass import BatchPass, check_pass_arguments
+from packfunc.engine.model_state import users_forward
 from packfunc.engine.statistics import clipped_sums, ggn_statistics, gradient_statistics
 from packfunc.engine.vocabulary import Statistic
 from packfunc.functionalize import as_index, batch_size
@@ -179,7 +180,8 @@ def plain_gradient(
     n = batch_size(X)
     with torch.enable_grad():
         watched = [leaf.detach().requires_grad_() for leaf in leaves]
-        output = model_fn(optree.tree_unflatten(treespec, watched), X)
+        with users_forward():
+            output = model_fn(optree.tree_unflatten(treespec, watched), X)
         check_loss_inputs(loss, output, y, n)
         value = loss(output, y)
         grads = torch.autograd.grad(value, watched, allow_unused=True, materialize_grads=True)

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from packfunc.engine.autodiff import is_untransformable_function
+from packfunc.engine.model_state import attribute_restorer, packfunc_passes, restoring_attributes
 from packfunc.engine.precision import forward_precision_only
 from packfunc.reparametrize import call_with_tensors
 from packfunc.types import ModelFn
@@ -111,12 +112,22 @@ def weakly_bound(module: nn.Module) -> ModelFn:
 
 
 def _call_module(module: nn.Module, params: dict[str, Tensor], X: Any) -> Tensor:
-    """``module`` on ``X`` (a tuple: positional inputs; a dict: keyword inputs) with ``params``."""
+    """``module`` on ``X`` (a tuple: positional inputs; a dict: keyword inputs) with ``params``.
+
+    In one of packfunc's own passes (see :mod:`packfunc.engine.model_state`), the
+    attributes the call sets on the model are put back afterwards.
+    """
     if isinstance(X, tuple):
-        return cast(Tensor, call_with_tensors(module, params, X, {}))
-    if isinstance(X, dict):
-        return cast(Tensor, call_with_tensors(module, params, (), X))
-    return cast(Tensor, call_with_tensors(module, params, (X,), {}))
+        args, kwargs = X, {}
+    else:
+        args, kwargs = ((), X) if isinstance(X, dict) else ((X,), {})
+    if not restoring_attributes():
+        return cast(Tensor, call_with_tensors(module, params, args, kwargs))
+    put_back = attribute_restorer(module)
+    try:
+        return cast(Tensor, call_with_tensors(module, params, args, kwargs))
+    finally:
+        put_back()
 
 
 def is_compiled(value: Any) -> bool:
@@ -200,11 +211,12 @@ def public_entry(function: F) -> F:
         if torch.compiler.is_compiling():  # traced by torch.compile: run eagerly, around it
             return torch.compiler.disable(run)(*args, **kwargs)
         try:
-            if not torch.is_inference_mode_enabled():
-                return precise(*args, **kwargs)
-            with torch.inference_mode(False):
-                args, kwargs = normal_tensors((args, kwargs))
-                return precise(*args, **kwargs)
+            with packfunc_passes():
+                if not torch.is_inference_mode_enabled():
+                    return precise(*args, **kwargs)
+                with torch.inference_mode(False):
+                    args, kwargs = normal_tensors((args, kwargs))
+                    return precise(*args, **kwargs)
         except RuntimeError as error:
             if is_untransformable_function(error):
                 raise ValueError(_UNTRANSFORMABLE) from error

@@ -7,6 +7,7 @@ with the functional API's values; compiled modules and changed losses are named.
 
 from __future__ import annotations
 
+import io
 import warnings
 from collections import OrderedDict
 
@@ -193,3 +194,100 @@ def test_second_order_extensions_warn_about_a_changed_loss(extension, loss_cls):
         loss(1.0).backward()
     with backpack(extension()), pytest.warns(UserWarning, match="modified"):
         loss(2.0).backward()
+
+
+class Counting(nn.Module):
+    """Counts its forward passes; a hook keeps the last hidden activation (common user state).
+
+    With ``scaled``, the count scales the output (a warm-up factor): the forward then
+    depends on state it updates.
+    """
+
+    def __init__(self, scaled: bool = False) -> None:
+        super().__init__()
+        self.hidden, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.calls, self.scaled = 0, scaled
+        self.hidden.register_forward_hook(_keep_activation)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        factor = min(1.0, self.calls / 10) if self.scaled else 1.0
+        return self.head(torch.tanh(self.hidden(x)) * factor)
+
+
+def _keep_activation(module: nn.Module, inputs: tuple, output: Tensor) -> None:
+    module.kept = output.detach()
+
+
+X3, Y3 = torch.randn(5, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1])
+
+
+@pytest.mark.parametrize("quantity", ["batch_grad", "diag_ggn", "diag_hessian", "kfac"])
+def test_the_functional_api_runs_the_users_forward_once(quantity):
+    """Discovery, the last sample's check and re-runs put back what they set on the model:
+    a call counts as one forward (the batch pass), whose activation the hook keeps."""
+    model = Counting().double()
+    model_fn, params = pf.functional(model)
+    for calls in (1, 2):
+        getattr(pf, quantity)(model_fn, params, X3, Y3)
+        assert model.calls == calls
+        assert model.hidden.kept.shape == (5, 4)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_the_shim_leaves_the_users_forward_state(frozen):
+    """The shim's passes (discovery, its own pass where a layer is frozen) set nothing on
+    the model: the counter counts the user's forwards, the hook keeps the user's batch."""
+    model = extend(Counting().double())
+    model.hidden.requires_grad_(not frozen)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    expected = []
+    for n in range(len(X3)):
+        model.zero_grad()
+        lossfunc(model(X3[n : n + 1]), Y3[n : n + 1]).backward()
+        expected.append(model.head.weight.grad.clone() / len(X3))
+    model.calls = 0
+    for step in (1, 2):
+        with backpack(BatchGrad()):
+            lossfunc(model(X3), Y3).backward()
+        assert model.calls == step
+        assert model.hidden.kept.shape == (5, 4)
+        torch.testing.assert_close(model.head.weight.grad_batch, torch.stack(expected))
+
+
+def test_a_forward_that_depends_on_state_it_updates_is_refused_not_rerun():
+    """The shim's own pass (a frozen layer) would run another function than the user's
+    forward: refused, and the model is left as the user's forward left it."""
+    model = extend(Counting(scaled=True).double())
+    model.hidden.requires_grad_(False)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    with backpack(BatchGrad()), pytest.raises(ValueError, match="computed another output"):
+        lossfunc(model(X3), Y3).backward()
+    assert model.calls == 1
+
+
+def test_an_input_changed_in_place_after_the_forward_is_refused_on_a_rerun():
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double())
+    model[0].requires_grad_(False)  # a frozen layer: the shim runs its own pass
+    lossfunc = extend(nn.CrossEntropyLoss())
+    buffer = X3.clone()
+    with backpack(BatchGrad()), pytest.raises(ValueError, match="changed in place"):
+        loss = lossfunc(model(buffer), Y3)
+        buffer.mul_(2)  # a reused input buffer
+        loss.backward()
+
+
+def test_an_extended_model_pickles_after_a_step():
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double())
+    lossfunc = extend(nn.CrossEntropyLoss())
+    with backpack(BatchGrad()):
+        lossfunc(model(X3), Y3).backward()
+    torch.save(model, io.BytesIO())
+
+
+def test_a_refused_call_of_the_functional_api_leaves_the_model_as_it_was():
+    model = Counting(scaled=True).double()
+    model_fn, params = pf.functional(model)
+    with pytest.raises(ValueError, match="Python state it updates"):
+        pf.batch_grad(model_fn, params, X3, Y3)
+    assert model.calls == 0 and not hasattr(model.hidden, "kept")

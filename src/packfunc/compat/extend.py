@@ -38,20 +38,23 @@ from packfunc.compat.layout import RECORD_KEY, SampleLayout, find_layout, node_m
 from packfunc.compat.records import ForwardRecord, LossCall, LossRoute, ModelState
 from packfunc.compat.run import NO_OP_MODULES, forget_inputs_and_outputs, run_extensions
 from packfunc.compat.watch import ForwardRecorder
-from packfunc.engine.api import FunctionalMode
+from packfunc.engine.api import FunctionalMode, packfunc_passes
 from packfunc.functionalize import batch_size, is_compiled
 
 _depth: list[int] = [0]
 _recorders: list[ForwardRecorder | None] = []
-_LATEST = "_packfunc_latest_forward"
-"""Attribute of an extended model: its latest recorded forward pass.
+_LATEST: weakref.WeakKeyDictionary[nn.Module, weakref.ref[ForwardRecord]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per extended model, its latest recorded forward pass (weakly, held outside the model: the
+model pickles and deep-copies as it would without the shim).
 
 Only that one keeps its output (and with it its autograd graph) alive: a model run
 without a backward pass (validation with gradients enabled) holds one graph, as
 BackPACK's ``module.output`` does; an earlier pass backpropagated later is
 answered by packfunc's own forward pass on its recorded inputs."""
-_RUN = "_packfunc_extensions_ran"
-"""Attribute of an extended model: ``(graph task, serial)`` of the last extensions run."""
+_RUN: weakref.WeakKeyDictionary[nn.Module, tuple[int, int]] = weakref.WeakKeyDictionary()
+"""Per extended model, ``(graph task, serial)`` of the last extensions run."""
 
 
 def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) -> nn.Module:
@@ -157,10 +160,10 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
 
 def _note_latest(module: nn.Module, record: ForwardRecord) -> None:
     """Make ``record`` the model's latest forward; the one before drops its output."""
-    previous = module.__dict__.get(_LATEST, _no_record)()
+    previous = _LATEST.get(module, _no_record)()
     if previous is not None:
-        previous.output = None
-    module.__dict__[_LATEST] = weakref.ref(record)  # weak: deepcopy of the model works
+        previous.let_output_go()
+    _LATEST[module] = weakref.ref(record)
 
 
 def _record_outputs(
@@ -313,7 +316,8 @@ def _on_backward(record: ForwardRecord, grad_outputs: tuple[Tensor, ...]) -> Non
     task = torch._C._current_graph_task_id()
     _refuse_mixed_forwards(record, ctx, task)
     route = _route_to_loss(record, task)
-    with context.disable():  # packfunc's own passes must not record or trigger
+    # packfunc's own passes must not record or trigger, and put back what they set on the model
+    with context.disable(), packfunc_passes():
         run_extensions(ctx, record, _output_gradient(record, grad_outputs), route)
 
 
@@ -351,8 +355,8 @@ def _refuse_mixed_forwards(record: ForwardRecord, ctx: context.Context, task: in
         ValueError: naming what to do instead.
     """
     model = record.model
-    ran = model.__dict__.get(_RUN)
-    model.__dict__[_RUN] = (task, record.serial)
+    ran = _RUN.get(model)
+    _RUN[model] = (task, record.serial)
     name = type(model).__name__
     if ran is not None and ran[0] == task and ran[1] != record.serial:
         raise ValueError(
@@ -364,7 +368,7 @@ def _refuse_mixed_forwards(record: ForwardRecord, ctx: context.Context, task: in
     hooked = ctx.extension_hook is not None or any(
         getattr(ext, "module_extensions", None) for ext in ctx.extensions
     )
-    latest = model.__dict__.get(_LATEST, _no_record)()
+    latest = _LATEST.get(model, _no_record)()
     if hooked and latest is not None and latest.serial != record.serial:
         raise ValueError(
             f"this backward pass goes through an earlier forward pass of the extended {name} "

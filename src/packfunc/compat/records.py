@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import optree
 import torch
 from torch import Tensor, nn
 
 from packfunc.compat.layout import SampleLayout
 from packfunc.compat.watch import ForwardRecorder
+from packfunc.engine.api import difference_beyond_rounding
 from packfunc.losses import CLASS_LOSSES
 
 _serials = itertools.count()
@@ -151,6 +154,8 @@ class ForwardRecord:
         consumers: Records of extended modules that took its output as their only input
             (weak references, with the layout of that input).
         serial: Numbers the forward passes: the model's latest one has the highest.
+        kept_rows: The output's first and last rows, kept where the output is let go (a
+            later forward of the model): what packfunc's own pass must compute again.
     """
 
     model: nn.Module
@@ -166,6 +171,13 @@ class ForwardRecord:
     losses: list[LossCall] = field(default_factory=list)
     consumers: list[tuple[weakref.ref, SampleLayout]] = field(default_factory=list)
     serial: int = field(default_factory=lambda: next(_serials))
+    kept_rows: tuple[Tensor, Tensor] | None = None
+    input_versions: list[tuple[Tensor, int]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        """Note the inputs' versions: an input changed in place since is refused on a re-run."""
+        inputs: list[Any] = optree.tree_leaves((self.args, self.kwargs))  # type: ignore[arg-type]
+        self.input_versions = [(t, t._version) for t in inputs if isinstance(t, Tensor)]
 
     @staticmethod
     def next_serial() -> int:
@@ -182,6 +194,53 @@ class ForwardRecord:
             ValueError: naming the change and what to do instead.
         """
         self.state.check(self.model, rerun)
+        if any(t._version != version for t, version in self.input_versions):
+            raise ValueError(
+                f"an input of the extended {type(self.model).__name__} was changed in place "
+                f"since its forward pass (a reused input buffer), and {rerun} runs the model "
+                "again on it: its values would not be those of the forward pass whose loss is "
+                "backpropagated. Backpropagate before changing the input, or pass a new tensor."
+            )
+
+    def let_output_go(self) -> None:
+        """Drop the output (and its graph), keeping its first and last rows to check against."""
+        if self.output is not None:
+            rows = self.output.detach()
+            self.kept_rows = (rows[:1].clone(), rows[-1:].clone())
+        self.output = None
+
+    def check_same_output(self, output: Tensor, layout: Callable[[Tensor], Tensor] | None) -> None:
+        """Refuse packfunc's own pass if its output is not this forward pass's, to rounding.
+
+        Its first and last rows are compared (the output of a model whose forward updates
+        Python state, a call counter scaling it, would differ).
+
+        Args:
+            output: The own pass's output.
+            layout: Maps this forward's output to the own pass's form (the loss input's
+                rearrangement), or ``None``: the same form.
+
+        Raises:
+            ValueError: naming the difference and the likely cause.
+        """
+        if self.output is not None:
+            users = layout(self.output) if layout is not None else self.output
+            rows = (users[:1], users[-1:])
+        elif self.kept_rows is not None and layout is None:
+            rows = self.kept_rows
+        else:  # (the kept rows of a rearranged output are not those of its form)
+            return
+        for own, theirs in zip((output[:1], output[-1:]), rows):
+            difference = difference_beyond_rounding(own, theirs)
+            if difference is not None:
+                raise ValueError(
+                    f"packfunc's own pass of the extended {type(self.model).__name__} (your "
+                    "forward pass cannot be reused here) computed another output than your "
+                    f"forward pass: it {difference}. The forward depends on more than its "
+                    "inputs and parameters (Python state it updates, such as a call counter, "
+                    "or a change since it ran), so per-sample values would not be those of "
+                    "your forward. Make the forward depend on its inputs and parameters only."
+                )
 
     def check_output_unchanged(self) -> None:
         """Refuse a forward pass whose output was changed in place after it ended.

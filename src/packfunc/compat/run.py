@@ -100,7 +100,9 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
             fn, loss, y = model_fn, GivenOutputGradient(gradient), gradient
             watched = partial(_watched, record, None, differentiable)
         if _uses_forward(job) and job.second_order not in passes:
-            passes[job.second_order] = BatchPass(fn, params, X, y, loss, reuse=watched)
+            bp = passes[job.second_order] = BatchPass(fn, params, X, y, loss, reuse=watched)
+            if bp.reran:
+                _check_own_pass(record, route if job.second_order else None, bp)
         with torch.set_grad_enabled(differentiable):
             if _computes_statistic(job):
                 results[ext.savefield] = evaluate(
@@ -279,6 +281,19 @@ def _watched(
     if found is None:
         record.check_unchanged(_OWN_PASS)
     return found
+
+
+def _check_own_pass(record: ForwardRecord, route: LossRoute | None, bp: BatchPass) -> None:
+    """Refuse packfunc's own pass where its output is not that of the user's forward.
+
+    ``route``: the loss a second-order pass ends at (its output is the loss input in
+    packfunc's per-sample form), or ``None`` (the model's output). A pass through further
+    extended modules is not compared.
+    """
+    if route is None:
+        record.check_same_output(bp.record.output, None)
+    elif not route.stages and route.loss is not None:
+        record.check_same_output(bp.record.output, route.loss.output)
 
 
 def _not_reusable(record: ForwardRecord, *_: Any) -> BatchRecord | None:

@@ -19,6 +19,7 @@ from packfunc.engine.discovery import (
 )
 from packfunc.engine.layer_factors import CURVATURES
 from packfunc.engine.local import CallArguments, LocalInputs, Source
+from packfunc.engine.model_state import packfunc_passes
 from packfunc.engine.modes import (
     Derived,
     FunctionalMode,
@@ -37,6 +38,7 @@ from packfunc.engine.ops import (
     linear_in_out,
     make_call,
 )
+from packfunc.engine.precision import difference_beyond_rounding
 from packfunc.engine.randomness import random_call
 from packfunc.engine.recurrent import RECURRENT_OPS
 
@@ -64,10 +66,12 @@ __all__ = [
     "autograd_record",
     "cached_discover",
     "check_rerun",
+    "difference_beyond_rounding",
     "is_metadata_query",
     "leaves_of",
     "linear_in_out",
     "make_call",
+    "packfunc_passes",
     "parameter_sources",
     "random_call",
     "remember_derivations",

@@ -11,6 +11,7 @@ the whole-model path) otherwise, zeros for unused leaves.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property, partial
@@ -23,7 +24,6 @@ from packfunc.engine import whole_model
 from packfunc.engine.batch_record import BatchRecord, PlanMismatch, SiteConsumer, record
 from packfunc.engine.discovery import (
     Plan,
-    buffer_restorer,
     cached_discover,
     check_rows_alone,
     forget_plan,
@@ -37,6 +37,7 @@ from packfunc.engine.memory import (
     new_output,
     split_index,
 )
+from packfunc.engine.model_state import attribute_restorer, buffer_restorer, users_forward
 from packfunc.engine.ops import SiteCall
 from packfunc.engine.precision import to_dtype_of
 from packfunc.engine.randomness import DEFAULT_GENERATOR_DRAW, GeneratorMark, refuse_rerun
@@ -202,6 +203,8 @@ class BatchPass:
         keeps_loss: ``False`` where nothing reads :attr:`loss_value`: a last pullback of
             other cotangents than ``∂L/∂output`` then lets the output go without taking
             the loss.
+        reran: Whether a ``reuse`` was given but packfunc ran its own pass (the caller
+            may check its output against the reused pass's).
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
@@ -227,13 +230,16 @@ class BatchPass:
         self.model_fn, self.params, self.X, self.y, self.loss = model_fn, params, X, y, loss
         self.chunk_size = chunk_size
         self.keeps_loss = True
+        self.reran = False
         self.plan, cached = cached_discover(model_fn, params, self.leaves, X)
         self._cached = cached
         mark = GeneratorMark(self.leaves)
-        # a refusal after this pass leaves the buffers it changed as they were
+        # a refusal after this pass leaves the buffers and attributes it changed as they were
         self._restore_buffers = (
             buffer_restorer(module_of(model_fn)) if self.plan.updated_buffer else None
         )
+        # (in the shim, the user's forward ran: packfunc's own pass puts back what it sets)
+        self._put_back = attribute_restorer(module_of(model_fn) if reuse is None else None)
         try:
             self.record = self._batch_pass(reuse)
         except PlanMismatch:
@@ -241,6 +247,7 @@ class BatchPass:
                 raise
             forget_plan(model_fn)  # the code took another path: discover it again
             mark.rewind()  # and run it on the random numbers the stopped pass began with
+            self._put_back()  # and on the attributes it began with
             self.plan, self._cached = cached_discover(model_fn, params, self.leaves, X)
             self.record = self._batch_pass(reuse)
         if mark.moved():
@@ -249,6 +256,7 @@ class BatchPass:
         try:
             checked = check_rows_alone(self.plan, self.record.output, last)  # a fresh plan's rows
         except ValueError as error:
+            self._undo()
             if reuse is None:
                 raise
             raise ValueError(f"{error} {_REUSED_ROWS}") from None
@@ -277,14 +285,24 @@ class BatchPass:
                 "packfunc's own pass (the recorded forward pass cannot be reused: a "
                 "recurrent or attention layer, or calls packfunc runs differently)"
             )
-        return record(
-            self.model_fn, self.params, self.leaves, self.plan, self.X, self.y, self.loss, self.n
-        )
+            self.reran = True
+        with contextlib.nullcontext() if reuse is not None else users_forward(self._put_back):
+            return record(
+                self.model_fn,
+                self.params,
+                self.leaves,
+                self.plan,
+                self.X,
+                self.y,
+                self.loss,
+                self.n,
+            )
 
     def check_rerun(self, rerun: str) -> None:
         """:func:`check_rerun` of this pass's plan.
 
-        A refusal puts back the buffers this pass changed: the call changes nothing.
+        A refusal puts back the buffers and attributes this pass changed: the call changes
+        nothing.
 
         Args:
             rerun: What would run it, for the message (e.g. ``"the whole-model path"``).
@@ -292,9 +310,14 @@ class BatchPass:
         try:
             check_rerun(self.plan, rerun)
         except Exception:  # RandomModelError, ValueError
-            if self._restore_buffers is not None:
-                self._restore_buffers()
+            self._undo()
             raise
+
+    def _undo(self) -> None:
+        """Put back the buffers and attributes this pass changed (it is refused)."""
+        if self._restore_buffers is not None:
+            self._restore_buffers()
+        self._put_back()
 
     @property
     def loss_value(self) -> Tensor:

@@ -35,6 +35,7 @@ from packfunc.engine.checkpointing import plain_checkpoints
 from packfunc.engine.discovery import Plan, Recorded, Use, UseKind
 from packfunc.engine.local import CallArguments, Derivation, LocalInputs, Source
 from packfunc.engine.memory import is_plain
+from packfunc.engine.model_state import restart_users_forward
 from packfunc.engine.modes import (
     LeafIndex,
     ParameterMode,
@@ -238,6 +239,21 @@ class _RecordMode(ParameterMode):
         return out + self.probes[k]
 
 
+_ROW_PER_SAMPLE = (
+    "model_fn uses its parameters differently for different batch sizes: a tensor made of "
+    "parameters has one row per sample in the batch, but not for the first sample alone "
+    "(which packfunc ran to learn the model). Sample n's gradient would then depend on its "
+    "position in the batch, which packfunc cannot compute. Likely causes: (1) the model "
+    "slices a parameter by the batch size (p[:N]): copy it over the batch with expand/repeat "
+    "instead; (2) the model branches on the data and takes another path for the first sample "
+    "alone than for the batch: Hugging Face models build no attention mask where a sample "
+    "has no padding, so put a padded sample first; (3) sample data reached the tensor "
+    "through code packfunc does not see (a round trip through numpy or Python lists, "
+    "Tensor.as_subclass, torch.vmap inside the model): write that part with torch "
+    "operations on the tensors themselves."
+)
+
+
 def sample_layout(
     shapes: tuple[torch.Size | None, ...],
     values: tuple[Any, ...],
@@ -272,15 +288,7 @@ def sample_layout(
         ):
             narrow.add(position)
         else:
-            raise ValueError(
-                "model_fn uses its parameters differently for different batch sizes (a tensor "
-                "made of parameters has one row per sample, e.g. p[:N]): sample n's gradient "
-                "then depends on its position in the batch, which packfunc cannot compute. "
-                "Copy a parameter over the batch with expand/repeat instead. (Or sample data "
-                "reached such a tensor through code packfunc does not see: a round trip "
-                "through numpy or Python lists, Tensor.as_subclass, torch.vmap inside the "
-                "model. Write that part with torch operations on the tensors themselves.)"
-            )
+            raise ValueError(_ROW_PER_SAMPLE)
     return tuple(batched), frozenset(narrow)
 
 
@@ -685,6 +693,7 @@ def _tapped_leaves_forward(
         mode.finish()
     except PlanMismatch:  # e.g. a model that reaches its parameters not through params
         rewind()  # it may have drawn part of its random numbers
+        restart_users_forward()  # and set attributes: the mode's pass is the forward
         return None
     return mode, output
 

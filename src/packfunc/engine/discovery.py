@@ -25,20 +25,21 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, cast
 
 import optree
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor, maybe_current_level
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from packfunc.engine.attention import ATTENTION_OPS
 from packfunc.engine.local import CallArguments, LocalInputs, Source
+from packfunc.engine.model_state import kept_model_state
 from packfunc.engine.modes import (
     REWRITTEN_OPS,
     LeafIndex,
@@ -571,7 +572,7 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
     sample = _copied(X_first)
     operators = _OperatorsInSight()
     mode = _DiscoveryMode(LeafIndex(leaves), sample, buffers, operators)
-    with private_generators(leaves) as drew, kept_buffers(module) as changed:
+    with private_generators(leaves) as drew, kept_model_state(module) as changed:
         with torch.no_grad(), operators, mode:
             out = model_fn(params, sample)
         if drew():
@@ -792,7 +793,9 @@ def check_rows_alone(
         "depend on that sample alone. Either an input is not batched along dim 0 (an input "
         "shared by the batch whose length equals the batch size, e.g. positions [T] with "
         "T = N: expand it to [N, ...] or close over it in model_fn), or a layer mixes "
-        "samples (batch statistics), which per-sample quantities cannot follow."
+        "samples (batch statistics), which per-sample quantities cannot follow, or the "
+        "forward depends on Python state it updates (a call counter), which makes each of "
+        "packfunc's runs of it another function."
     )
 
 
@@ -819,7 +822,7 @@ def last_sample_output(model_fn: ModelFn, params: Any, X: Any, n: int) -> Tensor
         >>> last_sample_output(fn, p, torch.randn(4, 3), 4).shape
         torch.Size([1, 2])
     """
-    with torch.no_grad(), kept_buffers(module_of(model_fn)), forward_autocast(), _AsIs():
+    with torch.no_grad(), kept_model_state(module_of(model_fn)), forward_autocast(), _AsIs():
         out: Tensor = model_fn(params, select_samples(X, slice(n - 1, n)))
     return out
 
@@ -831,76 +834,6 @@ class _AsIs(TorchFunctionMode):
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def kept_buffers(module: nn.Module | None) -> Iterator[list[str]]:
-    """Put ``module``'s buffers back as they were: discovery's forward is not the user's.
-
-    A forward that updates a buffer (a running mean, spectral norm's power iteration) would
-    otherwise update it once more, with one sample, before the batch's own forward.
-
-    Args:
-        module: The module of a :func:`packfunc.functional` model, or ``None`` (nothing kept).
-
-    Yields:
-        A list that names, once the block is left, the buffers it changed.
-
-    Example:
-        >>> norm = torch.nn.BatchNorm1d(2)
-        >>> with kept_buffers(norm) as changed:
-        ...     _ = norm(torch.randn(4, 2))
-        >>> norm.running_mean, changed
-        (tensor([0., 0.]), ['running_mean', 'running_var', 'num_batches_tracked'])
-    """
-    restore = buffer_restorer(module)
-    changed: list[str] = []
-    try:
-        yield changed
-    finally:
-        changed += restore()
-
-
-def buffer_restorer(module: nn.Module | None) -> Callable[[], list[str]]:
-    """A function that puts ``module``'s buffers back as they are now, values and versions.
-
-    Args:
-        module: A module, or ``None`` (nothing kept).
-
-    Returns:
-        ``restore()``, which returns the names of the buffers it put back.
-
-    Example:
-        >>> norm = torch.nn.BatchNorm1d(2)
-        >>> restore = buffer_restorer(norm)
-        >>> _ = norm(torch.randn(4, 2))
-        >>> restore(), norm.running_mean
-        (['running_mean', 'running_var', 'num_batches_tracked'], tensor([0., 0.]))
-    """
-    named = [
-        (owner, f"{prefix}.{name}" if prefix else name, name, buffer, buffer.clone())
-        for prefix, owner in (module.named_modules() if module is not None else ())
-        for name, buffer in owner.named_buffers(recurse=False)
-        if buffer.device.type != "meta"
-    ]
-    versions = [buffer._version for *_, buffer, _ in named]
-
-    def restore() -> list[str]:
-        changed = []
-        with torch.no_grad():
-            for (owner, qualified, name, buffer, value), version in zip(named, versions):
-                if owner._buffers.get(name) is not buffer:  # rebound
-                    owner._buffers[name] = buffer
-                    changed.append(qualified)
-                elif not torch.equal(buffer, value):
-                    buffer.copy_(value)
-                    # its version too: to autograd (a graph that saved it) and to the shim's
-                    # check for a model changed since its forward, it never changed
-                    torch._C._autograd._unsafe_set_version_counter((buffer,), (version,))
-                    changed.append(qualified)
-        return changed
-
-    return restore
 
 
 _PLANS: weakref.WeakKeyDictionary[ModelFn, tuple[Hashable, Plan]] = weakref.WeakKeyDictionary()

@@ -1,0 +1,212 @@
+"""The user's model as packfunc found it: buffers and attributes put back after packfunc's passes.
+
+A quantity runs the model more than once: discovery on one sample, a check on the last
+sample, the whole-model path, second derivatives, the shim's own pass. Only one of them is a
+forward pass of the user's (the batch pass of a :func:`packfunc.functional` model; in the
+shim, the user's own forward): whatever the others set on the model (a running statistic, a
+call counter, a forward hook keeping the last activation, the old ``weight_norm``'s weight)
+is put back. Within a public call (:func:`packfunc_passes`), every call of a
+:func:`packfunc.functional` model function but the batch pass (:func:`users_forward`) puts
+back the attributes it set (:func:`restoring_attributes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+__all__ = [
+    "attribute_restorer",
+    "buffer_restorer",
+    "kept_model_state",
+    "packfunc_passes",
+    "restart_users_forward",
+    "restoring_attributes",
+    "users_forward",
+]
+
+
+@contextlib.contextmanager
+def kept_model_state(module: nn.Module | None) -> Iterator[list[str]]:
+    """Put ``module``'s buffers and attributes back as they were: this forward is not the user's.
+
+    A forward that updates a buffer (a running mean, spectral norm's power iteration) would
+    otherwise update it once more, with one sample, before the batch's own forward; one
+    that sets attributes would keep those of packfunc's pass.
+
+    Args:
+        module: The module of a :func:`packfunc.functional` model, or ``None`` (nothing kept).
+
+    Yields:
+        A list that names, once the block is left, the buffers it changed.
+
+    Example:
+        >>> norm = torch.nn.BatchNorm1d(2)
+        >>> with kept_model_state(norm) as changed:
+        ...     _ = norm(torch.randn(4, 2))
+        >>> norm.running_mean, changed
+        (tensor([0., 0.]), ['running_mean', 'running_var', 'num_batches_tracked'])
+    """
+    restore_buffers, restore_attributes = buffer_restorer(module), attribute_restorer(module)
+    changed: list[str] = []
+    try:
+        yield changed
+    finally:
+        changed += restore_buffers()
+        restore_attributes()
+
+
+def buffer_restorer(module: nn.Module | None) -> Callable[[], list[str]]:
+    """A function that puts ``module``'s buffers back as they are now, values and versions.
+
+    Args:
+        module: A module, or ``None`` (nothing kept).
+
+    Returns:
+        ``restore()``, which returns the names of the buffers it put back.
+
+    Example:
+        >>> norm = torch.nn.BatchNorm1d(2)
+        >>> restore = buffer_restorer(norm)
+        >>> _ = norm(torch.randn(4, 2))
+        >>> restore(), norm.running_mean
+        (['running_mean', 'running_var', 'num_batches_tracked'], tensor([0., 0.]))
+    """
+    named = [
+        (owner, f"{prefix}.{name}" if prefix else name, name, buffer, buffer.clone())
+        for prefix, owner in (module.named_modules() if module is not None else ())
+        for name, buffer in owner.named_buffers(recurse=False)
+        if buffer.device.type != "meta"
+    ]
+    versions = [buffer._version for *_, buffer, _ in named]
+
+    def restore() -> list[str]:
+        changed = []
+        with torch.no_grad():
+            for (owner, qualified, name, buffer, value), version in zip(named, versions):
+                if owner._buffers.get(name) is not buffer:  # rebound
+                    owner._buffers[name] = buffer
+                    changed.append(qualified)
+                elif not torch.equal(buffer, value):
+                    buffer.copy_(value)
+                    # its version too: to autograd (a graph that saved it) and to the shim's
+                    # check for a model changed since its forward, it never changed
+                    torch._C._autograd._unsafe_set_version_counter((buffer,), (version,))
+                    changed.append(qualified)
+        return changed
+
+    return restore
+
+
+_MISSING = object()
+"""Stands in for an attribute a module does not have (see :func:`attribute_restorer`)."""
+
+
+def attribute_restorer(module: nn.Module | None) -> Callable[[], None]:
+    """A function that puts the attributes of ``module`` and its submodules back as they are now.
+
+    An attribute set since is put back, one added is deleted (each module's own
+    ``__dict__``; the dicts of parameters, buffers, children and hooks are kept as they
+    are: buffers have :func:`buffer_restorer`).
+
+    Args:
+        module: A module, or ``None`` (nothing kept).
+
+    Returns:
+        ``restore()``.
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 1)
+        >>> restore = attribute_restorer(layer)
+        >>> layer.calls = 1
+        >>> restore(); hasattr(layer, "calls")
+        False
+    """
+    saved = [
+        (owner.__dict__, dict(owner.__dict__))
+        for owner in (module.modules() if module is not None else ())
+    ]
+
+    def restore() -> None:
+        for now, before in saved:
+            if now.keys() == before.keys() and all(now[k] is v for k, v in before.items()):
+                continue
+            for key in [key for key in now if key not in before]:
+                del now[key]
+            now.update(
+                (key, value) for key, value in before.items() if now.get(key, _MISSING) is not value
+            )
+
+    return restore
+
+
+_THREAD = threading.local()
+"""Per thread: how deep in packfunc's calls (``depth``) and in a user's forward (``forward``)."""
+
+
+@contextlib.contextmanager
+def packfunc_passes() -> Iterator[None]:
+    """Mark the calling thread's model calls as packfunc's (a public call, the shim's work).
+
+    Example:
+        >>> with packfunc_passes():
+        ...     restoring_attributes()
+        True
+    """
+    _THREAD.depth = getattr(_THREAD, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _THREAD.depth -= 1
+
+
+@contextlib.contextmanager
+def users_forward(put_back: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Mark the calling thread's model calls as the user's forward (the batch pass) for a while.
+
+    What they set on the model stays, as after a forward of the user's own, unless the
+    forward starts again (:func:`restart_users_forward`).
+
+    Args:
+        put_back: An :func:`attribute_restorer` taken before the forward (by default the
+            forward does not start again).
+
+    Example:
+        >>> with packfunc_passes(), users_forward():
+        ...     restoring_attributes()
+        False
+    """
+    outer = getattr(_THREAD, "forward", None)
+    _THREAD.forward = put_back
+    try:
+        yield
+    finally:
+        _THREAD.forward = outer
+
+
+def restart_users_forward() -> None:
+    """Put back what the user's forward set so far: it stopped and runs again from the start.
+
+    Example:
+        >>> restart_users_forward()  # outside a forward: nothing to put back
+    """
+    put_back = getattr(_THREAD, "forward", None)
+    if put_back is not None:
+        put_back()
+
+
+def restoring_attributes() -> bool:
+    """Whether a model call now is one of packfunc's own: its attributes are put back.
+
+    Returns:
+        ``True`` inside :func:`packfunc_passes` and not inside :func:`users_forward`.
+
+    Example:
+        >>> restoring_attributes()  # the user's own call
+        False
+    """
+    return getattr(_THREAD, "depth", 0) > 0 and getattr(_THREAD, "forward", None) is None
