@@ -259,3 +259,22 @@ def test_subsampling_one_sample_twice(case):
     twice = pf.batch_grad(model_fn, params, X, y, loss=loss, subsampling=[0, 0])
     for name in params:
         torch.testing.assert_close(twice[name], full[name][[0, 0]])
+
+
+@pytest.mark.parametrize("case", ["mlp", "conv2d", "embedding", "transformer"], indirect=True)
+@pytest.mark.parametrize(
+    "quantity", ["batch_grad", "batch_l2_grad", "sqrt_ggn", "batch_diag_ggn", "batch_diag_hessian"]
+)
+def test_no_samples_subsampled_gives_empty_per_sample_results(case, quantity):
+    """``subsampling=[]`` (BackPACK's extensions accept it): no rows, each shaped as one's."""
+    problem = make_problem(case, n=3)
+    model_fn, params = problem.functional()
+    compute = getattr(pf, quantity)
+    args = (model_fn, params, problem.X, problem.y)
+    one = compute(*args, loss=problem.loss, subsampling=[0])
+    none = compute(*args, loss=problem.loss, subsampling=[])
+    dim = 1 if quantity == "sqrt_ggn" else 0
+    for name in params:
+        expected = list(one[name].shape)
+        expected[dim] = 0
+        assert list(none[name].shape) == expected

@@ -256,25 +256,53 @@ def test_the_shim_leaves_the_users_forward_state(frozen):
 
 
 def test_a_forward_that_depends_on_state_it_updates_is_refused_not_rerun():
-    """The shim's own pass (a frozen layer) would run another function than the user's
-    forward: refused, and the model is left as the user's forward left it."""
+    """The shim's own pass (for an earlier forward, whose recording a later one released)
+    would run another function than the user's forward: refused against the rows it kept,
+    and the model is left as the user's forwards left it."""
     model = extend(Counting(scaled=True).double())
-    model.hidden.requires_grad_(False)
     lossfunc = extend(nn.CrossEntropyLoss())
     with backpack(BatchGrad()), pytest.raises(ValueError, match="computed another output"):
-        lossfunc(model(X3), Y3).backward()
-    assert model.calls == 1
+        first = lossfunc(model(X3), Y3)
+        model(X3)  # a later forward: the first one is answered by packfunc's own pass
+        first.backward()
+    assert model.calls == 2
 
 
 def test_an_input_changed_in_place_after_the_forward_is_refused_on_a_rerun():
     model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double())
-    model[0].requires_grad_(False)  # a frozen layer: the shim runs its own pass
     lossfunc = extend(nn.CrossEntropyLoss())
     buffer = X3.clone()
     with backpack(BatchGrad()), pytest.raises(ValueError, match="changed in place"):
         loss = lossfunc(model(buffer), Y3)
+        model(X3)  # a later forward: the first one is answered by packfunc's own pass
         buffer.mul_(2)  # a reused input buffer
         loss.backward()
+
+
+def test_a_frozen_layer_and_dropout_reuse_the_users_forward():
+    """Fine-tuning: the frozen layer is a constant of the user's forward, whose dropout
+    masks the quantities come from (no own pass, which dropout would refuse): as BackPACK."""
+    bp = pytest.importorskip("backpack")
+    from backpack import extensions as bp_extensions
+
+    def build() -> nn.Module:
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Dropout(0.4), nn.Linear(6, 2))
+        model[0].requires_grad_(False)
+        return model.double()
+
+    found = {}
+    for name, (ours, extension) in {
+        "packfunc": ((extend, backpack), BatchGrad()),
+        "backpack": ((bp.extend, bp.backpack), bp_extensions.BatchGrad()),
+    }.items():
+        extend_with, context = ours
+        model, lossfunc = extend_with(build()), extend_with(nn.CrossEntropyLoss())
+        torch.manual_seed(7)
+        with context(extension):
+            lossfunc(model(X3), Y3).backward()
+        found[name] = model[3].weight.grad_batch
+    torch.testing.assert_close(found["packfunc"], found["backpack"])
 
 
 def test_an_extended_model_pickles_after_a_step():
@@ -291,3 +319,28 @@ def test_a_refused_call_of_the_functional_api_leaves_the_model_as_it_was():
     with pytest.raises(ValueError, match="Python state it updates"):
         pf.batch_grad(model_fn, params, X3, Y3)
     assert model.calls == 0 and not hasattr(model.hidden, "kept")
+
+
+@pytest.mark.parametrize("hooked", ["model", "model_pre", "loss"])
+def test_full_backward_hooks_on_the_model_or_the_loss_are_the_users(hooked):
+    """The identity a full backward hook wraps the output (or the loss input) in is no
+    rearrangement: second-order extensions find the loss; packfunc's own runs of the loss
+    do not call the user's hook (it runs once, in the user's backward), as in BackPACK."""
+
+    def run(hook: bool) -> tuple[Tensor, int]:
+        torch.manual_seed(0)
+        model = extend(nn.Sequential(nn.Linear(3, 4), nn.Sigmoid(), nn.Linear(4, 2)).double())
+        lossfunc, calls = extend(nn.CrossEntropyLoss()), []
+        if hook and hooked == "model":
+            model.register_full_backward_hook(lambda *_: calls.append(1))
+        if hook and hooked == "model_pre":
+            model.register_full_backward_pre_hook(lambda *_: calls.append(1))
+        if hook and hooked == "loss":
+            lossfunc.register_full_backward_hook(lambda *_: calls.append(1))
+        with backpack(DiagGGNExact(), BatchGrad()):
+            lossfunc(model(X3), Y3).backward()
+        return model[0].weight.diag_ggn_exact, len(calls)
+
+    (expected, _), (found, calls) = run(hook=False), run(hook=True)
+    torch.testing.assert_close(found, expected)
+    assert calls == 1

@@ -115,8 +115,11 @@ def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if _depth[0] == 1:  # the outermost extended module: watch the whole pass
         recorder = None
         if _recording():
-            # leaves in packfunc's own order (optree sorts dict keys), as the plan numbers them
-            parameters: dict[str, Tensor] = dict(module.named_parameters())
+            # leaves in packfunc's own order (optree sorts dict keys), as the plan numbers them:
+            # those that require gradients (a frozen one is a constant there, as in BackPACK)
+            parameters: dict[str, Tensor] = {
+                name: p for name, p in module.named_parameters() if p.requires_grad
+            }
             leaves: list[Tensor] = optree.tree_leaves(parameters)  # type: ignore[arg-type]
             recorder = ForwardRecorder(leaves, (args, kwargs), tuple(module.buffers()))
             recorder.__enter__()

@@ -23,6 +23,9 @@ RECORD_KEY = "packfunc_record"
 
 _REORDERS = re.compile(r"(Permute|Transpose|T)Backward\d*")
 """Shape-only ops that change the order of the elements."""
+_BACKWARD_HOOK = "BackwardHookFunctionBackward"
+"""The node of the identity a module with a full backward hook wraps its output (and a loss
+with one, its input) in: no rearrangement, and not run (it would call the user's hook)."""
 _SHAPE_ONLY = re.compile(
     r"(View|UnsafeView|ReshapeAlias|Permute|Transpose|T|Squeeze|Unsqueeze|Clone|Alias)"
     r"Backward\d*"
@@ -139,9 +142,11 @@ def find_layout(tensor: Tensor) -> tuple[Any, SampleLayout] | None:
     """
     node, chain = tensor.grad_fn, []
     while node is not None and RECORD_KEY not in node_metadata(node):
-        if not _SHAPE_ONLY.fullmatch(type(node).__name__):
-            return None
-        chain.append(node)
+        name = type(node).__name__
+        if name != _BACKWARD_HOOK:  # (the identity of a module's full backward hook)
+            if not _SHAPE_ONLY.fullmatch(name):
+                return None
+            chain.append(node)
         node = _single_input(node)
     if node is None:
         return None

@@ -7,6 +7,7 @@ extended loss and its targets. Results land on ``param.<savefield>``.
 
 from __future__ import annotations
 
+import copy
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
@@ -173,7 +174,42 @@ def _second_order_problem(
     watched = partial(_not_reusable, record)
     if not route.stages:
         watched = partial(_watched, record, call.output, differentiable)
-    return ends_at_loss, call.module, call.targets(), watched
+    return ends_at_loss, _without_hooks(call.module), call.targets(), watched
+
+
+_HOOKS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+"""The hook dicts of a module."""
+
+
+def _without_hooks(loss: nn.Module) -> nn.Module:
+    """``loss`` for packfunc's own runs of it: a shallow copy without hooks, where it has any.
+
+    Its forward and (full) backward hooks are the user's, for the user's own backward pass
+    (or the shim's recording): packfunc's passes neither call them nor pass through the
+    identity a full backward hook wraps the loss input in.
+
+    Example:
+        >>> loss = torch.nn.MSELoss()
+        >>> _ = loss.register_full_backward_hook(lambda *_: None)
+        >>> bare = _without_hooks(loss)
+        >>> type(bare).__name__, bool(bare._backward_hooks), bool(loss._backward_hooks)
+        ('MSELoss', False, True)
+    """
+    if not any(getattr(loss, name) for name in _HOOKS):
+        return loss
+    bare = copy.copy(loss)
+    for name in _HOOKS:
+        bare.__dict__[name] = type(getattr(loss, name))()
+    bare.__dict__["_is_full_backward_hook"] = None
+    return bare
 
 
 _FUNCTIONS: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, Callable]] = (

@@ -245,7 +245,11 @@ def _parameter_curvature(
             return _hvp_diagonal(partial(phi, x, cotangent.unsqueeze(0)), chosen, at_once)
 
         xs = select_samples(bp.X, index)
-        per_sample = over_samples(one_sample)(xs, bp.record.output_cotangent[index])
+        per_sample = (
+            over_samples(one_sample)(xs, bp.record.output_cotangent[index])
+            if index_length(index)
+            else [p.new_zeros((0, p.numel())) for p in chosen]  # (vmap of no samples fails)
+        )
         for found, d, p in zip(results, per_sample, chosen):
             found[Statistic.DIAGONAL_PER_SAMPLE] = d.view(d.shape[0], *p.shape)
     return results

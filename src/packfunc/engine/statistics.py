@@ -427,7 +427,7 @@ def _statistic(stat: Statistic, columns: Tensor) -> Tensor:
     if stat is Statistic.SUM:
         return columns.sum((0, 1))
     if stat is Statistic.SQUARED_NORMS:
-        per_sample = columns.transpose(0, 1).reshape(columns.shape[1], -1)
+        per_sample = columns.transpose(0, 1).reshape(columns.shape[1], columns[:, :1].numel())
         return cast(Tensor, torch.linalg.vector_norm(per_sample, dim=1).square())
     if stat is Statistic.DIAGONAL_PER_SAMPLE:
         return columns.square().sum(0)

@@ -66,7 +66,8 @@ class LinearWeight(ProductWeight):
             return u.T @ v if call.transposed else v.T @ u
         if stat is not Statistic.SQUARED_NORMS:
             raise NotImplementedError(f"LinearWeight routes sums and squared norms, not {stat}")
-        u, v = x.reshape(x.shape[0], -1, n_in), g[0].reshape(x.shape[0], -1, n_out)
+        positions = math.prod(x.shape[1:-1])  # (not -1: an empty batch has no length to infer)
+        u, v = x.reshape(x.shape[0], positions, n_in), g[0].reshape(x.shape[0], positions, n_out)
         if u.shape[1] == 1:
             return u.square().sum((1, 2)) * v.square().sum((1, 2))
         return gram_squared_norms(v @ v.mT, u @ u.mT)

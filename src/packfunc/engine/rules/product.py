@@ -37,7 +37,7 @@ class ProductWeight(Rule):
         """Column gradients ``Σ_l v_l u_lᵀ``, shaped ``[K, n, *param.shape]``."""
         columns, n, groups, n_out, _ = g.shape
         if max(columns, x.shape[0]) > 1:
-            return _column_products(x, g).reshape(-1, n, *param.shape)
+            return _column_products(x, g).reshape(max(columns, x.shape[0]), n, *param.shape)
         if not is_plain(x, g):
             return torch.matmul(g, x.transpose(-1, -2)).reshape(1, n, *param.shape)
         out = new_output((1, n, groups, n_out, x.shape[-2]), like=g)
