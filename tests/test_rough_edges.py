@@ -242,36 +242,6 @@ class _ScaleOldStyle(torch.autograd.Function):
         return g * w, g * x
 
 
-class _Scale(torch.autograd.Function):
-    """``x * w`` with its own backward, usable under ``vmap``."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, w):
-        return x * w
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g * w, g * x
-
-
-class _CustomScaled(nn.Module):
-    def __init__(self, function: type[torch.autograd.Function]) -> None:
-        super().__init__()
-        self.function = function
-        self.scale = nn.Parameter(torch.randn(3))
-        self.linear = nn.Linear(3, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(self.function.apply(x, self.scale))
-
-
 class _ScaleWithoutVmap(torch.autograd.Function):
     """``x * w`` with its own backward and ``setup_context`` but no vmap rule."""
 
@@ -287,6 +257,23 @@ class _ScaleWithoutVmap(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         return g * w, g * x
+
+
+class _Scale(_ScaleWithoutVmap):
+    """``x * w`` with its own backward, usable under ``vmap``."""
+
+    generate_vmap_rule = True
+
+
+class _CustomScaled(nn.Module):
+    def __init__(self, function: type[torch.autograd.Function]) -> None:
+        super().__init__()
+        self.function = function
+        self.scale = nn.Parameter(torch.randn(3))
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.function.apply(x, self.scale))
 
 
 class _PlainScale:
