@@ -370,6 +370,22 @@ def test_kfra_refuses_residual_nets_with_a_clear_error():
         pf.kfra(*problem.functional(), problem.X, problem.y)
 
 
+def test_kfra_leaves_out_a_branch_that_does_not_reach_the_output():
+    """A forward hook that logs an activation's statistics reads the activation: no
+    residual connection; KFRA equals the model's without the hook (it refused before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    expected = pf.kfra(*pf.functional(model), X, y)
+    logged = []
+    model[1].register_forward_hook(lambda m, i, out: logged.append(out.detach().abs().mean()))
+    found = pf.kfra(*pf.functional(model), X, y)
+    assert logged
+    for name in expected:
+        for a, b in zip(found[name], expected[name]):
+            torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize(
     "case", ["custom_module", "layernorm_groupnorm", "tied_embedding"], indirect=True
 )

@@ -509,6 +509,57 @@ def test_a_gradient_that_cancels_over_positions_is_clipped_not_nan() -> None:
     torch.testing.assert_close(found["weight"], 3 * expected["weight"], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("layer", ["linear", "conv1d", "tied"])
+def test_a_crafted_sample_whose_positions_cancel_is_still_clipped(layer: str) -> None:
+    """Positions whose cotangents nearly cancel (``v`` and ``-v + δ`` on the same input,
+    ``‖v‖ ≫ ‖δ‖``): the Gram form's rounding is of the order of ``‖v‖²``, so it read a
+    squared norm of about zero (the sample went unclipped, ``‖g‖ = 3`` for ``C = 1``).
+    The norm comes from the sample's gradient there: right to rounding, and clipped."""
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(16, generator=gen)
+    x = 10 * x / x.norm()
+    outputs = 1000 if layer == "tied" else 16  # (a vocabulary: the tied Gram form is cheaper)
+    v, delta = torch.randn(outputs, generator=gen), torch.randn(outputs, generator=gen)
+    v, delta = 1e4 * v / v.norm(), 0.3 * delta / delta.norm()
+    if layer == "conv1d":
+        model: nn.Module = nn.Conv1d(16, 16, 1, bias=False)
+        X = torch.stack([x, x], -1)[None]  # one sample, two positions
+    elif layer == "linear":
+        model = nn.Linear(16, 16, bias=False)
+        X = torch.stack([x, x])[None]
+    else:  # the head's weight tied to an embedding the sample does not look up
+        model = _TiedHead()
+        X = torch.stack([x, x])[None]
+    model_fn, params = pf.functional(model)
+    with torch.no_grad():
+        out = model(X)
+    target = out.clone()
+    first, second = (target[0, :, 0], target[0, :, 1]) if layer == "conv1d" else target[0]
+    first -= v / 2
+    second += v / 2 - delta / 2
+    loss = nn.MSELoss(reduction="sum")
+    expected = autograd_batch_grad(model.double(), loss, X.double(), target.double())
+    name = next(iter(params))
+    true_norm = expected[name].flatten(1).norm(dim=1)
+    model.float()
+    squares = pf.batch_l2_grad(model_fn, params, X, target, loss=loss)[name]
+    torch.testing.assert_close(squares.sqrt().double(), true_norm, rtol=1e-2, atol=0)
+    clipped = pf.clipped_grad(model_fn, params, X, target, loss=loss, max_norm=1.0)[name]
+    assert 0.99 < float(clipped.norm()) < 1.01  # (was 3: not clipped)
+
+
+class _TiedHead(nn.Module):
+    """A linear head whose weight an embedding shares (rows never looked up here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(1000, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        unused_rows = self.embedding(torch.zeros(x.shape[:2], dtype=torch.long)) * 0
+        return nn.functional.linear(x + unused_rows, self.embedding.weight)
+
+
 class _SumPooled(nn.Module):
     """Embedding or linear features summed over positions: autograd expands their cotangent."""
 

@@ -132,6 +132,12 @@ def add_noise(
             f" and {max_norm!r}."
         )
     leaves, treespec = optree.tree_flatten(cast(Any, clipped_sum))
+    integral = [i for i, leaf in enumerate(leaves) if not leaf.is_floating_point()]
+    if integral:
+        raise ValueError(
+            f"add_noise needs floating-point leaves (Gaussian noise); leaf {integral[0]} is "
+            f"{leaves[integral[0]].dtype}. Pass the clipped sum (clipped_grad's result)."
+        )
     noisy = _plus_gaussian(leaves, noise_multiplier * max_norm, generator)
     return cast(ParamsT, optree.tree_unflatten(treespec, noisy))
 
@@ -227,7 +233,8 @@ class PoissonBatches:
 
     def __iter__(self) -> Iterator[Tensor]:
         for _ in range(self.steps):
-            drawn = torch.rand(self.size, generator=self.generator)
+            # float64: float32's draws lie on a grid of 2⁻²⁴, which would round a small rate up
+            drawn = torch.rand(self.size, generator=self.generator, dtype=torch.float64)
             yield torch.nonzero(drawn < self.sample_rate).flatten()
 
 
@@ -431,6 +438,7 @@ def epsilon(
         >>> round(epsilon(noise_multiplier=1.1, sample_rate=0.01, steps=1000, delta=1e-5), 3)
         1.712
     """
+    _check_accounting(sample_rate, steps, delta, noise_multiplier=noise_multiplier)
     accounting = _opacus_accountant(accountant)
     accounting.history = [(noise_multiplier, sample_rate, steps)]
     return float(accounting.get_epsilon(delta=delta))
@@ -464,6 +472,7 @@ def noise_multiplier(
         >>> 0.9 < sigma < 1.1
         True
     """
+    _check_accounting(sample_rate, steps, delta, epsilon=epsilon)
     _opacus_accountant(accountant)  # the clear error without opacus
     from opacus.accountants.utils import get_noise_multiplier
 
@@ -476,6 +485,34 @@ def noise_multiplier(
             accountant=accountant,
         )
     )
+
+
+def _check_accounting(
+    sample_rate: float,
+    steps: int,
+    delta: float,
+    *,
+    noise_multiplier: float | None = None,
+    epsilon: float | None = None,
+) -> None:
+    """Refuse accounting arguments outside their ranges (opacus' accountants do not).
+
+    Raises:
+        ValueError: naming each argument's range.
+    """
+    problems = []
+    if not 0 < sample_rate <= 1:
+        problems.append(f"0 < sample_rate <= 1 (got {sample_rate!r})")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        problems.append(f"a whole number of steps >= 1 (got {steps!r})")
+    if not 0 < delta < 1:
+        problems.append(f"0 < delta < 1 (got {delta!r})")
+    if noise_multiplier is not None and not 0 < noise_multiplier < math.inf:
+        problems.append(f"0 < noise_multiplier < inf (got {noise_multiplier!r})")
+    if epsilon is not None and not 0 < epsilon < math.inf:
+        problems.append(f"0 < epsilon < inf (got {epsilon!r})")
+    if problems:
+        raise ValueError("privacy accounting needs " + ", ".join(problems) + ".")
 
 
 def _opacus_accountant(kind: Accountant) -> Any:

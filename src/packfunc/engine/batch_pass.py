@@ -637,7 +637,7 @@ class ColumnGradients:
         present = [f for f in factors if f is not None]
         if len(present) != len(factors) or not tied_gram_is_cheaper(present, param.shape[0]):
             return None
-        return tied_squared_norms(present)
+        return tied_squared_norms(present, param.shape[0])
 
     def leaf_columns(self, leaf: int, index: slice | Tensor) -> Tensor:
         """Column gradients ``[K, n, *leaf.shape]`` of a tapped or unused leaf.

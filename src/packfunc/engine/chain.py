@@ -78,14 +78,32 @@ class NotSequentialError(ValueError):
     """The model is not a chain of ops."""
 
 
+@dataclass
+class _Made:
+    """A tensor of the chain: the op that made it and the one before, for the walk back.
+
+    ``merged``: the op read two chain tensors (or one twice), naming the op.
+    """
+
+    tensor: Tensor
+    link: Link | None = None
+    before: _Made | None = None
+    merged: str | None = None
+
+
 class _ChainMode(FunctionalMode):
+    """Follows every op on a tensor computed from the input; the chain is the path to the output.
+
+    A branch whose result does not reach the output (a forward hook that logs an
+    activation's statistics) is no part of it.
+    """
+
     leaf_of: LeafIndex
 
     def __init__(self, leaf_of: LeafIndex, start: Tensor):
         super().__init__()
-        self.leaf_of, self.current = leaf_of, start
-        self.links: list[Link] = []
-        self.seen: set[int] = set()
+        self.leaf_of = leaf_of
+        self.made: dict[int, _Made] = {id(start): _Made(start)}
 
     def _tapped(
         self,
@@ -104,6 +122,11 @@ class _ChainMode(FunctionalMode):
             return func(*args, **kwargs)
         return self._follow(func, args, kwargs, lambda: func(*args, **kwargs), None)
 
+    def chain_of(self, tensor: Tensor) -> _Made | None:
+        """The chain entry of ``tensor``, if it was computed from the input."""
+        found = self.made.get(id(tensor))
+        return found if found is not None and found.tensor is tensor else None
+
     def _follow(
         self,
         func: Callable[..., Any],
@@ -113,14 +136,7 @@ class _ChainMode(FunctionalMode):
         call: SiteCall | None,
     ) -> Any:
         arguments = list(args) + list(kwargs.values())
-        positions = [i for i, a in enumerate(arguments) if a is self.current]
-        stale = [a for a in arguments if isinstance(a, Tensor) and id(a) in self.seen]
-        if stale or len(positions) > 1:
-            raise NotSequentialError(
-                f"{getattr(func, '__name__', func)} reads an earlier activation or the current "
-                "one twice (a residual connection or reuse); KFRA's recursion is only defined "
-                "for sequential networks. Use kflr or kfac instead."
-            )
+        positions = [i for i, a in enumerate(arguments) if self.chain_of(a) is not None]
         if not positions:
             return run()
         name = getattr(func, "__name__", "")
@@ -129,19 +145,24 @@ class _ChainMode(FunctionalMode):
                 f"{name} changes an activation in place; write the model with "
                 "out-of-place ops (e.g. nn.ReLU() rather than nn.ReLU(inplace=True)) for KFRA."
             )
-        saved = self.current.clone() if kwargs.get("inplace") else self.current
+        current = arguments[positions[0]]
+        before = self.chain_of(current)
+        saved = current.clone() if kwargs.get("inplace") else current
         out = run()
         if "inplace" in kwargs:
             kwargs = {**kwargs, "inplace": False}
-        self.links.append(Link(func, args, kwargs, positions[0], saved, out, call))
-        if out is not self.current:
-            self.seen.add(id(self.current))
-        self.current = out
+        if isinstance(out, Tensor):
+            link = Link(func, args, kwargs, positions[0], saved, out, call)
+            merged = getattr(func, "__name__", str(func)) if len(positions) > 1 else None
+            self.made[id(out)] = _Made(out, link, before, merged)
         return out
 
 
 def trace_chain(model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Tensor) -> list[Link]:
     """Record the ops of a sequential model applied to ``X``.
+
+    The chain is the path of ops from ``X`` to the output; ops whose results do not reach
+    the output are left out.
 
     Args:
         model_fn: ``model_fn(params, X)``.
@@ -153,8 +174,9 @@ def trace_chain(model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Tensor)
         The links, in the order the ops ran.
 
     Raises:
-        NotSequentialError: if an op reads an earlier activation (residual connections,
-            reused activations) or the output is not the end of the chain.
+        NotSequentialError: if an op on the path reads an earlier activation or the current
+            one twice (residual connections, reused activations), or the output is not
+            computed from the input.
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Sequential(torch.nn.Linear(3, 2),
@@ -168,12 +190,24 @@ def trace_chain(model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Tensor)
     mode = _ChainMode(LeafIndex(leaves), X)
     with torch.no_grad(), mode:
         output = model_fn(params, X)
-    if output is not mode.current:
+    entry = mode.chain_of(output) if isinstance(output, Tensor) else None
+    if entry is None:
         raise NotSequentialError(
-            "the model output is not the last op applied to its input; KFRA's recursion is "
-            "only defined for sequential networks. Use kflr or kfac instead."
+            "the model output is not computed from its input by a chain of ops; KFRA's "
+            "recursion is only defined for sequential networks. Use kflr or kfac instead."
         )
-    return mode.links
+    links: list[Link] = []
+    while entry.link is not None:
+        if entry.merged is not None:
+            raise NotSequentialError(
+                f"{entry.merged} reads an earlier activation or the current one twice (a "
+                "residual connection or reuse); KFRA's recursion is only defined for "
+                "sequential networks. Use kflr or kfac instead."
+            )
+        links.append(entry.link)
+        assert entry.before is not None
+        entry = entry.before
+    return links[::-1]
 
 
 def passes_recursions(link: Link) -> bool:

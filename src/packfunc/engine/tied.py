@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from packfunc.engine.memory import DEFAULT_BUDGET
+from packfunc.engine.rules.product import formed_where_cancelled
 
 Factors = tuple[Tensor, Tensor]
 """A call's ``(a, b)``: rows ``[n, L, R]`` (or one-hot row indices ``[n, L]``), columns
@@ -50,11 +51,15 @@ def tied_gram_is_cheaper(factors: Sequence[Factors], rows: int) -> bool:
     return _gram_cost(factors, rows, cols) < _formed_cost(factors, rows, cols)
 
 
-def tied_squared_norms(factors: Sequence[Factors]) -> Tensor:
+def tied_squared_norms(factors: Sequence[Factors], rows: int) -> Tensor:
     """Per-sample squared norms ``[n]`` of a gradient that several calls' outer products add up to.
+
+    As :func:`~packfunc.engine.rules.product.gram_squared_norms`, a sample whose positions
+    cancel gets its squared norm from its gradient, formed.
 
     Args:
         factors: One ``(a, b)`` pair per call, the same samples in each.
+        rows: Rows of the parameter (the length of a one-hot row).
 
     Returns:
         The squared norms (``≥ 0``).
@@ -62,20 +67,37 @@ def tied_squared_norms(factors: Sequence[Factors]) -> Tensor:
     Example:
         >>> ids = torch.tensor([[0, 2, 0]])  # an embedding's row per position
         >>> delta, v, u = torch.randn(1, 3, 4), torch.randn(1, 2, 5), torch.randn(1, 2, 4)
-        >>> found = tied_squared_norms([(ids, delta), (v, u)])  # and a head's
+        >>> found = tied_squared_norms([(ids, delta), (v, u)], rows=5)  # and a head's
         >>> gradient = torch.zeros(5, 4).index_add(0, ids[0], delta[0]) + v[0].T @ u[0]
         >>> torch.allclose(found, gradient.square().sum()[None])
         True
     """
     total: Tensor | None = None
+    diagonal: Tensor | None = None
     for i, (a_i, b_i) in enumerate(factors):
         for j, (a_j, b_j) in enumerate(factors[i:], start=i):
-            products = _row_products(a_i, a_j, b_i.dtype)
-            block = (products * (b_i @ b_j.mT)).sum((1, 2))
+            products, columns = _row_products(a_i, a_j, b_i.dtype), b_i @ b_j.mT
+            block = (products * columns).sum((1, 2))
             block = block if i == j else 2 * block  # (j, i) is the transpose of (i, j)
             total = block if total is None else total + block
-    assert total is not None
-    return total.clamp_(min=0)  # rounding can take a cancelling gradient's norm below zero
+            if i == j:
+                terms = (products.diagonal(0, 1, 2) * columns.diagonal(0, 1, 2)).sum(1)
+                diagonal = terms if diagonal is None else diagonal + terms
+    assert total is not None and diagonal is not None
+    return formed_where_cancelled(total, diagonal, lambda index: _gradients(factors, index, rows))
+
+
+def _gradients(factors: Sequence[Factors], index: Tensor, rows: int) -> Tensor:
+    """The gradients ``[k, R, C]`` of the samples ``index``: each call's outer products, added."""
+    total = factors[0][1].new_zeros((len(index), rows, factors[0][1].shape[-1]))
+    for a, b in factors:
+        a, b = a[index], b[index]
+        if a.is_floating_point():
+            total += a.mT @ b
+        else:  # one-hot rows: each position's columns added to its row
+            for k in range(len(index)):
+                total[k].index_add_(0, a[k], b[k].to(total.dtype))
+    return total
 
 
 def _row_products(a: Tensor, other: Tensor, dtype: torch.dtype) -> Tensor:

@@ -70,7 +70,7 @@ class LinearWeight(ProductWeight):
         u, v = x.reshape(x.shape[0], positions, n_in), g[0].reshape(x.shape[0], positions, n_out)
         if u.shape[1] == 1:
             return u.square().sum((1, 2)) * v.square().sum((1, 2))
-        return gram_squared_norms(v @ v.mT, u @ u.mT)
+        return gram_squared_norms(v @ v.mT, u @ u.mT, lambda i: v[i].mT @ u[i])
 
     def outer_factors(
         self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor

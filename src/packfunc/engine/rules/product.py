@@ -11,6 +11,9 @@ the column dim on one side only (``Kx == 1`` or ``Kg == 1``).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -91,7 +94,7 @@ class ProductWeight(Rule):
             return None
         gram_g = g[0].transpose(-1, -2) @ g[0]
         gram_u = x[0].transpose(-1, -2) @ x[0]
-        return gram_squared_norms(gram_g, gram_u)
+        return gram_squared_norms(gram_g, gram_u, lambda i: g[0][i] @ x[0][i].transpose(-1, -2))
 
     def sums_positions(self, g: Tensor, approx: str) -> bool:
         """Unless ``"expand"`` keeps several positions apart."""
@@ -161,26 +164,72 @@ def gram_is_cheaper(length: int, n_in: int, n_out: int) -> bool:
     return length * (n_in + n_out) < n_in * n_out
 
 
-def gram_squared_norms(gram_v: Tensor, gram_u: Tensor) -> Tensor:
+def gram_squared_norms(
+    gram_v: Tensor, gram_u: Tensor, gradients: Callable[[Tensor], Tensor]
+) -> Tensor:
     """``Σ_{l,m} (v_l·v_m)(u_l·u_m)`` per sample (dim 0): squared norms in Gram form, ``≥ 0``.
 
-    A sample whose gradient cancels over its positions has a squared norm of a few
-    rounding errors, which the Gram form can take below zero; it is clamped to zero (its
-    square root would be NaN, and so would every clipped sum it enters).
+    The Gram form loses to rounding what a gradient's positions cancel: its error is of the
+    order of the terms ``‖v_l‖‖v_m‖‖u_l‖‖u_m‖``, not of the result. A sample whose squared
+    norm is below :func:`cancellation_tolerance` of ``Σ_l ‖v_l‖²‖u_l‖²`` (the diagonal's
+    terms) gets it from its gradient, formed (``gradients``): a crafted sample whose
+    positions cancel would otherwise read a norm of about zero, and go unclipped.
 
     Args:
         gram_v: Gram matrices of the output cotangents over positions, ``[N, ..., L, L]``.
         gram_u: Those of the inputs, the same shape.
+        gradients: Maps sample indices ``[k]`` to those samples' gradients ``[k, ...]``.
 
     Returns:
         ``[N]``.
 
     Example:
         >>> v, u = torch.tensor([[[1.0], [-1.0]]]), torch.ones(1, 2, 1)
-        >>> gram_squared_norms(v @ v.mT, u @ u.mT)
+        >>> gram_squared_norms(v @ v.mT, u @ u.mT, lambda i: v[i].mT @ u[i])
         tensor([0.])
     """
-    return (gram_v * gram_u).flatten(1).sum(1).clamp_(min=0)
+    squares = (gram_v * gram_u).flatten(1).sum(1)
+    diagonal = (gram_v.diagonal(0, -2, -1) * gram_u.diagonal(0, -2, -1)).flatten(1).sum(1)
+    return formed_where_cancelled(squares, diagonal, gradients)
+
+
+def formed_where_cancelled(
+    squares: Tensor, diagonal: Tensor, gradients: Callable[[Tensor], Tensor]
+) -> Tensor:
+    """Squared norms in Gram form, those of samples whose positions cancel from their gradients.
+
+    Args:
+        squares: Squared norms in Gram form ``[N]``.
+        diagonal: Their terms of equal positions, ``Σ_l ‖v_l‖²‖u_l‖²`` ``[N]``.
+        gradients: Maps sample indices ``[k]`` to those samples' gradients ``[k, ...]``.
+
+    Returns:
+        ``[N]``, ``≥ 0``.
+
+    Example:
+        >>> formed_where_cancelled(torch.tensor([1e-9, 2.0]), torch.tensor([1.0, 2.0]),
+        ...                        lambda i: torch.full((len(i), 2), 0.5))
+        tensor([0.5000, 2.0000])
+    """
+    cancelled = squares < cancellation_tolerance(squares.dtype) * diagonal
+    if bool(cancelled.any()):
+        index = cancelled.nonzero().squeeze(1)
+        formed = gradients(index).flatten(1).square().sum(1).to(squares.dtype)
+        squares = squares.index_put((index,), formed)
+    return squares.clamp_(min=0)
+
+
+def cancellation_tolerance(dtype: torch.dtype) -> float:
+    """The share of its diagonal terms below which a Gram-form squared norm is not trusted.
+
+    ``32·√ε``: where positions cancel to that, the Gram form's rounding (of the order of
+    ``ε`` times the terms) is a few per cent of the result.
+
+    Example:
+        >>> round(cancellation_tolerance(torch.float32), 4)
+        0.011
+    """
+    return 32 * math.sqrt(torch.finfo(dtype).eps)
 
 
 def _column_products(x: Tensor, g: Tensor) -> Tensor:
