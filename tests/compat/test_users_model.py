@@ -344,3 +344,18 @@ def test_full_backward_hooks_on_the_model_or_the_loss_are_the_users(hooked):
     (expected, _), (found, calls) = run(hook=False), run(hook=True)
     torch.testing.assert_close(found, expected)
     assert calls == 1
+
+
+def test_an_input_made_in_inference_mode_is_read_without_a_version():
+    """A tensor made under ``torch.inference_mode()`` keeps no version counter; a frozen
+    first layer does not save it, so plain PyTorch runs: so does the shim."""
+    model = extend(nn.Sequential(nn.Linear(3, 2)).double())
+    model[0].weight.requires_grad_(False)
+    lossfunc = extend(nn.CrossEntropyLoss(reduction="sum"))
+    with torch.inference_mode():
+        X = X3.clone()
+    with backpack(BatchGrad()):
+        lossfunc(model(X), Y3).backward()
+    rows = [torch.nn.functional.one_hot(Y3, 2).double()]
+    expected = torch.softmax(model(X3), 1).detach() - rows[0]  # the bias's per-sample gradients
+    torch.testing.assert_close(model[0].bias.grad_batch, expected)

@@ -177,7 +177,9 @@ class ForwardRecord:
     def __post_init__(self) -> None:
         """Note the inputs' versions: an input changed in place since is refused on a re-run."""
         inputs: list[Any] = optree.tree_leaves((self.args, self.kwargs))  # type: ignore[arg-type]
-        self.input_versions = [(t, t._version) for t in inputs if isinstance(t, Tensor)]
+        self.input_versions = [
+            (t, t._version) for t in inputs if isinstance(t, Tensor) and not t.is_inference()
+        ]  # (an inference tensor keeps no version, and cannot be changed in place outside)
 
     @staticmethod
     def next_serial() -> int:

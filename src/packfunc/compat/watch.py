@@ -328,7 +328,10 @@ def _watched(
     shape: tuple[int, ...] | None = None,
 ) -> WatchedCall:
     """Describe a call right after it ran."""
-    versions = tuple(v._version if isinstance(v, Tensor) else None for v in arguments.values)
+    versions = tuple(
+        v._version if isinstance(v, Tensor) and not v.is_inference() else None
+        for v in arguments.values
+    )  # (an inference tensor keeps no version: it cannot be changed in place outside)
     outputs = tensor_outputs(out)
     tensor = out if isinstance(out, Tensor) else None
     edge = _gradient_edge(tensor)
