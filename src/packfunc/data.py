@@ -435,9 +435,11 @@ def _requested(
     streamed = [s.name for s in specs if s.combine is Combine.PER_SAMPLE]
     if streamed:
         raise ValueError(
-            f"compute(data=...) sums over the dataset; the per-sample quantities {streamed} "
-            "have one entry per sample: call their own functions (e.g. pf.batch_grad(..., "
-            "data=...)), which yield one result per batch."
+            f"compute(data=...) and compute(process_group=...) combine the quantities over "
+            f"batches or ranks; the per-sample quantities {streamed} have one entry per "
+            "sample: ask for them with their own functions (pf.batch_l2_grad(..., "
+            "process_group=...) gives this rank's samples), or over a DataLoader with "
+            "pf.per_batch(...), one result per batch."
         )
     return specs, rest
 
