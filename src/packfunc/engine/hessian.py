@@ -45,12 +45,13 @@ from packfunc.engine.batch_record import probed_forward, zero_probes
 from packfunc.engine.discovery import Recorded
 from packfunc.engine.hessian_recursion import layer_output_curvature
 from packfunc.engine.memory import DEFAULT_BUDGET, chunks, index_length
-from packfunc.engine.modes import functional_mode, twice_differentiable
+from packfunc.engine.modes import twice_differentiable
 from packfunc.engine.piecewise import piecewise_affine_leaves
-from packfunc.engine.precision import full_precision, to_dtype_of
+from packfunc.engine.precision import full_precision
 from packfunc.engine.rules import rule_for
 from packfunc.engine.statistics import ggn_statistics
 from packfunc.engine.vocabulary import Statistic
+from packfunc.engine.whole_model import output_with
 from packfunc.functionalize import select_samples
 
 Stats = dict[Statistic, Tensor]
@@ -258,11 +259,7 @@ def _parameter_curvature(
 def _with_leaves(bp: BatchPass, wanted: list[int], chosen: list[Tensor], X: Any) -> Tensor:
     """The model output at ``X`` with the ``wanted`` leaves replaced by ``chosen``."""
     bp.check_rerun("the Hessian's second derivatives")
-    current = list(bp.leaves)
-    for i, leaf in zip(wanted, chosen):
-        current[i] = leaf
-    with functional_mode():  # the output in the parameters' dtype (see ``precision``)
-        return to_dtype_of(bp.model_fn(optree.tree_unflatten(bp.treespec, current), X), chosen[0])
+    return output_with(bp.model_fn, bp.leaves, bp.treespec, dict(zip(wanted, chosen)), X)
 
 
 def _tangents_at_once(bp: BatchPass, samples: int | None = None) -> int:

@@ -62,13 +62,8 @@ def column_grads(
 
     def one_sample(x: Any, columns: Tensor) -> list[Tensor]:
         def forward(chosen: list[Tensor]) -> Tensor:
-            current = list(leaves)
-            for i, leaf in zip(wanted, chosen):
-                current[i] = leaf
             x_batch = optree.tree_map(lambda t: t.unsqueeze(0), x)
-            with functional_mode():  # the output in the parameters' dtype (``precision``)
-                output = model_fn(optree.tree_unflatten(treespec, current), x_batch)
-            return to_dtype_of(output, chosen[0])
+            return output_with(model_fn, leaves, treespec, dict(zip(wanted, chosen)), x_batch)
 
         _, pullback = vjp(forward, [leaves[i] for i in wanted])
         return cast(list[Tensor], vmap(lambda c: pullback(c.unsqueeze(0))[0])(columns))
@@ -123,14 +118,9 @@ def _looped_with_autograd(
     samples = []
     for n in range(batch_size(xs)):
         chosen = [leaves[i].detach().requires_grad_() for i in wanted]
-        current = list(leaves)
-        for i, leaf in zip(wanted, chosen):
-            current[i] = leaf
-        with torch.enable_grad(), functional_mode():
-            output = model_fn(
-                optree.tree_unflatten(treespec, current), select_samples(xs, slice(n, n + 1))
-            )
-        output = to_dtype_of(output, chosen[0])
+        with torch.enable_grad():
+            x_batch = select_samples(xs, slice(n, n + 1))
+            output = output_with(model_fn, leaves, treespec, dict(zip(wanted, chosen)), x_batch)
         pulled = [
             torch.autograd.grad(
                 output, chosen, column[n : n + 1], retain_graph=True, allow_unused=True
@@ -144,3 +134,37 @@ def _looped_with_autograd(
             ]
         )
     return [torch.stack([sample[j] for sample in samples], 1) for j in range(len(wanted))]
+
+
+def output_with(
+    model_fn: ModelFn,
+    leaves: list[Tensor],
+    treespec: optree.PyTreeSpec,
+    replaced: dict[int, Tensor],
+    X: Any,
+) -> Tensor:
+    """The model's output on ``X`` with some leaves replaced, in the replacing leaves' dtype.
+
+    Run as the whole-model path and the Hessian's re-runs run the model (see
+    :func:`~packfunc.engine.modes.functional_mode`); the dtype as ``precision`` wants it.
+
+    Args:
+        model_fn: ``model_fn(params, X)``.
+        leaves: Flattened parameter leaves.
+        treespec: Their pytree structure.
+        replaced: Leaf index -> the tensor that replaces it (at least one).
+        X: The inputs.
+
+    Returns:
+        The output.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> leaves, spec = optree.tree_flatten(p)  # bias, weight
+        >>> output_with(fn, leaves, spec, {0: torch.ones(2)}, torch.zeros(1, 3))
+        tensor([[1., 1.]])
+    """
+    current = [replaced.get(i, leaf) for i, leaf in enumerate(leaves)]
+    with functional_mode():
+        output = model_fn(optree.tree_unflatten(treespec, current), X)
+    return to_dtype_of(output, next(iter(replaced.values())))
