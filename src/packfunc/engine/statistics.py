@@ -427,7 +427,8 @@ def _statistic(stat: Statistic, columns: Tensor) -> Tensor:
     if stat is Statistic.SUM:
         return columns.sum((0, 1))
     if stat is Statistic.SQUARED_NORMS:
-        per_sample = columns.transpose(0, 1).reshape(columns.shape[1], columns[:, :1].numel())
+        width = columns.shape[0] * math.prod(columns.shape[2:])  # (-1: no width for no samples)
+        per_sample = columns.transpose(0, 1).reshape(columns.shape[1], width)
         return cast(Tensor, torch.linalg.vector_norm(per_sample, dim=1).square())
     if stat is Statistic.DIAGONAL_PER_SAMPLE:
         return columns.square().sum(0)
