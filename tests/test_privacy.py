@@ -625,3 +625,27 @@ def test_bounds_by_name_number_like_or_refused() -> None:
     partial_l2 = {"0.weight": batch["0.weight"].flatten(1).square().sum(1)}
     with pytest.raises(ValueError, match="one \\[N\\] tensor of squared norms per leaf"):
         pf.clip_per_sample(batch, 1.0, batch_l2=partial_l2)
+
+
+def test_a_norm_that_overflows_float32_is_refused_not_dropped() -> None:
+    """A sample whose squared gradient norm exceeds float32's range read norm ∞, factor 0:
+    it was left out of the sum instead of entering at norm C (float64 says where it goes)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2)
+    X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    X[0] *= 1e19
+    model_fn, params = pf.functional(layer)
+    with pytest.raises(FloatingPointError, match="sample 0 overflows torch.float32.*float64"):
+        pf.clipped_grad(model_fn, params, X, y, max_norm=1.0)
+    with pytest.raises(FloatingPointError, match="sample 0 overflows"):
+        pf.clipped_grad(model_fn, params, X, y, max_norm={"weight": 1.0, "bias": 1.0})
+    batch = pf.batch_grad(model_fn, params, X, y, loss=nn.CrossEntropyLoss(reduction="sum"))
+    with pytest.raises(FloatingPointError, match="sample 0 overflows"):
+        pf.privacy.clip_per_sample(batch, 1.0)
+    wide = layer.double()
+    model_fn, params = pf.functional(wide)
+    found = pf.clipped_grad(model_fn, params, X.double(), y, max_norm=1.0)
+    expected = _clipped_mean_by_loop(
+        autograd_batch_grad(wide, nn.CrossEntropyLoss(reduction="sum"), X.double(), y), 1.0
+    )
+    assert_trees_close(found, {k: 4 * v for k, v in expected.items()})

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from typing_extensions import Unpack
 
 from packfunc.data import DataOptions, over_data
+from packfunc.engine.statistics import clipping_factors
 from packfunc.evaluation import CLIPPING_EPS, one_quantity
 from packfunc.functionalize import functional
 from packfunc.losses import default_loss
@@ -80,6 +81,8 @@ def clipped_grad(
 
     Raises:
         ValueError: for ``max_norm <= 0`` or a loss without ``reduction='sum'``.
+        FloatingPointError: where a sample's norm overflows the dtype (clipping would drop
+            that sample instead of scaling it).
 
     Example:
         >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 2))
@@ -549,6 +552,7 @@ def clip_per_sample(batch_grads: ParamsT, max_norm: float, *, batch_l2: PyTree =
     Raises:
         ValueError: if ``max_norm`` is not positive, there are no leaves, or the leaves'
             leading (sample) dimensions differ.
+        FloatingPointError: where a sample's norm overflows the dtype.
 
     Example:
         >>> g = {"w": torch.tensor([[3.0, 4.0], [0.3, 0.4]])}
@@ -573,7 +577,7 @@ def clip_per_sample(batch_grads: ParamsT, max_norm: float, *, batch_l2: PyTree =
                 f"{[tuple(s.shape) for s in squared_norms]}."
             )
     norms = torch.stack(squared_norms).sum(0).sqrt()
-    factors = (max_norm / (norms + CLIPPING_EPS)).clamp(max=1.0)
+    factors = clipping_factors(norms, max_norm, CLIPPING_EPS)
     clipped = [g * factors.view(-1, *[1] * (g.dim() - 1)).to(g.dtype) for g in leaves]
     return cast(ParamsT, optree.tree_unflatten(treespec, clipped))
 

@@ -198,7 +198,7 @@ def clipped_sums(
     if isinstance(max_norm, list):
         return _clipped_per_leaf(columns, squares, kept, max_norm, eps)
     norms = torch.stack([squares[leaf] for leaf in sorted(squares)]).sum(0).sqrt()
-    factors = (max_norm / (norms + eps)).clamp(max=1.0)
+    factors = clipping_factors(norms, max_norm, eps)
     rest = [leaf for leaf in range(len(bp.leaves)) if leaf not in kept]
     sums = dict(zip(kept, _weighted_sums(factors, list(kept.values()))))
     for leaf in kept:
@@ -221,6 +221,38 @@ def clipped_sums(
         whole = _materialized(reweighted, bp.whole_model, {Statistic.SUM}, everyone)
         sums |= {leaf: f[Statistic.SUM] for leaf, f in zip(bp.whole_model, whole)}
     return [sums[leaf] for leaf in range(len(bp.leaves))]
+
+
+def clipping_factors(norms: Tensor, max_norm: float, eps: float) -> Tensor:
+    """DP-SGD's factors ``min(1, max_norm / (‖g_n‖ + eps))``; an overflowed norm is refused.
+
+    A norm that overflows its dtype (a squared norm above its largest value) would give
+    the factor 0 and drop that sample from the sum, where it belongs at norm ``max_norm``.
+
+    Args:
+        norms: The per-sample norms ``[N]``.
+        max_norm: The bound ``C``.
+        eps: Added to each norm before dividing.
+
+    Returns:
+        The factors ``[N]``.
+
+    Raises:
+        FloatingPointError: where a norm is infinite.
+
+    Example:
+        >>> clipping_factors(torch.tensor([0.5, 4.0]), 2.0, 0.0)
+        tensor([1.0000, 0.5000])
+    """
+    if bool(norms.isinf().any()):
+        sample = int(norms.isinf().nonzero()[0, 0])
+        raise FloatingPointError(
+            f"the gradient norm of sample {sample} overflows {norms.dtype} (its squared norm "
+            f"is above {torch.finfo(norms.dtype).max:.3g}), and clipping it would drop that "
+            "sample instead of scaling it to max_norm. Compute in float64 (model.double() "
+            "and the batch), or find why the loss's gradient is that large."
+        )
+    return (max_norm / (norms + eps)).clamp(max=1.0)
 
 
 def _weighted_sums(weights: Tensor, per_sample: list[Tensor]) -> list[Tensor]:
@@ -328,7 +360,7 @@ def _clipped_per_leaf(
     """Each leaf's sum of its per-sample gradients clipped alone to its own bound."""
     bp, everyone, sums = columns.bp, slice(0, columns.bp.n), []
     for leaf, bound in enumerate(bounds):
-        factors = (bound / (squares[leaf].sqrt() + eps)).clamp(max=1.0)
+        factors = clipping_factors(squares[leaf].sqrt(), bound, eps)
         if leaf in kept:
             sums.append(_weighted_sums(factors, [kept[leaf]])[0])
             continue
