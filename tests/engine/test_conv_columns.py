@@ -246,13 +246,16 @@ def test_gram_route_matches_autograd_loop():
 @pytest.mark.parametrize("options", [o for o in OPTIONS if not o[1] and o[2] > 1], ids=str)
 @pytest.mark.parametrize("approx", ["sum", "expand", "reduce"])
 @pytest.mark.parametrize("samples", [1, 4])
+@pytest.mark.parametrize("im2col", [False, True])
 def test_kronecker_factors_unfolded_in_chunks_equal_those_of_the_whole_unfolded_input(
-    options, approx, samples
+    options, approx, samples, im2col, monkeypatch
 ):
     """KFAC's factors of a convolution (issue 23): the input unfolded a few samples at a
-    time (with one group straight into one product's layout ``[C·k, samples·L]``) and the
-    output factor taken once give the factors of the input unfolded at once."""
+    time (with one group straight into one product's layout ``[C·k, samples·L]``; one
+    sample by ``F.unfold`` where that is faster, on a GPU) and the output factor taken
+    once give the factors of the input unfolded at once."""
     torch.manual_seed(0)
+    monkeypatch.setattr(conv_rules, "im2col_is_faster", lambda x: im2col)
     x, weight, call, op = _conv(options, torch.float64)
     x = x[:samples]
     g = torch.randn(2, *op(x, weight).shape, dtype=torch.float64)
@@ -283,3 +286,20 @@ def test_the_kronecker_factors_of_a_convolution_unfold_a_few_samples_at_a_time(m
     ConvWeight().unfolded_kronecker_factors(x, g, call, weight, "sum")
     assert len(unfolded_sizes) == 11  # ceil(32 / 3)
     assert max(unfolded_sizes) <= x.numel()
+
+
+@pytest.mark.parametrize("options", [o for o in OPTIONS if not o[1]], ids=str)
+def test_one_sample_unfolded_by_im2col_equals_the_strided_unfold(options):
+    """``F.unfold`` of one sample (one launch on a GPU) gives :func:`unfold`'s ``[C·K, L]``
+    for 2-D convolutions with symmetric padding, and is not taken for the others."""
+    x, weight, call, op = _conv(options, torch.float64)
+    one = x[:1]
+    found = conv_rules.one_sample_unfolded(one, call, weight)
+    expected = conv_rules._unfold_for(
+        one, call, weight, list(op(one, weight).shape[2:]), samples_inner=True
+    )
+    if options[0] != 2 or (options[4] == "same" and options[2] % 2 == 0):  # (odd d·(k-1))
+        assert found is None
+    else:
+        torch.testing.assert_close(found, expected, rtol=0, atol=0)
+    assert conv_rules.one_sample_unfolded(x[:2], call, weight) is None
