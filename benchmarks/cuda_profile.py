@@ -26,12 +26,18 @@ from memory import peak_bytes
 from peers import BUILDERS
 from scaling import FACTORIES
 
-CELLS = "CNN:kfac:8,CNN:kfac:128,MLP:kfac:8,MLP:batch_grad:8,CNN:batch_grad:8,LM:kfac:8,LM:kfac:128"
-"""The cells behind on an H100 (2026-11-27) or at the 1.15× line, as ``problem:quantity:N``."""
+CELLS = (
+    "CNN:kfac:8,CNN:kfac:128,MLP:kfac:8,MLP:batch_grad:8,CNN:batch_grad:8,LM:kfac:8,LM:kfac:128,"
+    "MLP:batch_grad:4096,MLP:kfac:4096"
+)
+"""The cells behind on an H100 (2026-11-27) or at the 1.15× line, as ``problem:quantity:N``;
+at N=4096 the H200 (533ea42) had the MLP's ``batch_grad`` 1.15× ``vmap(grad)`` (its outer
+products one broadcast multiplication per layer, ``vmap``'s a batched product) and its KFAC
+1.19× curvlinops."""
 
 CONTENDERS = {
     "kfac": ("packfunc", "curvlinops", "plain fwd+bwd"),
-    "batch_grad": ("packfunc", "opacus", "BackPACK", "plain fwd+bwd"),
+    "batch_grad": ("packfunc", "vmap(grad)", "opacus", "BackPACK", "plain fwd+bwd"),
 }
 """The contenders profiled per quantity (the plain step is the scale)."""
 
@@ -62,8 +68,11 @@ def wall_ms(call: Callable[[], Any], device: str, repeats: int = 30) -> tuple[fl
     return statistics.median(times) * 1e3, min(times) * 1e3
 
 
-def kernels_and_gpu_ms(call: Callable[[], Any]) -> tuple[int, float]:
-    """The kernels one call launches and the milliseconds the GPU spends in them."""
+def kernels_and_gpu_ms(call: Callable[[], Any], top: int = 3) -> tuple[int, float, str]:
+    """The kernels one call launches, the milliseconds the GPU spends in them, the longest.
+
+    The last is the ``top`` kernels by GPU time, as ``name ms`` (names cut to 40 characters).
+    """
     from torch.autograd import DeviceType  # type: ignore[attr-defined]
     from torch.profiler import ProfilerActivity, profile
 
@@ -71,7 +80,9 @@ def kernels_and_gpu_ms(call: Callable[[], Any]) -> tuple[int, float]:
         call()
         torch.cuda.synchronize()
     found = [e for e in profiler.events() if e.device_type == DeviceType.CUDA]
-    return len(found), sum(getattr(e, "device_time", 0.0) for e in found) / 1e3
+    longest = sorted(found, key=lambda e: -getattr(e, "device_time", 0.0))[:top]
+    names = "; ".join(f"{e.name[:40]} {getattr(e, 'device_time', 0.0) / 1e3:.3f}" for e in longest)
+    return len(found), sum(getattr(e, "device_time", 0.0) for e in found) / 1e3, names
 
 
 def alive_at_peak(call: Callable[[], Any], top: int = 6) -> list[str]:
@@ -126,8 +137,8 @@ def profile_cell(problem: str, quantity: str, n: int, device: str) -> list[str]:
             continue
         line = f"{head}: {median:.3f} ms (fastest {fastest:.3f}), peak {peak:.2f} MiB"
         if device.startswith("cuda"):
-            count, gpu_ms = kernels_and_gpu_ms(call)
-            line += f", {count} kernels, GPU busy {gpu_ms:.3f} ms"
+            count, gpu_ms, longest = kernels_and_gpu_ms(call)
+            line += f", {count} kernels, GPU busy {gpu_ms:.3f} ms (longest: {longest})"
         lines.append(line)
         if device.startswith("cuda") and n <= 8:
             lines.extend(alive_at_peak(call))
