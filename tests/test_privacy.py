@@ -649,3 +649,7 @@ def test_a_norm_that_overflows_float32_is_refused_not_dropped() -> None:
         autograd_batch_grad(wide, nn.CrossEntropyLoss(reduction="sum"), X.double(), y), 1.0
     )
     assert_trees_close(found, {k: 4 * v for k, v in expected.items()})
+    half = nn.Linear(3, 2).half()  # float16's squared norms overflow above a norm of 256
+    model_fn, params = pf.functional(half)
+    with pytest.raises(FloatingPointError, match="float16.*float32 parameters.*autocast"):
+        pf.clipped_grad(model_fn, params, (1000 * X[1:]).half(), y[1:], max_norm=1.0)

@@ -246,11 +246,16 @@ def clipping_factors(norms: Tensor, max_norm: float, eps: float) -> Tensor:
     """
     if bool(norms.isinf().any()):
         sample = int(norms.isinf().nonzero()[0, 0])
+        wider = (
+            "float32 parameters (under torch.autocast for half-precision speed)"
+            if torch.finfo(norms.dtype).max < torch.finfo(torch.float32).max
+            else "float64 (model.double() and the batch)"
+        )
         raise FloatingPointError(
             f"the gradient norm of sample {sample} overflows {norms.dtype} (its squared norm "
             f"is above {torch.finfo(norms.dtype).max:.3g}), and clipping it would drop that "
-            "sample instead of scaling it to max_norm. Compute in float64 (model.double() "
-            "and the batch), or find why the loss's gradient is that large."
+            f"sample instead of scaling it to max_norm. Compute with {wider}, or find why "
+            "the loss's gradient is that large."
         )
     return (max_norm / (norms + eps)).clamp(max=1.0)
 
