@@ -131,3 +131,40 @@ def test_given_output_gradient_has_no_curvature():
         pf.diag_ggn(
             model_fn, params, torch.randn(3, 3).double(), G, loss=pf.losses.GivenOutputGradient(G)
         )
+
+
+class _FocalLoss(nn.CrossEntropyLoss):
+    """A loss of the user's own, written as a subclass of a supported one."""
+
+    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(output, 1).gather(1, target[:, None]).squeeze(1)
+        return (-((1 - logp.exp()) ** 2) * logp).sum()
+
+
+class _NamedCrossEntropy(nn.CrossEntropyLoss):
+    """A subclass that keeps the parent's forward (only a new attribute)."""
+
+    label = "ce"
+
+
+def test_a_subclass_overriding_forward_is_refused_and_its_gradient_can_be_given():
+    """A subclass with its own forward read the parent's closed forms: its GGN diagonal was
+    CrossEntropyLoss's, silently. It is refused; its output gradient gives its first-order
+    quantities (against a per-sample loop); a subclass keeping the forward still works."""
+    torch.manual_seed(0)
+    model = _model()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(6, 3).double(), _class_targets(6)
+    for name in ("diag_ggn", "batch_grad"):
+        with pytest.raises(TypeError, match="_FocalLoss overrides the forward of torch.nn.Cross"):
+            getattr(pf, name)(model_fn, params, X, y, loss=_FocalLoss(reduction="sum"))
+    output = model(X).detach().requires_grad_()
+    (G,) = torch.autograd.grad(_FocalLoss(reduction="sum")(output, y), output)
+    found = pf.batch_grad(model_fn, params, X, G, loss=pf.losses.GivenOutputGradient(G))
+    expected = autograd_batch_grad(model, _FocalLoss(reduction="sum"), X, y)
+    for key in expected:
+        torch.testing.assert_close(found[key], expected[key])
+    named = pf.diag_ggn(model_fn, params, X, y, loss=_NamedCrossEntropy(reduction="sum"))
+    plain = pf.diag_ggn(model_fn, params, X, y, loss=nn.CrossEntropyLoss(reduction="sum"))
+    for key in plain:
+        torch.testing.assert_close(named[key], plain[key])

@@ -141,7 +141,7 @@ def check_loss(loss: nn.Module) -> None:
         loss: The loss module passed as ``loss=``.
 
     Raises:
-        TypeError: if the loss type is not supported.
+        TypeError: if the loss type is not supported, or a subclass overrides its forward.
         ValueError: if ``reduction`` is not ``'mean'`` or ``'sum'``.
 
     Example:
@@ -152,6 +152,15 @@ def check_loss(loss: nn.Module) -> None:
         raise TypeError(
             f"loss={type(loss).__name__} is not supported; pass one of the torch.nn losses "
             f"{names} (their reduced value is a sum of per-sample terms)."
+        )
+    base = next((c for c in SUPPORTED_LOSSES if isinstance(loss, c)), None)
+    if base is not None and type(loss).forward is not base.forward:
+        raise TypeError(
+            f"loss={type(loss).__name__} overrides the forward of torch.nn.{base.__name__}: "
+            f"packfunc's per-sample scaling and curvature are {base.__name__}'s own formulas, "
+            f"not those of {type(loss).__name__}'s forward. Pass the torch.nn loss itself; "
+            "for first-order quantities of your loss, pass its gradient with respect to the "
+            "model's output as loss=packfunc.losses.GivenOutputGradient(G) and y=G."
         )
     if loss.reduction not in ("mean", "sum"):
         raise ValueError(

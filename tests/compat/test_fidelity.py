@@ -295,3 +295,52 @@ def test_time_major_rows_are_regrouped_by_sample():
     )
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.diag_ggn_exact, canonical[name])
+
+
+class _OwnL1(nn.Module):
+    """A loss of the user's own: no parameters, not a torch.nn loss."""
+
+    reduction = "sum"
+
+    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (output - target).abs().sum()
+
+
+class _L1AsMSE(nn.MSELoss):
+    """A subclass of a torch.nn loss with a forward of its own."""
+
+    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (output - target).abs().sum()
+
+
+def test_an_extended_loss_of_the_users_own_gives_first_order_and_refuses_curvature():
+    """BackPACK's BatchGrad takes any loss, extended or not. The shim took an extended
+    module without parameters for the model (its output a scalar) and failed; a subclass
+    of MSELoss with its own forward gave MSE's GGN (12 where an L1 loss has 0)."""
+    torch.manual_seed(0)
+    X, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    for loss in (_OwnL1(), _L1AsMSE(reduction="sum")):
+        model, lossfunc = extend(_mlp()), extend(loss)
+        with backpack(ours.BatchGrad()):
+            lossfunc(model(X), y).backward()
+        oracle = [
+            torch.stack(column)
+            for column in zip(
+                *(
+                    torch.autograd.grad(
+                        loss(model(X[n : n + 1]), y[n : n + 1]), list(model.parameters())
+                    )
+                    for n in range(len(X))
+                )
+            )
+        ]
+        for p, expected in zip(model.parameters(), oracle):
+            torch.testing.assert_close(p.grad_batch, expected)
+    refusals = (
+        (_OwnL1(), ValueError, "needs the loss function, one of torch.nn's losses"),
+        (_L1AsMSE(reduction="sum"), TypeError, "_L1AsMSE overrides the forward of torch.nn.MSE"),
+    )
+    for loss, error, message in refusals:
+        model, lossfunc = extend(_mlp()), extend(loss)
+        with pytest.raises(error, match=message), backpack(ours.DiagGGNExact()):
+            lossfunc(model(X), y).backward()

@@ -137,6 +137,8 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         _note_unrecorded(module, output)
         return None
     recorder.__exit__(None, None, None)
+    if _reduced_without_parameters(module, output):
+        return None
     if not isinstance(output, Tensor):
         return _record_outputs(module, args, kwargs, recorder, output)
     if output.grad_fn is None:
@@ -159,6 +161,16 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     node_metadata(output.grad_fn)[RECORD_KEY] = record
     output.grad_fn.register_prehook(partial(_on_backward, record))
     return None
+
+
+def _reduced_without_parameters(module: nn.Module, output: Any) -> bool:
+    """A scalar of a module without trainable parameters: a loss of the user's own.
+
+    It has no rows per sample to record and nothing to compute; recorded, it stood for the
+    model whose output it reduces (BackPACK's first-order extensions take any loss).
+    """
+    reduced = isinstance(output, Tensor) and output.dim() == 0
+    return reduced and not any(p.requires_grad for p in module.parameters())
 
 
 def _note_latest(module: nn.Module, record: ForwardRecord) -> None:

@@ -166,9 +166,10 @@ def _second_order_problem(
     call = route.loss
     if call is None:
         raise ValueError(
-            f"{type(ext).__name__} needs the loss function: extend it (lossfunc = "
-            "extend(lossfunc)), apply it to the model's output (or a reshape of it, or the "
-            "output of further extended modules) and call backward on the loss itself."
+            f"{type(ext).__name__} needs the loss function, one of torch.nn's losses: extend "
+            "it (lossfunc = extend(lossfunc)), apply it to the model's output (or a reshape "
+            "of it, or the output of further extended modules) and call backward on the loss "
+            "itself."
         )
     ends_at_loss = _ending_at_loss(model_fn, route.stages, call)
     watched = partial(_not_reusable, record)
