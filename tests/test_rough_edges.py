@@ -318,3 +318,66 @@ def test_hessians_through_a_custom_function_torch_func_cannot_transform_name_the
     model_fn, params = pf.functional(_CustomScaled(_ScaleOldStyle))
     with pytest.raises(ValueError, match="a setup_context staticmethod and a vmap rule"):
         pf.batch_diag_hessian(model_fn, params, X, Y, loss=nn.CrossEntropyLoss())
+
+
+class _CountingGRU(nn.Module):
+    """A GRU and a head; the forward advances a buffer (a running count), scaled by it first.
+
+    (Scaled, only the head can be trained: the update changes a value saved for backward.)
+    """
+
+    def __init__(self, scaled: bool) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.GRU(3, 4, batch_first=True), nn.Linear(4, 2)
+        self.register_buffer("scale", torch.ones(()))
+        self.scaled = scaled
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.rnn(x)[0][:, -1]
+        out = self.head(features * self.scale if self.scaled else features)
+        with torch.no_grad():
+            self.scale += 1.0
+        return out
+
+
+@pytest.mark.parametrize("quantity", ["diag_hessian", "batch_diag_hessian"])
+def test_the_hessian_of_a_model_that_updates_a_buffer_runs_it_once_or_refuses_unchanged(quantity):
+    """Of the head alone the Hessian needs no re-run, but its piecewise-affine probe ran the
+    forward once more and kept its update (the buffer moved twice per call). Of every
+    parameter the refusal came from inside torch.func, whose transform refused to put the
+    buffer back: torch's error, and the buffer left moved by two forwards."""
+    torch.manual_seed(0)
+    model = _CountingGRU(scaled=True).double()
+    X, y = torch.randn(5, 2, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1])
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    model_fn, params = pf.functional(model)
+    head = {k: v for k, v in params.items() if k.startswith("head")}
+    found = getattr(pf, quantity)(model_fn, head, X, y, loss=loss)
+    assert model.scale.item() == 2.0  # one forward, as a training step's
+    with torch.no_grad():
+        features = model.rnn(X)[0][:, -1]  # at scale 1, the forward whose loss is reported
+    for n in range(len(X)) if quantity == "batch_diag_hessian" else [None]:
+        rows = slice(None) if n is None else slice(n, n + 1)
+        hessian = torch.autograd.functional.hessian(
+            lambda w, b, rows=rows: loss(features[rows] @ w.T + b, y[rows]),
+            (model.head.weight.detach(), model.head.bias.detach()),
+        )
+        got = found["head.bias"] if n is None else found["head.bias"][n]
+        torch.testing.assert_close(got, torch.diagonal(hessian[1][1]))
+    model = _CountingGRU(scaled=False).double()
+    model_fn, params = pf.functional(model)
+    with pytest.raises(ValueError, match="changes its buffer 'scale'.*second derivatives"):
+        getattr(pf, quantity)(model_fn, params, X, y, loss=loss)
+    assert model.scale.item() == 1.0  # the refused call's forward put back
+
+
+@pytest.mark.parametrize("product", ["hessian_vector_product", "ggn_vector_product"])
+def test_a_product_through_a_model_that_updates_a_buffer_is_refused_in_packfunc_words(product):
+    """torch.func refuses the in-place update under its transforms; its message named no fix."""
+    model = _RunningCentered()
+    model_fn, params = pf.functional(model)
+    before = model.mean.clone()
+    v = {k: torch.ones_like(p) for k, p in params.items()}
+    with pytest.raises(ValueError, match="changes in place a tensor.*model.eval()"):
+        getattr(pf, product)(model_fn, params, X, Y, v=v)
+    assert torch.equal(model.mean, before)

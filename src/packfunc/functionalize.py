@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from packfunc.engine.autodiff import is_untransformable_function
+from packfunc.engine.autodiff import is_untransformable_function, mutates_captured_tensor
 from packfunc.engine.model_state import attribute_restorer, packfunc_passes, restoring_attributes
 from packfunc.engine.precision import forward_precision_only
 from packfunc.reparametrize import call_with_tensors
@@ -220,6 +220,8 @@ def public_entry(function: F) -> F:
         except RuntimeError as error:
             if is_untransformable_function(error):
                 raise ValueError(_UNTRANSFORMABLE) from error
+            if mutates_captured_tensor(error):
+                raise ValueError(_MUTATES_CAPTURED) from error
             raise
 
     return run  # type: ignore[return-value]
@@ -231,6 +233,15 @@ _UNTRANSFORMABLE = (
     "Function a setup_context staticmethod and a vmap rule (generate_vmap_rule=True), see "
     "https://pytorch.org/docs/stable/notes/extending.func.html; per-sample gradients, their "
     "moments, clipped sums and GGN quantities run such a Function without it."
+)
+
+
+_MUTATES_CAPTURED = (
+    "model_fn changes in place a tensor it does not take as an argument (a buffer: a counter, "
+    "a running statistic; see the error above), and this quantity differentiates through the "
+    "model with torch.func, which cannot run that. Call model.eval() or stop the update in "
+    "the forward before computing this; per-sample gradients, their moments, clipped sums, "
+    "GGN diagonals and Kronecker factors run such a model as your forward does."
 )
 
 

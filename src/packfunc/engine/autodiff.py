@@ -110,6 +110,25 @@ def is_untransformable_function(error: Exception) -> bool:
     )
 
 
+def mutates_captured_tensor(error: Exception) -> bool:
+    """Whether ``error`` is ``torch.func`` refusing an in-place change of a captured tensor.
+
+    A forward that updates a buffer (a counter, a running statistic) in place does that
+    under a transform, which ``torch.func`` refuses.
+
+    Args:
+        error: An error raised under a ``torch.func`` transform.
+
+    Returns:
+        ``True`` for that refusal.
+
+    Example:
+        >>> mutates_captured_tensor(RuntimeError("data-dependent control flow"))
+        False
+    """
+    return isinstance(error, RuntimeError) and "would mutate a captured Tensor" in str(error)
+
+
 def over_samples(func: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     """``torch.func.vmap(func, **options)`` over samples, or a loop where vmap cannot go.
 

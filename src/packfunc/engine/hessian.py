@@ -213,6 +213,7 @@ def _layer_output_curvature_by_hvp(bp: BatchPass, sites: list[int]) -> dict[int,
 
 def _loss_curvature(bp: BatchPass, wanted: list[int]) -> list[Stats]:
     """Diagonal of the loss Hessian w.r.t. the ``wanted`` leaves by its own one-hot products."""
+    bp.check_rerun(_SECOND_DERIVATIVES)  # (outside the transforms: a refusal puts buffers back)
     chosen = [bp.leaves[i] for i in wanted]
 
     def loss_of(leaves: list[Tensor]) -> Tensor:
@@ -226,6 +227,7 @@ def _parameter_curvature(
     bp: BatchPass, wanted: list[int], stats: set[Statistic], index: slice | Tensor
 ) -> list[Stats]:
     """Diagonal of ``∇²φ`` w.r.t. the ``wanted`` leaves by one-hot Hessian-vector products."""
+    bp.check_rerun(_SECOND_DERIVATIVES)
     chosen = [bp.leaves[i] for i in wanted]
 
     def phi(X: Any, cotangent: Tensor, leaves: list[Tensor]) -> Tensor:
@@ -257,9 +259,15 @@ def _parameter_curvature(
 
 
 def _with_leaves(bp: BatchPass, wanted: list[int], chosen: list[Tensor], X: Any) -> Tensor:
-    """The model output at ``X`` with the ``wanted`` leaves replaced by ``chosen``."""
-    bp.check_rerun("the Hessian's second derivatives")
+    """The model output at ``X`` with the ``wanted`` leaves replaced by ``chosen``.
+
+    Its callers refuse a model that cannot run again first (:meth:`BatchPass.check_rerun`).
+    """
     return output_with(bp.model_fn, bp.leaves, bp.treespec, dict(zip(wanted, chosen)), X)
+
+
+_SECOND_DERIVATIVES = "the Hessian's second derivatives"
+"""What re-runs the model for :func:`_loss_curvature` and :func:`_parameter_curvature`."""
 
 
 def _tangents_at_once(bp: BatchPass, samples: int | None = None) -> int:

@@ -25,8 +25,10 @@ import optree
 import torch
 from torch import Tensor
 
+from packfunc.engine.model_state import kept_model_state
 from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.engine.randomness import private_generators
+from packfunc.functionalize import module_of
 from packfunc.types import ModelFn
 
 AFFINE = frozenset(
@@ -164,6 +166,7 @@ def piecewise_affine_leaves(
     X_copy = optree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, X)
     with (
         private_generators(leaves),  # a probe: its dropout masks do not matter
+        kept_model_state(module_of(model_fn)),  # nor what it sets (a running statistic)
         torch.enable_grad(),
         functional_mode(batch_statistics=True),
         twice_differentiable(),
