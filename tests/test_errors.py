@@ -452,6 +452,20 @@ def test_embedding_options_that_break_purity_or_independence(kwargs, match):
         pf.batch_grad(model_fn, params, torch.randint(0, 5, (4, 2)), Y[:4])
 
 
+@pytest.mark.parametrize("quantity", ["batch_grad", "diag_ggn"])
+def test_an_embedding_bag_with_max_norm_is_refused_before_it_renormalizes(quantity):
+    """EmbeddingBag(max_norm=...) renormalizes the rows it looks up in place: packfunc's
+    discovery ran it on the user's weight (rows of norm 5 left at 0.5), then torch's vmap
+    error."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(7, 3, mode="mean", max_norm=0.5), nn.Linear(3, 2))
+    before = model[0].weight.detach().clone()
+    model_fn, params = pf.functional(model)
+    with pytest.raises(ValueError, match="changes a parameter in place.*embedding_bag"):
+        getattr(pf, quantity)(model_fn, params, torch.randint(0, 7, (4, 3)), Y[:4])
+    assert torch.equal(model[0].weight, before)
+
+
 def test_unknown_quantity_name():
     model_fn, params = _mlp()
     with pytest.raises(ValueError, match="unknown quantities"):

@@ -32,6 +32,7 @@ from typing import Any, cast
 
 import optree
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor, maybe_current_level
 from torch.overrides import TorchFunctionMode
@@ -635,7 +636,7 @@ class _OperatorsInSight(TorchDispatchMode):
 def changed_in_place(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Tensor | None:
-    """The tensor whose values a call writes: an ``out=`` argument, or ``self`` of ``x.op_()``.
+    """The tensor whose values a call writes: ``out=``, ``self`` of ``x.op_()``, a bag's max_norm.
 
     Args:
         func: The function called.
@@ -656,12 +657,23 @@ def changed_in_place(
     out = kwargs.get("out")
     if isinstance(out, Tensor):
         return out
+    if func is F.embedding_bag and _renormalizes(args, kwargs):
+        return args[1] if len(args) > 1 else kwargs.get("weight")
     if _sets_data(func):  # w.data = ...
         return args[0] if args and isinstance(args[0], Tensor) else None
     name = getattr(func, "__name__", "")
     writes = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
     writes = (writes or name == "__setitem__") and name not in _FLAGS_ONLY
     return args[0] if writes and args and isinstance(args[0], Tensor) else None
+
+
+def _renormalizes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``F.embedding_bag(input, weight, offsets, max_norm, ...)`` gets a ``max_norm``.
+
+    It then renormalizes the rows it looks up in place, before the bag's reduction.
+    """
+    max_norm = args[3] if len(args) > 3 else kwargs.get("max_norm")
+    return max_norm is not None
 
 
 _FLAGS_ONLY = frozenset({"requires_grad_", "share_memory_", "retain_grad", "detach_"})
