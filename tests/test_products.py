@@ -125,6 +125,33 @@ def test_products_with_batchnorm_in_training_mode_use_batch_statistics(name):
         assert torch.equal(value, before[key]), key
 
 
+@pytest.mark.parametrize("name", list(BATCHNORM_MODELS))
+def test_a_fresh_batchnorm_with_a_cumulative_average_runs_as_with_momentum(name):
+    """``momentum=None`` divides by the batch counter, which packfunc does not advance: a
+    fresh BatchNorm (counter 0) raised ZeroDivisionError in every call. Its products are
+    those of ``momentum=0.1`` (batch statistics either way); per-sample quantities get the
+    BatchNorm refusal; the counter stays 0."""
+    torch.manual_seed(0)
+    build, shape = BATCHNORM_MODELS[name]
+    model = build().double().train()
+    cumulative = copy.deepcopy(model)
+    for module in cumulative.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.momentum = None
+    X, y = torch.randn(5, *shape, dtype=torch.float64), torch.randint(0, 3, (5,))
+    model_fn, params = pf.functional(model)
+    v = {k: torch.randn_like(p) for k, p in params.items()}
+    for product in (pf.ggn_vector_product, pf.hessian_vector_product):
+        expected = product(model_fn, params, X, y, v)
+        found = product(*pf.functional(cumulative), X, y, v)
+        for key in expected:
+            torch.testing.assert_close(found[key], expected[key])
+    with pytest.raises(ValueError, match="BatchNorm in training mode"):
+        pf.batch_grad(*pf.functional(cumulative), X, y)
+    counters = [b for k, b in cumulative.state_dict().items() if k.endswith("batches_tracked")]
+    assert counters and all(int(c) == 0 for c in counters)
+
+
 def test_block_products_with_batchnorm_in_training_mode_equal_backpack(backpack_oracle):
     """BackPACK 1.7.1's GGNMP and HMP support BatchNorm1d (not 2d)."""
     backpack, extensions = backpack_oracle, backpack_oracle.extensions

@@ -170,6 +170,7 @@ class FunctionalMode(TorchFunctionMode):
         self.batch_statistics = batch_statistics
         self.rows = FlatRows()
         self._entered: list[contextlib.ExitStack] = []
+        self._uncounted: dict[int, tuple[Tensor, int]] = {}  # counter -> increments skipped
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -209,8 +210,16 @@ class FunctionalMode(TorchFunctionMode):
             args, kwargs = _batch_norm_arguments(args, kwargs, self.batch_statistics)
         if _counts_batches(func, args):
             # running statistics stay as they are, and so does their counter (also when
-            # BatchNorm in training mode is refused right after: a refusal changes nothing)
-            return args[0]
+            # BatchNorm in training mode is refused right after: a refusal changes nothing);
+            # it reads as counted (momentum=None divides by it: 1 / 0 for a fresh BatchNorm)
+            counter = args[0]
+            _, skipped = self._uncounted.get(id(counter), (counter, 0))
+            self._uncounted[id(counter)] = (counter, skipped + int(args[1]))
+            return counter
+        if func in COUNTER_READS and id(args[0]) in self._uncounted:
+            counter, skipped = self._uncounted[id(args[0])]
+            if counter is args[0]:
+                return func(counter + skipped)
         out = self._dispatch(func, args, kwargs)
         if func in RESHAPES:
             self.rows.remember(func, args, out)
@@ -296,6 +305,10 @@ def _batch_norm_arguments(
             "with running statistics)."
         )
     return (), bound | {"running_mean": None, "running_var": None}
+
+
+COUNTER_READS = frozenset({Tensor.__float__, Tensor.__int__, Tensor.item})
+"""How Python reads a counter's value (``float(self.num_batches_tracked)``)."""
 
 
 def _counts_batches(func: Callable[..., Any], args: tuple[Any, ...]) -> bool:
