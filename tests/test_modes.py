@@ -97,6 +97,37 @@ def test_a_refusal_leaves_the_buffers_alone(call):
     assert_trees_close(dict(model.state_dict()), before)
 
 
+@pytest.mark.parametrize("call", ["explain", "kfac", "ekfac"])
+def test_a_probe_or_a_refusal_after_the_batch_pass_leaves_running_statistics(call):
+    """InstanceNorm with running statistics in training mode: ``explain``'s probe forward
+    kept its update, and so did a Kronecker refusal (no rule for the norm's affine
+    parameters) after the batch pass. A computed quantity advances them once, as a step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.InstanceNorm2d(3, affine=True, track_running_stats=True),
+        nn.Flatten(),
+        nn.Linear(48, 3),
+    ).train()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(5, 2, 4, 4), torch.randint(0, 3, (5,))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    if call == "explain":
+        assert pf.explain(model_fn, params, X)["1.weight"] == "closed form (instance_norm)"
+    else:
+        with pytest.raises(ValueError, match="no Kronecker factors for 1.bias"):
+            getattr(pf, call)(model_fn, params, X, y)
+    assert_trees_close(dict(model.state_dict()), before)
+    pf.batch_grad(model_fn, params, X, y)
+    with torch.no_grad():
+        copy = nn.InstanceNorm2d(3, affine=True, track_running_stats=True).train()
+        copy.load_state_dict(
+            {k[2:]: v for k, v in before.items() if k.startswith("1.")}, strict=True
+        )
+        copy(model[0](X))
+    torch.testing.assert_close(model[1].running_mean, copy.running_mean)
+
+
 class Checkpointed(nn.Module):
     """The MLP of these tests with its first layer under activation checkpointing."""
 

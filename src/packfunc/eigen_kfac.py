@@ -11,7 +11,7 @@ from torch import nn
 
 from packfunc.engine.batch_pass import BatchPass, ColumnGradients
 from packfunc.engine.eigenvalue_fit import fitted_eigenvalues
-from packfunc.engine.layer_factors import checked_approx, sqrt_factors
+from packfunc.engine.layer_factors import checked_approx, refuse_unsupported, sqrt_factors
 from packfunc.functionalize import public_entry
 from packfunc.kron import Curvature, Eigen, batched_eigh
 from packfunc.losses import default_loss, given_targets
@@ -160,26 +160,27 @@ def _fit(
         raise ValueError(f"on_unsupported must be 'raise' or 'skip'; got {on_unsupported!r}.")
     checked_approx(kfac_approx)
     bp = BatchPass(model_fn, params, X, given_targets(y, "ekfac"), loss or default_loss())
-    if mc_samples is not None and generator is None:  # both passes must see the same samples
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-        generator = torch.Generator(bp.record.output.device).manual_seed(seed)
-    start = generator.get_state() if generator is not None else None
-    factors, columns = None, None
-    if eigenvectors is None:
-        factors, columns = _kfac_factors(bp, kfac_approx, mc_samples, generator, on_unsupported)
-        if combine is not None:
-            factors = combine(factors)
-        bases = _bases(bp, factors)
-    else:
-        bases = _given_bases(bp, eigenvectors)
-    if generator is not None and start is not None:
-        generator.set_state(start)  # the factors' samples, if their columns were not kept
-    values = fitted_eigenvalues(bp, bases, mc_samples, generator, columns)
-    found = [
-        None if basis is None or value is None else Eigen(basis, value)
-        for basis, value in zip(bases, values)
-    ]
-    return factors, optree.tree_unflatten(bp.treespec, found)
+    with bp.undone_on_refusal():
+        if mc_samples is not None and generator is None:  # both passes must see the same samples
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+            generator = torch.Generator(bp.record.output.device).manual_seed(seed)
+        start = generator.get_state() if generator is not None else None
+        factors, columns = None, None
+        if eigenvectors is None:
+            factors, columns = _kfac_factors(bp, kfac_approx, mc_samples, generator, on_unsupported)
+            if combine is not None:
+                factors = combine(factors)
+            bases = _bases(bp, factors)
+        else:
+            bases = _given_bases(bp, eigenvectors)
+        if generator is not None and start is not None:
+            generator.set_state(start)  # the factors' samples, if their columns were not kept
+        values = fitted_eigenvalues(bp, bases, mc_samples, generator, columns)
+        found = [
+            None if basis is None or value is None else Eigen(basis, value)
+            for basis, value in zip(bases, values)
+        ]
+        return factors, optree.tree_unflatten(bp.treespec, found)
 
 
 def _kfac_factors(
@@ -191,14 +192,7 @@ def _kfac_factors(
 ) -> tuple[Any, ColumnGradients | None]:
     """Every leaf's KFAC (or KFLR) factors as a pytree like ``params``, and their columns."""
     found = sqrt_factors(bp, approx, mc_samples, generator)
-    if found.unsupported and on_unsupported == "raise":
-        listing = "; ".join(
-            f"{bp.names[leaf]}: {why}" for leaf, why in sorted(found.unsupported.items())
-        )
-        raise ValueError(
-            f"no Kronecker factors for {listing}. Pass on_unsupported='skip' to get None for "
-            "these parameters (e.g. to use diag_ggn for them instead)."
-        )
+    refuse_unsupported(bp, found, on_unsupported)
     return optree.tree_unflatten(bp.treespec, found.per_leaf), found.columns
 
 

@@ -109,7 +109,8 @@ def compute_batch(
     if set(names) == {"grad"}:
         return plain_gradient(model_fn, params, X, targets, loss, chunk_size)
     bp = BatchPass(model_fn, params, X, targets, loss, chunk_size)
-    return evaluate(bp, names, subsampling, mc_samples, generator, max_norm, last_use=True)
+    with bp.undone_on_refusal():
+        return evaluate(bp, names, subsampling, mc_samples, generator, max_norm, last_use=True)
 
 
 def one_quantity(

@@ -10,6 +10,7 @@ import torch
 
 from packfunc.engine.batch_record import probed_forward, zero_probes
 from packfunc.engine.discovery import Plan, Recorded, discover
+from packfunc.engine.model_state import kept_model_state
 from packfunc.engine.ops import SiteCall
 from packfunc.engine.randomness import private_generators
 from packfunc.engine.rules import rule_for
@@ -17,6 +18,7 @@ from packfunc.functionalize import (
     batch_size,
     check_model_arguments,
     flatten_params,
+    module_of,
     public_entry,
     select_samples,
 )
@@ -50,7 +52,9 @@ def explain(model_fn: ModelFn, params: Params, X: Inputs) -> PathTree:
     """
     check_model_arguments(model_fn, params)
     leaves, treespec, _ = flatten_params(params)
-    with torch.no_grad(), private_generators(leaves):
+    # a probe, not a forward of the user's: what it sets on the model (a running statistic,
+    # a power iteration) is put back
+    with torch.no_grad(), private_generators(leaves), kept_model_state(module_of(model_fn)):
         plan = discover(model_fn, params, leaves, select_samples(X, slice(0, 1)))
         failed: set[int] = set()
         forward = probed_forward(model_fn, params, leaves, plan, X, failed)

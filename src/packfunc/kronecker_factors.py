@@ -50,6 +50,7 @@ from packfunc.engine.layer_factors import (
     Factors,
     checked_approx,
     kfra_factors,
+    refuse_unsupported,
     sqrt_factors,
 )
 from packfunc.losses import default_loss, given_targets
@@ -360,13 +361,7 @@ def _factors(
         raise ValueError(f"on_unsupported must be 'raise' or 'skip'; got {on_unsupported!r}.")
     bp = BatchPass(model_fn, params, X, given_targets(y, "kfac"), loss or default_loss())
     bp.keeps_loss = keeps_loss
-    found = method(bp)
-    if found.unsupported and on_unsupported == "raise":
-        listing = "; ".join(
-            f"{bp.names[leaf]}: {why}" for leaf, why in sorted(found.unsupported.items())
-        )
-        raise ValueError(
-            f"no Kronecker factors for {listing}. Pass on_unsupported='skip' to get None for "
-            "these parameters (e.g. to use diag_ggn for them instead)."
-        )
+    with bp.undone_on_refusal():
+        found = method(bp)
+        refuse_unsupported(bp, found, on_unsupported)
     return optree.tree_unflatten(bp.treespec, found.per_leaf), bp

@@ -238,7 +238,7 @@ def pch_block_products(
         _checked(loss, model_fn, params),
     )
     blocks = optree.tree_leaves(cast(Any, mats), none_is_leaf=True)
-    with twice_differentiable():
+    with twice_differentiable(), bp.undone_on_refusal():
         results = [
             None if m is None else pch_block_product(bp, i, m, modify) for i, m in enumerate(blocks)
         ]

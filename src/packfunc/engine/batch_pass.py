@@ -319,6 +319,27 @@ class BatchPass:
             self._restore_buffers()
         self._put_back()
 
+    @contextlib.contextmanager
+    def undone_on_refusal(self) -> Iterator[BatchPass]:
+        """Put back what this pass set on the model if the block raises (a refusal).
+
+        Refusals change nothing: a running statistic the batch pass updated goes back when
+        a quantity of it is refused (a parameter without Kronecker factors, say).
+
+        Example:
+            >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+            >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+            ...                torch.nn.CrossEntropyLoss())
+            >>> with bp.undone_on_refusal():
+            ...     bp.n
+            4
+        """
+        try:
+            yield self
+        except Exception:
+            self._undo()
+            raise
+
     @property
     def loss_value(self) -> Tensor:
         """The reduced loss of the batch."""

@@ -79,6 +79,33 @@ class Factors:
     fits its eigenvalues to the same columns)."""
 
 
+def refuse_unsupported(bp: BatchPass, found: Factors, on_unsupported: str) -> None:
+    """Refuse leaves without Kronecker factors, unless ``on_unsupported='skip'``.
+
+    Args:
+        bp: The batch pass (for the leaves' names).
+        found: The factors, with why each missing leaf has none.
+        on_unsupported: ``"raise"`` or ``"skip"``.
+
+    Raises:
+        ValueError: naming each leaf and why, for ``"raise"``.
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> bp = BatchPass(fn, p, torch.randn(4, 3), torch.tensor([0, 1, 1, 0]),
+        ...                torch.nn.CrossEntropyLoss())
+        >>> refuse_unsupported(bp, Factors([None, None], {0: "why"}), "skip")
+    """
+    if found.unsupported and on_unsupported == "raise":
+        listing = "; ".join(
+            f"{bp.names[leaf]}: {why}" for leaf, why in sorted(found.unsupported.items())
+        )
+        raise ValueError(
+            f"no Kronecker factors for {listing}. Pass on_unsupported='skip' to get None for "
+            "these parameters (e.g. to use diag_ggn for them instead)."
+        )
+
+
 def sqrt_factors(
     bp: BatchPass,
     approx: str,
