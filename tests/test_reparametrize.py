@@ -183,3 +183,25 @@ def test_a_forward_that_raises_leaves_the_given_slots_as_they_were():
             model, {"lin.weight": torch.zeros(2, 2)}, (torch.ones(1, 2),), {"fail": True}
         )
     _assert_slots_kept(before)
+
+
+@pytest.mark.parametrize("wrap", ["weight_norm", "spectral_norm"])
+@pytest.mark.filterwarnings("ignore:.*is deprecated")
+def test_the_old_reparametrizations_keep_a_plain_weight_of_the_users_forward(wrap):
+    """The old ``weight_norm``/``spectral_norm`` set ``module.weight`` in a pre-hook: after a
+    call, it held the weight of packfunc's pass on its tapped parameters (a tensor of
+    packfunc's type, off the graph); it keeps the user's last forward's, and the
+    per-sample gradients are those of a loop."""
+    torch.manual_seed(0)
+    layer = getattr(nn.utils, wrap)(nn.Linear(4, 4).double())
+    model = nn.Sequential(layer, nn.Tanh(), nn.Linear(4, 3).double()).eval()
+    X, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    model(X)
+    users = layer.weight
+    model_fn, params = pf.functional(model)
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    found = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    assert layer.weight is users and type(layer.weight) is Tensor and users.requires_grad
+    expected = autograd_batch_grad(model, loss, X, y)
+    for name in expected:
+        torch.testing.assert_close(found[name], expected[name])

@@ -37,7 +37,12 @@ from packfunc.engine.memory import (
     new_output,
     split_index,
 )
-from packfunc.engine.model_state import attribute_restorer, buffer_restorer, users_forward
+from packfunc.engine.model_state import (
+    attribute_restorer,
+    buffer_restorer,
+    is_packfunc_tensor,
+    users_forward,
+)
 from packfunc.engine.ops import SiteCall
 from packfunc.engine.precision import to_dtype_of
 from packfunc.engine.randomness import DEFAULT_GENERATOR_DRAW, GeneratorMark, refuse_rerun
@@ -252,6 +257,8 @@ class BatchPass:
             self.record = self._batch_pass(reuse)
         if mark.moved():
             self.plan.note_random(DEFAULT_GENERATOR_DRAW)
+        # what the user's forward sets stays, but not tensors of packfunc's own types
+        self._put_back(is_packfunc_tensor)
         last = partial(last_sample_output, model_fn, params, X, self.n)
         try:
             checked = check_rows_alone(self.plan, self.record.output, last)  # a fresh plan's rows

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from torch import nn
 __all__ = [
     "attribute_restorer",
     "buffer_restorer",
+    "is_packfunc_tensor",
     "kept_model_state",
     "packfunc_passes",
     "restart_users_forward",
@@ -106,12 +108,19 @@ _MISSING = object()
 """Stands in for an attribute a module does not have (see :func:`attribute_restorer`)."""
 
 
-def attribute_restorer(module: nn.Module | None) -> Callable[[], None]:
+class Restore(Protocol):
+    """``restore()`` puts every attribute back; ``restore(only)``, those ``only`` picks."""
+
+    def __call__(self, only: Callable[[object], bool] = ...) -> None: ...
+
+
+def attribute_restorer(module: nn.Module | None) -> Restore:
     """A function that puts the attributes of ``module`` and its submodules back as they are now.
 
     An attribute set since is put back, one added is deleted (each module's own
     ``__dict__``; the dicts of parameters, buffers, children and hooks are kept as they
-    are: buffers have :func:`buffer_restorer`).
+    are: buffers have :func:`buffer_restorer`). ``restore(only)`` does that for the
+    attributes whose value now ``only(value)`` picks.
 
     Args:
         module: A module, or ``None`` (nothing kept).
@@ -128,17 +137,33 @@ def attribute_restorer(module: nn.Module | None) -> Callable[[], None]:
     """
     saved = [(owner.__dict__, owner.__dict__.copy()) for owner in _submodules(module)]
 
-    def restore() -> None:
+    def restore(only: Callable[[object], bool] = lambda value: True) -> None:
         for now, before in saved:
             if now.keys() == before.keys() and all(now[k] is v for k, v in before.items()):
                 continue
-            for key in [key for key in now if key not in before]:
+            for key in [key for key in now if key not in before and only(now[key])]:
                 del now[key]
             now.update(
-                (key, value) for key, value in before.items() if now.get(key, _MISSING) is not value
+                (key, value)
+                for key, value in before.items()
+                if now.get(key, _MISSING) is not value and only(now.get(key, _MISSING))
             )
 
     return restore
+
+
+def is_packfunc_tensor(value: object) -> bool:
+    """Whether ``value`` is a tensor of one of packfunc's own types (a tapped parameter's).
+
+    A forward of the user's that packfunc runs on its tapped parameters leaves such a
+    tensor in an attribute it sets (the old ``weight_norm``'s ``weight``): not what the
+    user's own forward would leave, a plain tensor on their parameters' graph.
+
+    Example:
+        >>> is_packfunc_tensor(torch.ones(1)), is_packfunc_tensor("weight")
+        (False, False)
+    """
+    return isinstance(value, torch.Tensor) and type(value).__module__.startswith("packfunc.")
 
 
 def _submodules(module: nn.Module | None) -> list[nn.Module]:
