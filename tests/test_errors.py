@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import packfunc as pf
+from tests.cases import autograd_batch_grad
 
 
 def _mlp():
@@ -464,6 +465,30 @@ def test_an_embedding_bag_with_max_norm_is_refused_before_it_renormalizes(quanti
     with pytest.raises(ValueError, match="changes a parameter in place.*embedding_bag"):
         getattr(pf, quantity)(model_fn, params, torch.randint(0, 7, (4, 3)), Y[:4])
     assert torch.equal(model[0].weight, before)
+
+
+def test_embedding_bag_options_and_sparse_gradients_are_refused_in_packfunc_words():
+    """EmbeddingBag(scale_grad_by_freq=True) couples samples (it was caught only by the sum
+    check, blaming torch's batching rule); sparse gradients failed with torch's "Could not run
+    'aten::view' ... 'SparseCPU' backend". Embedding(sparse=True)'s first order runs."""
+    torch.manual_seed(0)
+    ids, y = torch.randint(0, 7, (4, 3)), Y[:4]
+    bag = nn.Sequential(nn.EmbeddingBag(7, 3, scale_grad_by_freq=True), nn.Linear(3, 2))
+    with pytest.raises(ValueError, match="EmbeddingBag\\(scale_grad_by_freq=True\\).*couples"):
+        pf.batch_grad(*pf.functional(bag), ids, y)
+    sparse_bag = nn.Sequential(nn.EmbeddingBag(7, 3, sparse=True), nn.Linear(3, 2))
+    with pytest.raises(ValueError, match="sparse gradients.*sparse=False"):
+        pf.batch_grad(*pf.functional(sparse_bag), ids, y)
+    sparse = nn.Sequential(
+        nn.Embedding(7, 3, sparse=True), nn.Tanh(), nn.Flatten(), nn.Linear(9, 2)
+    )
+    with pytest.raises(ValueError, match="sparse gradients.*sparse=False"):
+        pf.diag_hessian(*pf.functional(sparse), ids, y)
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    found = pf.batch_grad(*pf.functional(sparse), ids, y, loss=loss)
+    expected = autograd_batch_grad(sparse, loss, ids, y)
+    for name in expected:
+        torch.testing.assert_close(found[name], expected[name].to_dense())
 
 
 def test_unknown_quantity_name():

@@ -222,6 +222,8 @@ def public_entry(function: F) -> F:
                 raise ValueError(_UNTRANSFORMABLE) from error
             if mutates_captured_tensor(error):
                 raise ValueError(_MUTATES_CAPTURED) from error
+            if isinstance(error, NotImplementedError) and "'Sparse" in str(error):
+                raise ValueError(_SPARSE_GRADIENTS) from error  # (from the 'SparseCPU' backend)
             raise
 
     return run  # type: ignore[return-value]
@@ -242,6 +244,14 @@ _MUTATES_CAPTURED = (
     "model with torch.func, which cannot run that. Call model.eval() or stop the update in "
     "the forward before computing this; per-sample gradients, their moments, clipped sums, "
     "GGN diagonals and Kronecker factors run such a model as your forward does."
+)
+
+
+_SPARSE_GRADIENTS = (
+    "a layer of model_fn gives sparse gradients (nn.Embedding or nn.EmbeddingBag with "
+    "sparse=True; see the error above), which this quantity cannot differentiate further. "
+    "Build it with sparse=False: the values are the same, and packfunc forms per-sample "
+    "gradients and curvature of its rows itself."
 )
 
 

@@ -251,6 +251,12 @@ class _DiscoveryMode(ParameterMode):
                 "optimizer's step, as weight clipping does) or use it out of place "
                 "(w.clamp(...) instead of w.clamp_(...))."
             )
+        if func is F.embedding_bag and bag_option(args, kwargs or {}, "scale_grad_by_freq"):
+            raise ValueError(
+                "EmbeddingBag(scale_grad_by_freq=True) scales gradients by word counts over the "
+                "whole batch, which couples samples; per-sample gradients are not defined. Set "
+                "it to False."
+            )
         if maybe_current_level() != self.level and self._touches_parameters(args, kwargs or {}):
             raise ValueError(
                 f"the model uses a parameter inside a torch.func transform of its own forward "
@@ -657,8 +663,8 @@ def changed_in_place(
     out = kwargs.get("out")
     if isinstance(out, Tensor):
         return out
-    if func is F.embedding_bag and _renormalizes(args, kwargs):
-        return args[1] if len(args) > 1 else kwargs.get("weight")
+    if func is F.embedding_bag and bag_option(args, kwargs, "max_norm") is not None:
+        return args[1] if len(args) > 1 else kwargs.get("weight")  # renormalized in place
     if _sets_data(func):  # w.data = ...
         return args[0] if args and isinstance(args[0], Tensor) else None
     name = getattr(func, "__name__", "")
@@ -667,13 +673,22 @@ def changed_in_place(
     return args[0] if writes and args and isinstance(args[0], Tensor) else None
 
 
-def _renormalizes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether ``F.embedding_bag(input, weight, offsets, max_norm, ...)`` gets a ``max_norm``.
+def bag_option(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+    """An option of a call ``F.embedding_bag(input, weight, offsets, max_norm, ...)``.
 
-    It then renormalizes the rows it looks up in place, before the bag's reduction.
+    Example:
+        >>> bag_option((torch.ones(2), torch.ones(3, 2), None, 1.0), {}, "max_norm")
+        1.0
     """
-    max_norm = args[3] if len(args) > 3 else kwargs.get("max_norm")
-    return max_norm is not None
+    index = _BAG_OPTIONS.index(name)
+    return args[index] if len(args) > index else kwargs.get(name, _BAG_DEFAULTS.get(name))
+
+
+_BAG_OPTIONS = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq")
+"""``F.embedding_bag``'s first arguments, in order."""
+
+_BAG_DEFAULTS = {"scale_grad_by_freq": False}
+"""Those defaults that are not ``None``."""
 
 
 _FLAGS_ONLY = frozenset({"requires_grad_", "share_memory_", "retain_grad", "detach_"})
