@@ -217,6 +217,11 @@ def test_a_rerun_of_a_model_that_updates_a_buffer_is_refused():
     with pytest.raises(ValueError, match="changes its buffer '0.parametrizations.weight.0._u'"):
         pf.batch_grad(model_fn, params, X, Y)
     model.eval()
+    # in evaluation mode its weight is op-local (the flatten of its 1-D vector u, which
+    # returns u itself, read as an in-place change: the whole-model path)
+    assert pf.explain(model_fn, params, X)["0.parametrizations.weight.original"] == (
+        "op-local (linear)"
+    )
     expected = {}
     for n in range(len(X)):
         model.zero_grad()

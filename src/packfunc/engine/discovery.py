@@ -346,7 +346,8 @@ class _DiscoveryMode(ParameterMode):
         if sig is not None and carriers and self._tapped_call(sig, args, kwargs, sources):
             return self._discover_tapped(func, sig, sig.bind(args, kwargs), args, kwargs)
         out = func(*args, **kwargs)
-        in_place = func not in CONVERSIONS and any(out is v for v in values)
+        # (flatten of a 1-D tensor, contiguous of a contiguous one: their input itself)
+        in_place = func not in AS_IT_IS and any(out is v for v in values)
         if not carriers and not in_place:
             self._derive(func, arguments, sources, out)
             self.plan.uses.append(Use(func, UseKind.DERIVED))
@@ -637,6 +638,10 @@ class _OperatorsInSight(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         finally:
             self.calling = calling
+
+
+AS_IT_IS = CONVERSIONS | {torch.flatten, Tensor.flatten}
+"""Calls that may return their input itself without writing it (no in-place change)."""
 
 
 def changed_in_place(
