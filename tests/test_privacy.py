@@ -653,3 +653,49 @@ def test_a_norm_that_overflows_float32_is_refused_not_dropped() -> None:
     model_fn, params = pf.functional(half)
     with pytest.raises(FloatingPointError, match="float16.*float32 parameters.*autocast"):
         pf.clipped_grad(model_fn, params, (1000 * X[1:]).half(), y[1:], max_norm=1.0)
+
+
+class _ClassesSecond(nn.Module):
+    """``[N, T, C] -> [N, C, T]``: a sequence model's logits as CrossEntropyLoss takes them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2)
+
+
+def test_clipped_grad_and_norms_compose_with_torch_func():
+    """Under vmap over an ensemble the value checks (a Gram norm's cancellation, an
+    overflowed norm) branched on values: torch's "data-dependent control flow". Under
+    torch.func.grad the in-place reweighting read storage a wrapper has none of."""
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3), _ClassesSecond()).double()
+        for _ in "ab"
+    ]
+    X, y = torch.randn(4, 2, 16, dtype=torch.float64), torch.randint(0, 3, (4, 2))
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    model_fn, params = pf.functional(members[0])
+    stacked = {
+        k: torch.stack([dict(m.named_parameters())[k].detach() for m in members]) for k in params
+    }
+
+    def both(p: dict) -> tuple[dict, dict]:
+        names = ("clipped_grad", "batch_l2_grad")
+        out = pf.compute(model_fn, p, X, y, loss=loss, quantities=names, max_norm=0.5)
+        return out["clipped_grad"], out["batch_l2_grad"]
+
+    found = torch.func.vmap(both)(stacked)
+    for i, member in enumerate(members):
+        alone = both(pf.functional(member)[1])
+        for got, expected in zip(found, alone):
+            for key in expected:
+                torch.testing.assert_close(got[key][i], expected[key])
+
+    def total(p: dict) -> torch.Tensor:
+        clipped = pf.clipped_grad(model_fn, p, X, y, loss=loss, max_norm=0.5)
+        return sum(v.square().sum() for v in clipped.values())
+
+    by_transform = torch.func.grad(total)(params)
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    total(leaves).backward()
+    for key, value in leaves.items():
+        torch.testing.assert_close(by_transform[key], value.grad)

@@ -129,6 +129,18 @@ def mutates_captured_tensor(error: Exception) -> bool:
     return isinstance(error, RuntimeError) and "would mutate a captured Tensor" in str(error)
 
 
+def under_vmap() -> bool:
+    """Whether the caller runs inside ``torch.func.vmap`` (values cannot decide branches there).
+
+    Example:
+        >>> inside = torch.func.vmap(lambda x: x + under_vmap())(torch.zeros(2))
+        >>> under_vmap(), inside.tolist()
+        (False, [1.0, 1.0])
+    """
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    return any(level.key() == torch._C._functorch.TransformType.Vmap for level in stack)
+
+
 def over_samples(func: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     """``torch.func.vmap(func, **options)`` over samples, or a loop where vmap cannot go.
 

@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 from packfunc.engine import whole_model
 from packfunc.engine.batch_record import BatchRecord, PlanMismatch, SiteConsumer, record
@@ -778,6 +779,8 @@ def _alone(tensors: list[Tensor], other: Tensor | None) -> list[int]:
         >>> _alone([t, t[:2], torch.ones(2), torch.ones(1).expand(3)], torch.ones(1))
         [2]
     """
+    if any(map(is_functorch_wrapped_tensor, [*tensors, *([other] if other is not None else [])])):
+        return []  # (under a torch.func transform: no storage to compare, and no need)
     pointers = [t.untyped_storage().data_ptr() for t in tensors]
     taken = {other.untyped_storage().data_ptr()} if other is not None else set()
     return [

@@ -19,6 +19,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from packfunc.engine.autodiff import under_vmap
 from packfunc.engine.batch_pass import BatchPass, ColumnGradients
 from packfunc.engine.memory import (
     DEFAULT_BUDGET,
@@ -238,12 +239,16 @@ def clipping_factors(norms: Tensor, max_norm: float, eps: float) -> Tensor:
         The factors ``[N]``.
 
     Raises:
-        FloatingPointError: where a norm is infinite.
+        FloatingPointError: where a norm is infinite (under ``torch.func.vmap``, whose
+            values decide no branch, its factor is NaN instead).
 
     Example:
         >>> clipping_factors(torch.tensor([0.5, 4.0]), 2.0, 0.0)
         tensor([1.0000, 0.5000])
     """
+    factors = (max_norm / (norms + eps)).clamp(max=1.0)
+    if under_vmap():  # (no branch on values there: an overflowed norm's factor is NaN)
+        return torch.where(norms.isinf(), torch.nan, factors)
     if bool(norms.isinf().any()):
         sample = int(norms.isinf().nonzero()[0, 0])
         wider = (
@@ -257,7 +262,7 @@ def clipping_factors(norms: Tensor, max_norm: float, eps: float) -> Tensor:
             f"sample instead of scaling it to max_norm. Compute with {wider}, or find why "
             "the loss's gradient is that large."
         )
-    return (max_norm / (norms + eps)).clamp(max=1.0)
+    return factors
 
 
 def _weighted_sums(weights: Tensor, per_sample: list[Tensor]) -> list[Tensor]:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from packfunc.engine.autodiff import under_vmap
 from packfunc.engine.memory import is_plain, new_output
 from packfunc.engine.ops import SiteCall
 from packfunc.engine.rules.base import Rule
@@ -212,6 +213,10 @@ def formed_where_cancelled(
         tensor([0.5000, 2.0000])
     """
     cancelled = squares < cancellation_tolerance(squares.dtype) * diagonal
+    if under_vmap():  # (no branch on values there: every sample's gradient, formed)
+        everyone = torch.arange(len(squares), device=squares.device)
+        formed = gradients(everyone).flatten(1).square().sum(1).to(squares.dtype)
+        return torch.where(cancelled, formed, squares).clamp(min=0)
     if bool(cancelled.any()):
         index = cancelled.nonzero().squeeze(1)
         formed = gradients(index).flatten(1).square().sum(1).to(squares.dtype)
