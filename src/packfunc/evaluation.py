@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from packfunc.engine import hessian
+from packfunc.engine.autodiff import refuse_differentiation
 from packfunc.engine.batch_pass import BatchPass, check_pass_arguments
 from packfunc.engine.model_state import users_forward
 from packfunc.engine.statistics import clipped_sums, ggn_statistics, gradient_statistics
@@ -110,7 +111,11 @@ def compute_batch(
         return plain_gradient(model_fn, params, X, targets, loss, chunk_size)
     bp = BatchPass(model_fn, params, X, targets, loss, chunk_size)
     with bp.undone_on_refusal():
-        return evaluate(bp, names, subsampling, mc_samples, generator, max_norm, last_use=True)
+        found = evaluate(bp, names, subsampling, mc_samples, generator, max_norm, last_use=True)
+    for name in names:
+        if not SPECS[name].differentiable:
+            found[name] = refuse_differentiation(found[name], bp.leaves, name)
+    return found
 
 
 def one_quantity(

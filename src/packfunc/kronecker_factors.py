@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from typing_extensions import Unpack
 
 from packfunc.data import DataOptions, over_data
+from packfunc.engine.autodiff import refuse_differentiation
 from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.layer_factors import (
     CURVATURES,
@@ -200,10 +201,10 @@ def kfra(
     """
     if curvature not in CURVATURES:
         raise ValueError(f"curvature must be one of {tuple(CURVATURES)}; got {curvature!r}.")
-    factors = _factors(
+    factors, bp = _factors(
         model_fn, params, X, y, loss, on_unsupported, True, lambda bp: kfra_factors(bp, curvature)
-    )[0]
-    return cast(FactorTree, factors)
+    )
+    return cast(FactorTree, refuse_differentiation(factors, bp.leaves, "kfra"))
 
 
 def sqrt_factors_and_loss(

@@ -14,7 +14,7 @@ function of the same name.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from torch import Tensor
@@ -96,6 +96,9 @@ class Quantity:
             it reports (KFRA's chain, curvature products): the BackPACK shim computes the
             others from the user's own forward pass, these with a pass of its own (refused
             for a model that changed since, draws random numbers or changes a buffer).
+        differentiable: Whether its gradient with respect to the parameters is right. The
+            Hessian diagonals and KFRA hold the second derivatives through the layers
+            before a parameter (and KFRA's chain) constant: their gradients are refused.
 
     Example:
         >>> SPECS["batch_l2_grad"].combine, SPECS["batch_l2_grad"].loss_power
@@ -116,6 +119,7 @@ class Quantity:
     power_by_option: Mapping[tuple[str, object], float] = field(default_factory=dict)
     per_sample_loss: bool = False
     reruns_model: bool = False
+    differentiable: bool = True
 
     def power(self, options: Mapping[str, object]) -> float:
         """``loss_power`` for a call with ``options`` (see :attr:`power_by_option`).
@@ -229,15 +233,21 @@ SPECS: dict[str, Quantity] = {
             Statistic.DIAGONAL_PER_SAMPLE,
             _PER_SAMPLE,
         ),
-        _statistic(
-            "diag_hessian", "the Hessian diagonal (DiagHessian)", HESSIAN, Statistic.DIAGONAL
+        replace(
+            _statistic(
+                "diag_hessian", "the Hessian diagonal (DiagHessian)", HESSIAN, Statistic.DIAGONAL
+            ),
+            differentiable=False,
         ),
-        _statistic(
-            "batch_diag_hessian",
-            "per-sample Hessian diagonals (BatchDiagHessian)",
-            HESSIAN,
-            Statistic.DIAGONAL_PER_SAMPLE,
-            _PER_SAMPLE,
+        replace(
+            _statistic(
+                "batch_diag_hessian",
+                "per-sample Hessian diagonals (BatchDiagHessian)",
+                HESSIAN,
+                Statistic.DIAGONAL_PER_SAMPLE,
+                _PER_SAMPLE,
+            ),
+            differentiable=False,
         ),
         Quantity(
             "clipped_grad",
@@ -256,12 +266,15 @@ SPECS: dict[str, Quantity] = {
             power_by_option={("fisher_type", "empirical"): 2},
         ),
         _own("kflr", "Kronecker factors, exact GGN (KFLR)", Family.FACTORS, Combine.KRONECKER),
-        _own(
-            "kfra",
-            "Kronecker factors, recursive (KFRA)",
-            Family.FACTORS,
-            Combine.ONE_BATCH,
-            reruns_model=True,
+        replace(
+            _own(
+                "kfra",
+                "Kronecker factors, recursive (KFRA)",
+                Family.FACTORS,
+                Combine.ONE_BATCH,
+                reruns_model=True,
+            ),
+            differentiable=False,
         ),
         *(
             _own(name, summary, Family.PRODUCTS, Combine.SUM, reruns_model=True)

@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import optree
 import torch
+from torch import Tensor
 
 
 def vjp(func: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[..., tuple[Any, ...]]]:
@@ -127,6 +128,62 @@ def mutates_captured_tensor(error: Exception) -> bool:
         False
     """
     return isinstance(error, RuntimeError) and "would mutate a captured Tensor" in str(error)
+
+
+class _Undifferentiable(torch.autograd.Function):
+    """The identity on a value; its backward refuses (the value's gradient would be wrong)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(value: Tensor, name: str, *leaves: Tensor) -> Tensor:
+        return value.clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.name = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Any:
+        raise RuntimeError(
+            f"packfunc's {ctx.name} is not differentiable with respect to the parameters: it "
+            "holds the second derivatives through the layers before each parameter constant, "
+            "so its gradient would be wrong. Differentiate diag_ggn, kflr or a dense Hessian "
+            "(torch.autograd.functional.hessian with create_graph=True) instead."
+        )
+
+
+def refuse_differentiation(value: Any, leaves: list[Tensor], name: str) -> Any:
+    """``value`` (a pytree) whose gradient with respect to ``leaves`` raises, where one could flow.
+
+    With no leaf requiring grad (and outside ``torch.func.grad``) it is ``value`` itself.
+
+    Args:
+        value: A pytree of tensors (a quantity's result).
+        leaves: The parameter leaves it was computed from.
+        name: The quantity, for the message.
+
+    Returns:
+        ``value``, each tensor connected to ``leaves`` by a node whose backward raises.
+
+    Example:
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> found = refuse_differentiation({"w": w * 2}, [w], "kfra")
+        >>> try:
+        ...     found["w"].sum().backward()
+        ... except RuntimeError as error:
+        ...     print(str(error).split(":")[0])
+        packfunc's kfra is not differentiable with respect to the parameters
+    """
+    if not (torch.is_grad_enabled() and any(leaf.requires_grad for leaf in leaves)):
+        return value
+
+    def refused(t: Any) -> Any:
+        if not (isinstance(t, Tensor) and t.is_floating_point()):
+            return t
+        return _Undifferentiable.apply(t, name, *leaves)  # type: ignore[no-untyped-call]
+
+    return optree.tree_map(refused, value, none_is_leaf=True)
 
 
 def under_vmap() -> bool:
