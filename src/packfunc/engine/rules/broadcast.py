@@ -175,7 +175,7 @@ class BroadcastMul(_Factor):
             tensor([[[0., 1., 2.],
                      [3., 4., 5.]]])
         """
-        return g * cast(Tensor, local.arguments.values[1 - position])
+        return g * cast(Tensor, local.arguments.values[1 - position]).conj()  # (complex: x̄)
 
 
 class ConcatenatedCopy(_SampleSized):
@@ -275,8 +275,8 @@ class BroadcastDiv(_Factor):
         values = local.arguments.values
         dividend, divisor = cast(Tensor, values[0]), cast(Tensor, values[1])
         if position == 0:
-            return g / divisor
-        return -g * dividend / divisor.square()
+            return g / divisor.conj()  # (complex: the conjugate derivative)
+        return -g * (dividend / divisor.square()).conj()
 
 
 def _shared(operand: Any, rank: int) -> bool:
