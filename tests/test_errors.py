@@ -129,6 +129,16 @@ def test_a_layer_that_mixes_samples_is_refused(share):
         pf.batch_grad(model_fn, params, X, Y)
 
 
+def test_a_batch_of_one_sample_does_not_pass_the_mixing_check_for_later_batches():
+    """With one sample the check compares a row with itself; the plan was kept as checked,
+    and a batch of 8 through a mixing layer then returned wrong values (off by 0.68). A
+    size-1 batch is no rarity: Poisson sampling draws them."""
+    model_fn, params = pf.functional(_Centered())
+    pf.batch_l2_grad(model_fn, params, X[:1], Y[:1])  # (a centred sample: 0 alone and in batch)
+    with pytest.raises(ValueError, match="mixes samples"):
+        pf.batch_grad(model_fn, params, X, Y)
+
+
 def test_a_loop_over_the_samples_is_refused_with_the_fix():
     """A parameter used once per sample: as many calls as samples, not discovery's one."""
 

@@ -778,7 +778,8 @@ def check_rows_alone(
     plan is not checked again); a refused plan keeps it, so that every later pass with it
     is refused too. Skipped for a model that draws random numbers or changes a buffer or
     its input (a run differs from the next). Under ``vmap``, whose values cannot decide,
-    it cannot run: the caller must not keep the plan (see the return).
+    and with one sample, whose row is trivially its own, it cannot run: the caller must
+    not keep the plan (see the return).
 
     Args:
         plan: A plan fresh from :func:`discover` (its ``first_output`` set), or cached.
@@ -786,7 +787,8 @@ def check_rows_alone(
         last_alone: Runs the model on the last sample alone (:func:`last_sample_output`).
 
     Returns:
-        Whether the plan may be kept: ``False`` where the check could not run (``vmap``).
+        Whether the plan may be kept: ``False`` where the check could not run (``vmap``,
+        a batch of one sample).
 
     Raises:
         ValueError: if a row differs beyond rounding, naming both likely causes.
@@ -809,6 +811,8 @@ def check_rows_alone(
         plan.first_output = None
         return True
     rows, which = batch_output.detach(), "first"
+    if len(rows) < 2:  # one sample: its row is itself alone; nothing is checked, nor kept
+        return False
     try:
         what = difference_beyond_rounding(first, rows[:1])
         if what is None and last_alone is not None and len(rows) > 1:
