@@ -12,6 +12,7 @@ from torch import nn
 import packfunc as pf
 from packfunc.compat import backpack, extend
 from packfunc.compat.extensions import BatchGrad, DiagGGNExact
+from tests.cases import autograd_batch_grad
 
 
 def _model() -> nn.Module:
@@ -386,3 +387,43 @@ def test_a_product_through_a_model_that_updates_a_buffer_is_refused_in_packfunc_
     with pytest.raises(ValueError, match="changes in place a tensor.*model.eval()"):
         getattr(pf, product)(model_fn, params, X, Y, v=v)
     assert torch.equal(model.mean, before)
+
+
+class _TopOneExperts(nn.Module):
+    """A top-1 mixture of experts over all tokens of the batch, scattered by boolean masks."""
+
+    def __init__(self, skips_unused: bool) -> None:
+        super().__init__()
+        self.gate, self.head = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.experts = nn.ModuleList(nn.Linear(3, 3) for _ in range(3))
+        self.skips_unused = skips_unused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, length, width = x.shape
+        tokens = x.reshape(-1, width)
+        weight, expert = self.gate(tokens).softmax(-1).max(-1)
+        out = torch.zeros_like(tokens)
+        for i, layer in enumerate(self.experts):
+            mask = expert == i
+            if not self.skips_unused or mask.any():
+                out[mask] = layer(tokens[mask]) * weight[mask, None]
+        return self.head((tokens + out).reshape(n, length, width).amax(1))
+
+
+def test_a_mixture_of_experts_with_boolean_masks_runs_per_sample_or_names_the_branch():
+    """Boolean-mask indexing cannot run under vmap (torch's raw error): the per-sample loop
+    takes it, as for other value branches. Skipping an expert no token of the batch uses
+    calls other layers for one sample than for the batch: the refusal names that branch."""
+    torch.manual_seed(0)
+    model = _TopOneExperts(skips_unused=False).double()
+    X, y = torch.randn(5, 4, 3, dtype=torch.float64), torch.randint(0, 3, (5,))
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    model_fn, params = pf.functional(model)
+    found = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    expected = autograd_batch_grad(model, loss, X, y)
+    for name in expected:
+        torch.testing.assert_close(found[name], expected[name])
+    torch.manual_seed(0)
+    skipping = pf.functional(_TopOneExperts(skips_unused=True).double())
+    with pytest.raises(RuntimeError, match="a branch on values.*'if mask.any\\(\\):'"):
+        pf.batch_grad(*skipping, X, y, loss=loss)

@@ -79,6 +79,8 @@ _VMAP_CANNOT = (
     "data-dependent control flow",
     # an in-place write of a sample's values into a tensor made without them (buf[idx] = h)
     "is not possible because there exists a Tensor `other`",
+    # out[mask] = expert(tokens[mask]): a shape that depends on values (a mixture of experts)
+    "Attempting to batch over indexing with a boolean mask",
 )
 """What ``vmap`` says of models it cannot run but a loop over samples can."""
 

@@ -66,9 +66,11 @@ class PlanMismatch(RuntimeError):
     def __init__(self) -> None:
         super().__init__(
             "model_fn called its layers in a different order or number for one sample than "
-            "for the batch (a Python loop over the samples, a branch on the batch size); "
-            "packfunc needs the same sequence of layer calls for any batch size: write the "
-            "per-sample loop as one batched call."
+            "for the batch (a Python loop over the samples, a branch on the batch size, or a "
+            "branch on values: a mixture of experts that runs only the experts a batch "
+            "routes to, 'if mask.any():'); packfunc needs the same sequence of layer calls "
+            "for any batch: write the per-sample loop as one batched call, and run every "
+            "expert (on its tokens, possibly none)."
         )
 
 
