@@ -317,6 +317,28 @@ def test_disable_stores_nothing_and_cannot_run_extensions():
     assert not hasattr(model[0].weight, "grad_batch")
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "submodule"])
+def test_a_forward_under_disable_deletes_old_results_of_copies_and_submodules(how):
+    """A backward inside backpack(...) through a forward run under disable() deletes that
+    model's earlier results (BackPACK raises). Only the object extend() returned was
+    hooked: a deep copy of it, or its first layer called alone, kept last step's
+    grad_batch, silently."""
+    torch.manual_seed(0)
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    if how == "deepcopy":
+        model = copy.deepcopy(model)
+    X, y = _data("mlp")
+    with backpack(ours.BatchGrad()):
+        lossfunc(model(X), y).backward()
+    assert hasattr(model[0].weight, "grad_batch")
+    with disable():
+        hidden = model(X) if how == "deepcopy" else model[0](X)
+    with backpack(ours.BatchGrad()):
+        output = hidden if how == "deepcopy" else model[2](model[1](hidden))
+        lossfunc(output, y).backward()
+    assert not hasattr(model[0].weight, "grad_batch")
+
+
 @pytest.mark.slow
 def test_a_training_loop_does_not_keep_activations_alive():
     torch.manual_seed(0)

@@ -219,7 +219,8 @@ def _note_unrecorded(module: nn.Module, output: Any) -> None:
     under ``disable()``; BackPACK raises in that backward pass, and without the hook the
     last step's ``grad_batch`` stayed, silently).
     """
-    if module in context.EXTENDED_MODELS:
+    # (a copy of an extended model, or a submodule called alone, is extended as well)
+    if module in context.EXTENDED_MODELS or getattr(module, "_packfunc_extended", False):
         for node in output_nodes(output):
             node.register_prehook(partial(_on_unrecorded_backward, weakref.ref(module)))
 
