@@ -339,6 +339,21 @@ def test_a_forward_under_disable_deletes_old_results_of_copies_and_submodules(ho
     assert not hasattr(model[0].weight, "grad_batch")
 
 
+@pytest.mark.parametrize("extension", [ours.KFRA, ours.DiagGGNExact, ours.BatchGrad])
+def test_new_values_through_data_between_forward_and_backward_are_named(extension):
+    """``w.data = ...`` bumps no version: KFRA's own pass ran the model with the new weight,
+    silently (BackPACK uses the recorded forward's); the others failed the mixing check,
+    whose message blamed the model. Each now names the change."""
+    torch.manual_seed(0)
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    X, y = _data("mlp")
+    loss = lossfunc(model(X), y)
+    model[0].weight.data = model[0].weight.data + 1.0
+    changed = "'0.weight' was given new values through .data"
+    with pytest.raises(ValueError, match=changed), backpack(extension()):
+        loss.backward()
+
+
 @pytest.mark.slow
 def test_a_training_loop_does_not_keep_activations_alive():
     torch.manual_seed(0)

@@ -11,6 +11,7 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor, nn
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 from packfunc.compat.layout import SampleLayout
 from packfunc.compat.watch import ForwardRecorder
@@ -54,10 +55,12 @@ class ModelState:
     (packfunc's own pass, Kronecker factors, block products) compares it first: a
     parameter or buffer changed in place (``optimizer.step()``) or replaced, or a module
     switched between training and evaluation, would give values of another forward pass.
-    Writes through ``.data`` bump no version and are not seen.
+    An assignment to ``.data`` (``w.data = w.data + 1``, ``model.double()``) is seen by
+    its new memory; writes in place through ``.data`` bump no version and are not seen.
 
     Attributes:
-        tensors: Qualified name -> ``(id, version)`` of every parameter and buffer.
+        tensors: Qualified name -> ``(id, version, data pointer)`` of every parameter and
+            buffer.
         training: Qualified name -> training flag of every module.
 
     Example:
@@ -70,7 +73,7 @@ class ModelState:
         "module '1' (Dropout) was switched to evaluation mode"
     """
 
-    tensors: dict[str, tuple[int, int]]
+    tensors: dict[str, tuple[int, int, int]]
     training: dict[str, bool]
 
     @staticmethod
@@ -87,7 +90,7 @@ class ModelState:
             model.named_parameters(remove_duplicate=False),
             model.named_buffers(remove_duplicate=False),
         )
-        tensors = {name: (id(t), t._version) for name, t in named}
+        tensors = {name: (id(t), t._version, _memory(t)) for name, t in named}
         return ModelState(tensors, {name: m.training for name, m in model.named_modules()})
 
     def check(self, model: nn.Module, rerun: str) -> None:
@@ -119,18 +122,31 @@ class ModelState:
             The first change found, as a clause for a message.
         """
         now = ModelState.of(model)
-        for name, (identity, version) in self.tensors.items():
+        for name, (identity, version, pointer) in self.tensors.items():
             found = now.tensors.get(name)
             if found is None or found[0] != identity:
                 return f"{name!r} was replaced"
             if found[1] != version:
                 return f"{name!r} was changed in place"
+            if found[2] != pointer:
+                return f"{name!r} was given new values through .data"
         for name, training in self.training.items():
             if now.training.get(name, training) != training:
                 what = f"module {name!r} ({type(model.get_submodule(name)).__name__})"
                 mode = "training" if not training else "evaluation"
                 return f"{what if name else 'the model'} was switched to {mode} mode"
         return None
+
+
+def _memory(tensor: Tensor) -> int:
+    """Where ``tensor``'s values lie (0 for a tensor without storage, a functorch wrapper's).
+
+    Example:
+        >>> inside = torch.func.vmap(lambda t: t + _memory(t))(torch.zeros(2))
+        >>> inside.tolist(), _memory(torch.zeros(0)) == torch.zeros(0).data_ptr()
+        ([0.0, 0.0], True)
+    """
+    return 0 if is_functorch_wrapped_tensor(tensor) else tensor.data_ptr()
 
 
 @dataclass(eq=False)

@@ -30,6 +30,7 @@ from packfunc.functionalize import flatten_params, module_of, weakly_bound, wrap
 from packfunc.kronecker_factors import factors_from_pass
 from packfunc.losses import CLASS_LOSSES, GivenOutputGradient, hessian_factors
 from packfunc.specs import Family
+from packfunc.types import ModelFn
 
 if TYPE_CHECKING:
     from packfunc.compat.context import Context
@@ -101,7 +102,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
             fn, loss, y = model_fn, GivenOutputGradient(gradient), gradient
             watched = partial(_watched, record, None, differentiable)
         if _uses_forward(job) and job.second_order not in passes:
-            bp = passes[job.second_order] = BatchPass(fn, params, X, y, loss, reuse=watched)
+            bp = passes[job.second_order] = _batch_pass(record, fn, params, X, y, loss, watched)
             if bp.reran:
                 _check_own_pass(record, route if job.second_order else None, bp)
         with torch.set_grad_enabled(differentiable):
@@ -125,6 +126,34 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         ext.job().quantity.family is Family.PRODUCTS for ext in ctx.extensions
     ):
         forget_inputs_and_outputs(record, route.loss.module if route.loss else None)
+
+
+def _batch_pass(
+    record: ForwardRecord,
+    fn: ModelFn,
+    params: dict[str, Tensor],
+    X: Any,
+    y: Any,
+    loss: nn.Module,
+    watched: Callable[..., Any],
+) -> BatchPass:
+    """The batch pass over the recorded forward; a model changed since names the change.
+
+    Its check runs the first sample alone on the model as it is now: a parameter changed
+    since the forward (``w.data = ...``, an optimizer step) fails it with a message about
+    mixing samples, which the change explains better.
+    """
+    try:
+        return BatchPass(fn, params, X, y, loss, reuse=watched)
+    except ValueError as error:
+        change = record.state.change(record.model)
+        if change is None or "alone" not in str(error):
+            raise
+        raise ValueError(
+            f"{change} since the forward pass of the extended {type(record.model).__name__}: "
+            "backpropagate before changing the model (before optimizer.step(), an assignment "
+            "to .data, model.double())."
+        ) from error
 
 
 def _options(job: Job, names: list[str]) -> dict[str, Any]:
