@@ -427,3 +427,49 @@ def test_a_mixture_of_experts_with_boolean_masks_runs_per_sample_or_names_the_br
     skipping = pf.functional(_TopOneExperts(skips_unused=True).double())
     with pytest.raises(RuntimeError, match="a branch on values.*'if mask.any\\(\\):'"):
         pf.batch_grad(*skipping, X, y, loss=loss)
+
+
+class _BroadcastBias(nn.Module):
+    """A linear layer whose bias torch broadcasts over its outputs (or a Conv1D's addmm)."""
+
+    def __init__(self, bias_shape: tuple[int, ...], addmm: bool) -> None:
+        super().__init__()
+        shape = (3, 4) if addmm else (4, 3)  # [in, out] for addmm, [out, in] for F.linear
+        self.weight = nn.Parameter(torch.randn(shape, dtype=torch.float64))
+        self.bias = nn.Parameter(torch.randn(bias_shape, dtype=torch.float64))
+        self.addmm = addmm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.addmm:  # GPT-2's Conv1D on [N, T, d]: the weight stored [in, out]
+            flat = torch.addmm(self.bias, x.reshape(-1, 3), self.weight)
+            return flat.view(*x.shape[:-1], 4).sum(1)
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+@pytest.mark.parametrize(
+    ("bias_shape", "addmm"), [((1,), False), ((), False), ((1, 4), False), ((1,), True)]
+)
+def test_a_bias_torch_broadcasts_over_the_outputs_is_not_taken_for_one_per_output(
+    bias_shape, addmm
+):
+    """A bias of shape (1,) broadcast by F.linear took the closed form for one entry per
+    output: batch_grad [N, C] for a [N, 1] bias, diag_ggn and the clipped sum off (and with
+    the joint norm, the other parameters' clipped sums too), silently."""
+    torch.manual_seed(0)
+    model = _BroadcastBias(bias_shape, addmm)
+    X = torch.randn(5, 2, 3, dtype=torch.float64) if addmm else torch.randn(5, 3).double()
+    y = torch.randn(5, 4, dtype=torch.float64)
+    loss = nn.MSELoss(reduction="sum")
+    model_fn, params = pf.functional(model)
+    found = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    expected = autograd_batch_grad(model, loss, X, y)
+    for name in expected:
+        assert found[name].shape == (5, *params[name].shape)
+        torch.testing.assert_close(found[name], expected[name])
+    clipped = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=1.0)
+    norms = torch.stack([expected[k].reshape(5, -1).square().sum(1) for k in expected])
+    norms = norms.sum(0).sqrt()
+    factors = (1.0 / (norms + 1e-6)).clamp(max=1.0)
+    for name in expected:
+        weighted = expected[name] * factors.view(-1, *[1] * params[name].dim())
+        torch.testing.assert_close(clipped[name], weighted.sum(0))

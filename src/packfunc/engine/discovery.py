@@ -55,6 +55,7 @@ from packfunc.engine.ops import (
     ROLES,
     SIGNATURES,
     SIZED_BY_ARGUMENTS,
+    LayerKind,
     OpSignature,
     SiteCall,
     make_call,
@@ -382,12 +383,21 @@ class _DiscoveryMode(ParameterMode):
         kwargs: dict[str, Any],
         sources: dict[int, Source],
     ) -> bool:
-        """Whether a linear-like op takes parameter leaves as weight or bias, and nowhere else."""
+        """Whether a linear-like op takes parameter leaves as weight or bias, and nowhere else.
+
+        A linear layer's bias must have one entry per output feature: one that torch
+        broadcasts (shape ``(1,)`` or ``()``) is a sum over the outputs, which the closed
+        forms do not take (the call is op-local then).
+        """
         bound = sig.bind(args, kwargs)
         roles = {id(bound.get(role)) for role in ROLES if self.leaf_of(bound.get(role)) is not None}
         flat = CallArguments.of(args, kwargs).values
-        return bool(roles) and all(
-            isinstance(source, int) and id(flat[p]) in roles for p, source in sources.items()
+        return (
+            bool(roles)
+            and all(
+                isinstance(source, int) and id(flat[p]) in roles for p, source in sources.items()
+            )
+            and _bias_per_output(sig, bound)
         )
 
     def _discover_tapped(
@@ -638,6 +648,25 @@ class _OperatorsInSight(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         finally:
             self.calling = calling
+
+
+def _bias_per_output(sig: OpSignature, bound: dict[str, Any]) -> bool:
+    """Whether a linear layer's bias (if any) has exactly one entry per output feature.
+
+    Example:
+        >>> from packfunc.engine.ops import SIGNATURES
+        >>> w = torch.ones(3, 2)
+        >>> [_bias_per_output(SIGNATURES[F.linear], {"weight": w, "bias": b})
+        ...  for b in (None, torch.ones(3), torch.ones(1), torch.ones(()))]
+        [True, True, False, False]
+    """
+    bias, weight = bound.get("bias"), bound.get("weight")
+    if sig.kind is not LayerKind.LINEAR or not isinstance(bias, Tensor):
+        return True
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        return False
+    outputs = weight.shape[-1] if sig.transposed else weight.shape[0]
+    return tuple(bias.shape) == (outputs,)
 
 
 AS_IT_IS = CONVERSIONS | {torch.flatten, Tensor.flatten}
