@@ -26,7 +26,7 @@ from packfunc.engine.autodiff import jvp, vjp
 from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.engine.pch import loss_hessian_product, pch_block_product
-from packfunc.engine.precision import full_precision, to_dtype_of
+from packfunc.engine.precision import full_precision, to_dtype_of, widest
 from packfunc.engine.randomness import random_model_error
 from packfunc.functionalize import check_model_arguments, flatten_params
 from packfunc.losses import (
@@ -265,7 +265,7 @@ def _model(model_fn: ModelFn, X: Any, params: Any, replaced: list[int]) -> Calla
             current = optree.tree_unflatten(treespec, current)
         # the products are of the whole batch, in full precision (see engine/precision.py)
         with full_precision(), functional_mode(batch_statistics=True):
-            return to_dtype_of(model_fn(current, X), leaves[0])  # see engine/precision.py
+            return to_dtype_of(model_fn(current, X), widest(leaves))  # see engine/precision.py
 
     return forward
 

@@ -50,7 +50,7 @@ from packfunc.engine.ops import (
     linear_in_out,
     tapped_leaves,
 )
-from packfunc.engine.precision import forward_autocast, to_dtype_of
+from packfunc.engine.precision import forward_autocast, to_dtype_of, widest
 from packfunc.engine.randomness import GeneratorMark
 from packfunc.losses import check_loss_inputs
 from packfunc.types import ModelFn
@@ -628,7 +628,7 @@ def _in_parameter_dtype(output: Tensor, leaves: list[Tensor]) -> Tensor:
 
     A forward under autocast gives bfloat16; the loss and its curvature are formed in float32.
     """
-    return to_dtype_of(output, leaves[0]) if leaves and isinstance(output, Tensor) else output
+    return to_dtype_of(output, widest(leaves)) if leaves and isinstance(output, Tensor) else output
 
 
 def _record_with_autograd(

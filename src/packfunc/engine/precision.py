@@ -135,6 +135,22 @@ def to_dtype_of(tensor: Tensor, reference: Tensor) -> Tensor:
     return tensor.to(reference.dtype)
 
 
+def widest(leaves: list[Tensor]) -> Tensor:
+    """The leaf of the most precise floating dtype (the first of those): the loss's dtype.
+
+    With parameters of several dtypes, a float64 leaf's quantities would otherwise be
+    taken from a loss formed in float32 (the first leaf's).
+
+    Example:
+        >>> widest([torch.ones(1), torch.ones(1, dtype=torch.float64)]).dtype
+        torch.float64
+    """
+    floating = [leaf for leaf in leaves if leaf.is_floating_point()] or leaves
+    return max(
+        floating, key=lambda leaf: torch.finfo(leaf.dtype).bits if leaf.is_floating_point() else 0
+    )
+
+
 ROUNDING_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
 """Largest difference, relative to the largest entry, between two computations of one value
 that :func:`difference_beyond_rounding` puts down to rounding; half precision: 0.1, and
