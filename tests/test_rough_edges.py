@@ -497,3 +497,44 @@ def test_a_float64_parameter_beside_a_float32_one_keeps_float64_precision():
         ]
     )
     torch.testing.assert_close(found, expected, rtol=1e-12, atol=1e-12)
+
+
+class _ChangedInPlaceOverPositions(nn.Module):
+    """A linear layer over positions whose output is changed in place (VGG-style ReLU, a
+    Hugging Face padding mask written as ``h[~mask] = 0``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.proj, self.head = nn.Linear(4, 4), nn.Linear(20, 2)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)  # F.linear on [N, T, d]: a view of the flat product
+        if self.how == "relu_":
+            h.relu_()
+        elif self.how == "masked_fill_":
+            h.masked_fill_(x[..., :1] > 0.5, 0.0)
+        else:
+            h[x[..., 0] > 0.5] = 0.0
+        return self.head(h.flatten(1))
+
+
+@pytest.mark.parametrize("how", ["relu_", "masked_fill_", "setitem"])
+def test_a_linear_output_over_positions_changed_in_place_keeps_its_gradients(how):
+    """The view's old gradient edge left the graph when it was changed in place: the
+    layer's per-sample gradients (and norms, GGN, clipped sums, the shim's grad_batch)
+    were exactly zero, silently (Wav2Vec2 with an attention mask)."""
+    torch.manual_seed(0)
+    model = _ChangedInPlaceOverPositions(how).double()
+    X, y = torch.randn(3, 5, 4, dtype=torch.float64), torch.tensor([0, 1, 1])
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    model_fn, params = pf.functional(model)
+    found = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    expected = autograd_batch_grad(model, loss, X, y)
+    assert expected["proj.weight"].abs().sum() > 0
+    for name in expected:
+        torch.testing.assert_close(found[name], expected[name])
+    shimmed, lossfunc = extend(copy.deepcopy(model)), extend(copy.deepcopy(loss))
+    with backpack(BatchGrad()):
+        lossfunc(shimmed(X), y).backward()
+    torch.testing.assert_close(shimmed.proj.weight.grad_batch, expected["proj.weight"])

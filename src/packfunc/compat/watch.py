@@ -43,6 +43,7 @@ from packfunc.engine.api import (
     Use,
     UseKind,
     autograd_record,
+    graph_owner,
     is_metadata_query,
     leaves_of,
     linear_in_out,
@@ -347,7 +348,10 @@ def _gradient_edge(tensor: Tensor | None) -> GradientEdge | None:
     """
     if tensor is None or not tensor.requires_grad:
         return None
+    owner = graph_owner(tensor)  # (a view changed in place later moves onto a new node)
+    if owner is None:
+        return None
     try:
-        return get_gradient_edge(tensor)
+        return get_gradient_edge(owner)
     except AssertionError:  # torch's "Expected gradient function to be set"
         return None

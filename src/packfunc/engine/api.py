@@ -8,7 +8,7 @@ of the engine, so what the shim depends on is listed in one place.
 
 from packfunc.engine.attention import ATTENTION_OPS
 from packfunc.engine.batch_pass import BatchPass, check_rerun
-from packfunc.engine.batch_record import BatchRecord, autograd_record, sample_layout
+from packfunc.engine.batch_record import BatchRecord, autograd_record, graph_owner, sample_layout
 from packfunc.engine.discovery import (
     FixedTensors,
     Plan,
@@ -64,6 +64,7 @@ __all__ = [
     "Use",
     "UseKind",
     "autograd_record",
+    "graph_owner",
     "cached_discover",
     "check_rerun",
     "difference_beyond_rounding",

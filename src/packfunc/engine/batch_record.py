@@ -236,9 +236,41 @@ class _RecordMode(ParameterMode):
                 self.failed.add(k)  # forward, or no_grad): the leaves take the whole model
                 self.inputs.pop(k, None)
                 return out
-            self.outputs[k] = get_gradient_edge(out)  # still right if out is changed in place
+            target = graph_owner(out)
+            if target is None:  # a view laid out otherwise: the leaves take the whole model
+                self.failed.add(k)
+                self.inputs.pop(k, None)
+                return out
+            self.outputs[k] = get_gradient_edge(target)  # still right if out is changed in place
             return out
         return out + self.probes[k]
+
+
+def graph_owner(out: Tensor) -> Tensor | None:
+    """The tensor whose gradient edge stands for ``out``'s: ``out``, or the base it views.
+
+    An in-place op on a view (``ReLU(inplace=True)`` after ``F.linear`` on ``[N, T, d]``,
+    whose output views the flat product) moves the view onto a new node, and the view's
+    old edge receives nothing: its gradient read as zero. The base's edge stays in the
+    graph; a view that is its base reshaped takes the base's gradient, reshaped. Another
+    view gives ``None``.
+
+    Example:
+        >>> base = torch.ones(6, 2, requires_grad=True) * 1
+        >>> graph_owner(base.view(3, 2, 2)) is base, graph_owner(base.T) is None
+        (True, True)
+    """
+    base = out._base
+    if base is None:
+        return out
+    if (
+        out.is_contiguous()
+        and base.is_contiguous()
+        and out.numel() == base.numel()
+        and out.storage_offset() == base.storage_offset()
+    ):
+        return base
+    return None
 
 
 _ROW_PER_SAMPLE = (
