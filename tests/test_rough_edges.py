@@ -538,3 +538,30 @@ def test_a_linear_output_over_positions_changed_in_place_keeps_its_gradients(how
     with backpack(BatchGrad()):
         lossfunc(shimmed(X), y).backward()
     torch.testing.assert_close(shimmed.proj.weight.grad_batch, expected["proj.weight"])
+
+
+class _DroppedPosition(nn.Module):
+    """A learned position passed through dropout (DeBERTa's relative embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.position = nn.Parameter(torch.randn(3, dtype=torch.float64))
+        self.drop, self.head = nn.Dropout(0.1), nn.Linear(3, 2).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x * self.drop(self.position))
+
+
+def test_dropout_in_evaluation_mode_is_no_in_place_change():
+    """Dropout in evaluation mode returns its input itself, which read as an in-place change
+    ("changed in place by dropout"): the whole-model path, for a closed form's parameter."""
+    torch.manual_seed(0)
+    model = _DroppedPosition().eval()
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    model_fn, params = pf.functional(model)
+    assert pf.explain(model_fn, params, X)["position"] == "closed form (mul)"
+    found = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    expected = autograd_batch_grad(model, loss, X, y)
+    for name in expected:
+        torch.testing.assert_close(found[name], expected[name])

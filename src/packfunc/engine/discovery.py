@@ -347,8 +347,9 @@ class _DiscoveryMode(ParameterMode):
         if sig is not None and carriers and self._tapped_call(sig, args, kwargs, sources):
             return self._discover_tapped(func, sig, sig.bind(args, kwargs), args, kwargs)
         out = func(*args, **kwargs)
-        # (flatten of a 1-D tensor, contiguous of a contiguous one: their input itself)
-        in_place = func not in AS_IT_IS and any(out is v for v in values)
+        # (flatten of a 1-D tensor, contiguous of a contiguous one, dropout in evaluation
+        # mode: their input itself)
+        in_place = not _as_it_is(func, args, kwargs) and any(out is v for v in values)
         if not carriers and not in_place:
             self._derive(func, arguments, sources, out)
             self.plan.uses.append(Use(func, UseKind.DERIVED))
@@ -671,6 +672,24 @@ def _bias_per_output(sig: OpSignature, bound: dict[str, Any]) -> bool:
 
 AS_IT_IS = CONVERSIONS | {torch.flatten, Tensor.flatten}
 """Calls that may return their input itself without writing it (no in-place change)."""
+
+_DROPOUTS = frozenset({F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout})
+"""Dropouts: ``(input, p, training, inplace)``; in evaluation mode they return the input."""
+
+
+def _as_it_is(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call that returns its input itself has written nothing (see :data:`AS_IT_IS`).
+
+    Example:
+        >>> _as_it_is(F.dropout, (torch.ones(2),), {"training": False})
+        True
+    """
+    if func in AS_IT_IS:
+        return True
+    if func in _DROPOUTS:
+        training = args[2] if len(args) > 2 else kwargs.get("training", True)
+        return not training
+    return False
 
 
 def changed_in_place(
