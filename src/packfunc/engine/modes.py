@@ -214,7 +214,8 @@ class FunctionalMode(TorchFunctionMode):
             # it reads as counted (momentum=None divides by it: 1 / 0 for a fresh BatchNorm)
             counter = args[0]
             _, skipped = self._uncounted.get(id(counter), (counter, 0))
-            self._uncounted[id(counter)] = (counter, skipped + int(args[1]))
+            step = args[1] if len(args) > 1 else kwargs.get("other", 1)
+            self._uncounted[id(counter)] = (counter, skipped + int(step))
             return counter
         if func in COUNTER_READS and id(args[0]) in self._uncounted:
             counter, skipped = self._uncounted[id(args[0])]
