@@ -24,7 +24,14 @@ from packfunc.compat.elements import select_element
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
 from packfunc.compat.layout import SampleLayout
 from packfunc.compat.records import ForwardRecord, LossCall, LossRoute
-from packfunc.engine.api import BatchPass, BatchRecord, Plan, cached_discover, check_rerun
+from packfunc.engine.api import (
+    BatchPass,
+    BatchRecord,
+    Plan,
+    RowsNotAloneError,
+    cached_discover,
+    check_rerun,
+)
 from packfunc.evaluation import evaluate
 from packfunc.functionalize import flatten_params, module_of, weakly_bound, wraps_module_of
 from packfunc.kronecker_factors import factors_from_pass
@@ -145,9 +152,9 @@ def _batch_pass(
     """
     try:
         return BatchPass(fn, params, X, y, loss, reuse=watched)
-    except ValueError as error:
+    except RowsNotAloneError as error:
         change = record.state.change(record.model)
-        if change is None or "alone" not in str(error):
+        if change is None:
             raise
         raise ValueError(
             f"{change} since the forward pass of the extended {type(record.model).__name__}: "

@@ -25,6 +25,7 @@ from packfunc.engine import whole_model
 from packfunc.engine.batch_record import BatchRecord, PlanMismatch, SiteConsumer, record
 from packfunc.engine.discovery import (
     Plan,
+    RowsNotAloneError,
     cached_discover,
     check_rows_alone,
     forget_plan,
@@ -267,7 +268,7 @@ class BatchPass:
             self._undo()
             if reuse is None:
                 raise
-            raise ValueError(f"{error} {_REUSED_ROWS}") from None
+            raise RowsNotAloneError(f"{error} {_REUSED_ROWS}") from None
         if not checked:
             forget_plan(model_fn)  # (unchecked under vmap: discovered again until checked)
         failed = {leaf for k in self.record.failed for _, leaf in self.plan.sites[k].call.leaves}

@@ -59,6 +59,7 @@ from packfunc.engine.ops import (
     OpSignature,
     SiteCall,
     make_call,
+    refuse_frequency_scaling,
 )
 from packfunc.engine.precision import difference_beyond_rounding, forward_autocast
 from packfunc.engine.randomness import DEFAULT_GENERATOR_DRAW, private_generators, random_call
@@ -252,12 +253,9 @@ class _DiscoveryMode(ParameterMode):
                 "optimizer's step, as weight clipping does) or use it out of place "
                 "(w.clamp(...) instead of w.clamp_(...))."
             )
-        if func is F.embedding_bag and bag_option(args, kwargs or {}, "scale_grad_by_freq"):
-            raise ValueError(
-                "EmbeddingBag(scale_grad_by_freq=True) scales gradients by word counts over the "
-                "whole batch, which couples samples; per-sample gradients are not defined. Set "
-                "it to False."
-            )
+        if func is F.embedding_bag:
+            frequencies = bag_option(args, kwargs or {}, "scale_grad_by_freq")
+            refuse_frequency_scaling("EmbeddingBag", frequencies)
         if maybe_current_level() != self.level and self._touches_parameters(args, kwargs or {}):
             raise ValueError(
                 f"the model uses a parameter inside a torch.func transform of its own forward "
@@ -810,6 +808,10 @@ def _equal_trees(a: Any, b: Any) -> bool:
     )
 
 
+class RowsNotAloneError(ValueError):
+    """A batch row is not that sample's output alone (see :func:`check_rows_alone`)."""
+
+
 def check_rows_alone(
     plan: Plan, batch_output: Tensor, last_alone: Callable[[], Tensor] | None = None
 ) -> bool:
@@ -872,7 +874,7 @@ def check_rows_alone(
     if what is None:
         plan.first_output = None
         return True
-    raise ValueError(
+    raise RowsNotAloneError(
         f"the model's output for the {which} sample alone {what}: its row of the batch must "
         "depend on that sample alone. Either an input is not batched along dim 0 (an input "
         "shared by the batch whose length equals the batch size, e.g. positions [T] with "

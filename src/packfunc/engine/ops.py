@@ -514,9 +514,25 @@ def _refuse_coupled_embedding(bound: dict[str, Any]) -> None:
             "Embedding(max_norm=...) renormalizes the weight in place during the forward pass, "
             "which a pure function cannot do; drop max_norm or renormalize the weight yourself."
         )
-    if bound["scale_grad_by_freq"]:
+    refuse_frequency_scaling("Embedding", bound["scale_grad_by_freq"])
+
+
+def refuse_frequency_scaling(layer: str, scale_grad_by_freq: bool) -> None:
+    """Refuse ``scale_grad_by_freq=True`` of an embedding layer: it couples samples.
+
+    Args:
+        layer: ``"Embedding"`` or ``"EmbeddingBag"``, for the message.
+        scale_grad_by_freq: The call's option.
+
+    Raises:
+        ValueError: where it is set.
+
+    Example:
+        >>> refuse_frequency_scaling("EmbeddingBag", False)
+    """
+    if scale_grad_by_freq:
         raise ValueError(
-            "Embedding(scale_grad_by_freq=True) scales gradients by word counts over the whole "
+            f"{layer}(scale_grad_by_freq=True) scales gradients by word counts over the whole "
             "batch, which couples samples; per-sample gradients are not defined. Set it to False."
         )
 
