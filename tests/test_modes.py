@@ -82,6 +82,24 @@ def test_compiled_functions_and_submodules_are_refused_with_the_fix():
         pf.functional(model)
 
 
+@pytest.mark.parametrize("compiled", ["model", "submodule"])
+@pytest.mark.parametrize("call", ["batch_grad", "compute", "kfac", "diag_hessian", "explain"])
+def test_a_module_compiled_in_place_runs_its_own_code_and_stays_compiled(compiled, call):
+    """``model.compile()`` has no wrapper to unwrap: its compiled code bypassed packfunc's
+    modes and failed as a plan mismatch (found by a probe)."""
+    model, X, y = _problem()
+    model_fn, params = pf.functional(model)
+    expected = CALLS[call](model_fn, params, X, y)
+    (model if compiled == "model" else model[0]).compile(backend="eager")
+    compiled_fn, compiled_params = pf.functional(model)
+    found = CALLS[call](compiled_fn, compiled_params, X, y)
+    if call == "explain":
+        assert found == expected
+    else:
+        assert_trees_close(found, expected, call)
+    assert (model if compiled == "model" else model[0])._compiled_call_impl is not None
+
+
 @pytest.mark.parametrize("call", ["batch_grad", "diag_ggn", "kfac", "explain"])
 def test_a_refusal_leaves_the_buffers_alone(call):
     torch.manual_seed(0)

@@ -565,3 +565,28 @@ def test_dropout_in_evaluation_mode_is_no_in_place_change():
     expected = autograd_batch_grad(model, loss, X, y)
     for name in expected:
         torch.testing.assert_close(found[name], expected[name])
+
+
+@pytest.mark.parametrize(
+    "bad_call",
+    [
+        lambda fn, p, X, y: pf.batch_grad(fn, p, X, y.double()),  # fails in the loss
+        lambda fn, p, X, y: pf.batch_grad(fn, p, X, torch.tensor([0, 1, 2, 3])),  # out of range
+    ],
+)
+def test_a_failed_call_does_not_leave_its_batch_to_check_the_next_one(bad_call):
+    """A call that fails after discovery kept a plan holding its first sample's output.
+
+    The next call on another batch compared its own first row with it and was refused
+    as mixing samples (found by a probe).
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    fn, p = pf.functional(model)
+    X1, X2 = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    y = torch.randint(0, 3, (4,))
+    with pytest.raises((ValueError, IndexError)):
+        bad_call(fn, p, X1, y)
+    found = pf.batch_grad(fn, p, X2, y)
+    expected = torch.func.grad(lambda q: nn.functional.cross_entropy(fn(q, X2), y))(p)
+    assert all(torch.allclose(found[k].sum(0), expected[k]) for k in p)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -121,13 +122,47 @@ def _call_module(module: nn.Module, params: dict[str, Tensor], X: Any) -> Tensor
         args, kwargs = X, {}
     else:
         args, kwargs = ((), X) if isinstance(X, dict) else ((X,), {})
-    if not restoring_attributes():
-        return cast(Tensor, call_with_tensors(module, params, args, kwargs))
-    put_back = attribute_restorer(module)
+    put_back = attribute_restorer(module) if restoring_attributes() else None
     try:
-        return cast(Tensor, call_with_tensors(module, params, args, kwargs))
+        with eagerly_if_compiled_in_place(module):
+            return cast(Tensor, call_with_tensors(module, params, args, kwargs))
     finally:
-        put_back()
+        if put_back is not None:
+            put_back()
+
+
+def eagerly_if_compiled_in_place(module: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """Run ``module`` eagerly where it or a submodule was compiled by ``Module.compile()``.
+
+    ``model.compile()`` compiles in place (there is no wrapper to unwrap, as for
+    ``torch.compile(model)``); compiled code would bypass packfunc's modes. Its
+    ``force_eager`` stance runs the module's own code, leaving the module as it is.
+
+    Args:
+        module: The model.
+
+    Returns:
+        A context manager.
+
+    Raises:
+        ValueError: on PyTorch before 2.6 (no stance), naming the fix.
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> layer.compile()
+        >>> with eagerly_if_compiled_in_place(layer):
+        ...     layer(torch.zeros(1, 2)).shape
+        torch.Size([1, 2])
+    """
+    if all(getattr(sub, "_compiled_call_impl", None) is None for sub in module.modules()):
+        return contextlib.nullcontext()
+    if not hasattr(torch.compiler, "set_stance"):
+        raise ValueError(
+            "the model (or a submodule) was compiled in place with .compile(); packfunc runs "
+            "models eagerly, which this PyTorch cannot do for it (torch.compiler.set_stance "
+            "needs PyTorch 2.6). Pass torch.compile(model) instead: packfunc unwraps it."
+        )
+    return cast(contextlib.AbstractContextManager[Any], torch.compiler.set_stance("force_eager"))
 
 
 def is_compiled(value: Any) -> bool:

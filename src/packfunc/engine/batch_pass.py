@@ -248,27 +248,23 @@ class BatchPass:
         # (in the shim, the user's forward ran: packfunc's own pass puts back what it sets)
         self._put_back = attribute_restorer(module_of(model_fn) if reuse is None else None)
         try:
-            self.record = self._batch_pass(reuse)
-        except PlanMismatch:
-            if not self._cached:
-                raise
-            forget_plan(model_fn)  # the code took another path: discover it again
-            mark.rewind()  # and run it on the random numbers the stopped pass began with
-            self._put_back()  # and on the attributes it began with
-            self.plan, self._cached = cached_discover(model_fn, params, self.leaves, X)
-            self.record = self._batch_pass(reuse)
-        if mark.moved():
-            self.plan.note_random(DEFAULT_GENERATOR_DRAW)
-        # what the user's forward sets stays, but not tensors of packfunc's own types
-        self._put_back(is_packfunc_tensor)
-        last = partial(last_sample_output, model_fn, params, X, self.n)
-        try:
+            self.record = self._recorded(reuse, mark)
+            if mark.moved():
+                self.plan.note_random(DEFAULT_GENERATOR_DRAW)
+            # what the user's forward sets stays, but not tensors of packfunc's own types
+            self._put_back(is_packfunc_tensor)
+            last = partial(last_sample_output, model_fn, params, X, self.n)
             checked = check_rows_alone(self.plan, self.record.output, last)  # a fresh plan's rows
-        except ValueError as error:
+        except RowsNotAloneError as error:  # (the plan is kept: it refuses every later pass)
             self._undo()
             if reuse is None:
                 raise
             raise RowsNotAloneError(f"{error} {_REUSED_ROWS}") from None
+        except BaseException:
+            self._undo()
+            if self.plan.first_output is not None:  # unchecked: the next call discovers again
+                forget_plan(model_fn)
+            raise
         if not checked:
             forget_plan(model_fn)  # (unchecked under vmap: discovered again until checked)
         failed = {leaf for k in self.record.failed for _, leaf in self.plan.sites[k].call.leaves}
@@ -276,6 +272,21 @@ class BatchPass:
         self._convolutional = any(
             site.call.op is not None and site.call.op.is_convolution for site in self.plan.sites
         )
+
+    def _recorded(self, reuse: ReusedRecord | None, mark: GeneratorMark) -> BatchRecord:
+        """The batch pass's record; a cached plan the code does not follow is discovered again."""
+        try:
+            return self._batch_pass(reuse)
+        except PlanMismatch:
+            if not self._cached:
+                raise
+            forget_plan(self.model_fn)  # the code took another path: discover it again
+            mark.rewind()  # and run it on the random numbers the stopped pass began with
+            self._put_back()  # and on the attributes it began with
+            self.plan, self._cached = cached_discover(
+                self.model_fn, self.params, self.leaves, self.X
+            )
+            return self._batch_pass(reuse)
 
     def _batch_pass(self, reuse: ReusedRecord | None) -> BatchRecord:
         """The reused record if its forward pass fits the plan, else that of packfunc's own pass."""

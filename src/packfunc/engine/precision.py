@@ -117,7 +117,10 @@ def full_precision() -> Iterator[None]:
 
 
 def to_dtype_of(tensor: Tensor, reference: Tensor) -> Tensor:
-    """``tensor`` in ``reference``'s floating dtype where it has a lower-precision one.
+    """A floating ``tensor`` in ``reference``'s dtype where the two differ (any direction).
+
+    Under autocast that is an upcast (a bfloat16 recording to a float32 parameter); a
+    parameter of lower precision than the loss gets its own dtype back.
 
     Args:
         tensor: A recorded input or cotangent (bfloat16/float16 under autocast).
