@@ -268,6 +268,93 @@ def test_a_forward_that_depends_on_state_it_updates_is_refused_not_rerun():
     assert model.calls == 2
 
 
+@pytest.mark.parametrize("extension", [DiagGGNExact, KFLR, KFRA])
+def test_a_second_order_pass_for_an_earlier_forward_is_checked_against_its_rows(extension):
+    """Second-order passes compute the loss input, whose rows were not kept when a later
+    forward released the output: nothing was compared, and a forward depending on state it
+    updates gave another function's curvature (a probe: DiagGGNExact off by 0.58)."""
+    model = extend(Counting(scaled=True).double())
+    lossfunc = extend(nn.CrossEntropyLoss())
+    with backpack(extension()), pytest.raises(ValueError, match="computed another output"):
+        first = lossfunc(model(X3), Y3)
+        model(X3)
+        first.backward()
+
+
+class Tempered(nn.Module):
+    """``l2(tanh(l1(x) / temperature))``, the temperature a plain attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.temperature = nn.Linear(3, 4), nn.Linear(4, 2), 1.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l2(torch.tanh(self.l1(x) / self.temperature))
+
+
+def test_kfra_after_a_change_the_model_state_does_not_cover_is_refused():
+    """KFRA runs the model again; a Python attribute changed between the forward and the
+    backward gave another function's factors (a probe: off by 0.098 of 0.113)."""
+    torch.manual_seed(0)
+    model = extend(Tempered().double())
+    lossfunc = extend(nn.CrossEntropyLoss())
+    with backpack(KFRA()), pytest.raises(ValueError, match="computed another output"):
+        loss = lossfunc(model(X3), Y3)
+        model.temperature = 3.0
+        loss.backward()
+
+
+@pytest.mark.parametrize("order", ["hook before extend", "hook after extend", "the forward"])
+def test_an_output_the_user_keeps_under_the_stored_name_is_never_deleted(order):
+    """``mod.output = out`` (a hook keeping activations) holds the very tensor the shim
+    stores; the shim's cleanup took it for its own and deleted it (found by a probe)."""
+
+    class Keeping(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(3, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            out = torch.tanh(self.linear(x))
+            if order == "the forward":
+                self.output = out
+            return out
+
+    model = nn.Sequential(Keeping(), nn.Linear(2, 2)).double()
+
+    def keep(module: nn.Module, inputs: tuple, out: Tensor) -> None:
+        module.output = out
+
+    if order == "hook before extend":
+        model[0].register_forward_hook(keep)
+    extend(model)
+    if order == "hook after extend":
+        model[0].register_forward_hook(keep)
+    with backpack(BatchGrad()):
+        extend(nn.CrossEntropyLoss())(model(X3), Y3).backward()
+    assert isinstance(model[0].output, Tensor)
+    assert not hasattr(model[1], "output")  # the shim's own, deleted as in BackPACK
+
+
+@pytest.mark.parametrize("extension", [BatchGrad, DiagGGNExact])
+def test_a_hook_registered_after_extend_that_replaces_the_output_is_followed(extension):
+    """The shim recorded the output before such a hook ran: BatchGrad was refused as mixing
+    samples and DiagGGNExact found no loss (a probe); BackPACK computes it."""
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double())
+    model.register_forward_hook(lambda module, inputs, out: 2 * out)
+    with backpack(extension()):
+        extend(nn.CrossEntropyLoss())(model(X3), Y3).backward()
+    doubled, params = pf.functional(model)  # (its forward runs the hook)
+    assert torch.allclose(doubled(params, X3), 2 * model[:](X3))
+    if extension is BatchGrad:
+        expected = pf.batch_grad(doubled, params, X3, Y3)
+        assert_trees_close({k: p.grad_batch for k, p in model.named_parameters()}, expected)
+    else:
+        expected = pf.diag_ggn(doubled, params, X3, Y3)
+        assert_trees_close({k: p.diag_ggn_exact for k, p in model.named_parameters()}, expected)
+
+
 def test_an_input_changed_in_place_after_the_forward_is_refused_on_a_rerun():
     model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double())
     lossfunc = extend(nn.CrossEntropyLoss())

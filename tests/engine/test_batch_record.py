@@ -438,3 +438,56 @@ def test_flat_rows_out_of_a_linear_layer_stored_in_out_carry_samples():
     X, y = torch.randn(3, 2, 4, dtype=torch.float64), torch.tensor([0, 3, 1])
     assert_batch_grad_is_a_loop(scaled_rows, params, X, y)
     assert pf.explain(scaled_rows, params, X)["scale"].startswith("whole model")
+
+
+def _dilated(options: dict[str, int]):
+    """A conv whose padding and dilation come from ``options`` (the output keeps its shape)."""
+
+    def model_fn(p, x):
+        h = F.conv2d(x, p["w"], padding=options["dilation"], dilation=options["dilation"])
+        return torch.tanh(h).flatten(1) @ p["v"]
+
+    return model_fn
+
+
+@pytest.mark.parametrize("quantity", ["batch_grad", "diag_ggn", "kflr"])
+def test_a_cached_plan_is_not_used_with_other_layer_options(quantity):
+    """Another dilation with the same output shape took the cached plan's (a probe found
+    per-sample gradients off by 150 %); the options are part of what a plan must match."""
+    torch.manual_seed(0)
+    X, y = torch.randn(3, 2, 5, 5, dtype=torch.float64), torch.randint(0, 3, (3,))
+    params = {"w": torch.randn(3, 2, 3, 3, dtype=torch.float64), "v": torch.randn(75, 3).double()}
+    options = {"dilation": 1}
+    model_fn = _dilated(options)
+    call = getattr(pf, quantity)
+    call(model_fn, params, X, y)
+    options["dilation"] = 2
+    found = call(model_fn, params, X, y)
+    expected = call(_dilated({"dilation": 2}), params, X, y)  # a fresh plan
+    assert torch.allclose(
+        found["w"] if quantity != "kflr" else found["w"][1],
+        expected["w"] if quantity != "kflr" else expected["w"][1],
+    )
+    if quantity == "batch_grad":
+        assert_batch_grad_is_a_loop(model_fn, params, X, y)
+
+
+def test_the_shim_follows_a_layer_whose_options_changed_between_backward_passes():
+    from packfunc.compat import backpack, extend
+    from packfunc.compat.extensions import BatchGrad
+
+    torch.manual_seed(0)
+    model = extend(
+        nn.Sequential(
+            nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(75, 3)
+        ).double()
+    )
+    lossfunc = extend(nn.CrossEntropyLoss(reduction="sum"))
+    X, y = torch.randn(3, 2, 5, 5, dtype=torch.float64), torch.randint(0, 3, (3,))
+    for dilation in (1, 2):
+        model[0].dilation, model[0].padding = (dilation, dilation), (dilation, dilation)
+        model.zero_grad()
+        with backpack(BatchGrad()):
+            lossfunc(model(X), y).backward()
+        weight = model[0].weight
+        assert torch.allclose(weight.grad_batch.sum(0), weight.grad)

@@ -20,6 +20,9 @@ from torch import nn
 
 _STORED = "_packfunc_stored_io"
 """Key of the record in the module's ``__dict__``: stored name -> value."""
+_SET = "_packfunc_stored_names"
+"""Key of the names among the stored ones that the shim set as attributes (the others are
+the user's: a hook or the forward that keeps ``self.output``, even holding the same value)."""
 _RESULTS = "_packfunc_results"
 """Key of the record in a parameter's ``__dict__``: result name -> identity of the value
 the shim set (not the value: ``del param.grad_batch`` frees it)."""
@@ -45,9 +48,11 @@ def store_io(module: nn.Module, inputs: tuple, output: Any) -> None:
     memory_cleanup(module)
     stored = {f"input{i}": value for i, value in enumerate(inputs)} | {"output": output}
     module.__dict__[_STORED] = stored
-    for name, value in stored.items():
-        if not hasattr(module, name):  # a parameter, buffer, child or attribute: the user's
-            module.__dict__[name] = value
+    # a parameter, buffer, child or attribute of that name is the user's
+    own = [name for name in stored if not hasattr(module, name)]
+    module.__dict__[_SET] = own
+    for name in own:
+        module.__dict__[name] = stored[name]
 
 
 def stored_io(module: nn.Module) -> dict[str, Any]:
@@ -96,8 +101,8 @@ def memory_cleanup(module: nn.Module) -> None:
         (False, False)
     """
     stored = module.__dict__.pop(_STORED, {})
-    for name, value in stored.items():
-        if module.__dict__.get(name) is value:  # still the shim's value, not the user's
+    for name in module.__dict__.pop(_SET, ()):
+        if module.__dict__.get(name) is stored[name]:  # still the shim's value
             del module.__dict__[name]
 
 

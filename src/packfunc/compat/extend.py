@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections import OrderedDict
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -97,7 +98,8 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
             continue
         setattr(sub, "_packfunc_extended", True)  # noqa: B010 (not a declared attribute)
         sub.register_forward_pre_hook(_enter, with_kwargs=True)
-        sub.register_forward_hook(_exit, with_kwargs=True, always_call=True)
+        handle = sub.register_forward_hook(_exit, with_kwargs=True, always_call=True)
+        sub.__dict__[_EXIT_HOOK] = handle.id
         if debug:
             print(f"[packfunc.compat] extended {type(sub).__name__}")
     return module
@@ -110,7 +112,32 @@ def _recording() -> bool:
     return context.recording() and torch.is_grad_enabled() and not own_pass
 
 
+_EXIT_HOOK = "_packfunc_exit_hook"
+"""Key in an extended module's ``__dict__``: the id of the shim's forward hook there."""
+
+
+def _last_of_the_forward_hooks(module: nn.Module) -> None:
+    """Move the shim's forward hook behind the user's, also those registered after ``extend``.
+
+    The output the shim records is then the one the model's caller gets (a hook may
+    replace it: ``2 * out``), and the attributes the user's hooks set (``mod.output =
+    out``) are theirs when the shim stores its own (it never overwrites them).
+
+    Example:
+        >>> layer = extend(torch.nn.Linear(2, 2))
+        >>> handle = layer.register_forward_hook(lambda m, i, o: o)
+        >>> _last_of_the_forward_hooks(layer)
+        >>> list(layer._forward_hooks)[-1] == layer.__dict__[_EXIT_HOOK]
+        True
+    """
+    hooks = cast(OrderedDict[int, Any], module._forward_hooks)  # (an OrderedDict in torch)
+    own: int = module.__dict__.get(_EXIT_HOOK, -1)
+    if own in hooks and next(reversed(hooks)) != own:
+        hooks.move_to_end(own)
+
+
 def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    _last_of_the_forward_hooks(module)
     _depth[0] += 1
     if _depth[0] == 1:  # the outermost extended module: watch the whole pass
         recorder = None

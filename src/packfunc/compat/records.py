@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,6 +171,8 @@ class ForwardRecord:
         serial: Numbers the forward passes: the model's latest one has the highest.
         kept_rows: The output's first and last rows, kept where the output is let go (a
             later forward of the model): what packfunc's own pass must compute again.
+        kept_loss_rows: Those of each loss input (by ``id`` of its :class:`LossCall`): a
+            second-order pass computes the loss input.
     """
 
     model: nn.Module
@@ -188,6 +189,7 @@ class ForwardRecord:
     consumers: list[tuple[weakref.ref, SampleLayout]] = field(default_factory=list)
     serial: int = field(default_factory=lambda: next(_serials))
     kept_rows: tuple[Tensor, Tensor] | None = None
+    kept_loss_rows: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
     input_versions: list[tuple[Tensor, int]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -221,13 +223,17 @@ class ForwardRecord:
             )
 
     def let_output_go(self) -> None:
-        """Drop the output (and its graph), keeping its first and last rows to check against."""
+        """Drop the output (and its graph), keeping the rows to check against.
+
+        Its first and last rows, and those of each loss input made of it.
+        """
         if self.output is not None:
             rows = self.output.detach()
-            self.kept_rows = (rows[:1].clone(), rows[-1:].clone())
+            self.kept_rows = _ends(rows)
+            self.kept_loss_rows = {id(loss): _ends(loss.output(rows)) for loss in self.losses}
         self.output = None
 
-    def check_same_output(self, output: Tensor, layout: Callable[[Tensor], Tensor] | None) -> None:
+    def check_same_output(self, output: Tensor, loss: LossCall | None) -> None:
         """Refuse packfunc's own pass if its output is not this forward pass's, to rounding.
 
         Its first and last rows are compared (the output of a model whose forward updates
@@ -235,18 +241,19 @@ class ForwardRecord:
 
         Args:
             output: The own pass's output.
-            layout: Maps this forward's output to the own pass's form (the loss input's
-                rearrangement), or ``None``: the same form.
+            loss: The loss whose input the own pass computes (a rearrangement of this
+                forward's output), or ``None``: the output itself.
 
         Raises:
             ValueError: naming the difference and the likely cause.
         """
         if self.output is not None:
-            users = layout(self.output) if layout is not None else self.output
-            rows = (users[:1], users[-1:])
-        elif self.kept_rows is not None and layout is None:
+            rows = _ends(loss.output(self.output) if loss is not None else self.output)
+        elif loss is None and self.kept_rows is not None:
             rows = self.kept_rows
-        else:  # (the kept rows of a rearranged output are not those of its form)
+        elif loss is not None and id(loss) in self.kept_loss_rows:
+            rows = self.kept_loss_rows[id(loss)]
+        else:  # (a loss applied after the output was let go: nothing was kept for it)
             return
         for own, theirs in zip((output[:1], output[-1:]), rows):
             difference = difference_beyond_rounding(own, theirs)
@@ -289,3 +296,13 @@ class LossRoute:
     stages: tuple[tuple[ForwardRecord, SampleLayout], ...] = ()
     loss: LossCall | None = None
     error: str | None = None
+
+
+def _ends(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """The first and last rows of ``rows``, copied (the tensor itself may go).
+
+    Example:
+        >>> [r.tolist() for r in _ends(torch.arange(3.0)[:, None])]
+        [[[0.0]], [[2.0]]]
+    """
+    return rows[:1].detach().clone(), rows[-1:].detach().clone()

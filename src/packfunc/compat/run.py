@@ -111,7 +111,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         if _uses_forward(job) and job.second_order not in passes:
             bp = passes[job.second_order] = _batch_pass(record, fn, params, X, y, loss, watched)
             if bp.reran:
-                _check_own_pass(record, route if job.second_order else None, bp)
+                _check_own_output(record, route if job.second_order else None, bp.record.output)
         with torch.set_grad_enabled(differentiable):
             if _computes_statistic(job):
                 results[ext.savefield] = evaluate(
@@ -120,7 +120,8 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
             elif _uses_forward(job):
                 results[ext.savefield] = _factors(job, passes[job.second_order])
             else:
-                results[ext.savefield] = _compute(job, record, fn, params, X, y, loss)
+                own_output = partial(_check_own_output, record, route if job.second_order else None)
+                results[ext.savefield] = _compute(job, record, fn, params, X, y, loss, own_output)
         results[ext.savefield].update(_module_extensions(ext, job, record, route, gradient))
     for ext in ctx.extensions:
         for name in names:
@@ -356,7 +357,7 @@ def _watched(
     return found
 
 
-def _check_own_pass(record: ForwardRecord, route: LossRoute | None, bp: BatchPass) -> None:
+def _check_own_output(record: ForwardRecord, route: LossRoute | None, output: Tensor) -> None:
     """Refuse packfunc's own pass where its output is not that of the user's forward.
 
     ``route``: the loss a second-order pass ends at (its output is the loss input in
@@ -364,9 +365,9 @@ def _check_own_pass(record: ForwardRecord, route: LossRoute | None, bp: BatchPas
     extended modules is not compared.
     """
     if route is None:
-        record.check_same_output(bp.record.output, None)
+        record.check_same_output(output, None)
     elif not route.stages and route.loss is not None:
-        record.check_same_output(bp.record.output, route.loss.output)
+        record.check_same_output(output, route.loss)
 
 
 def _not_reusable(record: ForwardRecord, *_: Any) -> BatchRecord | None:
@@ -396,16 +397,21 @@ def _compute(
     X: Any,
     y: Any,
     loss: nn.Module,
+    check_own_output: Callable[[Tensor], None],
 ) -> dict[str, Any]:
     """Run a job that runs the model again (KFRA, block products), by parameter name.
 
     Refused for a model that changed since its forward pass, draws random numbers, or
-    changes a buffer or its input in its forward.
+    changes a buffer or its input in its forward, or whose output run again is not the
+    forward pass's (``check_own_output``: a change the recorded state does not cover,
+    a Python attribute or a parameter-free child).
     """
     rerun = f"{job.name} (which packfunc computes with a pass of its own)"
     record.check_unchanged(rerun)
     leaves = flatten_params(params)[0]
     check_rerun(cached_discover(model_fn, params, leaves, X)[0], rerun)
+    with torch.no_grad():
+        check_own_output(model_fn(params, X))
     options = dict(job.options)
     public_function = getattr(pf, job.name)  # every spec names its public function
     if job.quantity.family is Family.FACTORS:

@@ -281,7 +281,10 @@ def _match(
 
 
 class _OtherLeaves(Exception):
-    """A watched layer call took other parameters than the plan's call there: another path."""
+    """A watched layer call took other parameters or options than the plan's call there.
+
+    The forward took another path than the plan's (or a convolution's padding changed).
+    """
 
 
 def _recorded(
@@ -296,8 +299,8 @@ def _recorded(
     """What the batch pass keeps of a tapped or local call (``None``: its layout is off).
 
     Raises:
-        _OtherLeaves: if a layer call took other parameters than the plan's call (the
-            forward took another path than the plan's: the plan does not fit).
+        _OtherLeaves: if a layer call took other parameters or options than the plan's
+            call (the forward took another path than the plan's: the plan does not fit).
     """
     args, kwargs = call.arguments.rebuild(list(call.arguments.values))
     if use.kind is UseKind.TAPPED:
@@ -309,7 +312,8 @@ def _recorded(
         x = bound["input"]
         k = use.site
         assert k is not None
-        if site_call.leaves != plan.sites[k].call.leaves:
+        planned = plan.sites[k].call
+        if site_call.leaves != planned.leaves or not planned.has_options_of(bound):
             raise _OtherLeaves
         return x if x.shape[:1] == (n,) else None
     assert use.site is not None

@@ -179,7 +179,8 @@ class _RecordMode(ParameterMode):
     ) -> Tensor:
         k = use.site
         assert k is not None
-        if self.plan.sites[k].call.leaves != leaves:
+        call = self.plan.sites[k].call
+        if call.leaves != leaves or not call.has_options_of(bound):
             raise PlanMismatch()
         shape = self.shapes.get(k)
         if shape is None:

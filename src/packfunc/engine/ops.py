@@ -651,6 +651,43 @@ class SiteCall:
         """
         return dict(self.options)[name]
 
+    def has_options_of(self, bound: dict[str, Any]) -> bool:
+        """Whether a call's bound arguments have this call's options (tensors aside).
+
+        A cached plan's closed forms read the options (a convolution's padding and
+        dilation): a later call with other options and the same output shape must not
+        take them. Tensor options (a BatchNorm's running statistics) are the model's
+        buffers, swapped from call to call; they are not compared.
+
+        Args:
+            bound: The later call's bound arguments (see :meth:`OpSignature.bind`).
+
+        Returns:
+            Whether every non-tensor option is equal.
+
+        Example:
+            >>> call = SiteCall(SIGNATURES[torch.conv1d], (), (("stride", 2),))
+            >>> call.has_options_of({"stride": 2}), call.has_options_of({"stride": 1})
+            (True, False)
+        """
+        return all(
+            isinstance(value, Tensor) or _same_option(bound.get(name), value)
+            for name, value in self.options
+        )
+
+
+def _same_option(a: Any, b: Any) -> bool:
+    """``a == b`` for option values (ints, tuples, strings, floats), ``False`` if undecidable.
+
+    Example:
+        >>> _same_option((1, 1), (1, 1)), _same_option(1, (1,)), _same_option("same", 1)
+        (True, False, False)
+    """
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except (TypeError, RuntimeError, ValueError):
+        return False
+
 
 def make_call(
     sig: OpSignature, bound: dict[str, Any], leaf_of: Callable[[Any], int | None]
