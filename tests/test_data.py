@@ -27,6 +27,7 @@ from tests.cases import (
     Problem,
     assert_trees_close,
     autograd_batch_grad,
+    dense_curvature,
     make_dataset,
     make_problem,
     moments,
@@ -373,3 +374,84 @@ def test_one_batch_alive_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         gc.enable()
     assert most[0] == 1
+
+
+def test_given_output_gradient_is_refused_over_data() -> None:
+    """``GivenOutputGradient`` holds one batch's G: over data= every batch reused it, silently
+    (a batch's per-sample gradients were the first batch's G times its inputs)."""
+    torch.manual_seed(0)
+    model_fn, params = pf.functional(nn.Linear(3, 2).double())
+    X, G = torch.randn(4, 3).double(), torch.randn(4, 2).double()
+    data, given = [(X[:2], G[:2]), (X[2:], G[2:])], pf.losses.GivenOutputGradient(G[:2])
+    calls = (
+        lambda: list(pf.per_batch(pf.batch_grad, model_fn, params, data=data, loss=given)),
+        lambda: pf.sum_grad_squared(model_fn, params, data=data, loss=given),
+        lambda: pf.compute(model_fn, params, data=data, loss=given, quantities=("grad",)),
+    )
+    for call in calls:
+        with pytest.raises(ValueError, match=r"per batch, with each batch's X, y and G"):
+            call()
+    # per batch with X, y it gives the per-sample gradients Gₙ xₙᵀ (the autograd oracle)
+    found = [
+        pf.batch_grad(model_fn, params, X_b, G_b, loss=pf.losses.GivenOutputGradient(G_b))
+        for X_b, G_b in data
+    ]
+    torch.testing.assert_close(
+        concatenated(found)["weight"], G.unsqueeze(2) * X.unsqueeze(1), rtol=1e-12, atol=1e-12
+    )
+
+
+def test_every_target_ignored_over_data_is_zero() -> None:
+    """Every target ``ignore_index`` over a dataset (``Z = 0``): ``1 / Z`` raised
+    ZeroDivisionError; autograd's gradient and GGN are 0 (the loss is PyTorch's NaN)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4)).double()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(6, 3).double(), torch.full((6,), -100)
+    loss, data = nn.CrossEntropyLoss(), [(X[:4], y[:4]), (X[4:], y[4:])]
+    value = loss(model(X), y)
+    grads = torch.autograd.grad(value, list(model.parameters()))
+    oracle = dense_curvature(model, loss, X, y)
+    expected = {name: g for name, g in zip(params, grads)}
+    assert all(bool((g == 0).all()) for g in grads) and bool(value.isnan())
+    found = pf.compute(model_fn, params, data=data, loss=loss, quantities=("grad", "diag_ggn"))
+    assert_trees_close(found["grad"], expected)
+    assert_trees_close(found["diag_ggn"], unflatten(oracle.ggn.diagonal(), oracle))
+    assert_trees_close(
+        pf.diag_hessian(model_fn, params, data=data, loss=loss),
+        unflatten(oracle.hessian.diagonal(), oracle),
+    )
+    assert bool(found["loss"].isnan())
+    assert_trees_close(pf.sum_grad_squared(model_fn, params, data=data, loss=loss), expected)
+    stream = pf.per_batch(pf.batch_grad, model_fn, params, data=data, loss=loss)
+    assert_trees_close(
+        concatenated(list(stream)), autograd_batch_grad(model, loss, X, y), "batch_grad"
+    )
+
+
+def test_per_batch_over_no_batches_yields_nothing() -> None:
+    """``per_batch`` over an empty dataset raised ZeroDivisionError (``Z = 0``); it yields one
+    result per batch: none (as with ``reduction='sum'``)."""
+    model_fn, params = pf.functional(nn.Linear(3, 2))
+    for reduction in REDUCTIONS:
+        loss = nn.CrossEntropyLoss(reduction=reduction)
+        assert list(pf.per_batch(pf.batch_grad, model_fn, params, data=[], loss=loss)) == []
+
+
+def test_unbatched_loader_and_list_targets_are_named() -> None:
+    """``DataLoader(batch_size=None)`` yields single samples (0-d class targets gave
+    "len() of a 0-d tensor", regression targets a shape error inside the model); list
+    targets gave "'list' object has no attribute 'to'"."""
+    torch.manual_seed(0)
+    model_fn, params = pf.functional(nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4)))
+    X, y, y_real = torch.randn(6, 3), torch.randint(0, 4, (6,)), torch.randn(6, 4)
+    for targets, loss in ((y, nn.CrossEntropyLoss()), (y_real, nn.MSELoss())):
+        unbatched = DataLoader(TensorDataset(X, targets), batch_size=None)
+        with pytest.raises(ValueError, match=r"without a batch dimension.*batch_size=\.\.\."):
+            pf.diag_ggn(model_fn, params, data=unbatched, loss=loss)
+        with pytest.raises(ValueError, match=r"without a batch dimension.*batch_size=\.\.\."):
+            list(pf.per_batch(pf.batch_grad, model_fn, params, data=unbatched, loss=loss))
+    with pytest.raises(TypeError, match="targets y must be a tensor; got list"):
+        pf.diag_ggn(model_fn, params, data=[(X, y.tolist())], loss=nn.CrossEntropyLoss())
+    with pytest.raises(TypeError, match="targets y must be a tensor; got list"):
+        pf.diag_ggn(model_fn, params, X, y.tolist(), loss=nn.CrossEntropyLoss())

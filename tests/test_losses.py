@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
 
 import packfunc as pf
-from tests.cases import autograd_batch_grad, moments
+from packfunc.losses import mean_normalizer
+from tests.cases import assert_trees_close, autograd_batch_grad, moments
 
 CLASSES = 4
 
@@ -168,3 +171,132 @@ def test_a_subclass_overriding_forward_is_refused_and_its_gradient_can_be_given(
     plain = pf.diag_ggn(model_fn, params, X, y, loss=nn.CrossEntropyLoss(reduction="sum"))
     for key in plain:
         torch.testing.assert_close(named[key], plain[key])
+
+
+def _flat_model(
+    model: nn.Module, X: torch.Tensor
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, list[str], list[torch.Size]]:
+    """The model's output as a function of one flat float64 parameter vector, and that vector."""
+    names = [name for name, _ in model.named_parameters()]
+    shapes = [p.shape for p in model.parameters()]
+    flat0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def output(flat: torch.Tensor) -> torch.Tensor:
+        leaves = flat.split([s.numel() for s in shapes])
+        params = {n: t.view(s) for n, t, s in zip(names, leaves, shapes)}
+        return torch.func.functional_call(model, params, (X,))
+
+    return output, flat0, names, shapes
+
+
+def _autograd_diagonals(
+    model: nn.Module, loss: nn.Module, X: torch.Tensor, y: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """GGN ``Jᵀ (∂²L/∂f²) J`` and Hessian diagonals per parameter, by plain autograd."""
+    output, flat0, names, shapes = _flat_model(model, X)
+    out = output(flat0).detach()
+    h_out = torch.autograd.functional.hessian(lambda f: loss(f, y), out)
+    jac = torch.autograd.functional.jacobian(output, flat0).reshape(out.numel(), -1)
+    ggn = jac.T @ h_out.reshape(out.numel(), out.numel()) @ jac
+    hessian = torch.autograd.functional.hessian(lambda flat: loss(output(flat), y), flat0)
+    sizes = [s.numel() for s in shapes]
+
+    def per_param(diagonal: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {n: d.view(s) for n, d, s in zip(names, diagonal.split(sizes), shapes)}
+
+    return per_param(ggn.diagonal()), per_param(hessian.diagonal())
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize(
+    ("options", "n"),
+    [
+        ({"weight": torch.tensor([1.0, 2.0, 3.0]).double()}, 3),  # N == C: the mask took all
+        ({"weight": torch.tensor([1.0, 2.0, 3.0]).double(), "ignore_index": 2}, 3),
+        ({"weight": torch.tensor([0.5, 2.0, 3.0]).double()}, 4),  # N != C: an IndexError
+    ],
+)
+def test_uint8_class_targets_index_class_weights(options: dict, n: int, reduction: str):
+    """uint8 targets indexed the class weights as a boolean mask: with N == C and no target
+    0 every class's weight was taken (sample n got weight[n], not weight[y_n]), silently;
+    other batch sizes failed with an IndexError. GGN/Hessian diagonals against autograd."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    model_fn, params = pf.functional(model)
+    X = torch.randn(n, 2, dtype=torch.float64)
+    y = torch.tensor([1, 2, 1, 2][:n], dtype=torch.uint8)
+    loss = nn.CrossEntropyLoss(reduction=reduction, **options)
+    ggn, hessian = _autograd_diagonals(model, loss, X, y.long())
+    assert_trees_close(pf.diag_ggn(model_fn, params, X, y, loss=loss), ggn)
+    assert_trees_close(pf.diag_hessian(model_fn, params, X, y, loss=loss), hessian)
+    assert_trees_close(
+        pf.diag_ggn(model_fn, params, data=[(X[:2], y[:2]), (X[2:], y[2:])], loss=loss), ggn
+    )
+    torch.testing.assert_close(mean_normalizer(loss, y), mean_normalizer(loss, y.long()))
+
+
+def test_every_target_ignored_has_zero_curvature():
+    """``reduction='mean'`` with every target ignored: PyTorch's loss is 0/0 = NaN, but its
+    gradient and Hessian are 0. The second-order quantities were NaN (0/0 in the scale) and
+    the Monte-Carlo ones failed with an IndexError; they are autograd's zeros."""
+    torch.manual_seed(0)
+    model = _model()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.full((4,), -100)
+    loss = nn.CrossEntropyLoss()
+    ggn, hessian = _autograd_diagonals(model, loss, X, y)
+    assert all(bool((d == 0).all()) for d in (*ggn.values(), *hessian.values()))
+    assert_trees_close(pf.diag_ggn(model_fn, params, X, y, loss=loss), ggn)
+    assert_trees_close(pf.diag_hessian(model_fn, params, X, y, loss=loss), hessian)
+    assert_trees_close(pf.diag_ggn(model_fn, params, X, y, loss=loss, mc_samples=2), ggn)
+    assert_trees_close(
+        pf.batch_diag_ggn(model_fn, params, X, y, loss=loss)["2.weight"].sum(0), ggn["2.weight"]
+    )
+    for kronecker in (pf.kflr, pf.kfac):
+        factors = kronecker(model_fn, params, X, y, loss=loss)
+        for name in params:  # a zero output-side factor: the Kronecker GGN is the zero GGN
+            torch.testing.assert_close(factors[name][0], torch.zeros_like(factors[name][0]))
+
+
+@pytest.mark.parametrize(
+    ("loss", "y"),
+    [
+        (  # class probabilities with a negative entry: the second row's mass is -0.2
+            nn.CrossEntropyLoss(reduction="sum"),
+            torch.tensor([[0.2, 0.3, 0.5], [-0.5, 0.2, 0.1]]).double(),
+        ),
+        (
+            nn.CrossEntropyLoss(weight=torch.tensor([1.0, -0.5, 2.0]).double(), reduction="sum"),
+            torch.tensor([0, 1]),
+        ),
+        (  # mean: the divisor Σ w[y] = 0.5 > 0 keeps the negative weight negative
+            nn.CrossEntropyLoss(weight=torch.tensor([1.0, -0.5, 2.0]).double()),
+            torch.tensor([0, 1]),
+        ),
+    ],
+)
+def test_cross_entropy_with_negative_mass_is_refused(loss: nn.Module, y: torch.Tensor):
+    """A negative target mass makes that position's loss Hessian negative definite: its square
+    root was NaN (exact factors) or an IndexError (sampled); it is refused like the
+    elementwise losses' negative curvature."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 3).double()
+    model_fn, params = pf.functional(model)
+    X = torch.randn(2, 2, dtype=torch.float64)
+    h_out = torch.autograd.functional.hessian(lambda f: loss(f, y), model(X).detach())
+    assert torch.linalg.eigvalsh(h_out.reshape(6, 6)).min() < -1e-3  # the oracle: not PSD
+    for options in ({}, {"mc_samples": 1}):
+        with pytest.raises(ValueError, match="negative curvature"):
+            pf.diag_ggn(model_fn, params, X, y, loss=loss, **options)
+
+
+def test_negative_class_weights_with_a_negative_mean_divisor_are_convex():
+    """All-negative class weights with ``reduction='mean'`` divide by a negative sum: the
+    loss is a positive weighted mean again, convex, and its GGN diagonal is autograd's."""
+    torch.manual_seed(0)
+    model = _model()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(5, 3, dtype=torch.float64), _class_targets(5)
+    loss = nn.CrossEntropyLoss(weight=-torch.rand(CLASSES).double() - 0.1)
+    ggn, _ = _autograd_diagonals(model, loss, X, y)
+    assert_trees_close(pf.diag_ggn(model_fn, params, X, y, loss=loss), ggn)

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import packfunc as pf
 from packfunc.compat import backpack, extend
-from packfunc.compat.extensions import BatchGrad, DiagGGNExact
+from packfunc.compat.extensions import KFLR, BatchGrad, DiagGGNExact
 from tests.cases import HUGGING_FACE, assert_trees_close, hugging_face_inputs
 
 CALLS = {
@@ -175,19 +175,25 @@ def test_activation_checkpointing_gives_the_values_without_it(reentrant, call):
     assert checkpoint_module.CheckpointFunction.__name__ == "CheckpointFunction"  # restored
 
 
+@pytest.mark.parametrize("input_requires_grad", [False, True])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_activation_checkpointing_in_the_shim(reentrant):
+def test_activation_checkpointing_in_the_shim(reentrant, input_requires_grad):
+    """A reentrant checkpoint's recomputation runs inside the backward pass: it was recorded
+    as a forward of its own, whose inner backward asked for a loss (an input requiring grad),
+    and its layer got no Kronecker factors (found by a probe)."""
     torch.manual_seed(0)
     model, reference = Checkpointed(reentrant), Checkpointed(None)
     reference.load_state_dict(model.state_dict())
-    X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
-    with backpack(BatchGrad(), DiagGGNExact()):
+    X, y = torch.randn(5, 3).requires_grad_(input_requires_grad), torch.randint(0, 2, (5,))
+    with backpack(BatchGrad(), DiagGGNExact(), KFLR()):
         extend(nn.CrossEntropyLoss())(extend(model)(X), y).backward()
     model_fn, params = pf.functional(reference)
     expected = pf.compute(model_fn, params, X, y, quantities=("batch_grad", "diag_ggn"))
+    factors = pf.kflr(model_fn, params, X, y)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad_batch, expected["batch_grad"][name])
         torch.testing.assert_close(p.diag_ggn_exact, expected["diag_ggn"][name])
+        assert_trees_close(p.kflr, factors[name], name)
 
 
 def test_hugging_face_gradient_checkpointing_gives_the_values_without_it():
@@ -201,6 +207,13 @@ def test_hugging_face_gradient_checkpointing_gives_the_values_without_it():
     assert_trees_close(found, expected)
     with backpack(BatchGrad()):
         extend(nn.CrossEntropyLoss())(extend(model)(X), y).backward()
+    assert_trees_close(
+        {k: p.grad_batch for k, p in model.named_parameters()}, expected["batch_grad"]
+    )
+    # the reentrant variant: torch refuses autograd.grad through it; the shim's own pass runs
+    model.model.gradient_checkpointing_enable({"use_reentrant": True})
+    with backpack(BatchGrad()):
+        extend(nn.CrossEntropyLoss())(model(X), y).backward()
     assert_trees_close(
         {k: p.grad_batch for k, p in model.named_parameters()}, expected["batch_grad"]
     )

@@ -6,7 +6,8 @@ batch is computed with a copy of the loss whose ``reduction`` is ``'sum'``; the
 partial results are summed (over batches, then over the ranks of
 ``process_group``) and rescaled once at the end by the dataset's mean normalizer
 ``Z`` (:func:`packfunc.losses.mean_normalizer`, accumulated per batch from the
-targets; ``Z = 1`` for ``reduction='sum'``):
+targets; ``Z = 1`` for ``reduction='sum'``; ``Z = 0``, every target ignored, gives
+autograd's zeros and PyTorch's NaN loss):
 
 * gradient, GGN, Hessian, their diagonals and products, the loss value, a
   Kronecker ``A`` factor: ``× 1/Z`` (linear in the loss);
@@ -32,6 +33,7 @@ import copy
 import difflib
 import functools
 import inspect
+import math
 from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass
 from functools import partial
@@ -40,6 +42,7 @@ from typing import Any, TypedDict, TypeVar
 import optree
 import torch
 from torch import Tensor, nn
+from torch.utils.data import DataLoader
 
 from packfunc.distributed import (
     ProcessGroup,
@@ -51,7 +54,7 @@ from packfunc.distributed import (
 )
 from packfunc.evaluation import check_per_sample_loss, compute_batch, statistic_quantities
 from packfunc.functionalize import normal_tensors, public_entry
-from packfunc.losses import check_loss, default_loss, mean_normalizer
+from packfunc.losses import GivenOutputGradient, check_loss, default_loss, mean_normalizer
 from packfunc.specs import QUANTITIES, SPECS, Combine, Family, Quantity
 from packfunc.types import BatchT, Inputs, ModelFn, ParamsT
 
@@ -199,7 +202,8 @@ def per_batch(
     samples (for ``reduction='mean'``: divided by the whole dataset's normalizer,
     found by a first pass over the targets, so ``data`` must be re-iterable). Only one
     batch's intermediate state is alive at a time. Over ranks (``process_group=``),
-    each rank yields its own shard's results, scaled for all shards.
+    each rank yields its own shard's results, scaled for all shards. An empty ``data``
+    yields nothing.
 
     Args:
         quantity: A per-sample function: ``pf.batch_grad``, ``pf.batch_l2_grad``,
@@ -218,6 +222,8 @@ def per_batch(
 
     Raises:
         TypeError: for a function that is not a per-sample quantity.
+        ValueError: for ``loss=GivenOutputGradient(G)`` (one batch's ``G``: call the
+            quantity per batch with ``X, y``).
 
     Example:
         >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 2))
@@ -298,7 +304,8 @@ class DataSource:
                 "data= takes an iterable of (X, y) batches (a DataLoader, or [(X, y), ...]); "
                 f"got {type(self.data).__name__}."
             )
-        return map(self.batch_to_xy or default_batch_to_xy, self.data)
+        split = self.batch_to_xy or default_batch_to_xy
+        return (_checked_batch(split(batch), self.data) for batch in self.data)
 
     def targets(self) -> Iterable[Tensor]:
         """Every batch's targets, for a first pass that reads ``data`` again afterwards.
@@ -354,6 +361,41 @@ def default_batch_to_xy(batch: Any) -> tuple[Any, Tensor]:
     )
 
 
+def _checked_batch(pair: tuple[Any, Any], data: Iterable[Any]) -> tuple[Any, Tensor]:
+    """One ``(X, y)`` batch of ``data``, checked to hold tensor targets with a batch dimension.
+
+    Args:
+        pair: The batch's inputs ``X`` and targets ``y``.
+        data: The dataset, to name a ``DataLoader(batch_size=None)`` as the cause.
+
+    Returns:
+        ``(X, y)``.
+
+    Raises:
+        TypeError: for targets that are not a tensor (as for one batch).
+        ValueError: for a batch without a batch dimension (0-d targets, or a
+            ``DataLoader(batch_size=None)`` whose inputs and targets differ in length).
+
+    Example:
+        >>> _checked_batch((torch.zeros(2, 3), torch.zeros(2)), [])[1].shape
+        torch.Size([2])
+    """
+    X, y = pair
+    if not isinstance(y, Tensor):
+        raise TypeError(f"targets y must be a tensor; got {type(y).__name__}.")
+    unbatched = isinstance(data, DataLoader) and data.batch_sampler is None  # batch_size=None
+    lengths_differ = isinstance(X, Tensor) and (X.dim() == 0 or X.shape[:1] != y.shape[:1])
+    if y.dim() == 0 or (unbatched and lengths_differ):
+        shape = f" and inputs {tuple(X.shape)}" if isinstance(X, Tensor) else ""
+        raise ValueError(
+            f"data= yielded a batch without a batch dimension (targets {tuple(y.shape)}"
+            f"{shape}): a DataLoader(batch_size=None) yields single samples, unbatched. "
+            "Pass DataLoader(..., batch_size=...) with the number of samples per batch "
+            "(or batches with the samples along dim 0)."
+        )
+    return X, y
+
+
 def _over_dataset(
     spec: Quantity | None,
     name: str,
@@ -368,6 +410,8 @@ def _over_dataset(
     options = dict(options)
     loss = options.pop("loss", None) or default_loss("sum" if _per_sample_loss(spec) else "mean")
     check_loss(loss)
+    if source.data is not None:
+        _check_loss_over_batches(loss, name)
     if options.get("subsampling") is not None:
         raise ValueError(
             "subsampling= selects samples of one batch; with data= or process_group= "
@@ -387,17 +431,73 @@ def _over_dataset(
     partials = _per_batch(spec, specs, one_call, model_fn, params, options)
     if spec is not None and spec.combine is Combine.PER_SAMPLE:
         normalizer = _dataset_normalizer(loss, source, device)
-        scale = (1 / normalizer) ** spec.power(options)
+        scale = _inverse_normalizer(normalizer) ** spec.power(options)
         stream = _streamed(spec.name, batches, partials, _sum_reduced(loss), scale)
         return stream if source.data is not None else next(stream)  # X, y: the one result
     kronecker = {s.name for s in specs if s.combine is Combine.KRONECKER}
     batches = (batch for batch in batches if len(batch[1]))  # an empty one adds nothing
     totals, samples, normalizer = _summed(batches, partials, loss, source.group, device, kronecker)
-    scale = 1 / normalizer if loss.reduction == "mean" else 1.0
+    scale = _inverse_normalizer(normalizer) if loss.reduction == "mean" else 1.0
     result = {s.name: _finish(s, totals, scale, samples, options) for s in specs}
     if spec is not None:
         return result[spec.name]
-    return {"loss": totals["loss"] * scale} | result
+    # the loss itself is PyTorch's: 0/0 = NaN where every target is ignored
+    value = totals["loss"] / normalizer if loss.reduction == "mean" else totals["loss"]
+    return {"loss": value} | result
+
+
+def _check_loss_over_batches(loss: nn.Module, name: str) -> None:
+    """Refuse a loss that holds one batch's data, which every batch of ``data=`` would reuse.
+
+    Raises:
+        ValueError: for :class:`~packfunc.losses.GivenOutputGradient`.
+    """
+    if isinstance(loss, GivenOutputGradient):
+        raise ValueError(
+            f"{name}() over data= runs every batch with the same loss, but "
+            "loss=GivenOutputGradient(G) holds one batch's output gradient G (the targets "
+            "are ignored), so every batch would reuse that G. Call "
+            f"pf.{name}(model_fn, params, X, y, loss=GivenOutputGradient(G)) per batch, "
+            "with each batch's X, y and G."
+        )
+
+
+def _inverse_normalizer(normalizer: float) -> float:
+    """``1/Z``, and ``inf`` for ``Z = 0`` (every target ignored), where ``0 · inf`` counts as 0.
+
+    With every target ignored, PyTorch's mean loss is ``0/0 = NaN`` but its gradient and
+    Hessian are 0: every term summed over the batches is 0 and stays 0 (:func:`_scaled`).
+
+    Args:
+        normalizer: The dataset's mean normalizer ``Z``.
+
+    Returns:
+        ``1/Z``, or ``inf``.
+
+    Example:
+        >>> _inverse_normalizer(4.0), _inverse_normalizer(0.0)
+        (0.25, inf)
+    """
+    return 1 / normalizer if normalizer != 0 else math.inf
+
+
+def _scaled(value: Tensor, factor: float) -> Tensor:
+    """``value · factor``, where an infinite ``factor`` (``Z = 0``) leaves zeros zero.
+
+    Args:
+        value: A summed partial result.
+        factor: A power of :func:`_inverse_normalizer`.
+
+    Returns:
+        The product; ``0 · inf = 0`` (a term that no target weighs), ``x · inf = ±inf``.
+
+    Example:
+        >>> _scaled(torch.tensor([0.0, 2.0]), math.inf)
+        tensor([0., inf])
+    """
+    if math.isfinite(factor):
+        return value * factor
+    return torch.where(value == 0, torch.zeros_like(value), value * factor)
 
 
 def _per_sample_loss(spec: Quantity | None) -> bool:
@@ -528,12 +628,14 @@ def _finish(
     power = spec.power(options)
     if spec.combine is Combine.KRONECKER:
         return optree.tree_map(
-            lambda f: None if f is None else [f[0] * scale**power, *(b / samples for b in f[1:])],
+            lambda f: (
+                None if f is None else [_scaled(f[0], scale**power), *(b / samples for b in f[1:])]
+            ),
             totals[spec.name],
             is_leaf=lambda x: x is None or isinstance(x, list),
             none_is_leaf=True,
         )
-    return optree.tree_map(lambda t: t * scale**power, totals[spec.name])
+    return optree.tree_map(lambda t: _scaled(t, scale**power), totals[spec.name])
 
 
 def _dataset_normalizer(loss: nn.Module, source: DataSource, device: torch.device) -> float:
@@ -554,7 +656,7 @@ def _streamed(
     """Each batch's per-sample quantity ``name``, times ``scale`` (for the whole dataset)."""
     for X_b, y_b in batches:
         value = per_batch(X_b, y_b, summed_loss)[name]
-        yield optree.tree_map(lambda t: t * scale, value)
+        yield optree.tree_map(lambda t: _scaled(t, scale), value)
 
 
 def _one_batch_only(

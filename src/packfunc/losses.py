@@ -18,7 +18,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
-from packfunc.engine.autodiff import vjp
+from packfunc.engine.autodiff import under_vmap, vjp
 
 CLASS_LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss)
 ELEMENTWISE_LOSSES = (
@@ -379,12 +379,40 @@ def _elementwise_curvature(loss: nn.Module, output: Tensor, target: Tensor) -> T
 
     _, pullback = vjp(torch.func.grad(loss_of), output)
     (hvp,) = pullback(torch.ones_like(output))
-    if bool((hvp < -1e-6 * hvp.abs().max().clamp_min(1)).any()):
+    return nonnegative_curvature(loss, hvp, floor=1.0)
+
+
+def nonnegative_curvature(loss: nn.Module, curvature: Tensor, *, floor: float = 0.0) -> Tensor:
+    """``curvature`` clamped at 0, after refusing entries below ``-1e-6 · max(|curvature|)``.
+
+    Args:
+        loss: The loss, for the error message.
+        curvature: Diagonal curvatures (or scale factors of PSD blocks) of the loss.
+        floor: Least size the tolerance is taken relative to (1 for autodiff curvatures).
+
+    Returns:
+        ``curvature`` with its rounding below 0 set to 0.
+
+    Raises:
+        ValueError: if an entry is negative beyond rounding (the GGN needs a convex loss);
+            under ``torch.func.vmap``, where values cannot decide a branch, such an entry
+            is NaN instead.
+
+    Example:
+        >>> nonnegative_curvature(nn.MSELoss(), torch.tensor([2.0, -1e-9]))
+        tensor([2., 0.])
+    """
+    if curvature.numel() == 0:
+        return curvature
+    negative = curvature < -1e-6 * curvature.abs().max().clamp_min(floor)
+    if under_vmap():
+        return torch.where(negative, torch.nan, curvature.clamp_min(0))
+    if bool(negative.any()):
         raise ValueError(
             f"{type(loss).__name__} has negative curvature at these outputs; the GGN needs a "
             "convex loss (positive semi-definite Hessian w.r.t. the output)."
         )
-    return cast(Tensor, hvp.clamp_min(0))
+    return curvature.clamp_min(0)
 
 
 def _mean_divisor(loss: nn.Module, count: float | Tensor) -> float | Tensor:
@@ -420,7 +448,27 @@ def mean_normalizer(loss: nn.Module, target: Tensor) -> Tensor:
     if loss.weight is None:
         return valid.sum().to(torch.float64)
     classes = loss.weight.shape[0]
-    return (loss.weight[target.clamp(0, classes - 1)] * valid).sum().to(torch.float64)
+    return (loss.weight[class_indices(target, classes)] * valid).sum().to(torch.float64)
+
+
+def class_indices(target: Tensor, classes: int) -> Tensor:
+    """Class-index targets as ``int64`` indices into ``classes`` (ignored ones clamped in).
+
+    A ``uint8`` index tensor would be read as a boolean mask, so every target is made
+    ``long`` first; ``ignore_index`` entries are clamped into range (their mask zeroes them).
+
+    Args:
+        target: Integer class targets (``int64`` or ``uint8``), any shape.
+        classes: Number of classes ``C``.
+
+    Returns:
+        ``target`` as ``int64`` in ``[0, C)``.
+
+    Example:
+        >>> torch.tensor([3.0, 5.0])[class_indices(torch.tensor([1, 1], dtype=torch.uint8), 2)]
+        tensor([5., 5.])
+    """
+    return target.long().clamp(0, classes - 1)
 
 
 def _cross_entropy_factors(
@@ -438,7 +486,7 @@ def _cross_entropy_factors(
     if mc_samples is not None:
         return _sampled_cross_entropy_factors(probs, scale, mc_samples, generator)
     flat_p = probs.reshape(n, classes, positions)
-    root_scale = scale.reshape(n, 1, positions).sqrt()
+    root_scale = scale.reshape(n, 1, positions).sqrt()  # scale >= 0: checked there
     tau = flat_p.sqrt()
 
     def make(s: slice) -> Tensor:
@@ -542,14 +590,37 @@ def _cross_entropy_scale(loss: nn.CrossEntropyLoss, output: Tensor, target: Tens
     if not target.is_floating_point() and loss.weight is None and smoothing == 0:
         # c is 1 where the target is not ignored
         c = (target != loss.ignore_index).to(output.dtype)
-        return c / c.sum() if loss.reduction == "mean" else c
+        return _share(c, c.sum()) if loss.reduction == "mean" else c
     weight = loss.weight if loss.weight is not None else output.new_ones(classes)
     if target.is_floating_point():  # class probabilities
         mass = (1 - smoothing) * target + smoothing / classes
         shape = (1, classes) + (1,) * (output.dim() - 2)
         c = (mass * weight.view(shape)).sum(1)
-        return c / _mean_divisor(loss, c.numel())
-    valid = target != loss.ignore_index
-    target_weight = weight[target.clamp(0, classes - 1)] * valid
-    c = (1 - smoothing) * target_weight + smoothing * weight.mean() * valid
-    return c / _mean_divisor(loss, target_weight.sum())
+        scale = _share(c, _mean_divisor(loss, c.numel()))
+    else:
+        valid = target != loss.ignore_index
+        target_weight = weight[class_indices(target, classes)] * valid
+        c = (1 - smoothing) * target_weight + smoothing * weight.mean() * valid
+        scale = _share(c, _mean_divisor(loss, target_weight.sum()))
+    # a negative mass (a negative class weight or target probability) flips the block's sign
+    return nonnegative_curvature(loss, scale)
+
+
+def _share(c: Tensor, divisor: float | Tensor) -> Tensor:
+    """``c / divisor`` with ``0 / 0 = 0``: where every target is ignored, so is the Hessian.
+
+    PyTorch's mean over no target is ``0/0 = NaN``, but its gradient and Hessian w.r.t.
+    the output are 0 there (autograd); a nonzero ``c`` over a zero divisor stays ``±inf``.
+
+    Args:
+        c: Per-position target masses.
+        divisor: The mean's divisor (1 for ``reduction='sum'``).
+
+    Returns:
+        ``c / divisor``, 0 where ``c`` is 0.
+
+    Example:
+        >>> _share(torch.zeros(2), torch.tensor(0.0))
+        tensor([0., 0.])
+    """
+    return torch.where(c == 0, torch.zeros_like(c), c / divisor)

@@ -13,8 +13,9 @@ BackPACK's, it is defined for sequential models.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import optree
 from torch import Tensor, nn
@@ -24,11 +25,12 @@ from typing_extensions import Unpack
 from packfunc.data import DataOptions, over_data
 from packfunc.engine.autodiff import jvp, vjp
 from packfunc.engine.batch_pass import BatchPass
+from packfunc.engine.model_state import buffer_restorer
 from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.engine.pch import loss_hessian_product, pch_block_product
 from packfunc.engine.precision import full_precision, to_dtype_of, widest
 from packfunc.engine.randomness import random_model_error
-from packfunc.functionalize import check_model_arguments, flatten_params
+from packfunc.functionalize import check_model_arguments, flatten_params, module_of
 from packfunc.losses import (
     check_loss,
     check_loss_inputs,
@@ -48,9 +50,47 @@ from packfunc.types import (
     shares_arguments,
 )
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _buffers_put_back_on_refusal(product: F) -> F:
+    """Put the model's buffers back where ``product`` raises (a refusal changes nothing).
+
+    A product runs the model in several transforms; a model that updates a buffer in its
+    forward (spectral norm's power iteration in training mode) is refused, after some of
+    them ran.
+
+    Args:
+        product: A public product function, ``model_fn`` its first argument.
+
+    Returns:
+        The same function.
+
+    Example:
+        >>> norm = torch.nn.BatchNorm1d(2)
+        >>> failing = _buffers_put_back_on_refusal(lambda fn, p: (norm(torch.randn(3, 2)), 1 / 0))
+        >>> try:
+        ...     failing(packfunc.functional(norm)[0], None)
+        ... except ZeroDivisionError:
+        ...     norm.running_mean
+        tensor([0., 0.])
+    """
+
+    @functools.wraps(product)
+    def run(model_fn: ModelFn, *args: Any, **kwargs: Any) -> Any:
+        restore = buffer_restorer(module_of(model_fn))
+        try:
+            return product(model_fn, *args, **kwargs)
+        except Exception:
+            restore()
+            raise
+
+    return cast(F, run)
+
 
 @over_data(SPECS["ggn_vector_product"], required=("v",))
 @shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
+@_buffers_put_back_on_refusal
 def ggn_vector_product(
     model_fn: ModelFn,
     params: ParamsT,
@@ -84,6 +124,7 @@ def ggn_vector_product(
 
 @over_data(SPECS["hessian_vector_product"], required=("v",))
 @shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
+@_buffers_put_back_on_refusal
 def hessian_vector_product(
     model_fn: ModelFn,
     params: ParamsT,
@@ -117,6 +158,7 @@ def hessian_vector_product(
 
 @over_data(SPECS["ggn_block_products"], required=("mats",))
 @shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
+@_buffers_put_back_on_refusal
 def ggn_block_products(
     model_fn: ModelFn,
     params: ParamsT,
@@ -151,6 +193,7 @@ def ggn_block_products(
 
 @over_data(SPECS["hessian_block_products"], required=("mats",))
 @shares_arguments("model_fn", "params", "X", "y", *DATA_ARGUMENTS)
+@_buffers_put_back_on_refusal
 def hessian_block_products(
     model_fn: ModelFn,
     params: ParamsT,

@@ -106,10 +106,16 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
 
 
 def _recording() -> bool:
-    """Inside ``backpack(...)`` with grad on, and not inside one of packfunc's own passes."""
+    """Inside ``backpack(...)`` with grad on, not in one of packfunc's own passes nor a backward.
+
+    A forward inside a backward pass is a reentrant checkpoint's recomputation
+    (``checkpoint(..., use_reentrant=True)``): its inner backward pass is no loss's, and
+    the forward it repeats was recorded already.
+    """
     modes = torch.overrides._get_current_function_mode_stack()
     own_pass = any(isinstance(mode, FunctionalMode) for mode in modes)
-    return context.recording() and torch.is_grad_enabled() and not own_pass
+    in_backward = torch._C._current_graph_task_id() != -1
+    return context.recording() and torch.is_grad_enabled() and not own_pass and not in_backward
 
 
 _EXIT_HOOK = "_packfunc_exit_hook"
@@ -246,6 +252,8 @@ def _note_unrecorded(module: nn.Module, output: Any) -> None:
     under ``disable()``; BackPACK raises in that backward pass, and without the hook the
     last step's ``grad_batch`` stayed, silently).
     """
+    if torch._C._current_graph_task_id() != -1:  # a reentrant checkpoint's recomputation:
+        return  # its inner backward pass is part of the recorded one
     # (a copy of an extended model, or a submodule called alone, is extended as well)
     if module in context.EXTENDED_MODELS or getattr(module, "_packfunc_extended", False):
         for node in output_nodes(output):

@@ -433,8 +433,10 @@ def _warn_about_unsupported(quantity: str, names: list[str]) -> None:
     if names:
         warnings.warn(
             f"{quantity} has no Kronecker rule for {names} (not the weight or bias of a "
-            "linear, convolution or embedding layer, or used several ways): they get no "
-            f"{quantity} attribute.",
+            "linear, convolution or embedding layer, or used several ways, or called where "
+            "your forward pass records no graph: under no_grad, or in a reentrant "
+            "checkpoint, for which checkpoint(..., use_reentrant=False) is the fix): they "
+            f"get no {quantity} attribute.",
             UserWarning,
             stacklevel=2,
         )

@@ -162,6 +162,10 @@ class ForwardRecorder(TorchFunctionMode):
             return out
         if func in RECURRENT_OPS or func in ATTENTION_OPS:
             self.usable = False  # packfunc's own pass decomposes them: the calls differ
+        if samples and not torch.is_grad_enabled():
+            # no graph to pull back through (a reentrant checkpoint's forward, whose backward
+            # also refuses autograd.grad): packfunc's own pass runs checkpoints plainly
+            self.usable = False
         if not samples and not any(out is v for v in values):
             self._mark(out, self.made_of_parameters)
         self.calls.append(_watched(func, arguments, out, samples, shape))

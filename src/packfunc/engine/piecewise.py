@@ -163,7 +163,8 @@ def piecewise_affine_leaves(
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return set()
     copies = [leaf.detach().requires_grad_() for leaf in leaves]
-    X_copy = optree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, X)
+    # a copy: a model that changes its input in place changes the batch once, in the batch pass
+    X_copy = optree.tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, X)
     with (
         private_generators(leaves),  # a probe: its dropout masks do not matter
         kept_model_state(module_of(model_fn)),  # nor what it sets (a running statistic)
