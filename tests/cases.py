@@ -6,6 +6,7 @@ import copy
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -572,16 +573,17 @@ def autograd_batch_grad(
     return {name: torch.stack(g) for name, g in grads.items()}
 
 
-def assert_batch_grad_is_a_loop(model_fn, params: dict[str, Tensor], X: Tensor, y: Tensor) -> None:
+def assert_batch_grad_is_a_loop(model_fn, params: dict[str, Tensor], X: Any, y: Tensor) -> None:
     """``pf.batch_grad`` of a summed cross-entropy equals ``torch.func.grad`` of each sample
-    alone (a model function of a parameter dict; float64)."""
+    alone (a model function of a parameter dict; inputs a tensor or a pytree; float64)."""
     import packfunc as pf
+    from packfunc.functionalize import select_samples
 
     loss = nn.CrossEntropyLoss(reduction="sum")
     found = pf.batch_grad(model_fn, params, X, y, loss=loss)
-    for n in range(X.shape[0]):
+    for n in range(len(y)):
         one = torch.func.grad(lambda p, x, t: loss(model_fn(p, x), t))(
-            params, X[n : n + 1], y[n : n + 1]
+            params, select_samples(X, slice(n, n + 1)), y[n : n + 1]
         )
         for key in params:
             torch.testing.assert_close(found[key][n], one[key])

@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import packfunc as pf
 from tests.cases import (
     HUGGING_FACE,
+    assert_batch_grad_is_a_loop,
     assert_trees_close,
     autograd_batch_grad,
     hugging_face_problem,
@@ -173,6 +174,40 @@ def test_per_sample_runs_of_a_model_that_branches_on_its_mask_loop_over_samples(
         alone = pf.diag_hessian(*pf.functional(model), X[n : n + 1], y[n : n + 1])
         scaled = {k: v / len(X) for k, v in alone.items()}  # mean reduction over N
         assert_trees_close({k: v[n] for k, v in found.items()}, scaled, **TOLERANCES)
+
+
+class _T5Encoder(nn.Module):
+    """A tiny T5 encoder (relative attention bias) with a padding mask; three outputs."""
+
+    def __init__(self):
+        super().__init__()
+        config = transformers.T5Config(
+            vocab_size=12,
+            d_model=8,
+            d_kv=4,
+            d_ff=16,
+            num_layers=1,
+            num_heads=2,
+            dropout_rate=0.0,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+        self.encoder = transformers.T5EncoderModel(config)
+
+    def forward(self, ids: Tensor, mask: Tensor) -> Tensor:
+        hidden = self.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        return hidden.mean(1)[:, :3]
+
+
+@pytest.mark.parametrize("padded", [0, 1, 2])
+def test_a_batch_padded_elsewhere_than_its_first_sample_gets_a_plan(padded):
+    """Hugging Face's mask code skips an all-ones mask: discovery on an unpadded first sample
+    saw other calls than the batch, which was refused as a plan mismatch (found by a probe)."""
+    torch.manual_seed(0)
+    model = _T5Encoder().double().eval()
+    ids, mask = torch.randint(3, 12, (3, 5)), torch.ones(3, 5, dtype=torch.long)
+    ids[padded, -2:], mask[padded, -2:] = 0, 0
+    assert_batch_grad_is_a_loop(*pf.functional(model), (ids, mask), torch.tensor([0, 2, 1]))
 
 
 @pytest.mark.parametrize("name", list(HUGGING_FACE))

@@ -22,6 +22,7 @@ from torch import nn
 from torch.autograd.functional import hessian, jacobian
 from torch.utils.data import DataLoader, TensorDataset
 
+import packfunc as pf
 from tests.cases import TransformerBlock
 
 pytest.importorskip("laplace")
@@ -398,3 +399,130 @@ def test_discovery_runs_once_per_fit_not_once_per_batch(monkeypatch):
     model, loader = _problem("classification")
     _fit(model, loader, "classification", PackfuncGGN, hessian_structure="diag")
     assert len(loader) == 2 and len(calls) == 1
+
+
+# ------------------------------------------------ weights stored [in, out], uneven batches
+
+
+class InOutLinear(nn.Module):
+    """``x @ W + b`` with the weight stored ``[in, out]``: factors ``[in×in, out×out]``."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.W = nn.Parameter(linear.weight.detach().T.contiguous())
+        self.b = nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.W + self.b
+
+
+class AddmmConv1D(nn.Module):
+    """GPT-2's ``Conv1D``: ``addmm(b, x.view(-1, in), W)`` with ``W`` stored ``[in, out]``."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().T.contiguous())
+        self.bias = nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight)
+        return flat.view(*x.shape[:-1], self.weight.shape[-1])
+
+
+def _layered(kind: str) -> tuple[nn.Module, torch.Tensor]:
+    """A classifier whose layers are ``kind`` (``linear``, ``x @ W``, ``conv1d``, ``conv``)
+    and its inputs (sequences of 2 positions for ``conv1d``, 3×3 images for ``conv``)."""
+    torch.manual_seed(0)
+    first, last = nn.Linear(4, 5), nn.Linear(5, 3)
+    if kind == "conv":
+        conv = nn.Sequential(nn.Conv2d(2, 3, 2), nn.Tanh(), nn.Flatten(), nn.Linear(12, 3))
+        return conv.double(), torch.randn(N, 2, 3, 3, dtype=torch.float64)
+    if kind == "conv1d":
+        head = nn.Sequential(nn.Flatten(), nn.Linear(10, 3))
+        model = nn.Sequential(AddmmConv1D(first), nn.Tanh(), head)
+        return model.double(), torch.randn(N, 2, 4, dtype=torch.float64)
+    layers = (first, last) if kind == "linear" else (InOutLinear(first), InOutLinear(last))
+    model = nn.Sequential(layers[0], nn.Tanh(), layers[1])
+    return model.double(), torch.randn(N, 4, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kind", ["linear", "x @ W", "conv1d", "conv"])
+def test_kron_fit_does_not_depend_on_how_the_data_is_split_into_batches(kind: str):
+    """Batches of 8, 8 and 4 give the fit of one batch of 20: of each weight's two factors
+    the batch mean is rescaled (``[in×in, out×out]`` for ``x @ W`` and GPT-2's Conv1D)."""
+    model, X = _layered(kind)
+    y = torch.randint(0, 3, (N,))
+    fits = [
+        _fit(
+            model,
+            DataLoader(TensorDataset(X, y), batch_size=size),
+            "classification",
+            PackfuncGGN,
+            subset_of_weights="all",
+            hessian_structure="kron",
+        )
+        for size in (N, 8)
+    ]
+    _assert_same_fit(*fits, X[:4])
+
+
+def test_kron_fit_of_in_out_weights_equals_the_backpack_fit_of_their_linear_layers(
+    backpack_oracle: types.ModuleType,
+):
+    """Oracle: laplace's BackPACK backend on the same layers as ``nn.Linear`` (weights
+    ``[out, in]``), batches of 8, 8 and 4; the precisions agree up to that transposition."""
+    from laplace.curvature import BackPackGGN
+
+    linear, X = _layered("linear")
+    in_out, _ = _layered("x @ W")
+    y = torch.randint(0, 3, (N,))
+    loader = DataLoader(TensorDataset(X, y), batch_size=8)
+    options = {"subset_of_weights": "all", "hessian_structure": "kron"}
+    ours = _fit(in_out, loader, "classification", PackfuncGGN, **options)
+    theirs = _fit(linear, loader, "classification", BackPackGGN, **options)
+    torch.testing.assert_close(
+        ours.log_marginal_likelihood(), theirs.log_marginal_likelihood(), rtol=1e-10, atol=0
+    )
+    torch.testing.assert_close(ours(X[:4], pred_type="glm"), theirs(X[:4], pred_type="glm"))
+    order, start = [], 0  # ours[i] is theirs[order[i]]: W [in, out] against weight [out, in]
+    for p in linear.parameters():
+        positions = torch.arange(p.numel()).view(p.shape)
+        order.append(start + (positions.T if p.dim() == 2 else positions).reshape(-1))
+        start += p.numel()
+    index = torch.cat(order)
+    expected = _precision(theirs)[index][:, index]
+    torch.testing.assert_close(_precision(ours), expected, rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------ random models
+
+
+def test_jacobians_refuse_a_model_that_draws_random_numbers():
+    """``f`` and the Jacobians come from two runs of the model: with dropout in training
+    mode, from two masks (laplace's own ``jacobians`` has one). Refused, naming the fix,
+    with the random stream left where it was; in eval mode both equal laplace's own."""
+    from packfunc import RandomModelError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Dropout(0.5), nn.Linear(5, 3)).double()
+    X = torch.randn(4, 4, dtype=torch.float64)
+    backend = PackfuncGGN(model, "classification")
+    state = torch.get_rng_state()
+    with pytest.raises(RandomModelError, match=r"model\.eval\(\)"):
+        backend.jacobians(X)
+    assert torch.equal(torch.get_rng_state(), state)
+    model.eval()
+    for ours, theirs in zip(backend.jacobians(X), CurvatureInterface.jacobians(backend, X)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_reading_the_weight_layouts_leaves_no_unchecked_plan_for_the_next_batch():
+    """A plan discovered only to read the layouts (on the first sample of one batch) is
+    not cached: the next batch's pass would take its rows as checked against another."""
+    from packfunc.integrations.laplace import in_out_weights
+
+    model, X = _layered("x @ W")
+    model_fn, params = pf.functional(model)
+    assert in_out_weights(model_fn, params, X[:2]) == {"0.W", "2.W"}
+    y = torch.randint(0, 3, (2,))
+    pf.diag_ggn(model_fn, params, X[2:4], y, loss=nn.CrossEntropyLoss(reduction="sum"))

@@ -219,6 +219,24 @@ def test_hugging_face_gradient_checkpointing_gives_the_values_without_it():
     )
 
 
+def test_hugging_face_gradient_checkpointing_leaves_products_as_without_it():
+    """Its hook sets requires_grad_ on the embeddings' output, which torch.func forbids: every
+    quantity differentiating through the model with it failed (found by a probe)."""
+    torch.manual_seed(0)
+    model = HUGGING_FACE["gpt2"](0.0).double().eval()
+    X, y = hugging_face_inputs("gpt2", 3), torch.randint(0, 20, (3,))
+    model_fn, params = pf.functional(model)
+    v = {k: torch.randn_like(p) for k, p in params.items()}
+    calls = {
+        "hessian_vector_product": lambda: pf.hessian_vector_product(model_fn, params, X, y, v),
+        "ggn_vector_product": lambda: pf.ggn_vector_product(model_fn, params, X, y, v),
+    }
+    expected = {name: call() for name, call in calls.items()}
+    model.model.gradient_checkpointing_enable()
+    for name, call in calls.items():
+        assert_trees_close(call(), expected[name], name)
+
+
 def _quantity(name: str, fn, p, X, y):
     return pf.compute(fn, p, X, y, quantities=name)[name]
 

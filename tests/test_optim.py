@@ -507,3 +507,185 @@ def test_transposed_convolutions_are_refused_by_the_kronecker_methods():
         with pytest.raises(ValueError, match="transposed"):
             optimizer(model).step(batch=(X, y))
     pf.optim.DiagGGN(model).step(batch=(X, y))
+
+
+# Linear weights stored [in, out] (x @ W, GPT-2's Conv1D): factors [in×in, out×out].
+
+
+class InOutLinear(nn.Module):
+    """``x @ W`` with the weight of ``linear`` (no bias) stored ``[in, out]``."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.W = nn.Parameter(linear.weight.detach().T.contiguous())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.W
+
+
+class AddmmConv1D(nn.Module):
+    """GPT-2's ``Conv1D``, ``addmm(b, x.view(-1, in), W)``, with ``linear``'s values."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().T.contiguous())
+        self.bias = nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight)
+        return flat.view(*x.shape[:-1], self.weight.shape[-1])
+
+
+class Transposed(nn.Module):
+    """Logits ``[N, T, C]`` as ``[N, C, T]`` for the cross-entropy over positions."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.transpose(1, 2)
+
+
+def linear_and_in_out_twins(kind: str) -> tuple[nn.Module, nn.Module, Tensor, Tensor]:
+    """A model of ``nn.Linear`` layers, its twin whose first layer stores the weight
+    ``[in, out]`` (``x @ W``, or ``conv1d`` on sequences of 3 positions), and a batch."""
+    torch.manual_seed(0)
+    first = nn.Linear(4, 5, bias=kind == "conv1d")
+    twin = InOutLinear(first) if kind == "x @ W" else AddmmConv1D(first)
+    rest: list[nn.Module] = [nn.Tanh(), nn.Linear(5, 3)]
+    if kind == "conv1d":
+        rest.append(Transposed())
+        X, y = torch.randn(6, 3, 4), torch.randint(0, 3, (6, 3))
+    else:
+        X, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    linear = nn.Sequential(first, *rest).double()
+    return linear, nn.Sequential(twin, *copy.deepcopy(rest)).double(), X.double(), y
+
+
+def as_linear(name: str, value: Tensor) -> Tensor:
+    """A parameter of the ``[in, out]`` twin in its ``nn.Linear`` layout."""
+    return value.T if name in ("0.W", "0.weight") else value
+
+
+@pytest.mark.parametrize("kind", ["x @ W", "conv1d"])
+def test_kfac_update_of_an_in_out_weight_is_the_dense_damped_solve(kind):
+    """Hand computation: ``(A ⊗ B + d I)⁻¹ vec g`` with ``pf.kflr``'s ``[in×in, out×out]``."""
+    _, model, X, y = linear_and_in_out_twins(kind)
+    loss = nn.CrossEntropyLoss()
+    model_fn, params = pf.functional(model)
+    t = scale_by_kfac(model_fn, loss, damping=DAMPING, mc_samples=None)
+    grads = gradient(model_fn, params, loss, X, y)
+    updates, _ = t.update(grads, t.init(params), params, (X, y))
+    factors = pf.kflr(model_fn, params, X, y, loss=loss)
+    assert [f.shape for f in factors["0.W" if kind == "x @ W" else "0.weight"]] == [(4, 4), (5, 5)]
+    for key, g in grads.items():
+        M = factors[key][0] if len(factors[key]) == 1 else torch.kron(*factors[key])
+        expected = torch.linalg.solve(damped(M), g.reshape(-1)).view(g.shape)
+        torch.testing.assert_close(updates[key], expected, msg=key)
+        by_kron = pf.kron.matvec(pf.kron.inverse(factors, DAMPING), grads)[key]
+        torch.testing.assert_close(by_kron, expected, msg=key)
+
+
+@pytest.mark.parametrize("kind", ["x @ W", "conv1d"])
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_kronecker_optimizers_step_an_in_out_weight_as_its_linear_layer(method, kind):
+    """Oracle: the same steps of the twin made of ``nn.Linear`` layers (weights ``[out, in]``),
+    whose updates are the dense solves above: every move equal, up to the transposition."""
+    linear, in_out, X, y = linear_and_in_out_twins(kind)
+    loss = nn.CrossEntropyLoss()
+    moves = []
+    for model in (linear, in_out):
+        opt = OPTIMIZER[method](model, lr=LR, damping=DAMPING, loss=loss, mc_samples=None)
+        before = {k: p.detach().clone() for k, p in model.named_parameters()}
+        for _ in range(2):
+            opt.zero_grad()
+            loss(model(X), y).backward()
+            opt.step(batch=(X, y))
+        moves.append({k: p.detach() - before[k] for k, p in model.named_parameters()})
+    theirs, ours = moves
+    assert len(ours) == len(theirs)
+    for (key, move), expected in zip(ours.items(), theirs.values()):
+        torch.testing.assert_close(as_linear(key, move), expected, msg=key)
+
+
+def test_only_transposed_convolutions_are_refused_not_the_in_out_weights_beside_them():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.ConvTranspose1d(2, 2, 3), nn.Flatten(), InOutLinear(nn.Linear(10, 3))
+    ).double()
+    X, y = torch.randn(4, 2, 3, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    nn.functional.cross_entropy(model(X), y).backward()
+    for optimizer in (pf.optim.KFAC, pf.optim.EKFAC):
+        with pytest.raises(
+            ValueError, match=r"transposed convolutions yet \(\['0.bias', '0.weight'\]\)"
+        ):
+            optimizer(model).step(batch=(X, y))
+
+
+# Frozen parameters (requires_grad=False) are left out, as torch.optim's optimizers do.
+
+
+def head_curvature_by_hand(model: nn.Module, X: Tensor, y: Tensor) -> tuple[dict, Tensor, Tensor]:
+    """The dense GGN blocks of the head ``model[2]`` (mean cross-entropy) and its KFLR
+    factors ``A = Σ_n H_n``, ``B = hᵀ h / N`` on the frozen body's features ``h``."""
+    with torch.no_grad():
+        h = model[1](model[0](X))
+        p = model[2](h).softmax(-1)
+    H = (torch.diag_embed(p) - p[:, :, None] * p[:, None, :]) / len(y)  # per-sample ∇²_f loss
+    weight = sum(torch.kron(H_n, torch.outer(h_n, h_n)) for H_n, h_n in zip(H, h))
+    return {"2.weight": weight, "2.bias": H.sum(0)}, H.sum(0), h.T @ h / len(y)
+
+
+def head_updates_by_hand(method: str, model: nn.Module, X: Tensor, y: Tensor) -> dict:
+    """The first preconditioned gradient of the head's parameters, densely."""
+    blocks, A, B = head_curvature_by_hand(model, X, y)
+    loss = nn.functional.cross_entropy(model(X), y)
+    head = dict(model[2].named_parameters())
+    grads = dict(zip(head, torch.autograd.grad(loss, list(head.values()))))
+    found = {}
+    for name, g in grads.items():
+        block, kfac = blocks[f"2.{name}"], torch.kron(A, B) if name == "weight" else A
+        if method == "diag_ggn":
+            found[f"2.{name}"] = g / (block.diagonal().view(g.shape) + DAMPING)
+            continue
+        if method == "ekfac":
+            Qs = [torch.linalg.eigh(f)[1] for f in ((A, B) if name == "weight" else (A,))]
+            Q = Qs[0] if len(Qs) == 1 else torch.kron(*Qs)
+            kfac = Q @ torch.diag((Q.T @ block @ Q).diagonal()) @ Q.T
+        found[f"2.{name}"] = torch.linalg.solve(damped(kfac), g.reshape(-1)).view(g.shape)
+    return found
+
+
+@pytest.mark.parametrize("method", ["kfac", "ekfac", "diag_ggn"])
+def test_optimizers_leave_out_parameters_that_do_not_require_grad(method):
+    """Fine-tuning the head: the frozen layer (even with a stale ``.grad``) stays where it is,
+    the head moves by ``-lr`` times its damped curvature's solve, computed by hand."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 3)).double()
+    X, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    loss = nn.CrossEntropyLoss()
+    loss(model(X), y).backward()  # earlier training left gradients
+    model[0].requires_grad_(False)  # then the first layer is frozen
+    frozen = [p.detach().clone() for p in model[0].parameters()]
+    before = {k: p.detach().clone() for k, p in model[2].named_parameters()}
+    expected = head_updates_by_hand(method, model, X, y)
+    opt = OPTIMIZER[method](model, lr=LR, damping=DAMPING, loss=loss, mc_samples=None)
+    opt.zero_grad()
+    loss(model(X), y).backward()
+    opt.step(batch=(X, y))
+    for p, value in zip(model[0].parameters(), frozen):
+        assert torch.equal(p.detach(), value)
+    for name, p in model[2].named_parameters():
+        move = p.detach() - before[name]
+        torch.testing.assert_close(move, -LR * expected[f"2.{name}"], msg=name)
+    curvature = opt.transformation_state.curvature
+    assert sorted(curvature.factors if method == "ekfac" else curvature) == ["2.bias", "2.weight"]
+
+
+def test_freezing_after_the_optimizer_was_made_and_a_model_without_trainables_are_named():
+    model = small_model()
+    X, y = digits_like(8)
+    opt = pf.optim.KFAC(model, loss=nn.CrossEntropyLoss())
+    model[0].requires_grad_(False)
+    nn.functional.cross_entropy(model(X.double()), y).backward()
+    with pytest.raises(ValueError, match=r"\['0.weight', '0.bias'\] no longer require grad"):
+        opt.step(batch=(X.double(), y))
+    with pytest.raises(ValueError, match="no parameter that requires grad"):
+        pf.optim.DiagGGN(model.requires_grad_(False))

@@ -190,6 +190,23 @@ def check_rerun(plan: Plan, rerun: str) -> None:
         )
 
 
+_OTHER_SAMPLES = 7
+"""How many other samples' paths a batch whose calls follow no discovered plan tries."""
+
+
+def _other_samples(n: int) -> list[int]:
+    """Samples besides the first to discover on: the last, and others spread in between.
+
+    Example:
+        >>> _other_samples(2), _other_samples(100)
+        ([1], [99, 1, 17, 34, 50, 66, 83])
+    """
+    if n < 2:
+        return []
+    spread = torch.linspace(1, n - 1, min(_OTHER_SAMPLES, n - 1)).round().long().tolist()
+    return [n - 1, *[i for i in dict.fromkeys(spread) if i != n - 1]]
+
+
 class BatchPass:
     """Discovery and the batch pass of ``loss(model_fn(params, X), y)``.
 
@@ -274,19 +291,26 @@ class BatchPass:
         )
 
     def _recorded(self, reuse: ReusedRecord | None, mark: GeneratorMark) -> BatchRecord:
-        """The batch pass's record; a cached plan the code does not follow is discovered again."""
+        """The batch pass's record, with a plan the batch's calls follow.
+
+        A cached plan the code does not follow is discovered again; where the batch does not
+        follow the first sample's path either (code that skips a padding mask for a sample
+        without padding, run on a batch with some), a few other samples' paths are tried.
+        """
         try:
             return self._batch_pass(reuse)
-        except PlanMismatch:
-            if not self._cached:
-                raise
-            forget_plan(self.model_fn)  # the code took another path: discover it again
-            mark.rewind()  # and run it on the random numbers the stopped pass began with
-            self._put_back()  # and on the attributes it began with
-            self.plan, self._cached = cached_discover(
-                self.model_fn, self.params, self.leaves, self.X
-            )
-            return self._batch_pass(reuse)
+        except PlanMismatch as mismatch:
+            samples = ([0] if self._cached else []) + _other_samples(self.n)
+            for sample in samples:
+                forget_plan(self.model_fn)  # the code took another path: discover it again
+                mark.rewind()  # and run it on the random numbers the stopped pass began with
+                self._put_back()  # and on the attributes it began with
+                self.plan, self._cached = cached_discover(
+                    self.model_fn, self.params, self.leaves, self.X, sample
+                )
+                with contextlib.suppress(PlanMismatch):
+                    return self._batch_pass(reuse)
+            raise mismatch
 
     def _batch_pass(self, reuse: ReusedRecord | None) -> BatchRecord:
         """The reused record if its forward pass fits the plan, else that of packfunc's own pass."""

@@ -148,8 +148,11 @@ class Plan:
     """The functions of the calls on parameters that were decomposed or changed (an RNN,
     attention, BatchNorm; see :data:`~packfunc.engine.modes.REWRITTEN_OPS`)."""
     first_output: Tensor | None = None
-    """The model's output for the first sample alone, until a batch pass compared it with its
-    own first row (:func:`check_rows_alone`)."""
+    """The model's output for the sample discovery ran on alone, until a batch pass compared
+    it with that sample's row (:func:`check_rows_alone`)."""
+    sample: int = 0
+    """The sample of the batch discovery ran on (the first, unless the batch's calls
+    followed another sample's path: see :func:`cached_discover`)."""
 
     @property
     def rewritten(self) -> bool:
@@ -860,13 +863,14 @@ def check_rows_alone(
     if not (first.is_floating_point() and batch_output.is_floating_point()):
         plan.first_output = None
         return True
-    rows, which = batch_output.detach(), "first"
+    rows, index = batch_output.detach(), plan.sample
+    which = "the first sample" if index == 0 else f"sample {index}"
     if len(rows) < 2:  # one sample: its row is itself alone; nothing is checked, nor kept
         return False
     try:
-        what = difference_beyond_rounding(first, rows[:1])
+        what = difference_beyond_rounding(first, rows[index : index + 1])
         if what is None and last_alone is not None and len(rows) > 1:
-            what, which = difference_beyond_rounding(last_alone(), rows[-1:]), "last"
+            what, which = difference_beyond_rounding(last_alone(), rows[-1:]), "the last sample"
     except RuntimeError:  # values under vmap decide nothing
         if is_functorch_wrapped_tensor(first) or is_functorch_wrapped_tensor(rows):
             return False
@@ -875,7 +879,7 @@ def check_rows_alone(
         plan.first_output = None
         return True
     raise RowsNotAloneError(
-        f"the model's output for the {which} sample alone {what}: its row of the batch must "
+        f"the model's output for {which} alone {what}: its row of the batch must "
         "depend on that sample alone. Either an input is not batched along dim 0 (an input "
         "shared by the batch whose length equals the batch size, e.g. positions [T] with "
         "T = N: expand it to [N, ...] or close over it in model_fn), or a layer mixes "
@@ -927,7 +931,7 @@ _PLANS: weakref.WeakKeyDictionary[ModelFn, tuple[Hashable, Plan]] = weakref.Weak
 
 
 def cached_discover(
-    model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Any
+    model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Any, sample: int = 0
 ) -> tuple[Plan, bool]:
     """The plan of the last discovery for ``model_fn`` with the same signature, else a new one.
 
@@ -944,6 +948,9 @@ def cached_discover(
         params: The parameter pytree.
         leaves: Its flattened leaves.
         X: The batch of inputs.
+        sample: The sample a new plan is discovered on (another than the first where the
+            batch's calls did not follow the first sample's: a padding mask that code
+            skips for a sample without padding).
 
     Returns:
         ``(plan, cached)``: whether the plan came from an earlier call.
@@ -961,7 +968,8 @@ def cached_discover(
         entry = None
     if entry is not None and entry[0] == key:
         return entry[1], True
-    plan = discover(model_fn, params, leaves, select_samples(X, slice(0, 1)))
+    plan = discover(model_fn, params, leaves, select_samples(X, slice(sample, sample + 1)))
+    plan.sample = sample
     with contextlib.suppress(TypeError):
         _PLANS[model_fn] = (key, plan)
     return plan, False

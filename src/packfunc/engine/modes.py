@@ -182,6 +182,10 @@ class FunctionalMode(TorchFunctionMode):
             # no storage of its own (PyTorch raises): 0, so that nn.RNNBase.flatten_parameters
             # on CUDA sees the weights as aliased and stops before CUDNN_WEIGHT_LAYOUT
             return 0
+        if func is Tensor.requires_grad_ and is_functorch_wrapped_tensor(args[0]):
+            # a flag torch.func transforms track by themselves (and forbid setting): Hugging
+            # Face's gradient_checkpointing_enable() sets it on the embeddings' output
+            return args[0]
         if func in RECURRENT_OPS and self._decomposes_recurrent(args, kwargs):
             with self:
                 return run_recurrent(func, args, kwargs)

@@ -16,13 +16,15 @@ connections, LayerNorm, attention, shared weights, custom modules):
   :func:`packfunc.batch_grad` (empirical Fisher);
 * ``gradients``: :func:`packfunc.batch_grad`; ``jacobians``: per-sample Jacobians
   ``[N, C, P]`` as the square-root columns of ``MSELoss(reduction="sum")``, whose
-  Hessian ``2 I`` has the root ``√2 I``.
+  Hessian ``2 I`` has the root ``√2 I`` (refused for a model that draws random numbers,
+  such as dropout in training mode: the outputs and the Jacobians come from two runs).
 
 laplace's conventions are kept: its loss (``MSELoss``/``CrossEntropyLoss`` with
 ``reduction="sum"``) and ``factor`` (``1/2`` for regression), parameters that do not
 require grad left out, ``last_layer`` (curvature of ``model.last_layer`` on the
 features), ``subnetwork_indices`` (indices into the flattened parameters) and the
-Kronecker factors' rescaling by batch size over data-set size.
+Kronecker factors' rescaling by batch size over data-set size (of the factor that is a
+batch mean: the second, or the first for a weight stored ``[in, out]``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ except ImportError as error:  # pragma: no cover - exercised without laplace ins
     ) from error
 
 import packfunc as pf
+from packfunc.engine.discovery import cached_discover, forget_plan
+from packfunc.engine.ops import LayerKind
+from packfunc.engine.randomness import GeneratorMark, RandomModelError
+from packfunc.functionalize import flatten_params
 from packfunc.kronecker_factors import sqrt_factors_and_loss
 from packfunc.types import Inputs, ModelFn
 
@@ -131,9 +137,18 @@ class PackfuncInterface(CurvatureInterface):
 
         Returns:
             ``(Js, f)``: Jacobians ``[N, C, P]`` and outputs ``[N, C]``.
+
+        Raises:
+            RandomModelError: for a model that draws random numbers (dropout in training
+                mode): ``f`` and the Jacobians come from two runs of it, which would draw
+                two masks. Call ``model.eval()`` (laplace's ``fit`` does).
         """
+        mark = GeneratorMark([*self.model.parameters(), *_tensors_of(x)])
         model_fn, params, inputs = self._problem(x, keep_graph=enable_backprop)
         f = self.model(x)
+        if mark.moved():
+            mark.rewind()  # (the refusal leaves the random stream where it was)
+            raise _random_jacobians_error()
         n = f.shape[0]
 
         def rows(p: dict[str, Tensor], X: Inputs) -> Tensor:
@@ -173,9 +188,12 @@ class PackfuncInterface(CurvatureInterface):
         """Kronecker factors in laplace's ``Kron``, times ``factor``.
 
         GGN: KFLR (KFAC when ``stochastic``); EF: KFAC of the empirical Fisher. Weights
-        get ``[A (out×out), B (in×in)]`` with ``B`` rescaled by ``len(y) / N`` (as
-        laplace's other backends, so that batches add up to the data set); biases and
-        other one-dimensional parameters their exact (or sampled) block.
+        get packfunc's two factors, the output one summed over the batch and the input
+        one its mean, rescaled by ``len(y) / N`` (as laplace's other backends, so that
+        batches of any sizes add up to the data set): ``[A (out×out), B (in×in)]``, or
+        ``[B (in×in), A (out×out)]`` for a weight stored ``[in, out]`` (``x @ W``,
+        GPT-2's ``Conv1D``); biases and other one-dimensional parameters their exact
+        (or sampled) block.
 
         Args:
             x: Input batch.
@@ -197,15 +215,15 @@ class PackfuncInterface(CurvatureInterface):
             )
         model_fn, params, inputs = self._problem(x)
         factors, loss = self._kron_factors(model_fn, params, inputs, y)
+        in_out = in_out_weights(model_fn, params, inputs)  # (the plan those factors cached)
         blocks = self._unsupported_blocks(model_fn, params, inputs, y, factors)
-        scale = len(y) / N
         kfacs: list[Any] = []
         for name in params:
             found = factors[name]
             if found is None:
                 kfacs.append([blocks[name]])
-            elif len(found) == 2:  # [A, B]: B is a mean over the batch, rescaled to the data
-                kfacs.append([found[0], found[1] * scale])
+            elif len(found) == 2:
+                kfacs.append(batch_mean_rescaled(found, len(y) / N, in_out=name in in_out))
             else:
                 kfacs.append(list(found))
         return self.factor * loss, Kron(kfacs) * self.factor
@@ -380,6 +398,94 @@ class PackfuncEF(PackfuncInterface, EFInterface):
         """The per-sample gradients ``[N, p]``."""
         grads = pf.batch_grad(model_fn, params, inputs, y, loss=self._loss_module)
         return {name: g.flatten(1) for name, g in grads.items()}
+
+
+def _tensors_of(x: Tensor | MutableMapping[str, Any]) -> list[Tensor]:
+    """The tensors of laplace's input batch (a tensor, or a dict of them and other values)."""
+    values = x.values() if isinstance(x, MutableMapping) else [x]
+    return [value for value in values if isinstance(value, Tensor)]
+
+
+def _random_jacobians_error() -> RandomModelError:
+    """The refusal of :meth:`PackfuncInterface.jacobians` for a model that draws random numbers.
+
+    Returns:
+        The error, naming why and the fix.
+
+    Example:
+        >>> "model.eval()" in str(_random_jacobians_error())
+        True
+    """
+    return RandomModelError(
+        "the model draws random numbers in its forward pass (e.g. dropout in training "
+        "mode), and jacobians runs it twice, for the outputs f and for packfunc's pass that "
+        "gives the Jacobians: they would come from different random draws (dropout masks). "
+        "Call model.eval() first (laplace's fit does), or use laplace's own "
+        "CurvatureInterface.jacobians, which runs the model once."
+    )
+
+
+def in_out_weights(model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs) -> set[str]:
+    """Names of the parameters of linear layers whose weight is stored ``[in, out]``.
+
+    Those are the weights of ``x @ W`` and GPT-2's ``Conv1D``; their Kronecker factors
+    come as ``[in×in, out×out]`` (see ``docs/conventions.md``). Read from packfunc's
+    discovery plan, cached for ``model_fn`` by the batch pass that made the factors (call
+    this right after it). A plan discovered here instead is not left in the cache: its
+    rows were not checked against a batch, which the next batch pass would take as done.
+
+    Args:
+        model_fn: The model function the factors were computed with.
+        params: Its parameters.
+        inputs: The batch of inputs.
+
+    Returns:
+        The parameter names (the biases of such layers included).
+
+    Example:
+        >>> model_fn, params = pf.functional(torch.nn.Linear(3, 2))
+        >>> in_out_weights(model_fn, params, torch.randn(4, 3))
+        set()
+        >>> in_out_weights(lambda p, x: x @ p["W"], {"W": torch.randn(3, 2)}, torch.randn(4, 3))
+        {'W'}
+    """
+    leaves, _, names = flatten_params(params)
+    plan, cached = cached_discover(model_fn, params, leaves, inputs)
+    if not cached:
+        forget_plan(model_fn)
+    return {
+        names[leaf]
+        for site in plan.sites
+        if site.call.transposed and site.call.op is not None
+        if site.call.op.kind is LayerKind.LINEAR
+        for _, leaf in site.call.leaves
+    }
+
+
+def batch_mean_rescaled(factors: list[Tensor], scale: float, *, in_out: bool) -> list[Tensor]:
+    """A weight's two Kronecker factors with the batch-mean (input) factor times ``scale``.
+
+    packfunc's input factor is a mean over the batch, its output factor a sum; laplace
+    adds the factors of all batches, so the mean is rescaled by ``len(y) / N`` to make
+    batches of unequal sizes add up to the data set.
+
+    Args:
+        factors: ``[out×out, in×in]``, or ``[in×in, out×out]`` when ``in_out``.
+        scale: The batch's share of the data set, ``len(y) / N``.
+        in_out: Whether the weight is stored ``[in, out]`` (its input factor first).
+
+    Returns:
+        The two factors, in their order.
+
+    Example:
+        >>> A, B = torch.eye(2), torch.eye(3)
+        >>> [f.trace().item() for f in batch_mean_rescaled([A, B], 0.5, in_out=False)]
+        [2.0, 1.5]
+        >>> [f.trace().item() for f in batch_mean_rescaled([B, A], 0.5, in_out=True)]
+        [1.5, 2.0]
+    """
+    first, second = factors
+    return [first * scale, second] if in_out else [first, second * scale]
 
 
 __all__ = ["PackfuncEF", "PackfuncGGN", "PackfuncInterface"]

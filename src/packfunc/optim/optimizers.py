@@ -40,16 +40,20 @@ class CurvatureOptimizer(torch.optim.Optimizer):
     The base of :class:`KFAC`, :class:`EKFAC` and :class:`DiagGGN`; give it any
     :class:`~packfunc.optim.transforms.GradientTransformation` of the model's named
     parameters (a dict, as from :func:`packfunc.functional`). It holds one parameter
-    group, all of the model's parameters. ``state_dict()`` carries the transformation's
-    state (a pytree of NamedTuples: ``torch.load`` it with ``weights_only=False``).
+    group, the model's parameters that require grad: a frozen parameter
+    (``requires_grad=False`` when the optimizer is made) is left out and left where it is,
+    as ``torch.optim``'s optimizers leave a parameter without gradient; the curvature is
+    that of the trainable ones, the frozen ones being constants of the model.
+    ``state_dict()`` carries the transformation's state (a pytree of NamedTuples:
+    ``torch.load`` it with ``weights_only=False``).
 
     Args:
-        model: The module to train (all its parameters).
+        model: The module to train (its parameters that require grad).
         transformation: Maps the gradients to the updates (without the learning rate).
         lr: Learning rate.
 
     Raises:
-        ValueError: for a negative learning rate.
+        ValueError: for a negative learning rate, or a model without trainable parameters.
 
     Example:
         >>> model = torch.nn.Linear(3, 2)
@@ -63,7 +67,11 @@ class CurvatureOptimizer(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, transformation: GradientTransformation, lr: float = 1e-2):
         if not lr >= 0:
             raise ValueError(f"lr must be non-negative; got {lr!r}.")
-        self._named = dict(model.named_parameters())
+        self._named = trainable_parameters(model)
+        if not self._named:
+            raise ValueError(
+                f"{type(model).__name__} has no parameter that requires grad: nothing to train."
+            )
         super().__init__(list(self._named.values()), {"lr": lr})
         self.transformation = transformation
         self.transformation_state: Any = transformation.init(
@@ -89,7 +97,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             The closure's loss, or ``None`` without a closure.
 
         Raises:
-            ValueError: if a parameter has no gradient, or (a
+            ValueError: if a parameter has no gradient or was frozen after the optimizer
+                was made, or (a
                 :class:`~packfunc.optim.transforms.MissingBatchError`) if this step
                 refreshes the curvature and no batch was given.
         """
@@ -102,12 +111,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__} preconditions one parameter group (the model's); "
                 f"got {len(self.param_groups)}. Train other parameters with another optimizer."
             )
-        missing = [name for name, p in self._named.items() if p.grad is None]
-        if missing:
-            raise ValueError(
-                f"no gradient for {missing}: call loss.backward() before opt.step(batch=(X, y)),"
-                " or pass a closure that does."
-            )
+        self._check_gradients()
         with torch.no_grad():
             grads = {name: p.grad for name, p in self._named.items()}
             params = {name: p.detach() for name, p in self._named.items()}
@@ -129,6 +133,27 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 alpha=-lr,
             )
         return loss
+
+    def _check_gradients(self) -> None:
+        """Refuse a step where a parameter has no gradient, naming why.
+
+        Raises:
+            ValueError: naming the parameters frozen since the optimizer was made, or
+                those without ``.grad``.
+        """
+        frozen = [name for name, p in self._named.items() if not p.requires_grad]
+        if frozen:
+            raise ValueError(
+                f"{frozen} no longer require grad: they were frozen after "
+                f"{type(self).__name__} was made, whose curvature includes them. Make a new "
+                "optimizer after freezing (it leaves out parameters that do not require grad)."
+            )
+        missing = [name for name, p in self._named.items() if p.grad is None]
+        if missing:
+            raise ValueError(
+                f"no gradient for {missing}: call loss.backward() before opt.step(batch=(X, y)),"
+                " or pass a closure that does."
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state: ``torch.optim``'s, and the transformation's state.
@@ -158,7 +183,7 @@ class KFAC(CurvatureOptimizer):
     """KFAC: :func:`~packfunc.optim.transforms.scale_by_kfac` as a ``torch.optim.Optimizer``.
 
     Args:
-        model: The module to train (all its parameters).
+        model: The module to train (its parameters that require grad).
         lr: Learning rate.
         damping: Damping of the curvature.
         loss: The loss module used in training (default ``CrossEntropyLoss()``).
@@ -213,7 +238,7 @@ class EKFAC(CurvatureOptimizer):
     """EKFAC: :func:`~packfunc.optim.transforms.scale_by_ekfac` as a ``torch.optim.Optimizer``.
 
     Args:
-        model: The module to train (all its parameters).
+        model: The module to train (its parameters that require grad).
         lr: Learning rate.
         damping: Damping of the curvature.
         loss: The loss module used in training (default ``CrossEntropyLoss()``).
@@ -264,7 +289,7 @@ class DiagGGN(CurvatureOptimizer):
     Adam-like, without the square root.
 
     Args:
-        model: The module to train (all its parameters).
+        model: The module to train (its parameters that require grad).
         lr: Learning rate.
         damping: Added to the diagonal.
         loss: The loss module used in training (default ``CrossEntropyLoss()``).
@@ -300,6 +325,24 @@ class DiagGGN(CurvatureOptimizer):
             generator=generator,
         )
         super().__init__(model, transformation, lr)
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The named parameters of ``model`` that require grad (those an optimizer trains).
+
+    Args:
+        model: The module.
+
+    Returns:
+        Name to parameter, in ``named_parameters()`` order.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+        >>> _ = model[0].requires_grad_(False)
+        >>> list(trainable_parameters(model))
+        ['1.weight', '1.bias']
+    """
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
 __all__ = ["EKFAC", "KFAC", "CurvatureOptimizer", "DiagGGN"]

@@ -35,7 +35,9 @@ The curvature ``C`` is
   ``mc_samples``), refreshed every ``update_period`` steps.
 
 Step 0 always refreshes the curvature and its inverse. Parameters without a Kronecker
-rule, and transposed convolutions, are refused by the Kronecker preconditioners.
+rule, and transposed convolutions, are refused by the Kronecker preconditioners; a linear
+weight stored ``[in, out]`` (``x @ W``, GPT-2's ``Conv1D``) is preconditioned in that
+layout (its factors come as ``[in×in, out×out]``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from torch import Tensor, nn
 from packfunc import kron
 from packfunc.eigen_kfac import ekfac, ekfac_and_factors
 from packfunc.engine.discovery import discover
+from packfunc.engine.ops import LayerKind, SiteCall
 from packfunc.functionalize import flatten_params, select_samples
 from packfunc.kronecker_factors import kfac, kflr
 from packfunc.losses import default_loss
@@ -525,13 +528,19 @@ def _approx_option(kfac_approx: KfacApprox | None) -> dict[str, Any]:
 def _refuse_transposed_convolutions(model_fn: ModelFn, params: Params, X: Inputs) -> None:
     """Refuse transposed convolutions: their factors are in the ``weight.transpose(0, 1)`` layout.
 
+    A linear weight stored ``[in, out]`` (``x @ W``, GPT-2's ``Conv1D``) is not refused:
+    its factors ``[in×in, out×out]`` are in its own layout.
+
     Raises:
         ValueError: naming the parameters of transposed convolutions.
     """
     leaves, _, names = flatten_params(params)
     plan = discover(model_fn, params, leaves, select_samples(X, slice(0, 1)))
     used = {
-        names[leaf] for site in plan.sites if site.call.transposed for _, leaf in site.call.leaves
+        names[leaf]
+        for site in plan.sites
+        if _is_transposed_convolution(site.call)
+        for _, leaf in site.call.leaves
     }
     if used:
         raise ValueError(
@@ -540,6 +549,25 @@ def _refuse_transposed_convolutions(model_fn: ModelFn, params: Params, X: Inputs
             "scale_by_diag_ggn (DiagGGN), or apply packfunc.kron to the transposed weights "
             "yourself."
         )
+
+
+def _is_transposed_convolution(call: SiteCall) -> bool:
+    """Whether a site calls a transposed convolution (not a linear weight stored ``[in, out]``).
+
+    Args:
+        call: The site's call in a discovery plan.
+
+    Returns:
+        ``True`` for ``conv_transposeNd``; ``False`` for ``x @ W`` and every other op.
+
+    Example:
+        >>> import torch.nn.functional as F
+        >>> from packfunc.engine.ops import SIGNATURES, linear_in_out
+        >>> [_is_transposed_convolution(SiteCall(SIGNATURES[op], (), ()))
+        ...  for op in (F.conv_transpose1d, linear_in_out, F.linear)]
+        [True, False, False]
+    """
+    return call.transposed and call.op is not None and call.op.kind is LayerKind.CONVOLUTION
 
 
 def _exact_inverse(curvature: Any, damping: float) -> Any:
