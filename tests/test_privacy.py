@@ -699,3 +699,142 @@ def test_clipped_grad_and_norms_compose_with_torch_func():
     total(leaves).backward()
     for key, value in leaves.items():
         torch.testing.assert_close(by_transform[key], value.grad)
+
+
+def _colliding() -> tuple[dict, object, torch.Tensor, torch.Tensor]:
+    """Params whose two leaves both join to the name ``a.0``, a model using both, a batch."""
+    torch.manual_seed(0)
+    params = {"a": [torch.randn(4, 5, dtype=torch.float64)], "a.0": torch.randn(5, 3).double()}
+
+    def model_fn(p: dict, X: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(X @ p["a"][0]) @ p["a.0"]
+
+    return params, model_fn, torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+
+
+def test_two_leaves_of_one_dotted_name_are_refused() -> None:
+    """``{"a": [w0], "a.0": w1}``: both leaves were named ``a.0``, ``max_norm={"a.0": C}``
+    clipped each to ``C`` (one sample's contribution of norm √2·C) while the noise was sized
+    for ``C`` (std 1.000·C where √2·C = 1.414·C was due)."""
+    params, model_fn, X, y = _colliding()
+    found = "both named 'a.0': the paths \\('a', 0\\) and \\('a.0',\\).*Rename a key"
+    with pytest.raises(ValueError, match=found):
+        pf.functionalize.flatten_params(params)
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    with pytest.raises(ValueError, match=found):
+        pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm={"a.0": 1.0})
+    private = _unit_noise(model_fn, loss, {"a.0": 1.0})
+    with pytest.raises(ValueError, match=found):  # the noise alone, from an empty batch
+        private.update(None, private.init(params), params, (X[:0], y[:0]))
+    renamed = {"a": params["a"], "b": params["a.0"]}
+    assert pf.functionalize.flatten_params(renamed)[2] == ["a.0", "b"]
+
+
+def test_private_gradient_checks_bounds_by_name_also_for_the_noise_alone() -> None:
+    """An empty batch draws the noise without clipping: a bound missing for a parameter
+    would have sized the noise for the others alone."""
+    model, loss, X, y = _problem()
+    model_fn, params = pf.functional(model)
+    private = _unit_noise(model_fn, loss, {"0.weight": 1.0})
+    with pytest.raises(ValueError, match="missing \\['0.bias', '2.bias', '2.weight'\\]"):
+        private.update(None, private.init(params), params, (X[:0], y[:0]))
+
+
+@pytest.mark.parametrize("sigma", [float("inf"), -1.0, float("nan")])
+def test_a_noise_multiplier_negative_infinite_or_nan_is_refused(sigma: float) -> None:
+    """σ = inf made every entry of the private gradient ±inf; private_gradient and
+    DPOptimizer took any σ at construction."""
+    model, loss, X, y = _problem()
+    model_fn, params = pf.functional(model)
+    batch = autograd_batch_grad(model, loss, X, y)
+    calls = {
+        "add_noise": lambda: pf.privacy.add_noise({"w": torch.zeros(3)}, 1.0, sigma),
+        "clip_and_noise": lambda: pf.clip_and_noise(batch, 1.0, sigma),
+        "private_gradient": lambda: pf.privacy.private_gradient(
+            model_fn, max_norm=1.0, noise_multiplier=sigma, expected_batch_size=4, loss=loss
+        ),
+        "DPOptimizer": lambda: pf.privacy.DPOptimizer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            max_norm=1.0,
+            noise_multiplier=sigma,
+            expected_batch_size=4,
+            loss=loss,
+        ),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=f"{name} needs a finite noise_multiplier σ >= 0"):
+            call()
+
+
+def test_a_mean_loss_is_refused_when_the_private_gradient_is_made() -> None:
+    """A mean was accepted at construction (and an empty batch's step), refused only at the
+    first step with samples."""
+    model, _, _, _ = _problem()
+    model_fn, _ = pf.functional(model)
+    mean = nn.CrossEntropyLoss()
+    with pytest.raises(ValueError, match="private_gradient needs a loss with reduction='sum'"):
+        pf.privacy.private_gradient(
+            model_fn, max_norm=1.0, noise_multiplier=1.0, expected_batch_size=4, loss=mean
+        )
+    with pytest.raises(ValueError, match="DPOptimizer needs a loss with reduction='sum'"):
+        pf.privacy.DPOptimizer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            max_norm=1.0,
+            noise_multiplier=1.0,
+            expected_batch_size=4,
+            loss=mean,
+        )
+
+
+def _noisy_dp_adam(model: nn.Module, seed: int | None) -> pf.privacy.DPOptimizer:
+    """DP-Adam with noise, from ``torch.Generator().manual_seed(seed)`` (``None``: global)."""
+    return pf.privacy.DPOptimizer(
+        model,
+        torch.optim.Adam(model.parameters(), lr=0.1),
+        max_norm=0.3,
+        noise_multiplier=1.0,
+        expected_batch_size=4,
+        loss=nn.CrossEntropyLoss(reduction="sum"),
+        generator=None if seed is None else torch.Generator().manual_seed(seed),
+    )
+
+
+def test_dp_optimizer_resumes_from_a_checkpoint_as_if_never_stopped() -> None:
+    """``state_dict``/``load_state_dict`` did not exist (AttributeError): a run stopped after
+    two steps and resumed in a fresh model and optimizer ends where the unbroken run does
+    (Adam's moments and the noise generator restored)."""
+    model, _, X, y = _problem()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    unbroken = _noisy_dp_adam(model, seed=0)
+    for _ in range(4):
+        unbroken.step(batch=(X, y))
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(start)
+    first = _noisy_dp_adam(model, seed=0)
+    for _ in range(2):
+        first.step(batch=(X, y))
+    checkpoint = (model.state_dict(), first.state_dict())
+    resumed_model = _problem()[0]
+    resumed_model.load_state_dict(checkpoint[0])
+    resumed = _noisy_dp_adam(resumed_model, seed=123)
+    resumed.load_state_dict(checkpoint[1])
+    for _ in range(2):
+        resumed.step(batch=(X, y))
+    assert_trees_close(dict(resumed_model.state_dict()), expected)
+    with pytest.raises(ValueError, match="has no generator"):
+        _noisy_dp_adam(resumed_model, seed=None).load_state_dict(checkpoint[1])
+
+
+def test_dp_optimizer_param_groups_are_the_optimizers_for_schedulers() -> None:
+    """``dp.param_groups`` raised AttributeError; a scheduler takes ``dp.optimizer``."""
+    model, _, X, y = _problem()
+    dp = _noisy_dp_adam(model, seed=0)
+    assert dp.param_groups is dp.optimizer.param_groups
+    scheduler = torch.optim.lr_scheduler.StepLR(dp.optimizer, step_size=1, gamma=0.5)
+    dp.step(batch=(X, y))
+    scheduler.step()
+    assert dp.param_groups[0]["lr"] == 0.05
+    dp.load_state_dict(dp.optimizer.state_dict())  # the wrapped optimizer's own, as saved
+    assert dp.param_groups[0]["lr"] == 0.05

@@ -590,3 +590,45 @@ def test_a_failed_call_does_not_leave_its_batch_to_check_the_next_one(bad_call):
     found = pf.batch_grad(fn, p, X2, y)
     expected = torch.func.grad(lambda q: nn.functional.cross_entropy(fn(q, X2), y))(p)
     assert all(torch.allclose(found[k].sum(0), expected[k]) for k in p)
+
+
+class _AddsToItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        x.add_(1.0)
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("quantity", ["diag_hessian", "batch_diag_hessian"])
+def test_a_refused_hessian_changes_an_input_changed_in_place_once(quantity):
+    """The piecewise-affine probe ran the model on the batch's memory: a model adding to its
+    input in place changed the batch twice before the refusal (found by a probe)."""
+    fn, p = pf.functional(_AddsToItsInput().double())
+    X = torch.zeros(4, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="changes its input in place"):
+        getattr(pf, quantity)(fn, p, X, torch.tensor([0, 1, 1, 0]))
+    assert torch.equal(X, torch.ones(4, 3, dtype=torch.float64))
+
+
+def test_a_product_through_a_model_changing_its_input_names_the_input():
+    fn, p = pf.functional(_AddsToItsInput().double())
+    v = {k: torch.ones_like(t) for k, t in p.items()}
+    with pytest.raises(ValueError, match="its input X"):
+        pf.hessian_vector_product(fn, p, torch.zeros(4, 3).double(), torch.tensor([0, 1, 1, 0]), v)
+
+
+def test_a_refused_product_puts_back_the_buffers_its_forward_updated():
+    """Spectral norm's power iteration (training mode) ran in the product's forward before
+    the refusal, and its buffers stayed changed (found by a probe)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    torch.nn.utils.parametrizations.spectral_norm(model[0])
+    before = {k: b.clone() for k, b in model.named_buffers()}
+    fn, p = pf.functional(model)
+    v = {k: torch.ones_like(t) for k, t in p.items()}
+    with pytest.raises((ValueError, RuntimeError)):
+        pf.ggn_vector_product(fn, p, torch.randn(4, 3).double(), torch.tensor([0, 1, 1, 0]), v)
+    assert all(torch.equal(b, before[k]) for k, b in model.named_buffers())

@@ -274,10 +274,11 @@ _UNTRANSFORMABLE = (
 
 
 _MUTATES_CAPTURED = (
-    "model_fn changes in place a tensor it does not take as an argument (a buffer: a counter, "
-    "a running statistic; see the error above), and this quantity differentiates through the "
-    "model with torch.func, which cannot run that. Call model.eval() or stop the update in "
-    "the forward before computing this; per-sample gradients, their moments, clipped sums, "
+    "model_fn changes in place a tensor that torch.func does not differentiate (a buffer: a "
+    "counter, a running statistic; or its input X: x.add_(...); see the error above), and "
+    "this quantity differentiates through the model with torch.func, which cannot run that. "
+    "Call model.eval() or stop the update in the forward, and change the input out of place "
+    "(x = x + 1), before computing this; per-sample gradients, their moments, clipped sums, "
     "GGN diagonals and Kronecker factors run such a model as your forward does."
 )
 
@@ -453,6 +454,7 @@ def flatten_params(params: Any) -> tuple[list[Tensor], optree.PyTreeSpec, list[s
 
     Raises:
         TypeError: if a leaf is not a floating-point tensor.
+        ValueError: if two leaves get the same name (see :func:`leaf_names`).
 
     Example:
         >>> leaves, spec, names = flatten_params({"w": torch.zeros(2)})
@@ -460,7 +462,7 @@ def flatten_params(params: Any) -> tuple[list[Tensor], optree.PyTreeSpec, list[s
         ['w']
     """
     paths, leaves, treespec = optree.tree_flatten_with_path(params)
-    names = [".".join(str(key) for key in path) or "<root>" for path in paths]
+    names = leaf_names(paths)
     for name, leaf in zip(names, leaves):
         if not isinstance(leaf, Tensor):
             raise TypeError(
@@ -474,6 +476,40 @@ def flatten_params(params: Any) -> tuple[list[Tensor], optree.PyTreeSpec, list[s
                 "close over them in model_fn)."
             )
     return leaves, treespec, names
+
+
+def leaf_names(paths: list[tuple[Any, ...]]) -> list[str]:
+    """Name every leaf by its path's keys joined with dots; refuse two leaves of one name.
+
+    Names select leaves (``max_norm={name: C}``, results by name): two leaves of one name
+    (``{"a": [w0], "a.0": w1}``: both ``a.0``) would both take one entry's option, and the
+    noise of DP-SGD be sized for one of them.
+
+    Args:
+        paths: The leaves' paths (tuples of keys), as ``optree.tree_flatten_with_path``'s.
+
+    Returns:
+        The names, ``"<root>"`` for a bare tensor.
+
+    Raises:
+        ValueError: naming the two paths of a name given twice.
+
+    Example:
+        >>> leaf_names([("a", 0), ("b",)])
+        ['a.0', 'b']
+    """
+    names = [".".join(str(key) for key in path) or "<root>" for path in paths]
+    first: dict[str, tuple[Any, ...]] = {}
+    for name, path in zip(names, paths):
+        if name in first:
+            raise ValueError(
+                f"two leaves of params are both named {name!r}: the paths {first[name]!r} "
+                f"and {path!r} join with dots to the same name, so per-parameter options "
+                "(max_norm={name: C}) and results by name cannot tell them apart. Rename a "
+                "key (e.g. one without '.') so that every leaf has a name of its own."
+            )
+        first[name] = path
+    return names
 
 
 def batch_size(X: Any) -> int:

@@ -10,11 +10,14 @@ A *curvature pytree* is shaped like ``params``; each entry is one of
   function here passes it through, so the result has ``None`` there too.
 
 A parameter ``V`` multiplies the entry in the Kronecker layout ``V.reshape(dim A, dim B)``
-(row-major: a linear weight ``[out, in]``, a convolution weight ``[out, in·k…]``). A
-transposed convolution's factors belong to ``weight.transpose(0, 1)`` (one group), so
-apply them to that. All factors are symmetric positive semi-definite; eigenvalues
-below zero (rounding) are clamped to zero. Eigendecompositions are batched: equal-shaped
-factors of all layers are stacked and decomposed by one ``torch.linalg.eigh``.
+(row-major: a linear weight ``[out, in]``, a convolution weight ``[C_out, C_in/groups·k…]``).
+A transposed convolution's weight ``[C_in, C_out/groups, k…]`` has its factors in the layout
+of the convolution it transposes, ``[C_out, C_in/groups·k…]``: each group's channel axes
+swapped on their own, ``weight.unflatten(0, (groups, -1)).transpose(1, 2).flatten(0, 1)``
+(``weight.transpose(0, 1)`` only for one group), so apply them to that. All factors are
+symmetric positive semi-definite; eigenvalues below zero (rounding) are clamped to zero.
+Eigendecompositions are batched: equal-shaped factors of all layers are stacked and
+decomposed by one ``torch.linalg.eigh``.
 """
 
 from __future__ import annotations

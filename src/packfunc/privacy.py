@@ -26,9 +26,9 @@ from typing_extensions import Unpack
 
 from packfunc.data import DataOptions, over_data
 from packfunc.engine.statistics import clipping_factors
-from packfunc.evaluation import CLIPPING_EPS, one_quantity
-from packfunc.functionalize import functional
-from packfunc.losses import default_loss
+from packfunc.evaluation import CLIPPING_EPS, clipping_bounds, one_quantity
+from packfunc.functionalize import flatten_params, functional
+from packfunc.losses import check_loss, default_loss
 from packfunc.optim.transforms import EmptyState, GradientTransformation
 from packfunc.specs import SPECS
 from packfunc.types import (
@@ -116,24 +116,23 @@ def add_noise(
     Args:
         clipped_sum: The clipped sum (e.g. from :func:`clipped_grad`).
         max_norm: The clipping bound ``C``.
-        noise_multiplier: ``σ >= 0``.
+        noise_multiplier: ``σ >= 0``, finite.
         generator: Random generator for the noise (on the sum's device).
 
     Returns:
         Pytree like ``clipped_sum``.
 
     Raises:
-        ValueError: for a negative ``noise_multiplier`` or non-positive ``max_norm``.
+        ValueError: for a negative, infinite or NaN ``noise_multiplier``, or a ``max_norm``
+            that is not finite and positive.
 
     Example:
         >>> add_noise({"w": torch.zeros(3)}, 1.0, 0.0)["w"]
         tensor([0., 0., 0.])
     """
-    if not (noise_multiplier >= 0 and 0 < max_norm < math.inf):  # (NaN fails both)
-        raise ValueError(
-            f"add_noise needs noise_multiplier >= 0 and max_norm > 0; got {noise_multiplier!r}"
-            f" and {max_norm!r}."
-        )
+    _check_noise_multiplier(noise_multiplier, "add_noise")
+    if not 0 < max_norm < math.inf:  # (NaN is not)
+        raise ValueError(f"add_noise needs a finite max_norm > 0; got {max_norm!r}.")
     leaves, treespec = optree.tree_flatten(cast(Any, clipped_sum))
     integral = [i for i, leaf in enumerate(leaves) if not leaf.is_floating_point()]
     if integral:
@@ -143,6 +142,67 @@ def add_noise(
         )
     noisy = _plus_gaussian(leaves, noise_multiplier * max_norm, generator)
     return cast(ParamsT, optree.tree_unflatten(treespec, noisy))
+
+
+def _check_noise_multiplier(noise_multiplier: float, caller: str) -> None:
+    """Refuse a noise multiplier ``σ`` that is negative, infinite or NaN.
+
+    The noise's standard deviation is ``σ·C``: an infinite ``σ`` makes every coordinate of
+    the gradient ``±inf`` (and a NaN ``σ`` NaN), which no step can use.
+
+    Args:
+        noise_multiplier: ``σ``.
+        caller: The function or class named in the error.
+
+    Raises:
+        ValueError: naming ``caller`` and the value.
+
+    Example:
+        >>> _check_noise_multiplier(1.1, "add_noise")
+        >>> try:
+        ...     _check_noise_multiplier(float("inf"), "add_noise")
+        ... except ValueError as error:
+        ...     print(str(error)[:51])
+        add_noise needs a finite noise_multiplier σ >= 0 (0
+    """
+    if not 0 <= noise_multiplier < math.inf:  # (NaN is not)
+        raise ValueError(
+            f"{caller} needs a finite noise_multiplier σ >= 0 (0: no noise); got "
+            f"{noise_multiplier!r}. The noise's standard deviation is σ·max_norm: an infinite "
+            "σ would make every gradient entry ±inf."
+        )
+
+
+def _check_summed_loss(loss: nn.Module, caller: str) -> None:
+    """Refuse a loss whose reduction is not ``'sum'`` for a private gradient.
+
+    Clipping bounds each sample's gradient of its own loss; a mean scales them by the
+    batch's normalizer (which, with Poisson batches, varies from step to step).
+
+    Args:
+        loss: The loss module.
+        caller: The function or class named in the error.
+
+    Raises:
+        TypeError: for a loss packfunc does not support.
+        ValueError: for a reduction other than ``'sum'``.
+
+    Example:
+        >>> _check_summed_loss(nn.CrossEntropyLoss(reduction="sum"), "private_gradient")
+        >>> try:
+        ...     _check_summed_loss(nn.CrossEntropyLoss(), "private_gradient")
+        ... except ValueError as error:
+        ...     print(str(error)[:50])
+        private_gradient needs a loss with reduction='sum'
+    """
+    check_loss(loss)
+    if loss.reduction != "sum":
+        raise ValueError(
+            f"{caller} needs a loss with reduction='sum' (each sample's own loss, whose "
+            f"gradient clipping bounds); got {type(loss).__name__}(reduction="
+            f"{loss.reduction!r}). Pass {type(loss).__name__}(reduction='sum'): the private "
+            "gradient is divided by expected_batch_size after the noise is added."
+        )
 
 
 _NOISE_BUFFER = 2**22
@@ -251,6 +311,10 @@ class DPOptimizer:
     clipped together are, at each step, the model's parameters in the optimizer that
     require grad, at their current values (``p.data = ...``, ``model.to(...)`` are seen).
 
+    It is no ``torch.optim.Optimizer``: give a learning-rate scheduler the wrapped optimizer,
+    ``StepLR(dp.optimizer, ...)`` (``dp.param_groups`` are its groups). ``state_dict()`` and
+    ``load_state_dict()`` checkpoint the wrapped optimizer and the noise generator's state.
+
     Args:
         model: The module being trained (its trainable parameters are clipped together).
         optimizer: A ``torch.optim`` optimizer over those parameters.
@@ -259,6 +323,10 @@ class DPOptimizer:
         expected_batch_size: ``q·n`` for Poisson sampling (the batch size otherwise).
         loss: A loss with ``reduction='sum'`` (default ``CrossEntropyLoss(reduction='sum')``).
         generator: Random generator for the noise.
+
+    Raises:
+        ValueError: for a ``noise_multiplier`` that is negative, infinite or NaN, bounds
+            that are not finite and positive, or a loss without ``reduction='sum'``.
 
     Example:
         >>> model = torch.nn.Linear(3, 2)
@@ -280,7 +348,10 @@ class DPOptimizer:
         loss: nn.Module | None = None,
         generator: torch.Generator | None = None,
     ):
-        self.model, self.optimizer = model, optimizer
+        _check_noise_multiplier(noise_multiplier, "DPOptimizer")
+        if loss is not None:
+            _check_summed_loss(loss, "DPOptimizer")
+        self.model, self.optimizer, self.generator = model, optimizer, generator
         model_fn, _ = functional(model)
         self.private = private_gradient(
             model_fn,
@@ -294,6 +365,68 @@ class DPOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the wrapped optimizer's gradients."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups (the same list: set ``lr`` there).
+
+        Example:
+            >>> model = torch.nn.Linear(3, 2)
+            >>> dp = DPOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+            ...                  max_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+            >>> dp.param_groups[0]["lr"]
+            0.1
+        """
+        return self.optimizer.param_groups
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs: the wrapped optimizer's state and the generator's.
+
+        Returns:
+            ``{"optimizer": optimizer.state_dict(), "generator": generator.get_state()}``
+            (``None`` for the generator where none was given: the noise is drawn from
+            torch's global generator, which ``torch.get_rng_state`` saves).
+
+        Example:
+            >>> model = torch.nn.Linear(3, 2)
+            >>> dp = DPOptimizer(model, torch.optim.Adam(model.parameters()), max_norm=1.0,
+            ...                  noise_multiplier=1.0, expected_batch_size=4)
+            >>> sorted(dp.state_dict())
+            ['generator', 'optimizer']
+        """
+        drawn = None if self.generator is None else self.generator.get_state()
+        return {"optimizer": self.optimizer.state_dict(), "generator": drawn}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (or the wrapped optimizer's own state dict).
+
+        Args:
+            state_dict: As :meth:`state_dict` returned it; a plain optimizer's state dict
+                (``state`` and ``param_groups``) restores the wrapped optimizer alone.
+
+        Raises:
+            ValueError: for the state of a generator where this one has none (its noise
+                would not continue the checkpoint's).
+
+        Example:
+            >>> model = torch.nn.Linear(3, 2)
+            >>> dp = DPOptimizer(model, torch.optim.Adam(model.parameters()), max_norm=1.0,
+            ...                  noise_multiplier=1.0, expected_batch_size=4)
+            >>> dp.load_state_dict(dp.state_dict())
+        """
+        if "optimizer" not in state_dict:  # the wrapped optimizer's own
+            self.optimizer.load_state_dict(dict(state_dict))
+            return
+        drawn = state_dict.get("generator")
+        if drawn is not None and self.generator is None:
+            raise ValueError(
+                "DPOptimizer.load_state_dict: the checkpoint holds a noise generator's state "
+                "but this DPOptimizer has no generator; construct it with generator=a "
+                "torch.Generator to continue that noise."
+            )
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if drawn is not None and self.generator is not None:
+            self.generator.set_state(drawn)
 
     def step(self, *, batch: tuple[Inputs, Tensor]) -> None:
         """One DP-SGD step on ``batch``: private gradients into ``.grad``, then the update.
@@ -354,6 +487,13 @@ def private_gradient(
     Returns:
         The transformation (its state is an :class:`~packfunc.optim.EmptyState`).
 
+    Raises:
+        ValueError: at construction, for a ``noise_multiplier`` that is negative, infinite or
+            NaN, a non-positive ``expected_batch_size``, bounds that are not finite and
+            positive, or a loss without ``reduction='sum'``; at a step (an empty batch too),
+            for bounds by name that do not match ``params``' leaves one to one, or two
+            leaves of one name (:func:`~packfunc.functionalize.leaf_names`).
+
     Example:
         >>> from packfunc.optim import apply_updates, chain, scale
         >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 2))
@@ -366,7 +506,9 @@ def private_gradient(
     """
     if not expected_batch_size > 0:
         raise ValueError(f"expected_batch_size must be positive; got {expected_batch_size!r}.")
+    _check_noise_multiplier(noise_multiplier, "private_gradient")
     summed = loss or default_loss("sum")
+    _check_summed_loss(summed, "private_gradient")
     bound = _sensitivity(max_norm)
 
     def init(params: PyTree) -> EmptyState:
@@ -383,6 +525,9 @@ def private_gradient(
         if params is None or batch is None:
             raise ValueError("private_gradient needs params and the batch (X, y) at every step.")
         X, y = batch
+        # the bounds match the leaves one to one (two leaves of one name are refused), also
+        # for the noise alone: else one bound could clip two leaves, the noise sized for one
+        clipping_bounds(max_norm, flatten_params(params)[2])
         total: PyTree
         if y is not None and len(y) == 0:  # an empty Poisson batch: the noise alone
             total = cast(PyTree, optree.tree_map(torch.zeros_like, cast(Any, params)))
@@ -599,8 +744,8 @@ def clip_and_noise(
         batch_grads: Pytree of per-sample gradients, leaves ``[N, *p]`` (as from
             :func:`packfunc.batch_grad`).
         max_norm: The clipping bound ``C > 0``.
-        noise_multiplier: ``σ ≥ 0``; the noise added to the sum has standard deviation
-            ``σ·C`` (``0``: no noise, the mean of the clipped gradients).
+        noise_multiplier: ``σ ≥ 0``, finite; the noise added to the sum has standard
+            deviation ``σ·C`` (``0``: no noise, the mean of the clipped gradients).
         batch_l2: Optional pytree of the squared per-sample norms, leaves ``[N]`` (as from
             :func:`packfunc.batch_l2_grad`); computed from ``batch_grads`` when omitted.
         generator: Source of the noise, for reproducible runs (its device may differ from
@@ -610,8 +755,8 @@ def clip_and_noise(
         Pytree like ``batch_grads`` with leaves ``[*p]``: the privatized mean gradient.
 
     Raises:
-        ValueError: if ``max_norm`` is not positive, ``noise_multiplier`` is negative, or
-            the leaves do not share one positive number of samples.
+        ValueError: if ``max_norm`` is not positive, ``noise_multiplier`` is negative,
+            infinite or NaN, or the leaves do not share one positive number of samples.
 
     Example:
         >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 2))
@@ -628,8 +773,7 @@ def clip_and_noise(
         >>> grad["weight"].shape
         torch.Size([2, 3])
     """
-    if not noise_multiplier >= 0:  # (NaN is not)
-        raise ValueError(f"noise_multiplier must be non-negative, got {noise_multiplier}")
+    _check_noise_multiplier(noise_multiplier, "clip_and_noise")
     clipped = clip_per_sample(batch_grads, max_norm, batch_l2=batch_l2)
     num_samples = _num_samples(optree.tree_leaves(cast(Any, clipped)))
     total = cast(ParamsT, optree.tree_map(lambda g: g.sum(0), cast(Any, clipped)))

@@ -42,7 +42,7 @@ from packfunc.engine.memory import (
 from packfunc.engine.model_state import (
     attribute_restorer,
     buffer_restorer,
-    is_packfunc_tensor,
+    made_in_a_pass,
     users_forward,
 )
 from packfunc.engine.ops import SiteCall
@@ -268,8 +268,8 @@ class BatchPass:
             self.record = self._recorded(reuse, mark)
             if mark.moved():
                 self.plan.note_random(DEFAULT_GENERATOR_DRAW)
-            # what the user's forward sets stays, but not tensors of packfunc's own types
-            self._put_back(is_packfunc_tensor)
+            # what the user's forward sets stays, but not the tensors the pass made
+            self._put_back(made_in_a_pass)
             last = partial(last_sample_output, model_fn, params, X, self.n)
             checked = check_rows_alone(self.plan, self.record.output, last)  # a fresh plan's rows
         except RowsNotAloneError as error:  # (the plan is kept: it refuses every later pass)

@@ -10,8 +10,12 @@ cotangents (silently) or over samples (an error); with both operands expanded to
 common batch shape first it is exact. The fused recurrent cells (``nn.LSTMCell`` and the
 others' ``torch.lstm_cell``...) add their gates in place, which ``vmap`` cannot batch against
 an unbatched zero state; they run as ``F.linear`` calls and elementwise ops
-(:func:`~packfunc.engine.recurrent.run_cell`), whose weights are then layers of their own. The
-modes and the op-local rule run these in the ops' place; the values are the ops' own.
+(:func:`~packfunc.engine.recurrent.run_cell`), whose weights are then layers of their own.
+``torch._weight_norm`` (``nn.utils.parametrizations.weight_norm`` and the old
+``nn.utils.weight_norm``) runs a fused kernel for ``dim`` 0 or last whose double backward is
+wrong (plain autograd and ``torch.func``: half off in a Hessian) and which has no forward-mode
+rule; it runs as ``v * (g / ‖v‖)``. The modes and the op-local rule run these in the ops'
+place; the values are the ops' own.
 """
 
 from __future__ import annotations
@@ -27,7 +31,14 @@ from torch import Tensor
 
 from packfunc.engine.recurrent import CELL_OPS, run_cell
 
-__all__ = ["DECOMPOSED_OPS", "linalg_solve", "linalg_solve_ex", "prelu", "run_decomposed"]
+__all__ = [
+    "DECOMPOSED_OPS",
+    "linalg_solve",
+    "linalg_solve_ex",
+    "prelu",
+    "run_decomposed",
+    "weight_norm",
+]
 
 
 def prelu(input: Tensor, weight: Tensor) -> Tensor:
@@ -162,6 +173,54 @@ def linalg_solve_ex(
     return type(found)((X.squeeze(-1) if vector else X, info))
 
 
+def _fused_weight_norm(v: Tensor, g: Tensor, dim: int) -> bool:
+    """Whether ``torch._weight_norm(v, g, dim)`` runs torch's fused kernel.
+
+    Its rule (``aten/src/ATen/native/WeightNorm.cpp``): ``dim`` 0 or ``v.dim() - 1`` as
+    given (not ``-1``, nor another negative ``dim``), neither operand half.
+    """
+    half = torch.float16 in (v.dtype, g.dtype)
+    return not half and dim in (0, v.dim() - 1)
+
+
+def weight_norm(v: Tensor, g: Tensor, dim: int = 0) -> Any:
+    """``torch._weight_norm(v, g, dim)`` as ``v * (g / ‖v‖)``, the norm over all dims but ``dim``.
+
+    As torch's: ``dim=-1`` (what ``dim=None`` of ``nn.utils.weight_norm`` becomes) takes the
+    norm of the whole of ``v``; another negative ``dim`` counts from the end. Where torch runs
+    its fused kernel (:func:`_fused_weight_norm`), ``g`` is read as one value per slice of
+    ``dim`` (any shape of that many elements) and a ``bfloat16`` result is computed in
+    ``float``; elsewhere ``g`` broadcasts against the norm.
+
+    Args:
+        v: The direction.
+        g: The magnitude.
+        dim: The dim that keeps its own norm (``-1``: none).
+
+    Returns:
+        ``torch._weight_norm(v, g, dim)`` (to rounding); ``NotImplemented`` where torch
+        refuses the call or reads ``g`` oddly: the op itself runs.
+
+    Example:
+        >>> v, g = torch.randn(3, 2, 2), torch.rand(3, 1, 1)
+        >>> torch.allclose(weight_norm(v, g, 0), torch._weight_norm(v, g, 0))
+        True
+    """
+    if type(dim) is not int or v.dim() == 0 or not -v.dim() <= dim < v.dim():
+        return NotImplemented  # torch's own error (a dim that is no int, or out of range)
+    if dim == -1:
+        return v * (g / torch.linalg.vector_norm(v))
+    kept = dim % v.dim()
+    over = [d for d in range(v.dim()) if d != kept]
+    if not _fused_weight_norm(v, g, dim):
+        return v * (g / torch.linalg.vector_norm(v, dim=over, keepdim=True))
+    if v.dtype != g.dtype or g.numel() != v.shape[kept]:
+        return NotImplemented  # torch refuses mixed dtypes (and reads past a short g)
+    wide = torch.float32 if v.dtype == torch.bfloat16 else v.dtype
+    norm = torch.linalg.vector_norm(v.to(wide), dim=over, keepdim=True)
+    return (v.to(wide) * (g.to(wide).reshape(norm.shape) / norm)).to(v.dtype)
+
+
 def run_decomposed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``func(*args, **kwargs)``, as its decomposition in :data:`DECOMPOSED_OPS` where it has one.
 
@@ -186,6 +245,7 @@ DECOMPOSED_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
     torch.prelu: prelu,
     torch.linalg.solve: linalg_solve,
     torch.linalg.solve_ex: linalg_solve_ex,
+    torch._weight_norm: weight_norm,
     **{cell: partial(run_cell, cell) for cell in CELL_OPS},
 }
 """Op -> the decomposition the modes run in its place (``NotImplemented``: the op itself)."""

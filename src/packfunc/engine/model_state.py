@@ -24,6 +24,7 @@ __all__ = [
     "attribute_restorer",
     "buffer_restorer",
     "is_packfunc_tensor",
+    "made_in_a_pass",
     "kept_model_state",
     "packfunc_passes",
     "restart_users_forward",
@@ -109,9 +110,9 @@ _MISSING = object()
 
 
 class Restore(Protocol):
-    """``restore()`` puts every attribute back; ``restore(only)``, those ``only`` picks."""
+    """``restore()`` puts every attribute back; ``restore(only)``, those ``only(was, is)`` picks."""
 
-    def __call__(self, only: Callable[[object], bool] = ...) -> None: ...
+    def __call__(self, only: Callable[[object, object], bool] = ...) -> None: ...
 
 
 def attribute_restorer(module: nn.Module | None) -> Restore:
@@ -120,7 +121,7 @@ def attribute_restorer(module: nn.Module | None) -> Restore:
     An attribute set since is put back, one added is deleted (each module's own
     ``__dict__``; the dicts of parameters, buffers, children and hooks are kept as they
     are: buffers have :func:`buffer_restorer`). ``restore(only)`` does that for the
-    attributes whose value now ``only(value)`` picks.
+    attributes ``only(value_before, value_now)`` picks (a missing value is ``_MISSING``).
 
     Args:
         module: A module, or ``None`` (nothing kept).
@@ -137,16 +138,16 @@ def attribute_restorer(module: nn.Module | None) -> Restore:
     """
     saved = [(owner.__dict__, owner.__dict__.copy()) for owner in _submodules(module)]
 
-    def restore(only: Callable[[object], bool] = lambda value: True) -> None:
+    def restore(only: Callable[[object, object], bool] = lambda before, now: True) -> None:
         for now, before in saved:
             if now.keys() == before.keys() and all(now[k] is v for k, v in before.items()):
                 continue
-            for key in [key for key in now if key not in before and only(now[key])]:
+            for key in [key for key in now if key not in before and only(_MISSING, now[key])]:
                 del now[key]
             now.update(
                 (key, value)
                 for key, value in before.items()
-                if now.get(key, _MISSING) is not value and only(now.get(key, _MISSING))
+                if now.get(key, _MISSING) is not value and only(value, now.get(key, _MISSING))
             )
 
     return restore
@@ -164,6 +165,33 @@ def is_packfunc_tensor(value: object) -> bool:
         (False, False)
     """
     return isinstance(value, torch.Tensor) and type(value).__module__.startswith("packfunc.")
+
+
+def made_in_a_pass(before: object, now: object) -> bool:
+    """Whether an attribute a pass of packfunc's set holds what the pass made of its leaves.
+
+    A tensor of packfunc's own types (:func:`is_packfunc_tensor`), or a tensor in place of
+    one on the user's parameters' graph (the old ``weight_norm``'s ``weight``, which their
+    own forward leaves requiring grad; packfunc's pass leaves one on its own leaves). Other
+    values the forward sets (a counter, a detached activation) stay, as after the user's
+    forward.
+
+    Args:
+        before: The attribute's value before the pass (``_MISSING`` if it had none).
+        now: Its value after it.
+
+    Returns:
+        Whether to put the attribute back.
+
+    Example:
+        >>> users = torch.ones(1, requires_grad=True) * 2
+        >>> made_in_a_pass(users, torch.ones(1)), made_in_a_pass(torch.ones(1), torch.ones(1))
+        (True, False)
+    """
+    if is_packfunc_tensor(now):
+        return True
+    on_users_graph = isinstance(before, torch.Tensor) and before.requires_grad
+    return on_users_graph and isinstance(now, torch.Tensor)
 
 
 def _submodules(module: nn.Module | None) -> list[nn.Module]:
