@@ -632,3 +632,53 @@ def test_a_refused_product_puts_back_the_buffers_its_forward_updated():
     with pytest.raises((ValueError, RuntimeError)):
         pf.ggn_vector_product(fn, p, torch.randn(4, 3).double(), torch.tensor([0, 1, 1, 0]), v)
     assert all(torch.equal(b, before[k]) for k, b in model.named_buffers())
+
+
+def test_kronecker_factors_of_a_layer_with_a_computed_weight_say_why_they_are_missing():
+    """The refusal said conv2d has no Kronecker rule, even for the plain bias (a probe)."""
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 2, 3, padding=1)
+            self.register_buffer("mask", torch.tril(torch.ones(3, 3)))
+
+        def forward(self, x):
+            weight = self.conv.weight * self.mask
+            return nn.functional.conv2d(x, weight, self.conv.bias, padding=1).flatten(1)
+
+    fn, p = pf.functional(Masked())
+    with pytest.raises(
+        ValueError, match="conv.bias: used by conv2d with a weight or bias computed"
+    ):
+        pf.kfac(fn, p, torch.randn(3, 2, 4, 4), torch.randint(0, 32, (3,)))
+
+
+def test_a_product_through_a_full_backward_hook_names_the_hook():
+    """The refusal spoke of the user's custom Function; they wrote a hook (a probe)."""
+    model = _model()
+    model[0].register_full_backward_hook(lambda *_: None)
+    fn, p = pf.functional(model)
+    v = {k: torch.ones_like(t) for k, t in p.items()}
+    with pytest.raises(ValueError, match="register_full_backward_hook"):
+        pf.ggn_vector_product(fn, p, X, Y, v)
+
+
+def _complex_layer(p, X):
+    h = X.to(p["W"].dtype) @ p["W"]
+    return torch.cat([h.real, h.imag], 1)  # a real output
+
+
+@pytest.mark.parametrize("quantity", ["batch_l2_grad", "sum_grad_squared", "diag_ggn", "kfac"])
+def test_squares_and_curvature_of_complex_parameters_are_refused(quantity):
+    """Squared norms came out complex (g², not |g|²), and clipped_grad failed in torch's
+    words (found by a probe); gradients themselves are right and stay."""
+    p = {"W": torch.randn(4, 3, dtype=torch.complex128)}
+    X, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    loss = nn.MSELoss(reduction="sum")
+    with pytest.raises(ValueError, match="complex parameters"):
+        getattr(pf, quantity)(_complex_layer, p, X, y, loss=loss)
+    found = pf.batch_grad(_complex_layer, p, X, y, loss=loss)["W"]
+    for n in range(5):
+        one = torch.func.grad(lambda q, x, t: loss(_complex_layer(q, x), t))
+        torch.testing.assert_close(found[n], one(p, X[n : n + 1], y[n : n + 1])["W"])

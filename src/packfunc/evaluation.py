@@ -24,7 +24,7 @@ from packfunc.engine.batch_pass import BatchPass, check_pass_arguments
 from packfunc.engine.model_state import users_forward
 from packfunc.engine.statistics import clipped_sums, ggn_statistics, gradient_statistics
 from packfunc.engine.vocabulary import Statistic
-from packfunc.functionalize import as_index, batch_size
+from packfunc.functionalize import as_index, batch_size, flatten_params
 from packfunc.losses import check_loss_inputs, default_loss, given_targets
 from packfunc.specs import QUANTITIES, SPECS, Combine, Cotangents, Quantity, Stats
 from packfunc.types import Inputs, MaxNorm, ModelFn, Params, ParamsT, Samples, Targets
@@ -65,6 +65,40 @@ def statistic_quantities(quantities: str | Sequence[str]) -> tuple[str, ...]:
     raise ValueError(
         f"unknown quantities {unknown}; compute() takes names from {list(QUANTITIES)}.{hint}"
     )
+
+
+_OF_GRADIENTS_ALONE = {"grad", "batch_grad"}
+"""The quantities complex parameters have: gradients, without squares or curvature."""
+
+
+def refuse_complex_squares(params: Params, names: Sequence[str]) -> None:
+    """Refuse squares and curvature of complex parameters (gradients themselves are right).
+
+    Their squared norms and moments would need ``|g|²``, not ``g²``, in every closed form,
+    and their curvature a convention for complex Hessians: neither is implemented.
+
+    Args:
+        params: The parameter pytree.
+        names: The requested quantities.
+
+    Raises:
+        ValueError: naming the complex leaves and the quantities that remain.
+
+    Example:
+        >>> refuse_complex_squares({"w": torch.ones(2)}, ["batch_l2_grad"])
+    """
+    asked = sorted(set(names) - _OF_GRADIENTS_ALONE)
+    tensors: list[object] = optree.tree_leaves(cast(Any, params))  # (others: refused later)
+    if not asked or not any(isinstance(t, Tensor) and t.is_complex() for t in tensors):
+        return
+    leaves, _, leaf_names = flatten_params(params)
+    complex_leaves = [n for n, leaf in zip(leaf_names, leaves, strict=True) if leaf.is_complex()]
+    if complex_leaves:
+        raise ValueError(
+            f"{asked} of the complex parameters {complex_leaves} are not supported: packfunc "
+            "gives their gradients (grad, batch_grad) only. Pass the real and imaginary "
+            "parts as two real parameters (torch.complex(re, im) in model_fn) for the rest."
+        )
 
 
 def compute_batch(
@@ -109,6 +143,7 @@ def compute_batch(
     targets = given_targets(y, "compute")
     if set(names) == {"grad"}:
         return plain_gradient(model_fn, params, X, targets, loss, chunk_size)
+    refuse_complex_squares(params, names)
     bp = BatchPass(model_fn, params, X, targets, loss, chunk_size)
     with bp.undone_on_refusal():
         found = evaluate(bp, names, subsampling, mc_samples, generator, max_norm, last_use=True)

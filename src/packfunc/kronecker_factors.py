@@ -54,6 +54,7 @@ from packfunc.engine.layer_factors import (
     refuse_unsupported,
     sqrt_factors,
 )
+from packfunc.evaluation import refuse_complex_squares
 from packfunc.losses import default_loss, given_targets
 from packfunc.specs import SPECS
 from packfunc.types import (
@@ -360,6 +361,7 @@ def _factors(
     """The factor pytree that ``method`` finds in the batch pass, and the pass."""
     if on_unsupported not in ("raise", "skip"):
         raise ValueError(f"on_unsupported must be 'raise' or 'skip'; got {on_unsupported!r}.")
+    refuse_complex_squares(params, ["Kronecker factors"])
     bp = BatchPass(model_fn, params, X, given_targets(y, "kfac"), loss or default_loss())
     bp.keeps_loss = keeps_loss
     with bp.undone_on_refusal():

@@ -28,7 +28,7 @@ from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.model_state import buffer_restorer
 from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.engine.pch import loss_hessian_product, pch_block_product
-from packfunc.engine.precision import full_precision, to_dtype_of, widest
+from packfunc.engine.precision import full_precision, in_loss_dtype
 from packfunc.engine.randomness import random_model_error
 from packfunc.functionalize import check_model_arguments, flatten_params, module_of
 from packfunc.losses import (
@@ -308,7 +308,7 @@ def _model(model_fn: ModelFn, X: Any, params: Any, replaced: list[int]) -> Calla
             current = optree.tree_unflatten(treespec, current)
         # the products are of the whole batch, in full precision (see engine/precision.py)
         with full_precision(), functional_mode(batch_statistics=True):
-            return to_dtype_of(model_fn(current, X), widest(leaves))  # see engine/precision.py
+            return in_loss_dtype(model_fn(current, X), leaves)  # see engine/precision.py
 
     return forward
 

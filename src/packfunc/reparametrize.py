@@ -127,7 +127,9 @@ def _swaps(
         if len({id(tensors[t]) for t in tied if t in tensors}) > 1:
             raise ValueError(
                 f"the tensors for {sorted(tied)} differ, but these names are one tensor of the "
-                "module (tied): give one value for all of them, or the same tensor to each."
+                "module (tied): give one value for all of them, or the same tensor to each. "
+                "packfunc's functions differentiate each entry of params on its own: give a "
+                "tied tensor under one of its names only, as pf.functional's params do."
             )
         for t in tied:
             t_store, t_key = slots[t]

@@ -50,7 +50,7 @@ from packfunc.engine.ops import (
     linear_in_out,
     tapped_leaves,
 )
-from packfunc.engine.precision import forward_autocast, to_dtype_of, widest
+from packfunc.engine.precision import forward_autocast, in_loss_dtype
 from packfunc.engine.randomness import GeneratorMark
 from packfunc.losses import check_loss_inputs
 from packfunc.types import ModelFn
@@ -661,7 +661,7 @@ def _in_parameter_dtype(output: Tensor, leaves: list[Tensor]) -> Tensor:
 
     A forward under autocast gives bfloat16; the loss and its curvature are formed in float32.
     """
-    return to_dtype_of(output, widest(leaves)) if leaves and isinstance(output, Tensor) else output
+    return in_loss_dtype(output, leaves) if leaves and isinstance(output, Tensor) else output
 
 
 def _record_with_autograd(

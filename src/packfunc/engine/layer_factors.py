@@ -22,7 +22,7 @@ from packfunc.engine.batch_pass import BatchPass, ColumnGradients, Term, canonic
 from packfunc.engine.chain import Link, NotSequentialError, trace_chain
 from packfunc.engine.kfra import expected_jacobian_sandwich
 from packfunc.engine.memory import chunk_length, chunks
-from packfunc.engine.ops import SiteCall
+from packfunc.engine.ops import SIGNATURES, SiteCall
 from packfunc.engine.pch import summed_residual_curvature
 from packfunc.engine.precision import to_dtype_of
 from packfunc.engine.rules import rule_for
@@ -325,7 +325,18 @@ def _reason(terms: list[Term]) -> str:
 
 
 def _no_rule(call: SiteCall) -> str:
-    """Why a call's parameters have no Kronecker factors."""
+    """Why a call's parameters have no Kronecker factors.
+
+    Example:
+        >>> _no_rule(SiteCall.local(torch.conv2d, [0])).split(" (")[0]
+        'used by conv2d with a weight or bias computed from parameters'
+    """
+    if call.op is None and dict(call.options).get("func") in SIGNATURES:
+        return (
+            f"used by {call.name} with a weight or bias computed from parameters (weight * "
+            "mask, a parametrization): Kronecker factors need the layer's weight and bias to "
+            "be parameters themselves"
+        )
     if call.op is None:
         return f"used by {call.name} (no Kronecker rule)"
     return f"an {call.op.kind.value} (no Kronecker rule)"

@@ -154,6 +154,38 @@ def widest(leaves: list[Tensor]) -> Tensor:
     )
 
 
+def in_loss_dtype(output: Tensor, leaves: list[Tensor]) -> Tensor:
+    """The model's real output in the dtype the loss is formed in: the widest leaf's.
+
+    Complex parameters' real counterpart for a real output (``complex64``: ``float32``): a
+    loss of a real output is real. Other outputs (integers, complex) stay as they are.
+
+    Args:
+        output: The model's output.
+        leaves: The parameter leaves.
+
+    Returns:
+        ``output``, or a copy in that dtype.
+
+    Example:
+        >>> in_loss_dtype(torch.ones(2), [torch.ones(1, dtype=torch.complex128)]).dtype
+        torch.float64
+    """
+    if not output.is_floating_point():
+        return output
+    dtype = widest(leaves).dtype
+    dtype = _REAL_PART.get(dtype, dtype)
+    return output if output.dtype == dtype else output.to(dtype)
+
+
+_REAL_PART = {
+    torch.complex32: torch.float16,
+    torch.complex64: torch.float32,
+    torch.complex128: torch.float64,
+}
+"""Each complex dtype's real counterpart."""
+
+
 ROUNDING_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
 """Largest difference, relative to the largest entry, between two computations of one value
 that :func:`difference_beyond_rounding` puts down to rounding; half precision: 0.1, and

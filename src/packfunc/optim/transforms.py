@@ -526,7 +526,7 @@ def _approx_option(kfac_approx: KfacApprox | None) -> dict[str, Any]:
 
 
 def _refuse_transposed_convolutions(model_fn: ModelFn, params: Params, X: Inputs) -> None:
-    """Refuse transposed convolutions: their factors are in the ``weight.transpose(0, 1)`` layout.
+    """Refuse transposed convolutions: their factors are in another layout than the weight's.
 
     A linear weight stored ``[in, out]`` (``x @ W``, GPT-2's ``Conv1D``) is not refused:
     its factors ``[in×in, out×out]`` are in its own layout.
@@ -545,9 +545,9 @@ def _refuse_transposed_convolutions(model_fn: ModelFn, params: Params, X: Inputs
     if used:
         raise ValueError(
             f"the Kronecker preconditioners do not support transposed convolutions yet "
-            f"({sorted(used)}): their factors act on weight.transpose(0, 1). Use "
-            "scale_by_diag_ggn (DiagGGN), or apply packfunc.kron to the transposed weights "
-            "yourself."
+            f"({sorted(used)}): their factors act on weight.transpose(0, 1) (each group's "
+            "channel axes swapped, with groups). Use scale_by_diag_ggn (DiagGGN), or apply "
+            "packfunc.kron to the transposed weights yourself."
         )
 
 
