@@ -446,3 +446,12 @@ def test_an_input_made_in_inference_mode_is_read_without_a_version():
     rows = [torch.nn.functional.one_hot(Y3, 2).double()]
     expected = torch.softmax(model(X3), 1).detach() - rows[0]  # the bias's per-sample gradients
     torch.testing.assert_close(model[0].bias.grad_batch, expected)
+
+
+def test_a_loss_on_a_slice_of_the_output_names_the_slice():
+    """The refusal told the user to do what they did (extend the loss, apply it to the
+    output); the slice between them is what the shim cannot follow (a probe)."""
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double())
+    with backpack(DiagGGNExact()), pytest.raises(ValueError, match=r"a slice out\[:, -1\]"):
+        out = model(X3)
+        extend(nn.CrossEntropyLoss())(out[:, :2] / 2, Y3).backward()

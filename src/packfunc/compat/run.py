@@ -206,7 +206,8 @@ def _second_order_problem(
             f"{type(ext).__name__} needs the loss function, one of torch.nn's losses: extend "
             "it (lossfunc = extend(lossfunc)), apply it to the model's output (or a reshape "
             "of it, or the output of further extended modules) and call backward on the loss "
-            "itself."
+            "itself. Other code between the model and the loss (a slice out[:, -1], out / T, "
+            "a mean) is not followed: move it into the extended model's forward."
         )
     ends_at_loss = _ending_at_loss(model_fn, route.stages, call)
     watched = partial(_not_reusable, record)
