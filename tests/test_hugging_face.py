@@ -104,6 +104,25 @@ def test_conv1d_kronecker_factors_are_linear_ones_in_the_weights_order(function)
         assert_trees_close(list(found[name]), list(reordered), name)
 
 
+@pytest.mark.parametrize("function", ["batch_grad", "kflr"])
+def test_conv1d_on_samples_without_positions_is_a_linear_layer(function):
+    """On ``[N, d]`` inputs its ``x.view(-1, d)`` keeps the shape: it was op-local (addmm),
+    without Kronecker factors (found by a probe)."""
+    conv, linear = _conv1d_and_linear()
+    X, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    conv_fn, conv_params = pf.functional(nn.Sequential(conv.first, nn.Tanh(), conv.second))
+    linear_fn, linear_params = pf.functional(nn.Sequential(linear.first, nn.Tanh(), linear.second))
+    assert set(pf.explain(conv_fn, conv_params, X).values()) == {"closed form (x @ W)"}
+    found = getattr(pf, function)(conv_fn, conv_params, X, y)
+    expected = getattr(pf, function)(linear_fn, linear_params, X, y)
+    if function == "kflr":
+        expected = {k: v[::-1] if k.endswith("weight") else v for k, v in expected.items()}
+        for name in found:
+            assert_trees_close(list(found[name]), list(expected[name]), name)
+    else:
+        assert_trees_close(found, _transposed(expected))
+
+
 def test_conv1d_kronecker_preconditioning_is_the_linear_one_transposed():
     conv, linear = _conv1d_and_linear()
     X, y = torch.randn(5, 7, 4, dtype=torch.float64), torch.randint(0, 3, (5,))

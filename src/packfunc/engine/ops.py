@@ -234,7 +234,7 @@ class FlatRows:
         self.rewritten: set[Callable[..., Any]] = set()  # row-wise calls run on a source
 
     def remember(self, func: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
-        """Note ``out`` if a reshape made it of the rows of its input ``x`` (``x.dim() > 2``).
+        """Note ``out`` if a reshape made it of the rows of its input ``x`` (``x.dim() >= 2``).
 
         Args:
             func: The function called.
@@ -244,7 +244,7 @@ class FlatRows:
         if func not in RESHAPES or not args:
             return
         x = args[0]
-        if not (isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor) and x.dim() > 2):
+        if not (isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor) and x.dim() >= 2):
             return
         if out.shape == (x.shape[:-1].numel(), x.shape[-1]):
             self.of[id(out)] = (out, x)
