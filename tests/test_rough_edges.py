@@ -12,7 +12,7 @@ from torch import nn
 import packfunc as pf
 from packfunc.compat import backpack, extend
 from packfunc.compat.extensions import BatchGrad, DiagGGNExact
-from tests.cases import autograd_batch_grad
+from tests.cases import assert_batch_grad_is_a_loop, autograd_batch_grad
 
 
 def _model() -> nn.Module:
@@ -682,3 +682,58 @@ def test_squares_and_curvature_of_complex_parameters_are_refused(quantity):
     for n in range(5):
         one = torch.func.grad(lambda q, x, t: loss(_complex_layer(q, x), t))
         torch.testing.assert_close(found[n], one(p, X[n : n + 1], y[n : n + 1])["W"])
+
+
+def _written_row(p, X):
+    W = p["W"].clone()
+    W[0] = 0  # (__setitem__ returns None: its write was not seen as one)
+    return X @ W
+
+
+def _statistic_under_no_grad(p, X):
+    with torch.no_grad():
+        twice = p["s"] * 2  # a constant to differentiation
+    return X * twice + X * p["s"]
+
+
+@pytest.mark.parametrize("model_fn", [_written_row, _statistic_under_no_grad])
+def test_a_parameter_derived_and_written_or_derived_under_no_grad_is_replayed_as_it_ran(model_fn):
+    """Both were replayed as plain derivations (found by a probe): the written row's
+    gradients were not zero, and the no_grad statistic was differentiated (3× too large)."""
+    torch.manual_seed(0)
+    key = "W" if model_fn is _written_row else "s"
+    params = {
+        key: torch.randn(3, 3, dtype=torch.float64) if key == "W" else torch.randn(3).double()
+    }
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    assert_batch_grad_is_a_loop(model_fn, params, X, y)
+
+
+def test_a_ggn_product_treats_an_embeddings_padding_row_as_a_constant():
+    """Its forward-mode derivative counted the padding row, its reverse mode not: the product
+    was neither the GGN's nor symmetric (a probe: off by 0.087 of 1.12)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(5, 3, padding_idx=0), nn.Flatten(), nn.Linear(6, 3)).double()
+    fn, p = pf.functional(model)
+    X, y = torch.tensor([[0, 1], [2, 0], [3, 4]]), torch.tensor([0, 1, 2])
+    v = {k: torch.randn_like(t) for k, t in p.items()}
+    found = pf.ggn_vector_product(fn, p, X, y, v)
+    jacobian = torch.func.jacrev(lambda q: fn(q, X))(p)  # reverse mode: the padding row's is 0
+    out = fn(p, X)
+    hessian = torch.autograd.functional.hessian(lambda o: nn.functional.cross_entropy(o, y), out)
+    flat = {k: j.reshape(out.numel(), -1) for k, j in jacobian.items()}
+    jv = sum(flat[k] @ v[k].reshape(-1) for k in p)
+    hjv = hessian.reshape(out.numel(), out.numel()) @ jv
+    for k in p:
+        torch.testing.assert_close(found[k], (flat[k].T @ hjv).reshape(p[k].shape))
+
+
+@pytest.mark.parametrize("product", ["ggn_vector_product", "hessian_vector_product"])
+def test_a_product_refuses_max_norm_before_it_renormalizes_the_weight(product):
+    model = nn.Sequential(nn.Embedding(5, 3, max_norm=0.1), nn.Flatten(), nn.Linear(6, 3)).double()
+    before = model[0].weight.detach().clone()
+    fn, p = pf.functional(model)
+    v = {k: torch.ones_like(t) for k, t in p.items()}
+    with pytest.raises(ValueError, match="max_norm"):
+        getattr(pf, product)(fn, p, torch.tensor([[0, 1], [2, 3]]), torch.tensor([0, 1]), v)
+    assert torch.equal(model[0].weight.detach(), before)

@@ -14,7 +14,11 @@ an unbatched zero state; they run as ``F.linear`` calls and elementwise ops
 ``torch._weight_norm`` (``nn.utils.parametrizations.weight_norm`` and the old
 ``nn.utils.weight_norm``) runs a fused kernel for ``dim`` 0 or last whose double backward is
 wrong (plain autograd and ``torch.func``: half off in a Hessian) and which has no forward-mode
-rule; it runs as ``v * (g / ‖v‖)``. The modes and the op-local rule run these in the ops'
+rule; it runs as ``v * (g / ‖v‖)``. ``F.embedding`` with a ``padding_idx`` under ``torch.func``
+transforms counts the padding row in its forward-mode derivative (its reverse mode does not:
+a GGN product was neither the GGN's nor symmetric); it runs on a weight whose padding row is
+a constant. Its ``max_norm``, which renormalizes the weight in place, is refused before it
+does (``F.embedding_bag``'s too). The modes and the op-local rule run these in the ops'
 place; the values are the ops' own.
 """
 
@@ -28,11 +32,16 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._C._functorch import is_functorch_wrapped_tensor
 
+from packfunc.engine.ops import refuse_coupled_embedding
 from packfunc.engine.recurrent import CELL_OPS, run_cell
 
 __all__ = [
     "DECOMPOSED_OPS",
+    "ONLY_UNDER_TRANSFORMS",
+    "embedding",
+    "embedding_bag",
     "linalg_solve",
     "linalg_solve_ex",
     "prelu",
@@ -241,11 +250,76 @@ def run_decomposed(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
     return func(*args, **kwargs) if out is NotImplemented else out
 
 
+def embedding(
+    input: Tensor,
+    weight: Tensor,
+    padding_idx: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> Any:
+    """``F.embedding`` in packfunc's passes (see the module docstring).
+
+    Args:
+        input: Indices.
+        weight: The table ``[rows, dim]``.
+        padding_idx: The row whose gradient is zero, or ``None``.
+        max_norm: Refused where set.
+        norm_type: The norm of ``max_norm``.
+        scale_grad_by_freq: Refused where set.
+        sparse: Sparse gradients (the op itself).
+
+    Returns:
+        The rows, or ``NotImplemented`` (the op itself) outside ``torch.func`` transforms.
+
+    Raises:
+        ValueError: for ``max_norm`` or ``scale_grad_by_freq``.
+
+    Example:
+        >>> embedding(torch.tensor([0]), torch.ones(2, 3), padding_idx=0)
+        NotImplemented
+    """
+    refuse_coupled_embedding({"max_norm": max_norm, "scale_grad_by_freq": scale_grad_by_freq})
+    if padding_idx is None or sparse or not is_functorch_wrapped_tensor(weight):
+        return NotImplemented
+    is_padding = torch.arange(weight.shape[0], device=weight.device) == padding_idx % len(weight)
+    constant_padding = torch.where(is_padding[:, None], weight.detach(), weight)
+    return torch.nn.functional.embedding(input, constant_padding)
+
+
+def embedding_bag(*args: Any, **kwargs: Any) -> Any:
+    """``F.embedding_bag`` in packfunc's passes: its ``max_norm`` refused before it acts.
+
+    Example:
+        >>> embedding_bag(torch.tensor([[0, 1]]), torch.ones(2, 3))
+        NotImplemented
+    """
+    names = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq")
+    bound = dict(zip(names, args)) | kwargs
+    if bound.get("max_norm") is not None:
+        raise ValueError(
+            "EmbeddingBag(max_norm=...) renormalizes the weight in place during the forward "
+            "pass, which a pure function cannot do; drop max_norm or renormalize the weight "
+            "yourself."
+        )
+    return NotImplemented
+
+
+ONLY_UNDER_TRANSFORMS = frozenset(
+    {torch.nn.functional.embedding, torch.nn.functional.embedding_bag}
+)
+"""Decomposed ops that run as themselves outside ``torch.func`` transforms (they only refuse
+what discovery refuses too): a batch pass with them need not run in a mode."""
+
+
 DECOMPOSED_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
     torch.prelu: prelu,
     torch.linalg.solve: linalg_solve,
     torch.linalg.solve_ex: linalg_solve_ex,
     torch._weight_norm: weight_norm,
+    torch.nn.functional.embedding: embedding,
+    torch.nn.functional.embedding_bag: embedding_bag,
     **{cell: partial(run_cell, cell) for cell in CELL_OPS},
 }
 """Op -> the decomposition the modes run in its place (``NotImplemented``: the op itself)."""

@@ -350,7 +350,9 @@ class _DiscoveryMode(ParameterMode):
         out = func(*args, **kwargs)
         # (flatten of a 1-D tensor, contiguous of a contiguous one, dropout in evaluation
         # mode: their input itself)
-        in_place = not _as_it_is(func, args, kwargs) and any(out is v for v in values)
+        in_place = not _as_it_is(func, args, kwargs) and (
+            any(out is v for v in values) or changed_in_place(func, args, kwargs) is not None
+        )  # (x[i] = v returns None: its write is in place all the same)
         if not carriers and not in_place:
             self._derive(func, arguments, sources, out)
             self.plan.uses.append(Use(func, UseKind.DERIVED))

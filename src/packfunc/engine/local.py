@@ -179,10 +179,14 @@ def derive(
         leaf for s in sources.values() for leaf in ((s,) if isinstance(s, int) else s.leaves)
     )
 
+    # made under torch.no_grad() (a statistic of a weight): a constant to differentiation
+    constant = not torch.is_grad_enabled()
+
     def compute(values: Mapping[int, Tensor]) -> Tensor:
         args, kwargs = arguments.rebuild(_substituted(arguments, sources, values))
         out = func(*args, **kwargs)
-        return cast(Tensor, out if index is None else out[index])
+        found = cast(Tensor, out if index is None else out[index])
+        return found.detach() if constant else found
 
     copied = broadcast or any(isinstance(s, Derivation) and s.copied for s in sources.values())
     return Derivation(leaves, compute, broadcast, copied)

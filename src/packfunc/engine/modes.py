@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from packfunc.engine.attention import ATTENTION_OPS, run_attention, supports_attention
 from packfunc.engine.checkpointing import plain_checkpoints
-from packfunc.engine.decompositions import DECOMPOSED_OPS
+from packfunc.engine.decompositions import DECOMPOSED_OPS, ONLY_UNDER_TRANSFORMS
 from packfunc.engine.local import (
     CallArguments,
     Derivation,
@@ -146,7 +146,13 @@ class LeafIndex:
         return found
 
 
-REWRITTEN_OPS = RECURRENT_OPS | ATTENTION_OPS | LINEAR_CALLS | set(DECOMPOSED_OPS) | {F.batch_norm}
+REWRITTEN_OPS = (
+    RECURRENT_OPS
+    | ATTENTION_OPS
+    | LINEAR_CALLS
+    | (set(DECOMPOSED_OPS) - ONLY_UNDER_TRANSFORMS)
+    | {F.batch_norm}
+)
 """Calls :class:`FunctionalMode` replaces by a decomposition, or refuses, or changes."""
 
 

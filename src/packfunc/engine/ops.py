@@ -507,8 +507,18 @@ class OpSignature:
         return self.kind is LayerKind.LINEAR and not self.transposed
 
 
-def _refuse_coupled_embedding(bound: dict[str, Any]) -> None:
-    """Refuse ``max_norm`` (renormalizes in place) and ``scale_grad_by_freq`` (couples samples)."""
+def refuse_coupled_embedding(bound: dict[str, Any]) -> None:
+    """Refuse ``max_norm`` (renormalizes in place) and ``scale_grad_by_freq`` (couples samples).
+
+    Args:
+        bound: An ``F.embedding`` call's bound arguments.
+
+    Raises:
+        ValueError: where either is set.
+
+    Example:
+        >>> refuse_coupled_embedding({"max_norm": None, "scale_grad_by_freq": False})
+    """
     if bound["max_norm"] is not None:
         raise ValueError(
             "Embedding(max_norm=...) renormalizes the weight in place during the forward pass, "
@@ -568,7 +578,7 @@ SIGNATURES: dict[Callable[..., Any], OpSignature] = {
         "F.embedding",
         _EMBEDDING,
         (None, None, 2.0, False, False),
-        check=_refuse_coupled_embedding,
+        check=refuse_coupled_embedding,
     ),
 }
 """Every tapped function, keyed by the object ``__torch_function__`` receives."""
