@@ -241,9 +241,16 @@ def test_curvature_products_of_hugging_face_models_match_autograd(name):
         grads = torch.autograd.grad(value, list(params.values()), create_graph=True)
         dot = sum((g * v[k]).sum() for g, k in zip(grads, params))
         hv = dict(zip(params, torch.autograd.grad(dot, list(params.values()))))
-        # GGN-vector product: Jᵀ H J v from a forward-mode Jacobian-vector product
+        # GGN-vector product: Jᵀ H J v from a forward-mode Jacobian-vector product, whose
+        # F.embedding counts the padding row that its reverse mode (J's transpose) drops
         model_fn, detached = pf.functional(model)
-        out, jv = torch.func.jvp(lambda p: model_fn(p, X), (detached,), (v,))
+        tangent = dict(v)
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                tangent[f"{name}.weight"] = v[f"{name}.weight"].index_fill(
+                    0, torch.tensor(module.padding_idx), 0.0
+                )
+        out, jv = torch.func.jvp(lambda p: model_fn(p, X), (detached,), (tangent,))
         hjv = torch.func.jvp(torch.func.grad(lambda f: loss(f, y)), (out,), (jv,))[1]
         gv = dict(zip(params, torch.autograd.grad(model(X), list(params.values()), hjv)))
     assert_trees_close(pf.ggn_vector_product(model_fn, detached, X, y, v), gv, **TOLERANCES)

@@ -149,7 +149,7 @@ def compute_batch(
         found = evaluate(bp, names, subsampling, mc_samples, generator, max_norm, last_use=True)
     for name in names:
         if not SPECS[name].differentiable:
-            found[name] = refuse_differentiation(found[name], bp.leaves, name)
+            found[name] = refuse_differentiation(found[name], bp.leaves, name, bp.X)
     return found
 
 

@@ -205,7 +205,7 @@ def kfra(
     factors, bp = _factors(
         model_fn, params, X, y, loss, on_unsupported, True, lambda bp: kfra_factors(bp, curvature)
     )
-    return cast(FactorTree, refuse_differentiation(factors, bp.leaves, "kfra"))
+    return cast(FactorTree, refuse_differentiation(factors, bp.leaves, "kfra", bp.X))
 
 
 def sqrt_factors_and_loss(

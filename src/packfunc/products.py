@@ -23,7 +23,7 @@ from torch.func import grad, vmap
 from typing_extensions import Unpack
 
 from packfunc.data import DataOptions, over_data
-from packfunc.engine.autodiff import jvp, vjp
+from packfunc.engine.autodiff import jvp, refuse_differentiation, vjp
 from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.model_state import buffer_restorer
 from packfunc.engine.modes import functional_mode, twice_differentiable
@@ -285,7 +285,9 @@ def pch_block_products(
         results = [
             None if m is None else pch_block_product(bp, i, m, modify) for i, m in enumerate(blocks)
         ]
-    return cast(ParamsT, optree.tree_unflatten(bp.treespec, results))
+    found = optree.tree_unflatten(bp.treespec, results)
+    # its chain holds the second derivatives before each layer constant: no gradient
+    return cast(ParamsT, refuse_differentiation(found, bp.leaves, "pch_block_products", bp.X))
 
 
 def _checked(loss: nn.Module | None, model_fn: ModelFn, params: Any) -> nn.Module:

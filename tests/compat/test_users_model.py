@@ -455,3 +455,52 @@ def test_a_loss_on_a_slice_of_the_output_names_the_slice():
     with backpack(DiagGGNExact()), pytest.raises(ValueError, match=r"a slice out\[:, -1\]"):
         out = model(X3)
         extend(nn.CrossEntropyLoss())(out[:, :2] / 2, Y3).backward()
+
+
+def test_an_encoder_on_nested_tensors_is_refused_not_changed_by_the_recording():
+    """PyTorch's nested-tensor path (evaluation mode, a padding mask, frozen weights) leaves
+    padded positions zero; under the shim's recording mode it took its other path, and the
+    model's output changed under extend() (found by a probe)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=12, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=True).double().eval()
+    encoder.requires_grad_(False)
+    head = nn.Linear(8, 2).double()
+
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder, self.head = encoder, head
+
+        def forward(self, x, mask):
+            return self.head(self.encoder(x, src_key_padding_mask=mask).mean(1))
+
+    model = extend(Classifier())
+    x, mask = torch.randn(3, 4, 8, dtype=torch.float64), torch.zeros(3, 4, dtype=torch.bool)
+    mask[1, -2:] = True
+    with backpack(BatchGrad()), pytest.raises(ValueError, match="enable_nested_tensor=False"):
+        model(x, mask)
+    encoder.use_nested_tensor = False  # (as built with enable_nested_tensor=False)
+    with backpack(BatchGrad()):  # the refusal left the shim's state as it was
+        extend(nn.CrossEntropyLoss())(model(x, mask), torch.tensor([0, 1, 1])).backward()
+    assert torch.allclose(head.weight.grad_batch.sum(0), head.weight.grad)
+
+
+def test_a_statistic_of_a_parameter_under_no_grad_is_a_constant_in_the_shim():
+    """Its derivation was replayed with gradients (found by a probe, functional API too)."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale, self.linear = nn.Parameter(torch.randn(3)), nn.Linear(3, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            with torch.no_grad():
+                twice = self.scale * 2
+            return self.linear(x * twice + x * self.scale)
+
+    torch.manual_seed(0)
+    model = extend(Scaled().double())
+    with backpack(BatchGrad()):
+        extend(nn.CrossEntropyLoss(reduction="sum"))(model(X3), Y3).backward()
+    assert torch.allclose(model.scale.grad_batch.sum(0), model.scale.grad)

@@ -142,6 +142,31 @@ def _last_of_the_forward_hooks(module: nn.Module) -> None:
         hooks.move_to_end(own)
 
 
+def _refuse_nested_fast_path(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Refuse a recorded forward of an encoder that would take PyTorch's nested-tensor path.
+
+    ``nn.TransformerEncoder`` in evaluation mode, with a padding mask and no weight requiring
+    grad, runs on nested tensors, which leave its padded positions zero; under the torch
+    function mode the shim records with it takes its other path, which computes them: the
+    output (a mean over positions) would not be the one without ``extend``.
+
+    Raises:
+        ValueError: for such a call, naming the fix.
+    """
+    if not isinstance(module, nn.TransformerEncoder) or module.training:
+        return
+    mask = args[2] if len(args) > 2 else kwargs.get("src_key_padding_mask")
+    frozen = not any(p.requires_grad for p in module.parameters())
+    if getattr(module, "use_nested_tensor", False) and mask is not None and frozen:
+        raise ValueError(
+            "this nn.TransformerEncoder would run on nested tensors (evaluation mode, a padding "
+            "mask, frozen weights), which leave padded positions zero; the shim's recording "
+            "takes its other path, which computes them, so your model's output would change "
+            "under extend(). Build it with enable_nested_tensor=False (the same function, "
+            "padded positions computed)."
+        )
+
+
 def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
     _last_of_the_forward_hooks(module)
     _depth[0] += 1
@@ -157,6 +182,8 @@ def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
             recorder = ForwardRecorder(leaves, (args, kwargs), tuple(module.buffers()))
             recorder.__enter__()
         _recorders.append(recorder)
+    if _recording():  # (last: the always-called _exit undoes the above on a refusal)
+        _refuse_nested_fast_path(module, args, kwargs)
 
 
 def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:

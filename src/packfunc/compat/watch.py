@@ -73,6 +73,8 @@ class WatchedCall:
         shape: The shape of the call's output as packfunc's pass has it, where the output
             is that laid out as flat rows (an ``addmm`` watched as
             :func:`~packfunc.engine.ops.linear_in_out`); ``None``: the output's own.
+        without_grad: Whether it ran under ``torch.no_grad()`` (a derivation of it is then
+            a constant to differentiation).
     """
 
     func: Callable
@@ -84,6 +86,7 @@ class WatchedCall:
     outputs: list[tuple[int | None, Tensor]]
     carries_samples: bool
     shape: tuple[int, ...] | None = None
+    without_grad: bool = False
 
     def unchanged(self) -> bool:
         """Whether no tensor argument was changed in place since the call."""
@@ -264,7 +267,9 @@ def _match(
             return None
         sources = parameter_sources(call.arguments.values, leaf_of, derived) or {}
         if use.kind is UseKind.DERIVED:
-            remember_derivations(derived, call.func, call.arguments, sources, call.outputs)
+            remember_derivations(
+                derived, call.func, call.arguments, sources, call.outputs, call.without_grad
+            )
             continue
         if use.site is None or use.site not in active:
             continue
@@ -345,7 +350,18 @@ def _watched(
     tensor = out if isinstance(out, Tensor) else None
     edge = _gradient_edge(tensor)
     version = tensor._version if tensor is not None else 0
-    return WatchedCall(func, arguments, versions, tensor, version, edge, outputs, samples, shape)
+    return WatchedCall(
+        func,
+        arguments,
+        versions,
+        tensor,
+        version,
+        edge,
+        outputs,
+        samples,
+        shape,
+        without_grad=not torch.is_grad_enabled(),
+    )
 
 
 def _gradient_edge(tensor: Tensor | None) -> GradientEdge | None:

@@ -148,22 +148,25 @@ class _Undifferentiable(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> Any:
         raise RuntimeError(
-            f"packfunc's {ctx.name} is not differentiable with respect to the parameters: it "
-            "holds the second derivatives through the layers before each parameter constant, "
+            f"packfunc's {ctx.name} is not differentiable with respect to the parameters or "
+            "inputs: it holds the second derivatives through the layers before each parameter "
+            "constant, "
             "so its gradient would be wrong. Differentiate diag_ggn, kflr or a dense Hessian "
             "(torch.autograd.functional.hessian with create_graph=True) instead."
         )
 
 
-def refuse_differentiation(value: Any, leaves: list[Tensor], name: str) -> Any:
-    """``value`` (a pytree) whose gradient with respect to ``leaves`` raises, where one could flow.
+def refuse_differentiation(value: Any, leaves: list[Tensor], name: str, inputs: Any = None) -> Any:
+    """``value`` (a pytree) whose gradient w.r.t. ``leaves`` or ``inputs`` raises, where one flows.
 
-    With no leaf requiring grad (and outside ``torch.func.grad``) it is ``value`` itself.
+    With no leaf or input requiring grad (and outside ``torch.func.grad``) it is ``value``
+    itself.
 
     Args:
         value: A pytree of tensors (a quantity's result).
         leaves: The parameter leaves it was computed from.
         name: The quantity, for the message.
+        inputs: The inputs ``X`` it was computed from (a pytree; its floating tensors).
 
     Returns:
         ``value``, each tensor connected to ``leaves`` by a node whose backward raises.
@@ -175,15 +178,17 @@ def refuse_differentiation(value: Any, leaves: list[Tensor], name: str) -> Any:
         ...     found["w"].sum().backward()
         ... except RuntimeError as error:
         ...     print(str(error).split(":")[0])
-        packfunc's kfra is not differentiable with respect to the parameters
+        packfunc's kfra is not differentiable with respect to the parameters or inputs
     """
-    if not (torch.is_grad_enabled() and any(leaf.requires_grad for leaf in leaves)):
+    tensors = [t for t in optree.tree_leaves(inputs) if isinstance(t, Tensor)]
+    sources = [*leaves, *(t for t in tensors if t.is_floating_point())]
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in sources)):
         return value
 
     def refused(t: Any) -> Any:
         if not (isinstance(t, Tensor) and t.is_floating_point()):
             return t
-        return _Undifferentiable.apply(t, name, *leaves)  # type: ignore[no-untyped-call]
+        return _Undifferentiable.apply(t, name, *sources)  # type: ignore[no-untyped-call]
 
     return optree.tree_map(refused, value, none_is_leaf=True)
 

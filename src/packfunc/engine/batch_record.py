@@ -109,6 +109,11 @@ class _RecordMode(ParameterMode):
         self.outputs: dict[int, GradientEdge] = {}
         self.failed: set[int] = set()
         self.rooted: set[int] = set()  # sites whose output was computed from a fresh leaf
+        self.grad_at_start = torch.is_grad_enabled()
+
+    def _constant(self) -> bool:
+        """A derivation the model makes under ``torch.no_grad()`` inside a differentiated pass."""
+        return self.grad_at_start and not torch.is_grad_enabled()
 
     @property
     def mark(self) -> bool:

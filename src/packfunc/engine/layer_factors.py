@@ -308,7 +308,12 @@ def _assemble(term: Term, output: Tensor, approx: str) -> list[Tensor]:
 def _unsupported(bp: BatchPass) -> dict[int, str]:
     """Leaves no rule covers, with the reason."""
     used = {leaf for site in bp.plan.sites for _, leaf in site.call.leaves}
-    reasons = {leaf: "used outside a linear or convolution layer" for leaf in bp.whole_model}
+    reasons = {
+        leaf: f"whole-model path ({bp.plan.reasons[leaf]})"
+        if leaf in bp.plan.reasons
+        else "used outside a linear or convolution layer"
+        for leaf in bp.whole_model
+    }
     for site in bp.plan.sites:
         for _, leaf in site.call.leaves if site.call.is_local else ():
             reasons.setdefault(leaf, _no_rule(site.call))

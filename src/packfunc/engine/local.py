@@ -156,6 +156,7 @@ def derive(
     sources: Mapping[int, Source],
     index: int | None,
     broadcast: bool,
+    constant: bool = False,
 ) -> Derivation:
     """The derivation of an output of ``func`` whose parameter arguments are ``sources``.
 
@@ -165,6 +166,8 @@ def derive(
         sources: Flat position -> leaf index or derivation, for every parameter argument.
         index: Which output of a multi-output op, or ``None`` for a single tensor.
         broadcast: Whether the op copies a size-one dim 0 (see :attr:`Derivation.broadcast`).
+        constant: Whether the model made it under ``torch.no_grad()`` (a statistic of a
+            weight): differentiation then holds it constant.
 
     Returns:
         The :class:`Derivation`.
@@ -178,9 +181,6 @@ def derive(
     leaves = frozenset(
         leaf for s in sources.values() for leaf in ((s,) if isinstance(s, int) else s.leaves)
     )
-
-    # made under torch.no_grad() (a statistic of a weight): a constant to differentiation
-    constant = not torch.is_grad_enabled()
 
     def compute(values: Mapping[int, Tensor]) -> Tensor:
         args, kwargs = arguments.rebuild(_substituted(arguments, sources, values))

@@ -484,7 +484,12 @@ class ParameterMode(FunctionalMode):
         out: Any,
     ) -> None:
         """Remember the outputs of a call on parameters only as derivations."""
-        remember_derivations(self.derived, func, arguments, sources, tensor_outputs(out))
+        outputs = tensor_outputs(out)
+        remember_derivations(self.derived, func, arguments, sources, outputs, self._constant())
+
+    def _constant(self) -> bool:
+        """Whether a derivation made now is a constant to differentiation (see subclasses)."""
+        return False
 
 
 Derived = dict[int, tuple[Tensor, Derivation]]
@@ -536,6 +541,7 @@ def remember_derivations(
     arguments: CallArguments,
     sources: dict[int, Source],
     outputs: list[tuple[int | None, Tensor]],
+    constant: bool = False,
 ) -> None:
     """Record the outputs of a call on parameters only as derivations.
 
@@ -545,11 +551,13 @@ def remember_derivations(
         arguments: Its flattened arguments.
         sources: Its parameter arguments (see :func:`parameter_sources`).
         outputs: Its tensor outputs (see :func:`tensor_outputs`).
+        constant: Whether the model made them under ``torch.no_grad()``.
     """
     first = outputs[0][1] if outputs else None
     broadcast = copies_along_batch(func, arguments, first)
     for index, tensor in outputs:
-        derived[id(tensor)] = (tensor, derive(func, arguments, sources, index, broadcast))
+        derivation = derive(func, arguments, sources, index, broadcast, constant)
+        derived[id(tensor)] = (tensor, derivation)
 
 
 def leaves_of(sources: dict[int, Source]) -> set[int]:

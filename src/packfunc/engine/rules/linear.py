@@ -68,8 +68,10 @@ class LinearWeight(ProductWeight):
             raise NotImplementedError(f"LinearWeight routes sums and squared norms, not {stat}")
         positions = math.prod(x.shape[1:-1])  # (not -1: an empty batch has no length to infer)
         u, v = x.reshape(x.shape[0], positions, n_in), g[0].reshape(x.shape[0], positions, n_out)
-        if u.shape[1] == 1:
-            return u.square().sum((1, 2)) * v.square().sum((1, 2))
+        if u.shape[1] == 1:  # ‖u‖‖v‖ squared: no overflow where the squared norm has none
+            u_norms: Tensor = torch.linalg.vector_norm(u, dim=(1, 2))
+            v_norms: Tensor = torch.linalg.vector_norm(v, dim=(1, 2))
+            return (u_norms * v_norms).square()
         return gram_squared_norms(v @ v.mT, u @ u.mT, lambda i: v[i].mT @ u[i])
 
     def outer_factors(

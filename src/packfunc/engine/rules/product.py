@@ -88,9 +88,10 @@ class ProductWeight(Rule):
     def squared_norms(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor | None:
         """``Σ_k ‖v_kn‖²‖u_kn‖²`` over groups; the Gram form for one column and ``L > 1``."""
         n_in, n_out, length = x.shape[-2], g.shape[-2], x.shape[-1]
-        if length == 1:
-            v2, u2 = _summed_squares(x, g)
-            return (v2.sum((-2, -1)) * u2.sum((-2, -1))).sum(1)
+        if length == 1:  # ‖v‖‖u‖ squared per group: no overflow where the result has none
+            v_norms: Tensor = torch.linalg.vector_norm(g, dim=(0, -2, -1))
+            u_norms: Tensor = torch.linalg.vector_norm(x, dim=(0, -2, -1))
+            return (v_norms * u_norms).square().sum(1)
         if g.shape[0] != 1 or x.shape[0] != 1 or not gram_is_cheaper(length, n_in, n_out):
             return None
         gram_g = g[0].transpose(-1, -2) @ g[0]
