@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import functional_call, grad, stack_module_state, vmap
 
 import packfunc as pf
@@ -134,3 +134,27 @@ def test_a_gradient_through_the_hessian_diagonals_and_kfra_is_refused(quantity):
             t.requires_grad
             for t in torch.utils._pytree.tree_leaves(compute(model_fn, leaves, X, y))
         )
+
+
+def test_the_gradient_alone_keeps_its_graph_where_it_is_differentiated():
+    """compute(quantities=("grad",)) took detached copies of the parameters: a gradient-norm
+    penalty built from it added nothing to the backward pass (found by a probe)."""
+    torch.manual_seed(0)
+    fn, p = pf.functional(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double())
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+
+    def penalty(q):
+        grads = pf.compute(fn, q, X, y, quantities=("grad",))["grad"]
+        return sum(g.square().sum() for g in grads.values())
+
+    def by_autograd(q):
+        value = nn.functional.cross_entropy(fn(q, X), y)
+        grads = torch.autograd.grad(value, list(q.values()), create_graph=True)
+        return sum(g.square().sum() for g in grads)
+
+    leaves = {k: t.clone().requires_grad_() for k, t in p.items()}
+    found = torch.autograd.grad(penalty(leaves), list(leaves.values()))
+    expected = torch.autograd.grad(by_autograd(leaves), list(leaves.values()))
+    for a, b in zip(found, expected, strict=True):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(torch.func.grad(penalty)(p)["0.weight"], expected[0])

@@ -17,6 +17,7 @@ from typing import Any, cast
 import optree
 import torch
 from torch import Tensor, nn
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 from packfunc.engine import hessian
 from packfunc.engine.autodiff import refuse_differentiation
@@ -141,7 +142,7 @@ def compute_batch(
         torch.Size([2, 3])
     """
     targets = given_targets(y, "compute")
-    if set(names) == {"grad"}:
+    if set(names) == {"grad"} and not _differentiated(params, X):
         return plain_gradient(model_fn, params, X, targets, loss, chunk_size)
     refuse_complex_squares(params, names)
     bp = BatchPass(model_fn, params, X, targets, loss, chunk_size)
@@ -185,6 +186,18 @@ def one_quantity(
     names = (name,)
     value = compute_batch(model_fn, params, X, y, names, loss or default_loss(), **options)[name]
     return cast(ParamsT, value)  # a pytree like params
+
+
+def _differentiated(params: Params, X: Inputs) -> bool:
+    """Whether a result must keep its graph: a tensor requires grad, or a transform wraps it.
+
+    Example:
+        >>> _differentiated({"w": torch.ones(1)}, torch.ones(2, 1))
+        False
+    """
+    tensors = [t for t in optree.tree_leaves(cast(Any, (params, X))) if isinstance(t, Tensor)]
+    grad = torch.is_grad_enabled()
+    return any((grad and t.requires_grad) or is_functorch_wrapped_tensor(t) for t in tensors)
 
 
 def plain_gradient(
