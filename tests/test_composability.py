@@ -158,3 +158,21 @@ def test_the_gradient_alone_keeps_its_graph_where_it_is_differentiated():
     for a, b in zip(found, expected, strict=True):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(torch.func.grad(penalty)(p)["0.weight"], expected[0])
+
+
+@pytest.mark.parametrize("quantity", ["batch_grad", "sqrt_ggn"])
+def test_chunked_per_sample_results_run_under_vmap(quantity):
+    """Chunks were written into an unbatched buffer, which vmap refuses (a probe)."""
+    torch.manual_seed(0)
+    fn, p = pf.functional(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double())
+    stacked = {k: torch.stack([t, 2 * t]) for k, t in p.items()}
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+
+    def one(q):
+        return getattr(pf, quantity)(fn, q, X, y, chunk_size=2)
+
+    found = vmap(one)(stacked)
+    for member in range(2):
+        expected = getattr(pf, quantity)(fn, {k: t[member] for k, t in stacked.items()}, X, y)
+        for k in p:
+            torch.testing.assert_close(found[k][member], expected[k])

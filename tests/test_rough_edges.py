@@ -781,3 +781,15 @@ def test_half_precision_squared_norms_do_not_overflow_where_the_gradients_do_not
     expected = per_sample.double().flatten(1).square().sum(1)
     assert torch.isfinite(found).all() and expected.max() < 10
     torch.testing.assert_close(found.double(), expected, rtol=1e-2, atol=1e-4)
+
+
+def test_a_zero_dimensional_tensor_among_the_inputs_is_shared_by_the_samples():
+    """A temperature passed with the batch ({"x": X, "t": tensor(2.0)}) failed to be sliced
+    per sample (found by a probe); it has no batch dimension, as batch_size reads it."""
+
+    def model_fn(p, X):
+        return (X["x"] @ p["w"]) / X["t"]
+
+    params = {"w": torch.randn(3, 2, dtype=torch.float64)}
+    inputs = {"x": torch.randn(4, 3, dtype=torch.float64), "t": torch.tensor(2.0).double()}
+    assert_batch_grad_is_a_loop(model_fn, params, inputs, torch.tensor([0, 1, 1, 0]))

@@ -562,7 +562,10 @@ def select_samples(X: Any, index: slice | Tensor) -> Any:
         >>> select_samples(torch.arange(6).view(3, 2), slice(0, 1))
         tensor([[0, 1]])
     """
-    return optree.tree_map(lambda leaf: leaf[index] if isinstance(leaf, Tensor) else leaf, X)
+    # (a 0-dim tensor has no batch dimension: shared by the samples, as batch_size reads it)
+    return optree.tree_map(
+        lambda leaf: leaf[index] if isinstance(leaf, Tensor) and leaf.dim() else leaf, X
+    )
 
 
 def as_index(subsampling: Any, n: int, device: torch.device) -> slice | Tensor:

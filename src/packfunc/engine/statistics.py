@@ -26,6 +26,7 @@ from packfunc.engine.memory import (
     chunk_length,
     chunks,
     index_length,
+    is_plain,
     new_output,
 )
 from packfunc.engine.vocabulary import PER_SAMPLE, Statistic
@@ -443,12 +444,15 @@ class _Columns:
     def __init__(self, count: int):
         self.count, self.filled = count, 0
         self.tensor: Tensor | None = None
+        self.parts: list[Tensor] = []  # chunks that cannot be written into memory (vmap, grad)
 
     def write(self, chunk: Tensor) -> None:
         """Append a chunk (the first, if it covers every sample, is kept as it is)."""
         size = chunk.shape[1]
         if self.tensor is None and size == self.count:
             self.tensor = chunk
+        elif self.parts or not is_plain(chunk):
+            self.parts.append(chunk)
         else:
             if self.tensor is None:
                 shape = (chunk.shape[0], self.count, *chunk.shape[2:])
@@ -458,7 +462,10 @@ class _Columns:
 
     def result(self) -> Tensor:
         """All samples' column gradients."""
-        assert self.tensor is not None and self.filled == self.count
+        assert self.filled == self.count
+        if self.parts:
+            return torch.cat(self.parts, 1)
+        assert self.tensor is not None
         return self.tensor
 
 
