@@ -793,3 +793,22 @@ def test_a_zero_dimensional_tensor_among_the_inputs_is_shared_by_the_samples():
     params = {"w": torch.randn(3, 2, dtype=torch.float64)}
     inputs = {"x": torch.randn(4, 3, dtype=torch.float64), "t": torch.tensor(2.0).double()}
     assert_batch_grad_is_a_loop(model_fn, params, inputs, torch.tensor([0, 1, 1, 0]))
+
+
+def _mixing_when_padded(p, X):
+    x, mask = X
+    h = x @ p["w"]
+    if not bool(mask.all()):  # another sequence of calls for a batch with padding
+        h = h + 0 * (mask[..., None].to(h.dtype) @ p["w"][:1])
+    return h.mean(1) - 0.5 * h.mean(1).mean(0)  # mixes samples
+
+
+def test_a_plan_refused_on_another_sample_than_the_first_stays_refused_for_smaller_batches():
+    """A refused plan discovered on sample 3 was compared with row 3 of a batch of two."""
+    p = {"w": torch.randn(3, 2, dtype=torch.float64)}
+    x, mask = torch.randn(4, 5, 3, dtype=torch.float64), torch.ones(4, 5, dtype=torch.float64)
+    mask[3, -1] = 0
+    y = torch.tensor([0, 1, 1, 0])
+    for batch in (slice(0, 4), slice(2, 4)):
+        with pytest.raises(ValueError, match="sample 3 alone"):
+            pf.batch_grad(_mixing_when_padded, p, (x[batch], mask[batch]), y[batch])

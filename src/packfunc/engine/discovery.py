@@ -870,7 +870,11 @@ def check_rows_alone(
     if len(rows) < 2:  # one sample: its row is itself alone; nothing is checked, nor kept
         return False
     try:
-        what = difference_beyond_rounding(first, rows[index : index + 1])
+        what = (  # (a plan refused on an earlier, larger batch stays refused)
+            "differed from its row of an earlier batch"
+            if index >= len(rows)
+            else difference_beyond_rounding(first, rows[index : index + 1])
+        )
         if what is None and last_alone is not None and len(rows) > 1:
             what, which = difference_beyond_rounding(last_alone(), rows[-1:]), "the last sample"
     except RuntimeError:  # values under vmap decide nothing
