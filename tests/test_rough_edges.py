@@ -812,3 +812,36 @@ def test_a_plan_refused_on_another_sample_than_the_first_stays_refused_for_small
     for batch in (slice(0, 4), slice(2, 4)):
         with pytest.raises(ValueError, match="sample 3 alone"):
             pf.batch_grad(_mixing_when_padded, p, (x[batch], mask[batch]), y[batch])
+
+
+class _InstanceNormed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Conv1d(2, 4, 1)
+        self.norm = nn.InstanceNorm1d(4, affine=True, track_running_stats=True)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.norm(self.pre(x))).flatten(1))
+
+
+@pytest.mark.parametrize("call", ["compute", "ggn_vector_product", "ggn_block_products"])
+def test_instance_norm_running_statistics_advance_once_per_forward_of_yours(call):
+    """Op-local replays and the products' passes updated them again (a probe: 3 and up to 12
+    updates); a call counts as one forward, and products (batch statistics) as none."""
+    torch.manual_seed(0)
+    model = _InstanceNormed().double()
+    reference = copy.deepcopy(model)
+    X, y = torch.randn(4, 2, 3, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    fn, p = pf.functional(model)
+    if call == "compute":
+        pf.compute(fn, p, X, y, quantities=("grad", "batch_l2_grad"))
+        reference(X)  # one forward's update
+    elif call == "ggn_vector_product":
+        pf.ggn_vector_product(fn, p, X, y, {k: torch.ones_like(t) for k, t in p.items()})
+    else:
+        pf.ggn_block_products(
+            fn, p, X, y, {k: torch.ones(1, *t.shape).double() for k, t in p.items()}
+        )
+    for name, buffer in reference.named_buffers():
+        torch.testing.assert_close(model.get_buffer(name), buffer, rtol=0, atol=0)

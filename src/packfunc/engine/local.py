@@ -17,11 +17,13 @@ op that finally meets the samples is still the only one differentiated.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor
 
@@ -304,9 +306,44 @@ class LocalInputs:
                 values[position] = first
             elif self.rows is not None:
                 values[position] = first.expand(self.rows, *first.shape[1:])
-        args, kwargs = self.arguments.rebuild(values)
+        args, kwargs = without_running_updates(self.func, *self.arguments.rebuild(values))
         # an op whose batching rules are wrong runs as one whose rules are exact
         return cast(Tensor, run_decomposed(self.func, args, kwargs))
+
+
+def without_running_updates(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A normalization that uses its own statistics, run again without its running averages.
+
+    ``F.instance_norm`` with ``use_input_stats`` and ``F.batch_norm`` in training mode
+    update their running averages in place and do not read them: a replay of the call
+    (op-local statistics) would update them once more.
+
+    Args:
+        func: The function of the call.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
+
+    Returns:
+        ``(args, kwargs)``, the running averages ``None`` where they are only updated.
+
+    Example:
+        >>> stats = (torch.zeros(2), torch.ones(2))
+        >>> args, _ = without_running_updates(F.batch_norm, (torch.ones(3, 2), *stats), {
+        ...     "training": True})
+        >>> args[1:]
+        (None, None)
+    """
+    own = {F.instance_norm: ("use_input_stats", True), F.batch_norm: ("training", False)}
+    if func not in own:
+        return args, kwargs
+    bound = inspect.signature(func).bind(*args, **kwargs)
+    flag, default = own[func]
+    if not bound.arguments.get(flag, default):
+        return args, kwargs
+    bound.arguments["running_mean"] = bound.arguments["running_var"] = None
+    return bound.args, bound.kwargs
 
 
 def _flatten_local(local: LocalInputs) -> tuple[list[Tensor], tuple[LocalInputs, tuple[int, ...]]]:

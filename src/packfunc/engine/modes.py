@@ -33,6 +33,7 @@ from packfunc.engine.local import (
     Source,
     copies_along_batch,
     derive,
+    without_running_updates,
 )
 from packfunc.engine.ops import (
     ELEMENTWISE,
@@ -218,6 +219,8 @@ class FunctionalMode(TorchFunctionMode):
             return flat
         if func is F.batch_norm:
             args, kwargs = _batch_norm_arguments(args, kwargs, self.batch_statistics)
+        elif func is F.instance_norm and self.batch_statistics:  # (as BatchNorm: untouched)
+            args, kwargs = without_running_updates(func, args, kwargs)
         if _counts_batches(func, args):
             # running statistics stay as they are, and so does their counter (also when
             # BatchNorm in training mode is refused right after: a refusal changes nothing);
