@@ -176,3 +176,16 @@ def test_chunked_per_sample_results_run_under_vmap(quantity):
         expected = getattr(pf, quantity)(fn, {k: t[member] for k, t in stacked.items()}, X, y)
         for k in p:
             torch.testing.assert_close(found[k][member], expected[k])
+
+
+def test_vmap_over_inputs_as_a_model_functions_first_call_equals_a_loop():
+    """Discovery compared the sample it ran with the batch's by torch.equal, which vmap
+    cannot batch: the first call of a model_fn under vmap over X failed (a probe)."""
+    torch.manual_seed(0)
+    fn, p = pf.functional(nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double())
+    XS, YS = torch.randn(3, 4, 3, dtype=torch.float64), torch.randint(0, 2, (3, 4))
+    found = vmap(lambda X, y: pf.batch_l2_grad(fn, p, X, y))(XS, YS)
+    for d in range(3):
+        expected = pf.batch_l2_grad(fn, p, XS[d], YS[d])
+        for k in p:
+            torch.testing.assert_close(found[k][d], expected[k])

@@ -804,9 +804,14 @@ def _copied(tree: Any) -> Any:
 
 
 def _equal_trees(a: Any, b: Any) -> bool:
-    """Whether two pytrees of one structure hold equal tensors (NaNs equal to NaNs)."""
+    """Whether two pytrees of one structure hold equal tensors (NaNs equal to NaNs).
+
+    Under ``torch.func.vmap``, whose values decide nothing, tensors count as equal (such a
+    plan is not kept: a call outside ``vmap`` discovers again and compares).
+    """
     return all(
         not isinstance(x, Tensor)
+        or is_functorch_wrapped_tensor(x)
         or torch.equal(x, y)
         or (x.is_floating_point() and torch.allclose(x, y, rtol=0, atol=0, equal_nan=True))
         for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b), strict=True)
