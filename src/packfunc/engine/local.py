@@ -311,6 +311,14 @@ class LocalInputs:
         return cast(Tensor, run_decomposed(self.func, args, kwargs))
 
 
+_OWN_STATISTICS: dict[Callable[..., Any], tuple[str, bool]] = {
+    F.instance_norm: ("use_input_stats", True),
+    F.batch_norm: ("training", False),
+}
+"""Normalizations with running averages: the flag (and its default) of using their own
+statistics, where the averages are only updated (see :func:`without_running_updates`)."""
+
+
 def without_running_updates(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -335,11 +343,10 @@ def without_running_updates(
         >>> args[1:]
         (None, None)
     """
-    own = {F.instance_norm: ("use_input_stats", True), F.batch_norm: ("training", False)}
-    if func not in own:
+    if func not in _OWN_STATISTICS:
         return args, kwargs
     bound = inspect.signature(func).bind(*args, **kwargs)
-    flag, default = own[func]
+    flag, default = _OWN_STATISTICS[func]
     if not bound.arguments.get(flag, default):
         return args, kwargs
     bound.arguments["running_mean"] = bound.arguments["running_var"] = None

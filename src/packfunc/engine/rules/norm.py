@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from packfunc.engine.local import LocalInputs
+from packfunc.engine.local import LocalInputs, without_running_updates
 from packfunc.engine.memory import is_plain
 from packfunc.engine.ops import SiteCall
 from packfunc.engine.rules.local import LocalRule, as_local
@@ -199,14 +199,9 @@ def _normalized(local: LocalInputs) -> Tensor:
     arguments = local.arguments
     names = _argument_names(local.func, arguments.layout, arguments.keys)
     dropped = {"weight", "bias"}
-    settings = _settings(local, names)
-    if (local.func is F.instance_norm and settings["use_input_stats"]) or (
-        local.func is F.batch_norm and settings["training"]
-    ):
-        # with its own statistics, running averages would be updated a second time
-        dropped |= {"running_mean", "running_var"}
     values = [None if name in dropped else v for name, v in zip(names, arguments.values)]
-    args, kwargs = arguments.rebuild(values)
+    # with its own statistics, running averages would be updated a second time
+    args, kwargs = without_running_updates(local.func, *arguments.rebuild(values))
     return cast(Tensor, local.func(*args, **kwargs))
 
 
