@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor
 
-from packfunc.engine.ops import refuse_coupled_embedding
+from packfunc.engine.ops import bag_option, refuse_coupled_embedding, refuse_renormalizing
 from packfunc.engine.recurrent import CELL_OPS, run_cell
 
 __all__ = [
@@ -295,14 +295,7 @@ def embedding_bag(*args: Any, **kwargs: Any) -> Any:
         >>> embedding_bag(torch.tensor([[0, 1]]), torch.ones(2, 3))
         NotImplemented
     """
-    names = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq")
-    bound = dict(zip(names, args)) | kwargs
-    if bound.get("max_norm") is not None:
-        raise ValueError(
-            "EmbeddingBag(max_norm=...) renormalizes the weight in place during the forward "
-            "pass, which a pure function cannot do; drop max_norm or renormalize the weight "
-            "yourself."
-        )
+    refuse_renormalizing("EmbeddingBag", bag_option(args, kwargs, "max_norm"))
     return NotImplemented
 
 

@@ -58,6 +58,7 @@ from packfunc.engine.ops import (
     LayerKind,
     OpSignature,
     SiteCall,
+    bag_option,
     make_call,
     refuse_frequency_scaling,
 )
@@ -727,24 +728,6 @@ def changed_in_place(
     writes = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
     writes = (writes or name == "__setitem__") and name not in _FLAGS_ONLY
     return args[0] if writes and args and isinstance(args[0], Tensor) else None
-
-
-def bag_option(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
-    """An option of a call ``F.embedding_bag(input, weight, offsets, max_norm, ...)``.
-
-    Example:
-        >>> bag_option((torch.ones(2), torch.ones(3, 2), None, 1.0), {}, "max_norm")
-        1.0
-    """
-    index = _BAG_OPTIONS.index(name)
-    return args[index] if len(args) > index else kwargs.get(name, _BAG_DEFAULTS.get(name))
-
-
-_BAG_OPTIONS = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq")
-"""``F.embedding_bag``'s first arguments, in order."""
-
-_BAG_DEFAULTS = {"scale_grad_by_freq": False}
-"""Those defaults that are not ``None``."""
 
 
 _FLAGS_ONLY = frozenset({"requires_grad_", "share_memory_", "retain_grad", "detach_"})

@@ -519,12 +519,28 @@ def refuse_coupled_embedding(bound: dict[str, Any]) -> None:
     Example:
         >>> refuse_coupled_embedding({"max_norm": None, "scale_grad_by_freq": False})
     """
-    if bound["max_norm"] is not None:
+    refuse_renormalizing("Embedding", bound["max_norm"])
+    refuse_frequency_scaling("Embedding", bound["scale_grad_by_freq"])
+
+
+def refuse_renormalizing(layer: str, max_norm: float | None) -> None:
+    """Refuse ``max_norm`` of an embedding layer: it renormalizes the weight in place.
+
+    Args:
+        layer: ``"Embedding"`` or ``"EmbeddingBag"``, for the message.
+        max_norm: The call's option.
+
+    Raises:
+        ValueError: where it is set.
+
+    Example:
+        >>> refuse_renormalizing("EmbeddingBag", None)
+    """
+    if max_norm is not None:
         raise ValueError(
-            "Embedding(max_norm=...) renormalizes the weight in place during the forward pass, "
+            f"{layer}(max_norm=...) renormalizes the weight in place during the forward pass, "
             "which a pure function cannot do; drop max_norm or renormalize the weight yourself."
         )
-    refuse_frequency_scaling("Embedding", bound["scale_grad_by_freq"])
 
 
 def refuse_frequency_scaling(layer: str, scale_grad_by_freq: bool) -> None:
@@ -545,6 +561,24 @@ def refuse_frequency_scaling(layer: str, scale_grad_by_freq: bool) -> None:
             f"{layer}(scale_grad_by_freq=True) scales gradients by word counts over the whole "
             "batch, which couples samples; per-sample gradients are not defined. Set it to False."
         )
+
+
+def bag_option(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+    """An option of a call ``F.embedding_bag(input, weight, offsets, max_norm, ...)``.
+
+    Example:
+        >>> bag_option((torch.ones(2), torch.ones(3, 2), None, 1.0), {}, "max_norm")
+        1.0
+    """
+    index = _BAG_OPTIONS.index(name)
+    return args[index] if len(args) > index else kwargs.get(name, _BAG_DEFAULTS.get(name))
+
+
+_BAG_OPTIONS = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq")
+"""``F.embedding_bag``'s first arguments, in order."""
+
+_BAG_DEFAULTS = {"scale_grad_by_freq": False}
+"""Those defaults that are not ``None``."""
 
 
 _LINEAR = ("input", "weight", "bias")
