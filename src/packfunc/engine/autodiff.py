@@ -150,9 +150,8 @@ class _Undifferentiable(torch.autograd.Function):
         raise RuntimeError(
             f"packfunc's {ctx.name} is not differentiable with respect to the parameters or "
             "inputs: it holds the second derivatives through the layers before each parameter "
-            "constant, "
-            "so its gradient would be wrong. Differentiate diag_ggn, kflr or a dense Hessian "
-            "(torch.autograd.functional.hessian with create_graph=True) instead."
+            "constant, so its gradient would be wrong. Differentiate diag_ggn, kflr or a dense "
+            "Hessian (torch.autograd.functional.hessian with create_graph=True) instead."
         )
 
 

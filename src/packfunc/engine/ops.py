@@ -668,6 +668,28 @@ class SiteCall:
         return self.op is not None and self.op.transposed
 
     @property
+    def is_transposed_convolution(self) -> bool:
+        """Whether the call is a transposed convolution (``conv_transposeNd``).
+
+        Example:
+            >>> [SiteCall(SIGNATURES[op], (), ()).is_transposed_convolution
+            ...  for op in (F.conv_transpose1d, linear_in_out, F.linear)]
+            [True, False, False]
+        """
+        return self.transposed and self.op is not None and self.op.is_convolution
+
+    @property
+    def stores_weight_in_out(self) -> bool:
+        """Whether the call is a linear layer whose weight is stored ``[in, out]`` (``x @ W``).
+
+        Example:
+            >>> [SiteCall(SIGNATURES[op], (), ()).stores_weight_in_out
+            ...  for op in (F.conv_transpose1d, linear_in_out, F.linear)]
+            [False, True, False]
+        """
+        return self.transposed and self.op is not None and not self.op.is_convolution
+
+    @property
     def name(self) -> str:
         """A readable name of the op: the tapped op's display name, or the local function's.
 

@@ -45,7 +45,6 @@ except ImportError as error:  # pragma: no cover - exercised without laplace ins
 
 import packfunc as pf
 from packfunc.engine.discovery import cached_discover, forget_plan
-from packfunc.engine.ops import LayerKind
 from packfunc.engine.randomness import GeneratorMark, RandomModelError
 from packfunc.functionalize import flatten_params
 from packfunc.kronecker_factors import sqrt_factors_and_loss
@@ -456,8 +455,7 @@ def in_out_weights(model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs)
     return {
         names[leaf]
         for site in plan.sites
-        if site.call.transposed and site.call.op is not None
-        if site.call.op.kind is LayerKind.LINEAR
+        if site.call.stores_weight_in_out
         for _, leaf in site.call.leaves
     }
 

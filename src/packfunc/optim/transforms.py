@@ -52,7 +52,6 @@ from torch import Tensor, nn
 from packfunc import kron
 from packfunc.eigen_kfac import ekfac, ekfac_and_factors
 from packfunc.engine.discovery import discover
-from packfunc.engine.ops import LayerKind, SiteCall
 from packfunc.functionalize import flatten_params, select_samples
 from packfunc.kronecker_factors import kfac, kflr
 from packfunc.losses import default_loss
@@ -539,7 +538,7 @@ def _refuse_transposed_convolutions(model_fn: ModelFn, params: Params, X: Inputs
     used = {
         names[leaf]
         for site in plan.sites
-        if _is_transposed_convolution(site.call)
+        if site.call.is_transposed_convolution
         for _, leaf in site.call.leaves
     }
     if used:
@@ -549,25 +548,6 @@ def _refuse_transposed_convolutions(model_fn: ModelFn, params: Params, X: Inputs
             "channel axes swapped, with groups). Use scale_by_diag_ggn (DiagGGN), or apply "
             "packfunc.kron to the transposed weights yourself."
         )
-
-
-def _is_transposed_convolution(call: SiteCall) -> bool:
-    """Whether a site calls a transposed convolution (not a linear weight stored ``[in, out]``).
-
-    Args:
-        call: The site's call in a discovery plan.
-
-    Returns:
-        ``True`` for ``conv_transposeNd``; ``False`` for ``x @ W`` and every other op.
-
-    Example:
-        >>> import torch.nn.functional as F
-        >>> from packfunc.engine.ops import SIGNATURES, linear_in_out
-        >>> [_is_transposed_convolution(SiteCall(SIGNATURES[op], (), ()))
-        ...  for op in (F.conv_transpose1d, linear_in_out, F.linear)]
-        [True, False, False]
-    """
-    return call.transposed and call.op is not None and call.op.kind is LayerKind.CONVOLUTION
 
 
 def _exact_inverse(curvature: Any, damping: float) -> Any:
