@@ -618,19 +618,19 @@ def test_a_parametrized_model_inside_parametrize_cached_is_refused_unchanged(qua
 
 @pytest.mark.parametrize("quantity", ["diag_hessian", "batch_diag_hessian"])
 def test_a_hessian_through_an_op_without_second_derivative_names_the_ggn(quantity):
-    """``nn.EmbeddingBag``'s backward has no derivative in torch: torch's bare message, now
+    """``torch.cdist``'s backward has no derivative in torch: torch's bare message, now
     with what packfunc can compute instead (its GGN quantities are exact)."""
 
-    class Bag(nn.Module):
+    class Prototypes(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.bag, self.head = nn.EmbeddingBag(7, 3, mode="mean"), nn.Linear(3, 2)
+            self.prototypes = nn.Parameter(torch.randn(2, 3))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(torch.tanh(self.bag(x)))
+            return -torch.cdist(x, self.prototypes)
 
-    model_fn, params = pf.functional(Bag())
-    X, y = torch.randint(0, 7, (3, 4)), torch.tensor([0, 1, 0])
-    assert pf.diag_ggn(model_fn, params, X, y)["bag.weight"].shape == (7, 3)
+    model_fn, params = pf.functional(Prototypes())
+    X, y = torch.randn(3, 3), torch.tensor([0, 1, 0])
+    assert pf.diag_ggn(model_fn, params, X, y)["prototypes"].shape == (2, 3)
     with pytest.raises(NotImplementedError, match="use the GGN quantities"):
         getattr(pf, quantity)(model_fn, params, X, y)

@@ -230,3 +230,91 @@ def test_weight_norm_gradient_through_first_order_results_is_the_double_backward
         return sum(v.sum() for v in found.values())
 
     assert_trees_close(torch.func.grad(summed_l2)(params), expected)
+
+
+def _bag_options():
+    """Every reduction, with and without a padding index, weights and each input layout."""
+    for mode in ("sum", "mean", "max"):
+        for padding_idx in (None, 2, -1):
+            for layout in ("fixed", "offsets", "last offset"):
+                for weighted in (False, True) if mode == "sum" else (False,):
+                    yield mode, padding_idx, layout, weighted
+
+
+@pytest.mark.parametrize("mode, padding_idx, layout, weighted", list(_bag_options()))
+def test_embedding_bag_decomposed_is_torchs_with_its_gradient(mode, padding_idx, layout, weighted):
+    """Values and weight gradients of the gather-and-reduce form equal torch's kernel; its
+    forward-mode derivative (which torch's kernel lacks) equals central differences."""
+    torch.manual_seed(0)
+    table = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    if layout == "fixed":
+        index, offsets = torch.randint(0, 7, (4, 3)), None
+        index[1] = 2  # a bag of padding only: zeros
+    else:
+        index = torch.tensor([2, 5, 2, 2, 0, 6, 1, 2, 4])
+        offsets = torch.tensor([0, 2, 2, 5] + ([9] if layout == "last offset" else []))
+    weights = torch.rand(index.shape, dtype=torch.float64) if weighted else None
+    options = dict(mode=mode, per_sample_weights=weights, padding_idx=padding_idx)
+    options["include_last_offset"] = layout == "last offset"
+
+    def torchs(w):
+        return F.embedding_bag(index, w, offsets, **options)
+
+    def decomposed(w):
+        return decompositions.bag_reduction(
+            index, w, offsets, mode, weights, layout == "last offset", padding_idx
+        )
+
+    cotangent = torch.randn_like(torchs(table))
+    expected = torch.autograd.grad((torchs(table) * cotangent).sum(), table)[0]
+    found = torch.autograd.grad((decomposed(table) * cotangent).sum(), table)[0]
+    torch.testing.assert_close(decomposed(table), torchs(table))
+    torch.testing.assert_close(found, expected)
+    tangent, eps = torch.randn_like(table), 1e-6
+    with torch.no_grad():
+        central = (torchs(table + eps * tangent) - torchs(table - eps * tangent)) / (2 * eps)
+    forward = torch.func.jvp(decomposed, (table.detach(),), (tangent,))[1]
+    torch.testing.assert_close(forward, central)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_products_and_hessians_are_the_dense_ones(mode):
+    """torch's ``embedding_bag`` has no forward-mode formula and no second derivative: GGN
+    and Hessian products raised torch's errors and the Hessian diagonals were refused. They
+    are the dense float64 GGN's and Hessian's of the same model, written with ``nn.Embedding``."""
+    torch.manual_seed(0)
+    bag = torch.nn.EmbeddingBag(7, 3, mode=mode, padding_idx=2).double()
+    head = torch.nn.Linear(3, 2).double()
+    X, y = torch.randint(0, 7, (4, 5)), torch.tensor([0, 1, 0, 1])
+    X[1] = 2  # a bag of padding only
+    model_fn, params = pf.functional(torch.nn.Sequential(bag, torch.nn.Tanh(), head))
+
+    def written_out(table):
+        rows, kept = F.embedding(X, table), (X != 2)[..., None]
+        if mode == "max":
+            pooled = torch.where(kept, rows, -torch.inf).amax(1).clamp(min=-1e300)
+            pooled = torch.where(kept.any(1), pooled, 0.0)
+        else:
+            pooled = (rows * kept).sum(1)
+            pooled = pooled / kept.sum(1).clamp(min=1) if mode == "mean" else pooled
+        return head(torch.tanh(pooled))
+
+    table = params["0.weight"].detach()
+    loss = torch.nn.CrossEntropyLoss()
+    H = torch.autograd.functional.hessian(lambda t: loss(written_out(t), y), table).reshape(21, 21)
+    J = torch.autograd.functional.jacobian(written_out, table).reshape(8, 21)
+    output = written_out(table).detach()
+    H_out = torch.autograd.functional.hessian(lambda o: loss(o, y), output).reshape(8, 8)
+    G = J.T @ H_out @ J
+    v = {k: torch.randn_like(p) for k, p in params.items()}
+    only_table = {k: p if k == "0.weight" else torch.zeros_like(p) for k, p in v.items()}
+    ggnvp = pf.ggn_vector_product(model_fn, params, X, y, only_table)["0.weight"]
+    hvp = pf.hessian_vector_product(model_fn, params, X, y, only_table)["0.weight"]
+    mats = {k: p[None] if k == "0.weight" else None for k, p in v.items()}
+    blocks = pf.ggn_block_products(model_fn, params, X, y, mats)
+    vector = v["0.weight"].reshape(-1)
+    torch.testing.assert_close(ggnvp.reshape(-1), G @ vector)
+    torch.testing.assert_close(blocks["0.weight"][0].reshape(-1), G @ vector)
+    torch.testing.assert_close(hvp.reshape(-1), H @ vector)
+    diagonal = pf.diag_hessian(model_fn, params, X, y)["0.weight"]
+    torch.testing.assert_close(diagonal.reshape(-1), H.diagonal())

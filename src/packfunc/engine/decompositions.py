@@ -18,7 +18,9 @@ rule; it runs as ``v * (g / ‖v‖)``. ``F.embedding`` with a ``padding_idx`` u
 transforms counts the padding row in its forward-mode derivative (its reverse mode does not:
 a GGN product was neither the GGN's nor symmetric); it runs on a weight whose padding row is
 a constant. Its ``max_norm``, which renormalizes the weight in place, is refused before it
-does (``F.embedding_bag``'s too). The modes and the op-local rule run these in the ops'
+does (``F.embedding_bag``'s too). ``F.embedding_bag`` has neither a forward-mode rule nor a
+second derivative; under transforms it runs as rows gathered from the table and reduced per
+bag, which have both. The modes and the op-local rule run these in the ops'
 place; the values are the ops' own.
 """
 
@@ -40,6 +42,7 @@ from packfunc.engine.recurrent import CELL_OPS, run_cell
 __all__ = [
     "DECOMPOSED_OPS",
     "ONLY_UNDER_TRANSFORMS",
+    "bag_reduction",
     "embedding",
     "embedding_bag",
     "linalg_solve",
@@ -291,12 +294,109 @@ def embedding(
 def embedding_bag(*args: Any, **kwargs: Any) -> Any:
     """``F.embedding_bag`` in packfunc's passes: its ``max_norm`` refused before it acts.
 
+    Under ``torch.func`` transforms it runs as rows gathered from the table and reduced per
+    bag by :func:`bag_reduction` (torch's kernel has no forward-mode derivative and its
+    backward no derivative: the GGN products and the Hessians need both).
+
     Example:
         >>> embedding_bag(torch.tensor([[0, 1]]), torch.ones(2, 3))
         NotImplemented
     """
     refuse_renormalizing("EmbeddingBag", bag_option(args, kwargs, "max_norm"))
-    return NotImplemented
+    bound = dict(zip(_BAG_ARGUMENTS, args, strict=False)) | kwargs
+    input, weight, offsets = bound["input"], bound["weight"], bound.get("offsets")
+    if bound.get("sparse") or not is_functorch_wrapped_tensor(weight):
+        return NotImplemented
+    if (input.dim() == 2) != (offsets is None) or input.dim() not in (1, 2):
+        return NotImplemented  # torch's own message
+    return bag_reduction(
+        input,
+        weight,
+        offsets,
+        bound.get("mode", "mean"),
+        bound.get("per_sample_weights"),
+        bool(bound.get("include_last_offset", False)),
+        bound.get("padding_idx"),
+    )
+
+
+_BAG_ARGUMENTS = (
+    "input",
+    "weight",
+    "offsets",
+    "max_norm",
+    "norm_type",
+    "scale_grad_by_freq",
+    "mode",
+    "sparse",
+    "per_sample_weights",
+    "include_last_offset",
+    "padding_idx",
+)
+"""``F.embedding_bag``'s arguments, in order."""
+
+
+def bag_reduction(
+    input: Tensor,
+    weight: Tensor,
+    offsets: Tensor | None,
+    mode: str,
+    per_sample_weights: Tensor | None,
+    include_last_offset: bool,
+    padding_idx: int | None,
+) -> Tensor:
+    """``F.embedding_bag`` as a gather of rows and a per-bag ``index_add``/``scatter_reduce``.
+
+    Entries equal to ``padding_idx`` belong to no bag (they go to an extra bag, dropped);
+    an empty bag gives zeros, as in torch.
+
+    Args:
+        input: Indices: ``[B, L]`` (fixed bags) or ``[M]`` with ``offsets``.
+        weight: The table ``[rows, dim]``.
+        offsets: Each bag's first entry in a 1-D ``input`` (``None`` for 2-D).
+        mode: ``"sum"``, ``"mean"`` or ``"max"``.
+        per_sample_weights: Weights of the entries (``"sum"`` only), shaped like ``input``.
+        include_last_offset: Whether ``offsets`` ends with the end of the last bag.
+        padding_idx: The index that belongs to no bag, or ``None``.
+
+    Returns:
+        ``[B, dim]``.
+
+    Example:
+        >>> table = torch.arange(6.0).reshape(3, 2)
+        >>> bag_reduction(torch.tensor([0, 2, 1]), table, torch.tensor([0, 2]), "sum", None,
+        ...               False, None)
+        tensor([[4., 6.],
+                [2., 3.]])
+    """
+    entries = input.reshape(-1)
+    if offsets is None:
+        bags = input.shape[0]
+        bag = torch.arange(bags, device=input.device).repeat_interleave(input.shape[1])
+    else:
+        starts = offsets[:-1] if include_last_offset else offsets
+        bags = starts.shape[0]
+        position = torch.arange(entries.shape[0], device=input.device)
+        bag = torch.bucketize(position, starts, right=True) - 1
+        if include_last_offset:  # entries past the last offset belong to no bag
+            bag = torch.where(position < offsets[-1], bag, bags)
+        bag = torch.where(bag < 0, bags, bag)
+    if padding_idx is not None:
+        bag = torch.where(entries == padding_idx % weight.shape[0], bags, bag)
+    rows = torch.nn.functional.embedding(entries, weight)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.reshape(-1, 1)
+    shape = (bags + 1, weight.shape[1])
+    if mode == "max":
+        spread = bag[:, None].expand(rows.shape)
+        found = rows.new_zeros(shape).scatter_reduce(0, spread, rows, "amax", include_self=False)
+        return found[:bags]
+    summed = rows.new_zeros(shape).index_add(0, bag, rows)[:bags]
+    if mode == "sum":
+        return summed
+    counts = torch.zeros(bags + 1, dtype=rows.dtype, device=rows.device)
+    counts = counts.index_add(0, bag, torch.ones_like(bag, dtype=rows.dtype))[:bags]
+    return summed / counts.clamp(min=1)[:, None]
 
 
 ONLY_UNDER_TRANSFORMS = frozenset(

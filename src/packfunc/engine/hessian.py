@@ -86,7 +86,7 @@ def diagonals(bp: BatchPass, stats: set[Statistic], index: slice | Tensor) -> li
                 raise
             raise NotImplementedError(
                 f"{error} Hessian diagonals differentiate the model twice, and torch has no "
-                "second derivative of that op (nn.EmbeddingBag's, for one): use the GGN "
+                "second derivative of that op (torch.cdist's, for one): use the GGN "
                 "quantities (diag_ggn, batch_diag_ggn) for this model."
             ) from error
 
