@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
 import packfunc as pf
-from tests.cases import autograd_batch_grad
+from packfunc.compat import backpack, extend
+from packfunc.compat.extensions import BatchGrad
+from tests.cases import assert_trees_close, autograd_batch_grad
 
 
 def _mlp():
@@ -634,3 +638,36 @@ def test_a_hessian_through_an_op_without_second_derivative_names_the_ggn(quantit
     assert pf.diag_ggn(model_fn, params, X, y)["prototypes"].shape == (2, 3)
     with pytest.raises(NotImplementedError, match="use the GGN quantities"):
         getattr(pf, quantity)(model_fn, params, X, y)
+
+
+def test_a_parameter_without_elements_is_refused_by_name_and_can_be_left_out():
+    """``nn.Linear(d, 0)``: torch's reshape error ("cannot reshape tensor of 0 elements")
+    from deep in the layer rules, in every quantity and the shim; now a refusal naming the
+    leaf, and leaving it out of params (or freezing it in the shim) works."""
+
+    class WithEmptyHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head, self.empty = nn.Linear(3, 2), nn.Linear(3, 0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([self.head(x), self.empty(x)], -1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: initializing zero-element tensors
+        model = WithEmptyHead()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    for quantity in ("batch_grad", "diag_ggn", "kfac"):
+        with pytest.raises(ValueError, match="'empty.(weight|bias)' has no elements.*Leave it out"):
+            getattr(pf, quantity)(model_fn, params, X, y)
+    kept = {name: p for name, p in params.items() if p.numel()}
+    expected = autograd_batch_grad(model, nn.CrossEntropyLoss(), X, y)
+    assert_trees_close(pf.batch_grad(model_fn, kept, X, y), {k: expected[k] for k in kept})
+    extended, lossfunc = extend(model), extend(nn.CrossEntropyLoss())
+    with pytest.raises(ValueError, match="has no elements"), backpack(BatchGrad()):
+        lossfunc(extended(X), y).backward()
+    extended.empty.requires_grad_(False)
+    with backpack(BatchGrad()):
+        lossfunc(extended(X), y).backward()
+    torch.testing.assert_close(model.head.weight.grad_batch, expected["head.weight"])

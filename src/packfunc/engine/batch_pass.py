@@ -145,6 +145,29 @@ def check_pass_arguments(
     chunk_length(1, 1, chunk_size)
 
 
+def refuse_empty_leaves(leaves: list[Tensor], names: list[str]) -> None:
+    """Refuse parameters without elements (``nn.Linear(d, 0)``): the layer rules do not take them.
+
+    Args:
+        leaves: The parameter leaves.
+        names: Their names.
+
+    Raises:
+        ValueError: naming the first empty leaf and what to do with it.
+
+    Example:
+        >>> refuse_empty_leaves([torch.ones(2)], ["w"])
+    """
+    for name, leaf in zip(names, leaves):
+        if leaf.numel() == 0:
+            raise ValueError(
+                f"params leaf {name!r} has no elements (shape {tuple(leaf.shape)}): its "
+                "quantities would be empty, and packfunc's layer rules do not run layers "
+                "without parameters. Leave it out of params (pf.functional's model_fn reads "
+                "the leaves left out from the module; in the shim, requires_grad_(False))."
+            )
+
+
 _REUSED_ROWS = (
     "Here the rows are those of a forward pass that ran before (packfunc.compat): a parameter "
     "changed through .data between that forward pass and the backward pass differs the same "
@@ -250,6 +273,7 @@ class BatchPass:
     ):
         check_pass_arguments(model_fn, params, loss, chunk_size)
         self.leaves, self.treespec, self.names = flatten_params(params)
+        refuse_empty_leaves(self.leaves, self.names)
         self.n = batch_size(X)
         self.model_fn, self.params, self.X, self.y, self.loss = model_fn, params, X, y, loss
         self.chunk_size = chunk_size
