@@ -671,3 +671,11 @@ def test_a_parameter_without_elements_is_refused_by_name_and_can_be_left_out():
     with backpack(BatchGrad()):
         lossfunc(extended(X), y).backward()
     torch.testing.assert_close(model.head.weight.grad_batch, expected["head.weight"])
+
+
+def test_parameters_on_the_meta_device_are_refused_by_name():
+    """A model built on ``meta`` (shapes, no values) gave torch's ``aten::equal`` message."""
+    model_fn, params = pf.functional(nn.Linear(3, 2, device="meta"))
+    X, y = torch.randn(4, 3, device="meta"), torch.randint(0, 2, (4,), device="meta")
+    with pytest.raises(ValueError, match="'bias' is on the meta device.*to_empty"):
+        pf.batch_grad(model_fn, params, X, y)

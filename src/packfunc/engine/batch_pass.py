@@ -146,19 +146,25 @@ def check_pass_arguments(
 
 
 def refuse_empty_leaves(leaves: list[Tensor], names: list[str]) -> None:
-    """Refuse parameters without elements (``nn.Linear(d, 0)``): the layer rules do not take them.
+    """Refuse parameters without values: no elements (``nn.Linear(d, 0)``), or on ``meta``.
 
     Args:
         leaves: The parameter leaves.
         names: Their names.
 
     Raises:
-        ValueError: naming the first empty leaf and what to do with it.
+        ValueError: naming the first such leaf and what to do with it.
 
     Example:
         >>> refuse_empty_leaves([torch.ones(2)], ["w"])
     """
     for name, leaf in zip(names, leaves):
+        if leaf.is_meta:
+            raise ValueError(
+                f"params leaf {name!r} is on the meta device: it has a shape but no values. "
+                "Materialize the model first (model.to_empty(device=...) and initialize or "
+                "load its weights)."
+            )
         if leaf.numel() == 0:
             raise ValueError(
                 f"params leaf {name!r} has no elements (shape {tuple(leaf.shape)}): its "
