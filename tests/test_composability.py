@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -90,6 +91,46 @@ def test_results_are_differentiable_with_plain_autograd():
     assert_trees_close(
         found, _gradient_of_squared_norms(problem, params), "autograd through sum_grad_squared"
     )
+
+
+@pytest.mark.parametrize(
+    "loss", [nn.MSELoss(reduction="sum"), nn.CrossEntropyLoss(reduction="sum")]
+)
+def test_results_differentiated_with_respect_to_the_targets_alone_are_the_loops(loss):
+    """``torch.func.grad`` over ``y`` alone (distillation: ``y`` a teacher's probabilities)
+    crashed in the record (``requires_grad_`` under a transform); it and autograd are the
+    double backward of a per-sample loop, for the norms, the gradients and the clipped sum."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    y = y if isinstance(loss, nn.MSELoss) else y.softmax(-1)
+
+    def loop(targets: Tensor) -> dict[str, Tensor]:
+        live = {k: v.detach().requires_grad_() for k, v in params.items()}
+        grads = []
+        for n in range(4):
+            term = loss(model_fn(live, X[n : n + 1]), targets[n : n + 1])
+            grads.append(torch.autograd.grad(term, list(live.values()), create_graph=True))
+        norms = torch.stack([sum(g.square().sum() for g in sample) for sample in grads])
+        factors = (0.5 / (norms.sqrt() + 1e-6)).clamp(max=1.0)  # as opacus clips
+        return {
+            "batch_l2_grad": norms.sum(),
+            "batch_grad": sum(sum(g.sum() for g in sample) for sample in grads),
+            "clipped_grad": sum(f * sum(g.sum() for g in s) for f, s in zip(factors, grads)),
+        }
+
+    def ours(quantity: str, targets: Tensor) -> Tensor:
+        options = {"max_norm": 0.5} if quantity == "clipped_grad" else {}
+        found = getattr(pf, quantity)(model_fn, params, X, targets, loss=loss, **options)
+        return sum(v.sum() for v in found.values())
+
+    for quantity in ("batch_l2_grad", "batch_grad", "clipped_grad"):
+        live = y.clone().requires_grad_()
+        expected = torch.autograd.grad(loop(live)[quantity], live)[0]
+        torch.testing.assert_close(grad(partial(ours, quantity))(y), expected)
+        live = y.clone().requires_grad_()
+        torch.testing.assert_close(torch.autograd.grad(ours(quantity, live), live)[0], expected)
 
 
 def test_params_and_model_are_not_mutated():
