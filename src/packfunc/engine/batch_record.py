@@ -549,7 +549,8 @@ def record(
         >>> rec.pullback(rec.output_cotangent)[0].shape
         torch.Size([4, 2])
     """
-    if is_plain(*leaves, *(t for t in optree.tree_leaves(X) if isinstance(t, Tensor)), y):
+    inputs = [t for t in (*optree.tree_leaves(X), y) if isinstance(t, Tensor)]
+    if is_plain(*leaves, *inputs):
         return _record_with_autograd(model_fn, params, leaves, plan, X, y, loss, n)
     failed: set[int] = set()
     forward = probed_forward(model_fn, params, leaves, plan, X, failed)

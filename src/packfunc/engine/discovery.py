@@ -60,7 +60,9 @@ from packfunc.engine.ops import (
     SiteCall,
     bag_option,
     make_call,
+    moves_rows,
     refuse_frequency_scaling,
+    row_index_of,
 )
 from packfunc.engine.precision import difference_beyond_rounding, forward_autocast
 from packfunc.engine.randomness import DEFAULT_GENERATOR_DRAW, private_generators, random_call
@@ -239,6 +241,11 @@ class _DiscoveryMode(ParameterMode):
         self.leaf_spans = [(leaf, span) for leaf, span in spans if span is not None]
         # the memory of tensors that carry samples (see _follow_aliases)
         self.sample_memory: set[int] = set()
+        # tensors whose rows may be other samples' (see _note_moved_rows): the call that moved
+        self.moved: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+        self.moved_by: str | None = None
+        # torch.arange(N) and its views: an index that leaves every row where it is
+        self.sample_index: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         self._note_memory(list(self.samples.values()))
         self.level = maybe_current_level()  # the caller's torch.func transforms, if any
 
@@ -342,8 +349,10 @@ class _DiscoveryMode(ParameterMode):
             out = func(*args, **kwargs)
             if self._any_marked(values[p] for p in carriers):
                 self._mark_samples(out)
+                self._note_moved_rows(func, args, kwargs, out)
             else:
                 self.fixed.note(func, values, out)
+            self._note_sample_index(func, args, out)
             return out
         sig = SIGNATURES.get(func)
         if sig is not None and carriers and self._tapped_call(sig, args, kwargs, sources):
@@ -360,10 +369,12 @@ class _DiscoveryMode(ParameterMode):
             return out
         if carriers:
             self._mark_samples(out)
+            moved = self._moved_rows_among(values)
+            self._note_moved_rows(func, args, kwargs, out)
         per_sample = all(values[p].shape[:1] == (1,) for p in carriers)
         random = random_call(func, args, kwargs)
         keeps_samples = isinstance(out, Tensor) and out.shape[:1] == (1,) and per_sample
-        if in_place or random or not keeps_samples:
+        if in_place or random or not keeps_samples or moved:
             name = getattr(func, "__name__", repr(func))
             reason = (
                 f"changed in place by {name}"
@@ -371,6 +382,8 @@ class _DiscoveryMode(ParameterMode):
                 else f"used by {random}, which a per-sample re-run would draw again"
                 if random
                 else f"used by {name}, whose tensors do not keep the sample index at dim 0"
+                if not keeps_samples
+                else self._moved_reason(name)
             )
             self.plan.uncover(leaves_of(sources), reason)
             self.plan.uses.append(Use(func, UseKind.OTHER))
@@ -418,10 +431,15 @@ class _DiscoveryMode(ParameterMode):
         self._mark_samples(out)
         call = make_call(sig, bound, self.leaf_of)
         x = bound["input"]
+        moved = self._moved_rows_among([x])
+        self._note_moved_rows(func, args, kwargs, out)
         if not (isinstance(x, Tensor) and x.dim() and x.shape[0] == 1 and out.shape[0] == 1):
             name = getattr(func, "__name__", repr(func))
             reason = f"used by {name} on tensors whose first dimension is not the sample"
             self.plan.uncover({leaf for _, leaf in call.leaves}, reason)
+        elif moved:
+            name = getattr(func, "__name__", repr(func))
+            self.plan.uncover({leaf for _, leaf in call.leaves}, self._moved_reason(name))
         self.plan.uses.append(Use(func, UseKind.TAPPED, len(self.plan.sites)))
         self.plan.sites.append(Site(call, out.shape[1:], out.dtype, out.device))
         return out
@@ -436,6 +454,66 @@ class _DiscoveryMode(ParameterMode):
     def _any_marked(self, values: Iterable[Any]) -> bool:
         """Whether any of ``values`` is a tensor marked as carrying samples."""
         return any(isinstance(v, Tensor) and self.samples.get(id(v)) is v for v in values)
+
+    def _moved_rows_among(self, values: Iterable[Any]) -> bool:
+        """Whether any of ``values`` may hold other samples' rows (see :meth:`_note_moved_rows`)."""
+        return any(isinstance(v, Tensor) and self.moved.get(id(v)) is v for v in values)
+
+    def _note_moved_rows(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> None:
+        """Mark what a call makes of rows moved along the batch dim (:func:`moves_rows`).
+
+        A call on such rows passes them on; a call that indexes, sorts, flips or scatters
+        samples along dim 0 makes them (its output, and the tensor it writes). One sample
+        cannot tell where the batch's rows go (``h[h[:, 0].argsort()]`` is the identity
+        here): a layer on them takes the whole-model path, which runs each sample alone.
+        """
+        values = CallArguments.of(args, kwargs).values
+        passed_on = self._moved_rows_among(values)
+        index = row_index_of(func, args, kwargs)
+        if index is not None and self.sample_index.get(id(index)) is index:
+            moving = False  # h[torch.arange(N), lengths]: every row stays where it is
+        else:
+            moving = moves_rows(func, args, kwargs) and self._any_marked(values)
+        if not passed_on and not moving:
+            return
+        if not passed_on and self.moved_by is None:
+            self.moved_by = getattr(func, "__name__", repr(func))
+        written = changed_in_place(func, args, kwargs)
+        tensors = [t for _, t in tensor_outputs(out)] + ([written] if written is not None else [])
+        for tensor in tensors:
+            self.moved[id(tensor)] = tensor
+
+    def _note_sample_index(self, func: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
+        """Note ``torch.arange(N)`` (here ``[0]``) and its views: indices of the samples in order.
+
+        Hugging Face's masks (``padding_mask[batch_idx, kv_idx]``) and its sequence heads
+        (``logits[torch.arange(N), lengths]``) pick each sample's own row by them.
+        """
+        if not isinstance(out, Tensor) or out.is_floating_point():
+            return
+        if func is torch.arange:
+            if out.shape == (1,) and int(out[0]) == 0:
+                self.sample_index[id(out)] = out
+            return
+        source = args[0] if args else None
+        if not (isinstance(source, Tensor) and self.sample_index.get(id(source)) is source):
+            return
+        basic = func is not Tensor.__getitem__ or all(
+            entry is None or entry is Ellipsis or isinstance(entry, slice)
+            for entry in (args[1] if isinstance(args[1], tuple) else (args[1],))
+        )
+        if func in _KEEPS_SAMPLE_ORDER and basic and out.dim() and out.shape[0] == 1:
+            self.sample_index[id(out)] = out
+
+    def _moved_reason(self, name: str) -> str:
+        """Why a layer on moved rows takes the whole-model path."""
+        return (
+            f"used by {name} on the batch's rows moved along dim 0 by {self.moved_by} (a sort, "
+            "an index or a scatter of the samples): a row of the batch need not be its "
+            "sample's, so each sample runs alone"
+        )
 
     def _note_memory(self, tensors: list[Tensor]) -> None:
         """Remember where tensors that carry samples lie in memory."""
@@ -473,6 +551,26 @@ class _DiscoveryMode(ParameterMode):
                     "used through a tensor made out of packfunc's sight that shares its memory "
                     "(Tensor.as_subclass?)",
                 )
+
+
+_KEEPS_SAMPLE_ORDER = frozenset(
+    {
+        Tensor.view,
+        Tensor.reshape,
+        torch.reshape,
+        Tensor.unsqueeze,
+        torch.unsqueeze,
+        Tensor.expand,
+        Tensor.expand_as,
+        Tensor.__getitem__,
+        Tensor.to,
+        Tensor.long,
+        Tensor.int,
+        Tensor.contiguous,
+        Tensor.clone,
+    }
+)
+"""Calls whose output of :meth:`_DiscoveryMode._note_sample_index`'s indices still is one."""
 
 
 def keeps_fixed(

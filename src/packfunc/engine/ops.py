@@ -794,3 +794,119 @@ def tapped_leaves(
         (('weight', 3),)
     """
     return tuple((role, leaf) for role in ROLES if (leaf := leaf_of(bound.get(role))) is not None)
+
+
+def moves_rows(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call moves rows along dim 0 of its first argument, or writes rows by index.
+
+    The batch pass takes row ``n`` of a layer's input as sample ``n``'s: a model that runs a
+    layer on its batch reordered (``h[h[:, 0].argsort()]``, ``h.flip(0)``, a mixture of
+    experts' ``index_select`` of its tokens and ``index_add`` back) would have each row's
+    results given to another sample, although every output row is its own sample's.
+
+    Args:
+        func: The function called (a ``torch`` function or a ``Tensor`` method).
+        args: Its positional arguments (``self`` first).
+        kwargs: Its keyword arguments.
+
+    Returns:
+        Whether the call indexes, sorts, flips, rolls, gathers or scatters along dim 0.
+
+    Example:
+        >>> h = torch.ones(4, 3)
+        >>> moves_rows(Tensor.__getitem__, (h, torch.tensor([1, 0])), {})
+        True
+        >>> moves_rows(Tensor.__getitem__, (h, (slice(None), torch.tensor([1, 0]))), {})
+        False
+        >>> moves_rows(torch.flip, (h, [1]), {})
+        False
+    """
+    name = getattr(func, "__name__", "")
+    name = name[:-1] if name.endswith("_") and not name.endswith("__") else name  # in place
+    first = args[0] if args else kwargs.get("input")
+    if not isinstance(first, Tensor) or first.dim() == 0:
+        return False
+    if name in ("__getitem__", "__setitem__"):
+        return len(args) > 1 and _indexes_rows(args[1], first.dim())
+    if name == "index_put":
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return bool(indices) and indices[0] is not None
+    if name in _ALWAYS_MOVES_ROWS:
+        return True
+    where = _ROW_DIM_ARGUMENT.get(name)
+    if where is None:
+        return False
+    position, keyword, default = where
+    dims = args[position] if len(args) > position else kwargs.get(keyword, default)
+    if dims is None:  # flattened (roll, take_along_dim without a dim)
+        return True
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return any(dim % first.dim() == 0 for dim in dims)
+
+
+def row_index_of(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The index a reading call picks rows along dim 0 by (``h[i]``, ``index_select``, ``gather``).
+
+    Args:
+        func: The function called.
+        args: Its positional arguments (``self`` first).
+        kwargs: Its keyword arguments.
+
+    Returns:
+        The index tensor or list, or ``None`` for other calls.
+
+    Example:
+        >>> i = torch.tensor([0])
+        >>> row_index_of(Tensor.__getitem__, (torch.ones(1, 2), (None, i)), {}) is i
+        True
+    """
+    name = getattr(func, "__name__", "")
+    if name == "__getitem__" and len(args) > 1:
+        entries = list(args[1]) if isinstance(args[1], tuple) else [args[1]]
+        entries = [entry for entry in entries if entry is not None]
+        return entries[0] if entries and entries[0] is not Ellipsis else None
+    if name in ("index_select", "gather"):
+        return args[2] if len(args) > 2 else kwargs.get("index")
+    return None
+
+
+def _indexes_rows(index: Any, dims: int) -> bool:
+    """Whether an index (of ``x[index]``) selects along dim 0 by tensors or lists."""
+    entries = list(index) if isinstance(index, tuple) else [index]
+    while entries and entries[0] is None:  # h[None, rows]: the rows still index dim 0
+        entries.pop(0)
+    if not entries or entries[0] is Ellipsis:
+        named = [e for e in entries[1:] if e is not None]
+        return len(named) >= dims and _selects(named[-dims])
+    return _selects(entries[0])
+
+
+def _selects(entry: Any) -> bool:
+    """Whether one index entry picks positions by value (a tensor or a list), not a slice."""
+    return isinstance(entry, (Tensor, list)) and not (
+        isinstance(entry, Tensor) and entry.dim() == 0 and entry.dtype != torch.bool
+    )
+
+
+_ALWAYS_MOVES_ROWS = frozenset({"take", "flipud", "msort", "masked_scatter"})
+"""Calls that move elements along dim 0 whatever their options."""
+
+_ROW_DIM_ARGUMENT: dict[str, tuple[int, str, Any]] = {
+    "index_select": (1, "dim", None),
+    "gather": (1, "dim", None),
+    "index_copy": (1, "dim", None),
+    "index_add": (1, "dim", None),
+    "index_reduce": (1, "dim", None),
+    "scatter": (1, "dim", None),
+    "scatter_add": (1, "dim", None),
+    "scatter_reduce": (1, "dim", None),
+    "sort": (1, "dim", -1),
+    "argsort": (1, "dim", -1),
+    "topk": (2, "dim", -1),
+    "kthvalue": (2, "dim", -1),
+    "take_along_dim": (2, "dim", None),
+    "flip": (1, "dims", None),
+    "roll": (2, "dims", None),
+}
+"""Calls that move elements along the dims one argument names: its position after ``self``,
+its keyword and its default (``None``: the tensor flattened, so dim 0 too)."""
