@@ -127,3 +127,28 @@ def test_the_samples_own_rows_picked_by_arange_keep_the_closed_forms():
     paths = pf.explain(model_fn, params, X)
     assert all(path.startswith("closed form") for path in paths.values()), paths
     assert_batch_grad_is_a_loop(model_fn, params, X, y)
+
+
+def test_a_mixture_of_experts_on_its_tokens_runs_each_sample_alone():
+    """Each expert on the rows routed to it (``torch.where(idx == e)[0]``, possibly none) and
+    added back by ``index_add``: vmap cannot batch ``nonzero`` (torch's raw error before);
+    the samples run one at a time."""
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router, self.out = nn.Linear(3, 2), nn.Linear(3, 3)
+            self.experts = nn.ModuleList([nn.Linear(3, 3) for _ in range(2)])
+
+        def forward(self, x: Tensor) -> Tensor:
+            weight, chosen = self.router(x).softmax(-1).max(-1, keepdim=True)
+            out = torch.zeros_like(x)
+            for e, expert in enumerate(self.experts):
+                rows = torch.where(chosen[:, 0] == e)[0]
+                out = out.index_add(0, rows, expert(x[rows]) * weight[rows])
+            return self.out(torch.tanh(out))
+
+    torch.manual_seed(0)
+    model_fn, params = pf.functional(Experts().double())
+    X, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 3, (6,))
+    assert_batch_grad_is_a_loop(model_fn, params, X, y)

@@ -81,6 +81,8 @@ _VMAP_CANNOT = (
     "is not possible because there exists a Tensor `other`",
     # out[mask] = expert(tokens[mask]): a shape that depends on values (a mixture of experts)
     "Attempting to batch over indexing with a boolean mask",
+    # rows = torch.where(idx == e)[0] (nonzero), masked_select: shapes that depend on values
+    "operators that can output dynamic shape",
 )
 """What ``vmap`` says of models it cannot run but a loop over samples can."""
 
