@@ -317,6 +317,27 @@ def test_disable_stores_nothing_and_cannot_run_extensions():
     assert not hasattr(model[0].weight, "grad_batch")
 
 
+def test_a_backward_under_disable_of_a_recorded_forward_computes_as_in_backpack():
+    """disable() stops recording forward passes only (BackPACK's): a backward inside it of
+    a forward recorded in backpack(...) runs the extensions. The shim took the user's
+    disable() for one of its own passes and left the previous step's results, silently."""
+    torch.manual_seed(0)
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    X, y = _data("mlp")
+    with backpack(ours.BatchGrad(), ours.DiagGGNExact()):
+        lossfunc(model(X), y).backward()
+    first = model[0].weight.grad_batch
+    model.zero_grad()
+    with backpack(ours.BatchGrad(), ours.DiagGGNExact()):
+        loss = lossfunc(model(X[:3]), y[:3])
+        with disable():
+            loss.backward()
+    assert model[0].weight.grad_batch is not first
+    torch.testing.assert_close(model[0].weight.grad_batch.sum(0), model[0].weight.grad)
+    expected = pf.diag_ggn(*pf.functional(model), X[:3], y[:3])["0.weight"]
+    torch.testing.assert_close(model[0].weight.diag_ggn_exact, expected)
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "submodule"])
 def test_a_forward_under_disable_deletes_old_results_of_copies_and_submodules(how):
     """A backward inside backpack(...) through a forward run under disable() deletes that

@@ -7,8 +7,9 @@ client code hands in, so that ``CTX.remove_hooks()`` removes them as BackPACK's 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ EXTENDED_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 _ACTIVE: list[Context] = []
 _DISABLED: list[bool] = []
+"""One entry per open ``disable()`` (``True``) and per pass of packfunc's own (``False``)."""
 
 
 def active() -> Context | None:
@@ -41,8 +43,33 @@ def active() -> Context | None:
 
 
 def recording() -> bool:
-    """Whether forward passes are recorded (not inside ``with disable()``)."""
+    """Whether forward passes are recorded (not inside ``with disable()`` nor an own pass)."""
     return not _DISABLED
+
+
+def in_own_pass() -> bool:
+    """Whether one of packfunc's own passes runs: its backward passes trigger nothing.
+
+    A user's ``disable()`` stops recording forward passes only, as in BackPACK: a backward
+    pass inside it still runs the extensions on a forward recorded before.
+    """
+    return False in _DISABLED
+
+
+@contextlib.contextmanager
+def own_pass() -> Iterator[None]:
+    """Run one of packfunc's own passes through the user's model: nothing records or triggers.
+
+    Example:
+        >>> with own_pass():
+        ...     recording(), in_own_pass()
+        (False, True)
+    """
+    _DISABLED.append(False)
+    try:
+        yield
+    finally:
+        _DISABLED.pop()
 
 
 class backpack:  # noqa: N801 (BackPACK's name)

@@ -134,7 +134,7 @@ def select_element(output: Any, element: tuple[Any, int]) -> Tensor:
 
 def _on_alias_backward(group: OutputGroup, k: int, grad_outputs: tuple[Tensor | None, ...]) -> None:
     """Note alias ``k``'s gradient; after the last alias this backward pass reaches, run."""
-    if not context.recording():  # packfunc's own pass through the user's graph
+    if context.in_own_pass():  # packfunc's own pass through the user's graph
         return
     task = torch._C._current_graph_task_id()
     seen = group.gradients.setdefault(task, {})

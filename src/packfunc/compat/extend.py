@@ -292,7 +292,7 @@ def _on_unrecorded_backward(
 ) -> None:
     """Delete the active extensions' earlier results on ``model`` (see :func:`_note_unrecorded`)."""
     ctx, module = context.active(), model()
-    if ctx is not None and context.recording() and module is not None:
+    if ctx is not None and not context.in_own_pass() and module is not None:
         forget_results(module, [ext.savefield for ext in ctx.extensions])
 
 
@@ -370,7 +370,7 @@ def _on_loss_backward(
     if call is not None:
         call.task = torch._C._current_graph_task_id()
     ctx = context.active()
-    if ctx is None or not context.recording():
+    if ctx is None or context.in_own_pass():
         return
     grad = grad_outputs[0]
     second_order = any(ext.job().second_order for ext in ctx.extensions)
@@ -385,7 +385,7 @@ def _on_loss_backward(
 
 
 def _on_backward(record: ForwardRecord, grad_outputs: tuple[Tensor, ...]) -> None:
-    if not context.recording():  # packfunc's own pass through the user's graph
+    if context.in_own_pass():  # packfunc's own pass through the user's graph
         return
     ctx = context.active()
     if ctx is None or not ctx.extensions:  # a plain backward: drop what was stored
@@ -395,7 +395,7 @@ def _on_backward(record: ForwardRecord, grad_outputs: tuple[Tensor, ...]) -> Non
     _refuse_mixed_forwards(record, ctx, task)
     route = _route_to_loss(record, task)
     # packfunc's own passes must not record or trigger, and put back what they set on the model
-    with context.disable(), packfunc_passes():
+    with context.own_pass(), packfunc_passes():
         run_extensions(ctx, record, _output_gradient(record, grad_outputs), route)
 
 

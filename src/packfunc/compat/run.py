@@ -459,7 +459,7 @@ def _block_product(
     check_unchanged(f"the {name} block product")
     single = mat.shape == params[name].shape
     mats = {key: (mat.unsqueeze(0) if single else mat) if key == name else None for key in params}
-    with context.disable():  # may run inside ``with backpack(...)``: record nothing
+    with context.own_pass():  # may run inside ``with backpack(...)``: record nothing
         result = product(model_fn, params, X, y, mats, loss=loss, **options)[name]
     return result.squeeze(0) if single else result
 
