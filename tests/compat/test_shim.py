@@ -317,6 +317,26 @@ def test_disable_stores_nothing_and_cannot_run_extensions():
     assert not hasattr(model[0].weight, "grad_batch")
 
 
+def test_a_loss_holding_a_gradient_penalty_is_refused_where_a_plain_one_is_computed():
+    """``l + λ‖∂l/∂X‖²`` (double backprop): the penalty reaches the weights through the
+    model's backward, not its output; the shim gave per-sample gradients off by 15 % that no
+    longer summed to ``.grad``, silently (BackPACK raises an AttributeError). The
+    ``autograd.grad`` with ``create_graph=True`` itself, and a loss without it, compute."""
+    torch.manual_seed(0)
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    X, y = _data("mlp")
+    with backpack(ours.BatchGrad()):
+        inputs = X.clone().requires_grad_()
+        loss = lossfunc(model(inputs), y)
+        (gradient,) = torch.autograd.grad(loss, inputs, create_graph=True)
+        with pytest.raises(RuntimeError, match="create_graph=True.*gradient penalty"):
+            (loss + 3.0 * gradient.square().sum()).backward()
+    model.zero_grad()
+    with backpack(ours.BatchGrad()):
+        lossfunc(model(X), y).backward()
+    torch.testing.assert_close(model[0].weight.grad_batch.sum(0), model[0].weight.grad)
+
+
 def test_a_backward_under_disable_of_a_recorded_forward_computes_as_in_backpack():
     """disable() stops recording forward passes only (BackPACK's): a backward inside it of
     a forward recorded in backpack(...) runs the extensions. The shim took the user's

@@ -190,6 +190,9 @@ class ForwardRecord:
     serial: int = field(default_factory=lambda: next(_serials))
     kept_rows: tuple[Tensor, Tensor] | None = None
     kept_loss_rows: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    graph_task: int | None = None
+    """The backward pass (its graph task) that pulled the output back with ``create_graph=True``
+    (a gradient penalty's ``autograd.grad``), if one did: its gradient is differentiable."""
     input_versions: list[tuple[Tensor, int]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
