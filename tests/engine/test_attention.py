@@ -467,3 +467,46 @@ def test_arguments_bind_as_inspect_binds_them():
         attention._bind(positional, {names[0]: 1, **keywords})
     with pytest.raises(TypeError):  # a required one missing, an unknown one given
         attention._bind(positional[:4], {"unknown": 1, **keywords})
+
+
+@pytest.mark.parametrize("same_tensor", [True, False])
+def test_kflr_of_the_packed_projection_is_the_ggn_block_for_one_token(same_tensor):
+    """``mha(norm(x), norm(x), norm(x))`` passes three equal tensors: taken as three inputs
+    by identity, every token counted thrice in the packed weight's input factor (3× the
+    exact GGN block for one sample and one token, where ``u = norm(x); mha(u, u, u)`` was
+    exact). Equal inputs are one input."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.attention = (
+                nn.LayerNorm(4),
+                nn.MultiheadAttention(4, 2, batch_first=True),
+            )
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            if same_tensor:
+                u = self.norm(x)
+                out = self.attention(u, u, u, need_weights=False)[0]
+            else:
+                out = self.attention(self.norm(x), self.norm(x), self.norm(x), need_weights=False)[
+                    0
+                ]
+            return self.head(out[:, 0])
+
+    torch.manual_seed(0)
+    model = Block().double()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(1, 1, 4, dtype=torch.float64), torch.tensor([1])
+    factors = pf.kflr(model_fn, params, X, y, on_unsupported="skip")
+    A, B = factors["attention.in_proj_weight"]
+    weight = params["attention.in_proj_weight"]
+
+    def output(w: Tensor) -> Tensor:
+        return model_fn({**params, "attention.in_proj_weight": w}, X)
+
+    J = jacobian(output, weight).reshape(3, -1)
+    out = output(weight).detach()
+    H = hessian(lambda o: F.cross_entropy(o, y), out).reshape(3, 3)
+    torch.testing.assert_close(torch.kron(A, B), J.T @ H @ J)

@@ -162,13 +162,18 @@ def _packed_projection(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v from one ``F.linear`` with the whole packed ``[3E, E]`` weight.
 
-    The distinct inputs among query, key and value (by identity) are concatenated along the
-    sequence, projected with the full weight and sliced: rows by input, columns by role.
+    The distinct inputs among query, key and value (by identity, or by value:
+    ``mha(norm(x), norm(x), norm(x))``) are concatenated along the sequence, projected with
+    the full weight and sliced: rows by input, columns by role. Equal inputs are one: as
+    three, each token would count thrice in the layer's Kronecker factors (KFLR's input
+    factor 3× the exact GGN's for one token), where the same tensor passed thrice counts once.
     """
     distinct: list[Tensor] = []
+    owner: list[int] = []  # which distinct input each role takes
     for t in (query, key, value):
-        if not any(t is d for d in distinct):
-            distinct.append(t)
+        found = next((i for i, d in enumerate(distinct) if _same_input(t, d)), len(distinct))
+        distinct += [t] if found == len(distinct) else []
+        owner.append(found)
     x = distinct[0] if len(distinct) == 1 else torch.cat(distinct, dim=1)
     projected = F.linear(x, weight, bias)  # [N, sum of lengths, 3E]
     starts = [0]
@@ -176,12 +181,28 @@ def _packed_projection(
         starts.append(starts[-1] + d.shape[1])
     embed_dim = query.shape[-1]
 
-    def part(t: Tensor, role: int) -> Tensor:
-        start = starts[next(i for i, d in enumerate(distinct) if d is t)]
-        rows = projected[:, start : start + t.shape[1]]
-        return rows[..., role * embed_dim : (role + 1) * embed_dim]
+    def part(role: int) -> Tensor:
+        start, length = starts[owner[role]], distinct[owner[role]].shape[1]
+        return projected[:, start : start + length, role * embed_dim : (role + 1) * embed_dim]
 
-    return part(query, 0), part(key, 1), part(value, 2)
+    return part(0), part(1), part(2)
+
+
+def _same_input(a: Tensor, b: Tensor) -> bool:
+    """Whether two attention inputs are one: the same tensor, or equal values.
+
+    Example:
+        >>> _same_input(torch.ones(1, 2, 3), torch.ones(1, 2, 3))
+        True
+    """
+    if a is b:
+        return True
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    try:
+        return bool(torch.equal(a, b))
+    except RuntimeError:  # under vmap, values decide nothing: by identity alone
+        return False
 
 
 def _separate_projection(
