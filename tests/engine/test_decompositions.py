@@ -318,3 +318,36 @@ def test_embedding_bag_products_and_hessians_are_the_dense_ones(mode):
     torch.testing.assert_close(hvp.reshape(-1), H @ vector)
     diagonal = pf.diag_hessian(model_fn, params, X, y)["0.weight"]
     torch.testing.assert_close(diagonal.reshape(-1), H.diagonal())
+
+
+def test_hardsigmoid_decomposed_is_torchs_and_its_hessians_are_the_dense_ones():
+    """torch's ``hardsigmoid_backward`` has no derivative: a Hessian through a
+    squeeze-and-excitation gate (MobileNetV3) raised torch's error. Under transforms it runs
+    as ``where``: torch's values and gradient (zero at ±3, as torch), and dense Hessians."""
+    x = torch.tensor([-4.0, -3.0, -1.0, 0.0, 2.5, 3.0, 5.0], dtype=torch.float64)
+    found = torch.func.grad(lambda t: decompositions.hardsigmoid(t).square().sum())(x)
+    live = x.clone().requires_grad_()
+    expected = torch.autograd.grad(F.hardsigmoid(live).square().sum(), live)[0]
+    torch.testing.assert_close(found, expected)
+    torch.manual_seed(0)
+    gate, head = torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 2).double()
+    model_fn, params = pf.functional(torch.nn.ModuleDict({"gate": gate, "head": head}))
+
+    def forward(p, X):
+        return torch.func.functional_call(
+            head,
+            {"weight": p["head.weight"], "bias": p["head.bias"]},
+            (X * F.hardsigmoid(F.linear(X, p["gate.weight"], p["gate.bias"])),),
+        )
+
+    X, y = torch.randn(4, 3, dtype=torch.float64) * 3, torch.tensor([0, 1, 1, 0])
+
+    def written_out(w):  # the definition: x/6 + 1/2 strictly inside (-3, 3), else 0 or 1
+        z = F.linear(X, w, params["gate.bias"])
+        gated = torch.where((z > -3) & (z < 3), z / 6 + 0.5, (z >= 3).to(z.dtype))
+        torch.testing.assert_close(gated, F.hardsigmoid(z))
+        return F.cross_entropy(head(X * gated), y)
+
+    H = torch.autograd.functional.hessian(written_out, params["gate.weight"]).reshape(9, 9)
+    diagonal = pf.diag_hessian(forward, params, X, y)["gate.weight"]
+    torch.testing.assert_close(diagonal.reshape(-1), H.diagonal())

@@ -20,8 +20,8 @@ a GGN product was neither the GGN's nor symmetric); it runs on a weight whose pa
 a constant. Its ``max_norm``, which renormalizes the weight in place, is refused before it
 does (``F.embedding_bag``'s too). ``F.embedding_bag`` has neither a forward-mode rule nor a
 second derivative; under transforms it runs as rows gathered from the table and reduced per
-bag, which have both. The modes and the op-local rule run these in the ops'
-place; the values are the ops' own.
+bag, which have both. ``F.hardsigmoid``'s backward has no derivative: it runs as ``where``.
+The modes and the op-local rule run these in the ops' place; the values are the ops' own.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ __all__ = [
     "bag_reduction",
     "embedding",
     "embedding_bag",
+    "hardsigmoid",
     "linalg_solve",
     "linalg_solve_ex",
     "prelu",
@@ -399,8 +400,36 @@ def bag_reduction(
     return summed / counts.clamp(min=1)[:, None]
 
 
+def hardsigmoid(input: Tensor, inplace: bool = False) -> Any:
+    """``F.hardsigmoid`` under ``torch.func`` transforms, written with ``where``.
+
+    torch's ``hardsigmoid_backward`` has no derivative (a Hessian through a
+    MobileNetV3-style gate raised); this form has the same values and first derivative
+    (``1/6`` strictly inside ``(-3, 3)``, zero elsewhere) and a second derivative.
+
+    Args:
+        input: The pre-activation.
+        inplace: torch's flag (out of place here: a transform's tensors are new anyway).
+
+    Returns:
+        The activation, or ``NotImplemented`` (the op itself) outside transforms.
+
+    Example:
+        >>> hardsigmoid(torch.tensor([-4.0, 0.0, 4.0]))
+        NotImplemented
+    """
+    if not is_functorch_wrapped_tensor(input):
+        return NotImplemented
+    inside = (input > -3) & (input < 3)
+    return torch.where(inside, input / 6 + 0.5, (input >= 3).to(input.dtype))
+
+
 ONLY_UNDER_TRANSFORMS = frozenset(
-    {torch.nn.functional.embedding, torch.nn.functional.embedding_bag}
+    {
+        torch.nn.functional.embedding,
+        torch.nn.functional.embedding_bag,
+        torch.nn.functional.hardsigmoid,
+    }
 )
 """Decomposed ops that run as themselves outside ``torch.func`` transforms (they only refuse
 what discovery refuses too): a batch pass with them need not run in a mode."""
@@ -413,6 +442,7 @@ DECOMPOSED_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
     torch._weight_norm: weight_norm,
     torch.nn.functional.embedding: embedding,
     torch.nn.functional.embedding_bag: embedding_bag,
+    torch.nn.functional.hardsigmoid: hardsigmoid,
     **{cell: partial(run_cell, cell) for cell in CELL_OPS},
 }
 """Op -> the decomposition the modes run in its place (``NotImplemented``: the op itself)."""
