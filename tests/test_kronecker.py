@@ -10,7 +10,13 @@ from torch.autograd.functional import hessian, jacobian
 
 import packfunc as pf
 from packfunc.engine.chain import NotSequentialError
-from tests.cases import dense_curvature, loss_and_targets, make_problem, run_backward_with
+from tests.cases import (
+    assert_trees_close,
+    dense_curvature,
+    loss_and_targets,
+    make_problem,
+    run_backward_with,
+)
 
 pytestmark = pytest.mark.filterwarnings(  # BackPACK explains its transposed-kernel convention
     "ignore:The Kronecker factors stored in the weight parameters of transpose"
@@ -812,3 +818,24 @@ def test_kfac_unfolds_a_convolution_input_a_few_samples_at_a_time(kfac_approx, m
     for name in ("0.weight", "0.bias"):
         for found, expected in zip(chunked[name], at_once[name]):
             torch.testing.assert_close(found, expected)
+
+
+def test_a_layer_of_another_shape_after_a_model_change_gets_its_factors_again():
+    """A cached plan met a convolution whose input's spatial size changed (its pooling
+    kernel set to 1): the layer took the whole-model path and KFLR refused it as "used
+    outside a linear or convolution layer", on every later call. The plan is made again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.MaxPool2d(2),
+        nn.Conv2d(2, 3, 3),
+        nn.Tanh(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(3, 2),
+    ).double()
+    X, y = torch.randn(4, 2, 8, 8, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
+    model_fn, params = pf.functional(model)
+    pf.kflr(model_fn, params, X, y)
+    model[0].kernel_size = model[0].stride = 1
+    expected = pf.kflr(*pf.functional(model), X, y)
+    assert_trees_close(pf.kflr(model_fn, params, X, y), expected)

@@ -13,6 +13,7 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.convert_parameters import parameters_to_vector
 
@@ -335,6 +336,37 @@ def test_a_loss_holding_a_gradient_penalty_is_refused_where_a_plain_one_is_compu
     with backpack(ours.BatchGrad()):
         lossfunc(model(X), y).backward()
     torch.testing.assert_close(model[0].weight.grad_batch.sum(0), model[0].weight.grad)
+
+
+def test_a_changed_layer_shape_gets_new_factors_and_no_stale_ones_stay():
+    """After a first backward, a pooling kernel changed the convolution's input size: the
+    shim warned "no Kronecker rule" for the convolution and left the first step's ``kflr`` on
+    it, silently stale. The plan is made again; and a parameter left without factors keeps
+    no earlier ones."""
+    torch.manual_seed(0)
+    model = extend(
+        nn.Sequential(
+            nn.MaxPool2d(2),
+            nn.Conv2d(2, 3, 3),
+            nn.Tanh(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(3, 2),
+        ).double()
+    )
+    lossfunc = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(4, 2, 8, 8, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
+    with backpack(ours.KFLR()):
+        lossfunc(model(X), y).backward()
+    model[0].kernel_size = model[0].stride = 1
+    with backpack(ours.KFLR()):
+        lossfunc(model(X), y).backward()
+    expected = pf.kflr(*pf.functional(model), X, y)["1.weight"]
+    torch.testing.assert_close(model[1].weight.kflr, expected)
+    model[1].forward = lambda x: F.conv2d(x, model[1].weight * 1.0, model[1].bias)  # computed
+    with pytest.warns(UserWarning, match="no Kronecker rule"), backpack(ours.KFLR()):
+        lossfunc(model(X), y).backward()
+    assert not hasattr(model[1].weight, "kflr")
 
 
 def test_a_backward_under_disable_of_a_recorded_forward_computes_as_in_backpack():

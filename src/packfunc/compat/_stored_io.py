@@ -146,9 +146,26 @@ def forget_results(module: nn.Module, names: list[str]) -> None:
         (False, "the user's")
     """
     for param in module.parameters():
-        mine = param.__dict__.get(_RESULTS, {})
         for name in names:
-            value = param.__dict__.get(name)
-            if name in mine and mine[name] == (type(value), id(value)):
-                del param.__dict__[name]
-                del mine[name]
+            forget_result(param, name)
+
+
+def forget_result(param: nn.Parameter, name: str) -> None:
+    """Delete the result ``name`` the shim set on ``param`` (a value the user set is kept).
+
+    Args:
+        param: A parameter of an extended model.
+        name: A savefield (``"grad_batch"``, ``"kflr"``, …).
+
+    Example:
+        >>> import torch
+        >>> layer = nn.Linear(2, 1)
+        >>> store_result(layer.weight, "kflr", [torch.ones(1, 1)])
+        >>> forget_result(layer.weight, "kflr"); hasattr(layer.weight, "kflr")
+        False
+    """
+    mine = param.__dict__.get(_RESULTS, {})
+    value = param.__dict__.get(name)
+    if name in mine and mine[name] == (type(value), id(value)):
+        del param.__dict__[name]
+        del mine[name]

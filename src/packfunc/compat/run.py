@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 import packfunc as pf
 from packfunc.compat import context
-from packfunc.compat._stored_io import memory_cleanup, store_result, stored_io
+from packfunc.compat._stored_io import forget_result, memory_cleanup, store_result, stored_io
 from packfunc.compat.elements import select_element
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
 from packfunc.compat.layout import SampleLayout
@@ -127,6 +127,8 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         for name in names:
             if name in results[ext.savefield]:
                 store_result(model.get_parameter(name), ext.savefield, results[ext.savefield][name])
+            else:  # (a parameter without Kronecker factors: no last step's value either)
+                forget_result(model.get_parameter(name), ext.savefield)
     if ctx.extension_hook is not None:
         for module in _backward_order(record, route):
             ctx.extension_hook(module)

@@ -199,6 +199,7 @@ class _RecordMode(ParameterMode):
         else:
             out = run()
         if out.shape != shape or bound["input"].shape[0] != shape[0]:
+            _refuse_other_layer_shape(out, shape, bound["input"].shape[0])
             self.failed.add(k)
             return out
         self.inputs[k] = bound["input"]
@@ -217,6 +218,8 @@ class _RecordMode(ParameterMode):
         out = func(*args, **kwargs)
         shapes = self.plan.sites[k].shapes
         layout = sample_layout(shapes, arguments.values, sources, shape[0])
+        if isinstance(out, Tensor) and out.shape != shape:
+            _refuse_other_layer_shape(out, shape, out.shape[0] if out.dim() else 0)
         if layout is None or not isinstance(out, Tensor) or out.shape != shape:
             self.failed.add(k)
             return out
@@ -579,6 +582,21 @@ def record(
         lambda c, consume: _consumed(pullback(c), consume),  # torch.func keeps its graph
         lambda: value,
     )
+
+
+def _refuse_other_layer_shape(out: Tensor, shape: tuple[int, ...], rows: int) -> None:
+    """Stop a pass whose layer has the plan's rows but another shape: the plan is stale.
+
+    Its samples are where the plan has them, but the layer's other dims are not (a pooling
+    kernel or a convolution's padding changed since the plan was made): the layer's rule
+    would take a shape it was not planned for, so the pass starts over from discovery.
+    Rows that are not the batch's (a mixture of experts' tokens) take the whole-model path.
+
+    Raises:
+        PlanMismatch: if ``out`` has the plan's rows but another shape.
+    """
+    if out.dim() and out.shape[0] == shape[0] == rows:
+        raise PlanMismatch()
 
 
 def _consumed(found: dict[int, Tensor], consume: SiteConsumer | None) -> dict[int, Tensor]:
