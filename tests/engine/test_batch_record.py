@@ -491,3 +491,28 @@ def test_the_shim_follows_a_layer_whose_options_changed_between_backward_passes(
             lossfunc(model(X), y).backward()
         weight = model[0].weight
         assert torch.allclose(weight.grad_batch.sum(0), weight.grad)
+
+
+def test_a_setting_changed_after_the_first_call_makes_the_plan_again():
+    """``batch_first`` switched off after a first call makes attention run across the
+    batch: the cached plan's first check of rows never ran again and per-sample gradients
+    came out 0.03 off, silently. A module's plain attributes are part of the plan's key:
+    the new plan is checked, and refused."""
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(4, 2, batch_first=True).double()
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention, self.head = attention, nn.Linear(4, 2).double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.attention(x, x, x, need_weights=False)[0].mean(1))
+
+    model = Model()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(3, 3, 4, dtype=torch.float64), torch.tensor([0, 1, 1])
+    pf.batch_grad(model_fn, params, X, y)
+    attention.batch_first = False
+    with pytest.raises(ValueError, match="must depend on that sample alone"):
+        pf.batch_grad(model_fn, params, X, y)

@@ -1090,8 +1090,44 @@ def _signature(model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Any) -> 
             (x.shape[1:], x.dtype, x.device) if isinstance(x, Tensor) else _hashable(x)
             for x in inputs
         ),
-        tuple(m.training for m in module.modules()) if module is not None else (),
+        tuple(_settings(m) for m in module.modules()) if module is not None else (),
+        _closed_over_settings(model_fn),
     )
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _is_setting(value: Any) -> bool:
+    """A plain value or a tuple of them (``stride=(1, 1)``, ``batch_first=True``)."""
+    return type(value) in _PLAIN or (
+        type(value) is tuple and all(type(entry) in _PLAIN for entry in value)
+    )
+
+
+def _settings(module: Any) -> Hashable:
+    """A module's type and plain public attributes (``training``, ``batch_first``, ``eps``...).
+
+    A change of any since discovery may make another function, even one that mixes samples
+    (attention with ``batch_first`` switched), which the plan's first check of rows would
+    not see again.
+    """
+    return type(module), tuple(
+        (key, value)
+        for key, value in module.__dict__.items()
+        if not key.startswith("_") and _is_setting(value)
+    )
+
+
+def _closed_over_settings(model_fn: ModelFn) -> Hashable:
+    """The plain values a hand-written ``model_fn`` closes over (a flag it reads)."""
+    cells = getattr(model_fn, "__closure__", None) or ()
+    values = []
+    for cell in cells:
+        with contextlib.suppress(ValueError):  # an empty cell
+            value = cell.cell_contents
+            values.append(value if _is_setting(value) else None)
+    return tuple(values)
 
 
 def _duplicated(leaves: list[Tensor]) -> frozenset[int]:
