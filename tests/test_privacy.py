@@ -838,3 +838,34 @@ def test_dp_optimizer_param_groups_are_the_optimizers_for_schedulers() -> None:
     assert dp.param_groups[0]["lr"] == 0.05
     dp.load_state_dict(dp.optimizer.state_dict())  # the wrapped optimizer's own, as saved
     assert dp.param_groups[0]["lr"] == 0.05
+
+
+def test_gram_norms_whose_position_terms_overflow_are_formed_and_finite():
+    """float32, two positions whose terms cancel: each term's square overflows (inf - inf),
+    the norm (~1e14) does not. The Gram form gave NaN norms and a NaN clipped sum without a
+    refusal; such samples' gradients are formed, as cancelled ones are."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 16, bias=False)
+    torch.nn.init.zeros_(layer.weight)
+    model_fn, params = pf.functional(layer)
+    v = 2.0**30 * torch.randint(-4, 5, (3, 16)).float()
+    dv = 512.0 * torch.randint(-3, 4, (3, 16)).float()
+    X = torch.stack([v, -v + dv], 1)  # the two positions sum to dv exactly
+    y = -(2.0**30) * torch.randint(1, 4, (3, 1, 16)).float().expand(3, 2, 16).contiguous()
+    loss = torch.nn.MSELoss(reduction="sum")
+    exact = torch.stack([(2 * y[n, 0]).double().norm() * dv[n].double().norm() for n in range(3)])
+    norms = pf.batch_l2_grad(model_fn, params, X, y, loss=loss)["weight"].double().sqrt()
+    torch.testing.assert_close(norms, exact, rtol=1e-5, atol=0)
+    clipped = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=1.0)["weight"]
+    assert clipped.isfinite().all() and clipped.norm() <= 3.0 + 1e-4
+
+
+def test_a_sample_with_a_nan_gradient_is_refused_by_the_clipping():
+    """A NaN in one sample's input gave that sample a NaN norm and the clipped sum NaN
+    (DPOptimizer would step with it); an infinite norm was already refused."""
+    model_fn, params = pf.functional(torch.nn.Linear(3, 2))
+    X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    X[2, 1] = float("nan")
+    loss = torch.nn.CrossEntropyLoss(reduction="sum")
+    with pytest.raises(FloatingPointError, match="sample 2 is NaN"):
+        pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=1.0)

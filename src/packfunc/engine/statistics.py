@@ -226,7 +226,7 @@ def clipped_sums(
 
 
 def clipping_factors(norms: Tensor, max_norm: float, eps: float) -> Tensor:
-    """DP-SGD's factors ``min(1, max_norm / (‖g_n‖ + eps))``; an overflowed norm is refused.
+    """DP-SGD's factors ``min(1, max_norm / (‖g_n‖ + eps))``; an overflowed or NaN norm is refused.
 
     A norm that overflows its dtype (a squared norm above its largest value) would give
     the factor 0 and drop that sample from the sum, where it belongs at norm ``max_norm``.
@@ -240,8 +240,8 @@ def clipping_factors(norms: Tensor, max_norm: float, eps: float) -> Tensor:
         The factors ``[N]``.
 
     Raises:
-        FloatingPointError: where a norm is infinite (under ``torch.func.vmap``, whose
-            values decide no branch, its factor is NaN instead).
+        FloatingPointError: where a norm is infinite or NaN (under ``torch.func.vmap``,
+            whose values decide no branch, its factor is NaN instead).
 
     Example:
         >>> clipping_factors(torch.tensor([0.5, 4.0]), 2.0, 0.0)
@@ -262,6 +262,13 @@ def clipping_factors(norms: Tensor, max_norm: float, eps: float) -> Tensor:
             f"is above {torch.finfo(norms.dtype).max:.3g}), and clipping it would drop that "
             f"sample instead of scaling it to max_norm. Compute with {wider}, or find why "
             "the loss's gradient is that large."
+        )
+    if bool(norms.isnan().any()):
+        sample = int(norms.isnan().nonzero()[0, 0])
+        raise FloatingPointError(
+            f"the gradient norm of sample {sample} is NaN (a NaN or inf in its input, output "
+            "or loss): no clipping bounds it, and the clipped sum would be NaN. Drop or fix "
+            "that sample."
         )
     return factors
 

@@ -213,7 +213,8 @@ def formed_where_cancelled(
         ...                        lambda i: torch.full((len(i), 2), 0.5))
         tensor([0.5000, 2.0000])
     """
-    cancelled = squares < cancellation_tolerance(squares.dtype) * diagonal
+    # (not >=: a NaN, where positions' terms overflowed to inf - inf, is formed too)
+    cancelled = ~(squares >= cancellation_tolerance(squares.dtype) * diagonal)
     if under_vmap():  # (no branch on values there: every sample's gradient, formed)
         everyone = torch.arange(len(squares), device=squares.device)
         formed = gradients(everyone).flatten(1).square().sum(1).to(squares.dtype)
