@@ -287,6 +287,22 @@ def test_quantities_under_autocast_are_float32_and_close_to_float32(name, call):
     assert error <= AUTOCAST_TOLERANCE * scale, (float(error), float(scale))
 
 
+def test_kfra_under_autocast_is_float32_and_close_to_float32():
+    """KFRA's chain re-runs the model: under the caller's autocast its activations came back
+    bfloat16, and so did some factors (``pf.kron.inverse`` then failed in ``eigh``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(5, 6), torch.tensor([0, 1, 2, 0, 1])
+    expected = pf.kfra(model_fn, params, X, y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        found = pf.kfra(model_fn, params, X, y)
+    for name, factors in found.items():
+        for a, b in zip(factors, expected[name]):
+            assert a.dtype == torch.float32
+            assert (a - b).norm() <= AUTOCAST_TOLERANCE * b.norm()
+
+
 def test_a_compiled_step_runs_packfunc_eagerly_around_its_graph():
     model, X, y = _problem()
     model_fn, params = pf.functional(model)

@@ -24,7 +24,7 @@ from packfunc.engine.kfra import expected_jacobian_sandwich
 from packfunc.engine.memory import chunk_length, chunks
 from packfunc.engine.ops import SIGNATURES, SiteCall
 from packfunc.engine.pch import summed_residual_curvature
-from packfunc.engine.precision import to_dtype_of
+from packfunc.engine.precision import full_precision, to_dtype_of
 from packfunc.engine.rules import rule_for
 from packfunc.losses import HessianFactors, hessian_factors
 
@@ -375,7 +375,8 @@ def kfra_factors(bp: BatchPass, curvature: str = "ggn") -> Factors:
         [torch.Size([4, 4]), torch.Size([3, 3])]
     """
     bp.check_rerun("KFRA's chain")
-    links = trace_chain(bp.model_fn, bp.params, bp.leaves, bp.X)
+    with full_precision():  # a re-run: its activations in the parameters' dtype
+        links = trace_chain(bp.model_fn, bp.params, bp.leaves, bp.X)
     modify = CURVATURES[curvature]
     residuals = (
         [None] * len(links) if modify is None else summed_residual_curvature(bp, links, modify)
