@@ -255,3 +255,27 @@ def test_transposed_conv_factors_are_in_the_documented_layout(dims, groups):
     torch.testing.assert_close(found.eigenvalues.reshape(-1), expected)
     text = " ".join((kron.__doc__ or "").split())
     assert "weight.unflatten(0, (groups, -1)).transpose(1, 2).flatten(0, 1)" in text
+
+
+def test_half_precision_factors_decompose_in_float32_and_keep_their_dtype():
+    """A bfloat16 model's factors: ``eigh``, ``cholesky`` and ``slogdet`` have no bfloat16
+    kernels, and ``pf.ekfac`` and ``kron.inverse``/``eigh``/``logdet`` raised torch's dtype
+    error. They decompose in float32 and come back bfloat16, close to a float32 model's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    X, y = torch.randn(5, 6), torch.tensor([0, 1, 2, 3, 0])
+    wide = pf.kflr(*pf.functional(model), X, y)
+    model_fn, params = pf.functional(model.to(torch.bfloat16))
+    half = pf.kflr(model_fn, params, X.to(torch.bfloat16), y)
+    for name in wide:
+        inverse = pf.kron.inverse(half, 1e-1)[name]
+        expected = pf.kron.inverse(wide, 1e-1)[name]
+        assert inverse.eigenvalues.dtype == torch.bfloat16
+        torch.testing.assert_close(
+            inverse.eigenvalues.float(), expected.eigenvalues, rtol=0.05, atol=0.05
+        )
+    logdets = pf.kron.logdet(half, damping=1e-1)
+    for name, expected in pf.kron.logdet(wide, damping=1e-1).items():
+        torch.testing.assert_close(logdets[name].float(), expected, rtol=0.05, atol=0.05)
+    eigen = pf.ekfac(model_fn, params, X.to(torch.bfloat16), y, mc_samples=None)
+    assert eigen["2.weight"].eigenvalues.dtype == torch.bfloat16

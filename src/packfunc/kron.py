@@ -133,7 +133,7 @@ def batched_eigh(matrices: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
     """
 
     def decompose(stacked: Tensor) -> list[tuple[Tensor, Tensor]]:
-        values, vectors = torch.linalg.eigh(stacked)
+        values, vectors = (t.to(stacked.dtype) for t in torch.linalg.eigh(_decomposable(stacked)))
         if not bool(torch.isfinite(values.sum() + vectors.sum())):  # a NaN or inf anywhere
             # LAPACK's float32 eigh can return NaN on large rank-deficient matrices (seen on
             # one thread for a 2048² factor of rank 64): redo the stack in float64 (also
@@ -388,7 +388,9 @@ def _batched_inverse(matrices: list[Tensor]) -> list[Tensor]:
     """Inverses of symmetric positive definite matrices by Cholesky, one call per shape."""
 
     def invert(stacked: Tensor) -> list[Tensor]:
-        return list(torch.cholesky_inverse(torch.linalg.cholesky(stacked)).unbind(0))
+        wide = _decomposable(stacked)
+        inverse = torch.cholesky_inverse(torch.linalg.cholesky(wide)).to(stacked.dtype)
+        return list(inverse.unbind(0))
 
     return _per_distinct_matrix(matrices, invert)
 
@@ -474,7 +476,21 @@ def _apply(entry: Any, vector: Any) -> Tensor | None:
     return result if result.shape == vector.shape else result.reshape(vector.shape)
 
 
+def _decomposable(matrix: Tensor) -> Tensor:
+    """``matrix`` in a dtype torch's decompositions take: float16 and bfloat16 as float32.
+
+    ``eigh``, ``cholesky`` and ``slogdet`` have no half-precision kernels (a model with
+    bfloat16 parameters has bfloat16 factors); results go back to the factors' dtype.
+
+    Example:
+        >>> _decomposable(torch.eye(2, dtype=torch.bfloat16)).dtype
+        torch.float32
+    """
+    return matrix.float() if matrix.dtype in (torch.float16, torch.bfloat16) else matrix
+
+
 def _factor_logdet(factors: list[Tensor]) -> Tensor:
+    factors = [_decomposable(factor) for factor in factors]
     if len(factors) == 1:
         return cast(Tensor, torch.linalg.slogdet(factors[0])[1])
     A, B = factors
