@@ -230,3 +230,36 @@ def test_vmap_over_inputs_as_a_model_functions_first_call_equals_a_loop():
         expected = pf.batch_l2_grad(fn, p, XS[d], YS[d])
         for k in p:
             torch.testing.assert_close(found[k][d], expected[k])
+
+
+def test_two_threads_take_hessian_diagonals_of_their_own_models():
+    """torch's forward-mode levels are global to the process: two threads' Hessian
+    diagonals (forward over reverse) interleaved gave torch's "invalid index" errors in most
+    runs and, once in a dozen, a diagonal 0.02 off. packfunc's forward-mode passes take turns."""
+    import threading
+
+    torch.manual_seed(0)
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
+    models = [
+        nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double(),
+        nn.Sequential(nn.Linear(3, 4), nn.Sigmoid(), nn.Linear(4, 2)).double(),
+    ]
+    problems = [pf.functional(model) for model in models]
+    expected = [pf.diag_hessian(fn, p, X, y) for fn, p in problems]
+    failures: list[str] = []
+
+    def work(j: int) -> None:
+        for _ in range(30):
+            try:
+                found = pf.diag_hessian(*problems[j], X, y)
+                if any(not torch.allclose(found[k], expected[j][k]) for k in found):
+                    failures.append("values differ")
+            except RuntimeError as error:
+                failures.append(str(error))
+
+    threads = [threading.Thread(target=work, args=(j,)) for j in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures[:3]

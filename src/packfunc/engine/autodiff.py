@@ -6,6 +6,7 @@ stub says so with a union; these wrappers fix the arity for the type checker.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -72,7 +73,14 @@ def jvp(
         >>> jvp(torch.sin, (torch.zeros(2),), (torch.ones(2),))[1]
         tensor([1., 1.])
     """
-    return cast(tuple[Any, Any], torch.func.jvp(func, primals, tangents))
+    with _FORWARD_MODE:
+        return cast(tuple[Any, Any], torch.func.jvp(func, primals, tangents))
+
+
+_FORWARD_MODE = threading.RLock()
+"""Held by :func:`jvp`: torch's forward-mode levels are global to the process, so two
+threads' forward-mode passes interleaved read each other's levels (torch's "invalid index"
+errors, and once in a dozen runs a Hessian diagonal 0.02 off)."""
 
 
 _VMAP_CANNOT = (
