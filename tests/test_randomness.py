@@ -277,3 +277,32 @@ def test_shim_kfac_skips_parameters_without_a_rule_with_a_warning():
         lossfunc(model(torch.randn(3, 4)), torch.randint(0, 3, (3,))).backward()
     assert len(model[0].weight.kfac) == 2
     assert not hasattr(model[1].weight, "kfac")
+
+
+def test_a_models_own_generator_draws_for_the_batch_as_one_forward_would():
+    """A drop path drawing from the model's own ``torch.Generator``: discovery's forward of
+    one sample drew from it too, so the batch pass used another mask than the user's
+    forward would and the generator ended one forward ahead."""
+
+    class DropPath(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.branch, self.head = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+            self.generator = torch.Generator().manual_seed(5)
+            self.mask = torch.zeros(0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.first(x))
+            keep = torch.full((x.shape[0], 1), 0.6)
+            self.mask = torch.bernoulli(keep, generator=self.generator)
+            return self.head(h + torch.tanh(self.branch(h)) * self.mask / 0.6)
+
+    torch.manual_seed(0)
+    model = DropPath()
+    X, y = torch.randn(6, 3), torch.tensor([0, 1, 2, 0, 1, 2])
+    model(X)
+    mask, state = model.mask, model.generator.get_state()
+    model.generator.manual_seed(5)
+    pf.batch_grad(*pf.functional(model), X, y)
+    torch.testing.assert_close(model.mask, mask)
+    assert torch.equal(model.generator.get_state(), state)

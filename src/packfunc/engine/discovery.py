@@ -244,6 +244,8 @@ class _DiscoveryMode(ParameterMode):
         # tensors whose rows may be other samples' (see _note_moved_rows): the call that moved
         self.moved: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         self.moved_by: str | None = None
+        # the model's own generators (torch.bernoulli(p, generator=g)), as they were before
+        self.generators: dict[int, tuple[torch.Generator, Tensor]] = {}
         # torch.arange(N) and its views: an index that leaves every row where it is
         self.sample_index: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         self._note_memory(list(self.samples.values()))
@@ -277,6 +279,9 @@ class _DiscoveryMode(ParameterMode):
                 "without packfunc."
             )
         self.plan.note_random(random_call(func, args, kwargs or {}))
+        generator = (kwargs or {}).get("generator")
+        if isinstance(generator, torch.Generator) and id(generator) not in self.generators:
+            self.generators[id(generator)] = (generator, generator.get_state())
         if func in REWRITTEN_OPS and self._touches_parameters(args, kwargs or {}):
             self.plan.rewritten_ops.add(func)
         out = super().__torch_function__(func, types, args, kwargs)
@@ -694,8 +699,12 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
     operators = _OperatorsInSight()
     mode = _DiscoveryMode(LeafIndex(leaves), sample, buffers, operators)
     with private_generators(leaves) as drew, kept_model_state(module) as changed:
-        with torch.no_grad(), operators, mode:
-            out = model_fn(params, sample)
+        try:
+            with torch.no_grad(), operators, mode:
+                out = model_fn(params, sample)
+        finally:  # the model's own generators draw for the batch, not for discovery
+            for generator, state in mode.generators.values():
+                generator.set_state(state)
         if drew():
             mode.plan.note_random(DEFAULT_GENERATOR_DRAW)
     mode.plan.rewritten_ops |= mode.rows.rewritten  # (the tapped path sees no flat rows' source)
