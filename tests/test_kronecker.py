@@ -839,3 +839,29 @@ def test_a_layer_of_another_shape_after_a_model_change_gets_its_factors_again():
     model[0].kernel_size = model[0].stride = 1
     expected = pf.kflr(*pf.functional(model), X, y)
     assert_trees_close(pf.kflr(model_fn, params, X, y), expected)
+
+
+def test_kfra_follows_an_op_with_several_outputs_and_refuses_reading_them_twice():
+    """``h.max(-1)`` returns values and indices: KFRA's chain lost its values (a batch-sized
+    constant re-applied to one sample: torch's shape error). As the next activation they are
+    ``amax``'s; read beside ``h`` (``h * h.max(-1).values``) they are a clear refusal."""
+
+    class Pool(nn.Module):
+        def __init__(self, pick) -> None:
+            super().__init__()
+            self.pick = pick
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.pick(h.view(h.shape[0], 2, 2))
+
+    def model(pick) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), Pool(pick), nn.Linear(2, 3)).double()
+
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1])
+    found = pf.kfra(*pf.functional(model(lambda h: h.max(-1).values)), X, y)
+    expected = pf.kfra(*pf.functional(model(lambda h: h.amax(-1))), X, y)
+    assert_trees_close(found, expected)
+    twice = model(lambda h: (h * h.max(-1, keepdim=True).values).flatten(1)[:, :2])
+    with pytest.raises(NotSequentialError, match="reads an earlier activation"):
+        pf.kfra(*pf.functional(twice), X, y)

@@ -151,11 +151,37 @@ class _ChainMode(FunctionalMode):
         out = run()
         if "inplace" in kwargs:
             kwargs = {**kwargs, "inplace": False}
+        merged = getattr(func, "__name__", str(func)) if len(positions) > 1 else None
         if isinstance(out, Tensor):
             link = Link(func, args, kwargs, positions[0], saved, out, call)
-            merged = getattr(func, "__name__", str(func)) if len(positions) > 1 else None
             self.made[id(out)] = _Made(out, link, before, merged)
+        elif isinstance(out, tuple):  # h.max(-1), h.topk(k): each output is of the chain too
+            for index, element in enumerate(out):
+                if isinstance(element, Tensor) and element.is_floating_point():
+                    picked = _ElementOf(func, index)
+                    link = Link(picked, args, kwargs, positions[0], saved, element, call)
+                    self.made[id(element)] = _Made(element, link, before, merged)
         return out
+
+
+@dataclass(frozen=True)
+class _ElementOf:
+    """One output of an op that returns several (``values`` of ``h.max(-1)``), as an op.
+
+    Example:
+        >>> _ElementOf(torch.max, 0)(torch.tensor([[1.0, 3.0]]), -1)
+        tensor([3.])
+    """
+
+    func: Callable[..., Any]
+    index: int
+
+    @property
+    def __name__(self) -> str:  # the name ops are reported by
+        return getattr(self.func, "__name__", str(self.func))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.func(*args, **kwargs)[self.index]
 
 
 def trace_chain(model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Tensor) -> list[Link]:
