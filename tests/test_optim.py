@@ -689,3 +689,26 @@ def test_freezing_after_the_optimizer_was_made_and_a_model_without_trainables_ar
         opt.step(batch=(X.double(), y))
     with pytest.raises(ValueError, match="no parameter that requires grad"):
         pf.optim.DiagGGN(model.requires_grad_(False))
+
+
+@pytest.mark.parametrize("optimizer", ["KFAC", "EKFAC"])
+def test_a_parameter_without_factors_is_refused_in_the_optimizers_words(optimizer):
+    """A hand-written LoRA ``x @ A.T @ B.T``: its matrices have no Kronecker factors, and the
+    refusal told the user to pass ``on_unsupported='skip'``, which the optimizers do not take."""
+
+    class LoRA(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.A, self.B = nn.Parameter(torch.randn(2, 4)), nn.Parameter(torch.randn(3, 2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.A.T @ self.B.T
+
+    torch.manual_seed(0)
+    model = LoRA()
+    X, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    opt = getattr(pf.optim, optimizer)(model, lr=0.1, damping=1e-2)
+    nn.CrossEntropyLoss()(model(X), y).backward()
+    with pytest.raises(ValueError, match="no Kronecker factors.*another optimizer") as error:
+        opt.step(batch=(X, y))
+    assert "on_unsupported" not in str(error.value)

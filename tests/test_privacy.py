@@ -869,3 +869,23 @@ def test_a_sample_with_a_nan_gradient_is_refused_by_the_clipping():
     loss = torch.nn.CrossEntropyLoss(reduction="sum")
     with pytest.raises(FloatingPointError, match="sample 2 is NaN"):
         pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=1.0)
+
+
+def test_dp_optimizer_refuses_a_stepped_tensor_that_is_not_the_models() -> None:
+    """A soft prompt kept outside the module, in the optimizer: DPOptimizer clipped and
+    noised the model's parameters only and let the optimizer step the prompt with its raw
+    gradient (or never, after zero_grad), silently."""
+    model, loss, X, y = _problem()
+    prompt = torch.zeros(X.shape[1], requires_grad=True)
+    prompt.grad = torch.ones_like(prompt)
+    opt = pf.privacy.DPOptimizer(
+        model,
+        torch.optim.SGD([*model.parameters(), prompt], lr=0.1),
+        max_norm=0.3,
+        noise_multiplier=1.0,
+        expected_batch_size=6,
+        loss=loss,
+    )
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        opt.step(batch=(X, y))
+    assert torch.equal(prompt, torch.zeros_like(prompt))

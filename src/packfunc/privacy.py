@@ -447,12 +447,22 @@ class DPOptimizer:
         (As opacus: clipped together, and only those; a layer frozen or unfrozen between
         steps is followed.)
         """
-        stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        stepped = {id(p): p for group in self.optimizer.param_groups for p in group["params"]}
         found = {
             name: p
             for name, p in self.model.named_parameters()
             if p.requires_grad and id(p) in stepped
         }
+        own = {id(p) for p in self.model.parameters()}
+        foreign = [p for key, p in stepped.items() if key not in own and p.requires_grad]
+        if foreign:
+            raise ValueError(
+                f"DPOptimizer: the optimizer steps a tensor of shape {tuple(foreign[0].shape)} "
+                "that is not a parameter of the model, so it would be neither clipped nor "
+                "noised (its update would leak its raw gradient). Register it on the model "
+                "(an nn.Parameter attribute of a module, e.g. a soft prompt) or leave it out "
+                "of the optimizer."
+            )
         if not found:
             raise ValueError(
                 "DPOptimizer: none of the optimizer's parameters is a parameter of the model "

@@ -42,7 +42,8 @@ layout (its factors come as ``[in×in, out×out]``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Protocol, cast
 
 import optree
@@ -296,23 +297,45 @@ def scale_by_kfac(
         X, y = batch
         if curvature is None:
             _refuse_transposed_convolutions(model_fn, params, X)
-        if mc_samples is None:
-            new = kflr(model_fn, params, X, y, loss=loss, **approx)
-        else:
-            new = kfac(
-                model_fn,
-                params,
-                X,
-                y,
-                loss=loss,
-                mc_samples=mc_samples,
-                generator=generator,
-                **approx,
-            )
+        with _for_every_stepped_parameter():
+            if mc_samples is None:
+                new = kflr(model_fn, params, X, y, loss=loss, **approx)
+            else:
+                new = kfac(
+                    model_fn,
+                    params,
+                    X,
+                    y,
+                    loss=loss,
+                    mc_samples=mc_samples,
+                    generator=generator,
+                    **approx,
+                )
         curvature = _average(curvature, new, ema)
         return curvature, invert(curvature, damping) if full else inverse
 
     return _scheduled(refresh, kron.matvec, update_period, inverse_period)
+
+
+@contextlib.contextmanager
+def _for_every_stepped_parameter() -> Iterator[None]:
+    """Refuse parameters without Kronecker factors in the optimizers' words.
+
+    The factor functions' refusal names ``on_unsupported='skip'``, which the optimizers do
+    not take: they precondition every parameter they step.
+    """
+    try:
+        yield
+    except ValueError as error:
+        listing, found, _ = str(error).partition(". Pass on_unsupported")
+        if not (found and listing.startswith("no Kronecker factors")):
+            raise
+        raise ValueError(
+            f"{listing}. The Kronecker optimizers precondition every parameter they step: "
+            "step these with another optimizer (pf.optim.DiagGGN, or torch.optim.Adam in a "
+            "second optimizer over them), or use each as a layer's weight (nn.Linear, "
+            "F.linear, x @ W)."
+        ) from error
 
 
 def scale_by_ekfac(
@@ -374,17 +397,18 @@ def scale_by_ekfac(
             _refuse_transposed_convolutions(model_fn, params, X)
         if full:
             previous = None if curvature is None else curvature.factors
-            factors, eigen = ekfac_and_factors(
-                model_fn,
-                params,
-                X,
-                y,
-                lambda new: _average(previous, new, ema),
-                loss=loss,
-                mc_samples=mc_samples,
-                generator=generator,
-                **approx,
-            )
+            with _for_every_stepped_parameter():
+                factors, eigen = ekfac_and_factors(
+                    model_fn,
+                    params,
+                    X,
+                    y,
+                    lambda new: _average(previous, new, ema),
+                    loss=loss,
+                    mc_samples=mc_samples,
+                    generator=generator,
+                    **approx,
+                )
         else:
             fitted = ekfac(
                 model_fn,
