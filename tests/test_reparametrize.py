@@ -205,3 +205,38 @@ def test_the_old_reparametrizations_keep_a_plain_weight_of_the_users_forward(wra
     expected = autograd_batch_grad(model, loss, X, y)
     for name in expected:
         torch.testing.assert_close(found[name], expected[name])
+
+
+def _counting_model() -> torch.nn.Module:
+    """A model with a buffer its forward updates (a step counter, as a scheduler keeps)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    model.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def count(module: torch.nn.Module, args: tuple) -> None:
+        with torch.no_grad():
+            module.calls += 1
+
+    model.register_forward_pre_hook(count)
+    return model
+
+
+def test_a_function_around_the_model_counts_as_running_it():
+    """``lambda p, X: model_fn(p, X).logits`` (README's Hugging Face pattern) or a function
+    closing over the module hid the module: discovery's forward of one sample updated its
+    buffers too (a counter went up twice per call), and its buffers were not known for
+    constants (BERT's position ids sent its position embeddings to the whole-model path)."""
+    model = _counting_model()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1])
+
+    def around(p, X):
+        return model_fn(p, X) * 1.0
+
+    def closing_over(p, X):
+        return torch.func.functional_call(model, p, (X,))
+
+    for function in (around, closing_over):
+        before = int(model.calls)
+        pf.batch_grad(function, params, X, y)
+        assert int(model.calls) == before + 1

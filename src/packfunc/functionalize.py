@@ -317,24 +317,58 @@ def _normal_tensor(value: Any) -> Any:
 
 
 def module_of(model_fn: ModelFn) -> nn.Module | None:
-    """Return the module behind a ``model_fn`` made by :func:`functional`, else ``None``.
+    """Return the module behind a ``model_fn``, else ``None``.
+
+    That of :func:`functional`'s model functions, or the one module a function closes over
+    directly or through such a model function (``lambda p, X: model_fn(p, X).logits``,
+    ``lambda p, X: functional_call(model, p, X)``): discovery keeps its buffers and
+    attributes as they were and knows its buffers for constants.
 
     Args:
         model_fn: Any model function.
 
     Returns:
-        The module, or ``None`` for a hand-written ``model_fn``.
+        The module, or ``None`` for a function that closes over none, or over several.
 
     Example:
         >>> layer = torch.nn.Linear(3, 2)
-        >>> module_of(functional(layer)[0]) is layer, module_of(lambda p, X: X)
-        (True, None)
+        >>> fn = functional(layer)[0]
+        >>> module_of(fn) is layer, module_of(lambda p, X: fn(p, X) * 2) is layer
+        (True, True)
+        >>> module_of(lambda p, X: X)
     """
+    found = _registered_module(model_fn)
+    if found is not None:
+        return found
+    closed_over = {id(m): m for m in map(_module_in, _closed_over(model_fn)) if m is not None}
+    return next(iter(closed_over.values())) if len(closed_over) == 1 else None
+
+
+def _registered_module(model_fn: Any) -> nn.Module | None:
+    """The module of one of :func:`functional`'s model functions, else ``None``."""
     try:
         ref = _MODULES.get(model_fn)
     except TypeError:  # not weakly referenceable: not one of ours
         return None
     return None if ref is None else ref()
+
+
+def _closed_over(function: Any) -> list[Any]:
+    """Its closure cells' values and the globals its code names (a ``partial``'s function)."""
+    if isinstance(function, functools.partial):
+        return [function.func]
+    values = []
+    for cell in getattr(function, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            values.append(cell.cell_contents)
+    code, found = getattr(function, "__code__", None), getattr(function, "__globals__", {})
+    names = code.co_names if code is not None else ()
+    return values + [found[name] for name in names if name in found]
+
+
+def _module_in(value: Any) -> nn.Module | None:
+    """``value`` if it is a module, the module of a :func:`functional` model function."""
+    return value if isinstance(value, nn.Module) else _registered_module(value)
 
 
 def wraps_module_of(model_fn: ModelFn, wrapper: F) -> F:
@@ -436,7 +470,7 @@ def check_model_arguments(model_fn: Any, params: Any) -> None:
             f"params is a {type(params).__name__}, not a pytree of tensors; {fix} "
             "and pass the params it returns."
         )
-    if module_of(model_fn) is not None and not isinstance(params, Mapping):
+    if _registered_module(model_fn) is not None and not isinstance(params, Mapping):
         raise TypeError(
             f"this model_fn (from pf.functional) takes the dict of parameters that "
             f"pf.functional returned (name -> tensor), not a {type(params).__name__}; "
