@@ -874,3 +874,39 @@ def test_dropout_switched_on_after_the_plan_was_kept_is_refused_where_a_rerun_wo
     model[2].p = 0.5
     with pytest.raises(pf.RandomModelError):
         pf.diag_hessian(model_fn, params, X, y)
+
+
+def test_second_order_through_checkpointed_dropout_is_the_forwards_ggn():
+    """A checkpointed block with dropout in training mode: the batched pullback through your
+    graph recomputed the checkpoint inside vmap, where torch cannot draw random numbers
+    (its raw error). The columns are pulled back one at a time; the recomputation restores
+    the forward's random state, so the masks are the forward's."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Dropout(0.5))
+            self.head = nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+    torch.manual_seed(0)
+    model, lossfunc = extend(Checkpointed().double()), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    torch.manual_seed(1)
+    with backpack(ours.DiagGGNExact()):
+        lossfunc(model(X), y).backward()
+    weight = model.block[0].weight
+
+    def output(w: torch.Tensor) -> torch.Tensor:
+        with torch.random.fork_rng():
+            torch.manual_seed(1)  # the forward's mask
+            return torch.func.functional_call(model, {"block.0.weight": w}, (X,))
+
+    J = torch.autograd.functional.jacobian(output, weight.detach()).reshape(12, -1)
+    out = output(weight.detach()).detach()
+    H = torch.autograd.functional.hessian(lambda o: lossfunc(o, y), out).reshape(12, 12)
+    expected = (J.T @ H @ J).diagonal().reshape(weight.shape)
+    torch.testing.assert_close(weight.diag_ggn_exact, expected)

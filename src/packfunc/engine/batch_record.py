@@ -818,15 +818,23 @@ def autograd_record(
         found = dict.fromkeys(direct, cotangent)
         if not edges:
             return found
-        pulled = torch.autograd.grad(
-            root,
-            edges,
-            cotangent,
-            retain_graph=retain or differentiable,
-            create_graph=differentiable,
-            allow_unused=True,
-            is_grads_batched=batched,
-        )
+        try:
+            pulled = torch.autograd.grad(
+                root,
+                edges,
+                cotangent,
+                retain_graph=retain or differentiable,
+                create_graph=differentiable,
+                allow_unused=True,
+                is_grads_batched=batched,
+            )
+        except RuntimeError as error:
+            if not (batched and "random operations inside of vmap" in str(error)):
+                raise
+            # a checkpoint recomputing dropout in the backward: one column at a time (the
+            # recomputation restores the forward's random state, so its masks are the same)
+            columns = [gradients(column, False) for column in cotangent.unbind(0)]
+            return {k: torch.stack([column[k] for column in columns]) for k in columns[0]}
         for k, g in zip(sites, pulled):
             shape = (*cotangent.shape[:batched], *shapes[k])
             # an output laid out as flat rows (an addmm recorded as a linear layer) is reshaped
