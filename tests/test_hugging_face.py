@@ -227,6 +227,8 @@ def test_a_batch_padded_elsewhere_than_its_first_sample_gets_a_plan(padded):
     ids, mask = torch.randint(3, 12, (3, 5)), torch.ones(3, 5, dtype=torch.long)
     ids[padded, -2:], mask[padded, -2:] = 0, 0
     assert_batch_grad_is_a_loop(*pf.functional(model), (ids, mask), torch.tensor([0, 2, 1]))
+    paths = pf.explain(*pf.functional(model), (ids, mask))  # (raised PlanMismatch for 1, 2)
+    assert not any(path.startswith("whole model") for path in paths.values()), paths
 
 
 @pytest.mark.parametrize("name", list(HUGGING_FACE))

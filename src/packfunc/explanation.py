@@ -8,7 +8,8 @@ from typing import cast
 import optree
 import torch
 
-from packfunc.engine.batch_record import probed_forward, zero_probes
+from packfunc.engine.batch_pass import other_samples
+from packfunc.engine.batch_record import PlanMismatch, probed_forward, zero_probes
 from packfunc.engine.discovery import Plan, Recorded, discover
 from packfunc.engine.model_state import kept_model_state
 from packfunc.engine.ops import SiteCall
@@ -54,11 +55,19 @@ def explain(model_fn: ModelFn, params: Params, X: Inputs) -> PathTree:
     leaves, treespec, _ = flatten_params(params)
     # a probe, not a forward of the user's: what it sets on the model (a running statistic,
     # a power iteration) is put back
+    n = batch_size(X)
     with torch.no_grad(), private_generators(leaves), kept_model_state(module_of(model_fn)):
-        plan = discover(model_fn, params, leaves, select_samples(X, slice(0, 1)))
-        failed: set[int] = set()
-        forward = probed_forward(model_fn, params, leaves, plan, X, failed)
-        _, inputs = forward(zero_probes(plan, plan.active(), batch_size(X)))
+        for sample in [0, *other_samples(n)]:  # as the batch pass: another sample's path
+            plan = discover(model_fn, params, leaves, select_samples(X, slice(sample, sample + 1)))
+            failed: set[int] = set()
+            forward = probed_forward(model_fn, params, leaves, plan, X, failed)
+            try:
+                _, inputs = forward(zero_probes(plan, plan.active(), n))
+                break
+            except PlanMismatch as mismatch:
+                last = mismatch
+        else:
+            raise ValueError(str(last)) from last
     paths = [_path(plan, failed, inputs, leaves, leaf) for leaf in range(len(leaves))]
     return cast(PathTree, optree.tree_unflatten(treespec, paths))
 

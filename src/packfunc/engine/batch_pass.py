@@ -223,11 +223,11 @@ _OTHER_SAMPLES = 7
 """How many other samples' paths a batch whose calls follow no discovered plan tries."""
 
 
-def _other_samples(n: int) -> list[int]:
+def other_samples(n: int) -> list[int]:
     """Samples besides the first to discover on: the last, and others spread in between.
 
     Example:
-        >>> _other_samples(2), _other_samples(100)
+        >>> other_samples(2), other_samples(100)
         ([1], [99, 1, 17, 34, 50, 66, 83])
     """
     if n < 2:
@@ -330,7 +330,7 @@ class BatchPass:
         try:
             return self._batch_pass(reuse)
         except PlanMismatch as mismatch:
-            samples = ([0] if self._cached else []) + _other_samples(self.n)
+            samples = ([0] if self._cached else []) + other_samples(self.n)
             for sample in samples:
                 forget_plan(self.model_fn)  # the code took another path: discover it again
                 mark.rewind()  # and run it on the random numbers the stopped pass began with
