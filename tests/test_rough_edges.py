@@ -845,3 +845,18 @@ def test_instance_norm_running_statistics_advance_once_per_forward_of_yours(call
         )
     for name, buffer in reference.named_buffers():
         torch.testing.assert_close(model.get_buffer(name), buffer, rtol=0, atol=0)
+
+
+def test_options_among_the_inputs_reach_the_whole_model_path():
+    """``X = {"input_ids": ids, "output_hidden_states": True}``: the whole-model path mapped
+    every input over samples, a bool too (torch's raw vmap ``in_dims`` error)."""
+    torch.manual_seed(0)
+    W = torch.randn(3, 4, dtype=torch.float64)
+
+    def model_fn(p: dict[str, torch.Tensor], X: dict) -> torch.Tensor:
+        h = torch.einsum("ni,ij->jn", X["x"], p["W"]).T  # (its first dim leaves the samples)
+        return h * 2 if X["double"] else h
+
+    X = {"x": torch.randn(5, 3, dtype=torch.float64), "double": True}
+    assert pf.explain(model_fn, {"W": W}, X)["W"].startswith("whole model")
+    assert_batch_grad_is_a_loop(model_fn, {"W": W}, X, torch.tensor([0, 1, 2, 3, 0]))

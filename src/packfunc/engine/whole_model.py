@@ -59,22 +59,29 @@ def column_grads(
         >>> g[0].shape
         torch.Size([1, 4, 2, 3])
     """
+    xs = select_samples(X, index)
+    # options among the inputs (a dict's output_hidden_states=True) are the same for all
+    flat, spec = optree.tree_flatten(xs, none_is_leaf=True)
+    batched = [i for i, value in enumerate(flat) if isinstance(value, Tensor)]
 
-    def one_sample(x: Any, columns: Tensor) -> list[Tensor]:
+    def one_sample(tensors: list[Tensor], columns: Tensor) -> list[Tensor]:
+        values = list(flat)
+        for i, tensor in zip(batched, tensors):
+            values[i] = tensor.unsqueeze(0)
+        x_batch = optree.tree_unflatten(spec, values)
+
         def forward(chosen: list[Tensor]) -> Tensor:
-            x_batch = optree.tree_map(lambda t: t.unsqueeze(0), x)
             return output_with(model_fn, leaves, treespec, dict(zip(wanted, chosen)), x_batch)
 
         _, pullback = vjp(forward, [leaves[i] for i in wanted])
         return cast(list[Tensor], vmap(lambda c: pullback(c.unsqueeze(0))[0])(columns))
 
-    xs = select_samples(X, index)
     # attention's math kernel has batching rules; the fused CPU kernels would run in a
     # loop over samples (and PyTorch warns about it on every call)
     try:
         with twice_differentiable():
             per_sample = over_samples(one_sample, in_dims=(0, 1), randomness="different")(
-                xs, cotangents[:, index]
+                [flat[i] for i in batched], cotangents[:, index]
             )
     except RuntimeError as error:
         if not is_untransformable_function(error):
