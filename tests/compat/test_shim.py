@@ -910,3 +910,21 @@ def test_second_order_through_checkpointed_dropout_is_the_forwards_ggn():
     H = torch.autograd.functional.hessian(lambda o: lossfunc(o, y), out).reshape(12, 12)
     expected = (J.T @ H @ J).diagonal().reshape(weight.shape)
     torch.testing.assert_close(weight.diag_ggn_exact, expected)
+
+
+def test_an_extended_model_called_with_keywords_names_the_wrapper():
+    """``model(**batch)`` (Hugging Face's habit): refused, now naming the wrapper module that
+    takes the inputs positionally."""
+
+    class Keywords(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(3, 2)
+
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            return self.layer(inputs)
+
+    model, lossfunc = extend(Keywords()), extend(nn.CrossEntropyLoss())
+    refused = pytest.raises(ValueError, match="positional inputs only.*forward\\(self, input_ids")
+    with refused, backpack(ours.BatchGrad()):
+        lossfunc(model(inputs=torch.randn(4, 3)), torch.tensor([0, 1, 1, 0])).backward()

@@ -84,7 +84,9 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
     if record.kwargs:
         raise ValueError(
             "packfunc.compat passes the model's positional inputs only; call the "
-            "extended model without keyword arguments."
+            "extended model without keyword arguments (for model(**batch), extend a module "
+            "whose forward takes them positionally: forward(self, input_ids, attention_mask) "
+            "returning self.model(input_ids=input_ids, attention_mask=attention_mask).logits)."
         )
     record.check_output_unchanged()
     X = record.args[0] if len(record.args) == 1 else record.args
