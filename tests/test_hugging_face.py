@@ -231,6 +231,42 @@ def test_a_batch_padded_elsewhere_than_its_first_sample_gets_a_plan(padded):
     assert not any(path.startswith("whole model") for path in paths.values()), paths
 
 
+def test_a_padded_decoder_mask_after_an_unpadded_plan_gets_its_own():
+    """T5's decoder position bias meets the mask only where a sample is padded: after a
+    batch without padding, or with an unpadded first sample, a padded batch was refused as
+    a row-per-sample derivation (its hint, put a padded sample first, did not help). It is
+    a plan mismatch: discovery runs again on other samples."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=20,
+        d_model=8,
+        d_kv=4,
+        d_ff=16,
+        num_layers=1,
+        num_heads=2,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    t5 = transformers.T5ForConditionalGeneration(config).double().eval()
+    seq2seq, params = pf.functional(t5)
+
+    def model_fn(p, X):
+        return seq2seq(p, X).logits.transpose(1, 2)
+
+    ids, labels = torch.randint(1, 20, (3, 5)), torch.randint(1, 20, (3, 4))
+    first_unpadded = torch.ones(3, 4, dtype=torch.long)
+    first_unpadded[1:, -1] = 0
+    for mask in (torch.ones(3, 4, dtype=torch.long), first_unpadded):
+        X = {
+            "input_ids": ids,
+            "decoder_input_ids": t5._shift_right(labels),
+            "decoder_attention_mask": mask,
+        }
+        assert_batch_grad_is_a_loop(model_fn, params, X, labels)
+
+
 @pytest.mark.parametrize("name", list(HUGGING_FACE))
 def test_curvature_products_of_hugging_face_models_match_autograd(name):
     model, X, y = hugging_face_problem(name)

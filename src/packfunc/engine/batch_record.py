@@ -297,6 +297,19 @@ _ROW_PER_SAMPLE = (
 )
 
 
+class RowPerSampleMismatch(PlanMismatch, ValueError):
+    """A tensor made of parameters has a row per sample in the batch, not for one sample.
+
+    Discovery may have followed another path than the batch (Hugging Face's mask code skips
+    an all-ones mask: T5's position bias meets the mask only where a sample is padded), so
+    callers discover again on other samples, as for any :class:`PlanMismatch`; where none
+    fits, this is the refusal (a ``ValueError``).
+    """
+
+    def __init__(self) -> None:
+        RuntimeError.__init__(self, _ROW_PER_SAMPLE)
+
+
 def sample_layout(
     shapes: tuple[torch.Size | None, ...],
     values: tuple[Any, ...],
@@ -315,7 +328,8 @@ def sample_layout(
         changed shape any other way (its samples cannot be told apart).
 
     Raises:
-        ValueError: if a tensor made of parameters has one (different) row per sample.
+        RowPerSampleMismatch: if a tensor made of parameters has one (different) row per
+            sample.
     """
     batched, narrow = [], set()
     for position, (before, value) in enumerate(zip(shapes, values)):
@@ -331,7 +345,7 @@ def sample_layout(
         ):
             narrow.add(position)
         else:
-            raise ValueError(_ROW_PER_SAMPLE)
+            raise RowPerSampleMismatch()
     return tuple(batched), frozenset(narrow)
 
 
