@@ -240,3 +240,28 @@ def test_a_function_around_the_model_counts_as_running_it():
         before = int(model.calls)
         pf.batch_grad(function, params, X, y)
         assert int(model.calls) == before + 1
+
+
+def test_a_parametrization_registered_after_functional_names_the_fix():
+    """params under the plain name of a weight parametrized since: torch set it through
+    ``right_inverse`` and wrote another tensor into the user's dict (packfunc then raised a
+    bare ``KeyError`` of a tensor id, or blamed a buffer); refused, the dict untouched."""
+    from torch.nn.utils import parametrize
+
+    class Affine(nn.Module):
+        def forward(self, weight: Tensor) -> Tensor:
+            return weight * 2 + 0.1
+
+        def right_inverse(self, weight: Tensor) -> Tensor:
+            return (weight - 0.1) / 2
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    pf.batch_grad(model_fn, params, X, y)
+    parametrize.register_parametrization(model[0], "weight", Affine())
+    given = params["0.weight"]
+    with pytest.raises(ValueError, match="'0.weight', a parametrized weight.*pf.functional"):
+        pf.batch_grad(model_fn, params, X, y)
+    assert params["0.weight"] is given

@@ -14,11 +14,13 @@ followed, unknown names left to it), with two differences:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.nn.utils import parametrize
 
 Slot = tuple[dict[str, Any], str]
 """Where a tensor of a module lives: its owner's ``_parameters`` or ``_buffers``, and the key."""
@@ -62,6 +64,7 @@ def call_with_tensors(
     slots = named_slots(module)
     swaps = _swaps(slots, tensors)
     others = {name: value for name, value in tensors.items() if name not in slots}
+    _refuse_parametrized_names(module, others)
     originals = [(store, key, store[key]) for store, key, _ in swaps]
     for store, key, value in swaps:
         store[key] = value
@@ -77,6 +80,25 @@ def call_with_tensors(
                 tensors[name] = current
         for store, key, original in originals:
             store[key] = original
+
+
+def _refuse_parametrized_names(module: nn.Module, names: Iterable[str]) -> None:
+    """Refuse a tensor given under the name of a parametrized weight (``"0.weight"``).
+
+    A parametrization registered after ``pf.functional`` ran leaves its ``params`` under the
+    plain name: torch would set the weight through the parametrization's ``right_inverse``
+    and write another tensor back into the dict (packfunc then met tensors it never saw).
+    """
+    for name in names:
+        owner_name, _, attribute = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        if parametrize.is_parametrized(owner, attribute):
+            raise ValueError(
+                f"params has {name!r}, a parametrized weight of the model (a parametrization "
+                "registered after pf.functional ran?): its tensors are the parametrization's "
+                f"({owner_name + '.' if owner_name else ''}parametrizations.{attribute}."
+                "original). Call pf.functional(model) again and pass the params it returns."
+            )
 
 
 def named_slots(module: nn.Module) -> dict[str, Slot]:
