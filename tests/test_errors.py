@@ -679,3 +679,22 @@ def test_parameters_on_the_meta_device_are_refused_by_name():
     X, y = torch.randn(4, 3, device="meta"), torch.randint(0, 2, (4,), device="meta")
     with pytest.raises(ValueError, match="'bias' is on the meta device.*to_empty"):
         pf.batch_grad(model_fn, params, X, y)
+
+
+def test_channels_last_where_torch_func_cannot_run_it_names_the_layout():
+    """A channels-last model: GGN products raised torch's "view size is not compatible"
+    (group norm's forward-mode rule), Hessian diagonals its "NYI: querying is_contiguous
+    inside of vmap" (max pooling); refused, naming the contiguous layout, which works."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.Tanh(), nn.Flatten(), nn.Linear(64, 2)
+    ).to(memory_format=torch.channels_last)
+    X = torch.randn(2, 3, 6, 6).contiguous(memory_format=torch.channels_last)
+    y = torch.tensor([0, 1])
+    model_fn, params = pf.functional(model)
+    assert pf.diag_ggn(model_fn, params, X, y)["0.weight"].shape == (4, 3, 3, 3)
+    v = {k: torch.ones_like(p) for k, p in params.items()}
+    with pytest.raises(ValueError, match="channels-last.*contiguous_format"):
+        pf.ggn_vector_product(model_fn, params, X, y, v)
+    model = model.to(memory_format=torch.contiguous_format)
+    pf.ggn_vector_product(*pf.functional(model), X.contiguous(), y, v)

@@ -259,9 +259,52 @@ def public_entry(function: F) -> F:
                 raise ValueError(_MUTATES_CAPTURED) from error
             if isinstance(error, NotImplementedError) and "'Sparse" in str(error):
                 raise ValueError(_SPARSE_GRADIENTS) from error  # (from the 'SparseCPU' backend)
+            if _channels_last_among((args, kwargs)) and any(
+                symptom in str(error) for symptom in _CHANNELS_LAST_SYMPTOMS
+            ):
+                raise ValueError(_CHANNELS_LAST) from error
             raise
 
     return run  # type: ignore[return-value]
+
+
+def _channels_last_among(values: Any) -> bool:
+    """Whether a tensor among ``values`` (a pytree) is laid out channels-last."""
+    return any(
+        isinstance(t, Tensor)
+        and t.dim() in (4, 5)
+        and t.stride() != _contiguous_strides(t.shape)  # (a channel of one: is_contiguous too)
+        and t.is_contiguous(
+            memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d
+        )
+        for t in optree.tree_leaves(values)
+    )
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+_CHANNELS_LAST_SYMPTOMS = (
+    "querying is_contiguous inside of vmap",
+    "view size is not compatible with input tensor's size and stride",
+)
+"""What torch 2.13 says of channels-last tensors under torch.func transforms."""
+
+
+_CHANNELS_LAST = (
+    "the model's parameters or inputs are laid out channels-last (see the error above), which "
+    "torch's function transforms this quantity differentiates through cannot run in torch "
+    "2.13 (max pooling's and group norm's derivatives query or view their layout). Compute it "
+    "with model.to(memory_format=torch.contiguous_format) and X.contiguous(); per-sample "
+    "gradients, their moments, clipped sums, GGN diagonals and Kronecker factors run "
+    "channels-last as it is."
+)
 
 
 _UNTRANSFORMABLE = (
