@@ -758,6 +758,28 @@ class Logits(nn.Module):
         return logits[:, -1] if self.kind == "last" else logits
 
 
+def pooled_convolution() -> nn.Module:
+    """Max pooling before a convolution, averaged into a head: its kernel sets the conv's input."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.MaxPool2d(2),
+        nn.Conv2d(2, 3, 3),
+        nn.Tanh(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(3, 2),
+    ).double()
+
+
+def tiny_t5_config(**options: Any) -> Any:
+    """A T5 configuration of one layer, width 8 and 20 tokens (``options`` override it)."""
+    import transformers as hf
+
+    tiny = {"vocab_size": 20, "d_model": 8, "d_kv": 4, "d_ff": 16, "num_layers": 1}
+    tiny |= {"num_heads": 2, "dropout_rate": 0.0, "decoder_start_token_id": 0}
+    return hf.T5Config(**(tiny | {"pad_token_id": 0, "eos_token_id": 1} | options))
+
+
 def _hugging_face(name: str, dropout: float) -> nn.Module:
     """A tiny randomly initialized Hugging Face model (configs only: nothing is downloaded)."""
     import transformers as hf
@@ -794,17 +816,7 @@ def _hugging_face(name: str, dropout: float) -> nn.Module:
         )
         return Logits(hf.MistralForCausalLM(config), "last")
     if name == "t5":
-        config = hf.T5Config(
-            vocab_size=20,
-            d_model=8,
-            d_kv=4,
-            d_ff=16,
-            num_layers=1,
-            num_heads=2,
-            dropout_rate=dropout,
-            decoder_start_token_id=0,
-            **tokens,
-        )
+        config = tiny_t5_config(dropout_rate=dropout, **tokens)
         return Logits(hf.T5ForConditionalGeneration(config), "decoder")
     config = hf.ViTConfig(
         image_size=4, patch_size=2, num_channels=2, **small, **heads, **encoder, num_labels=3

@@ -21,6 +21,7 @@ from tests.cases import (
     autograd_batch_grad,
     hugging_face_problem,
     moments,
+    tiny_t5_config,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -200,18 +201,7 @@ class _T5Encoder(nn.Module):
 
     def __init__(self):
         super().__init__()
-        config = transformers.T5Config(
-            vocab_size=12,
-            d_model=8,
-            d_kv=4,
-            d_ff=16,
-            num_layers=1,
-            num_heads=2,
-            dropout_rate=0.0,
-            pad_token_id=0,
-            eos_token_id=1,
-        )
-        self.encoder = transformers.T5EncoderModel(config)
+        self.encoder = transformers.T5EncoderModel(tiny_t5_config(vocab_size=12))
 
     def forward(self, ids: Tensor, mask: Tensor) -> Tensor:
         hidden = self.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -237,18 +227,7 @@ def test_a_padded_decoder_mask_after_an_unpadded_plan_gets_its_own():
     a row-per-sample derivation (its hint, put a padded sample first, did not help). It is
     a plan mismatch: discovery runs again on other samples."""
     torch.manual_seed(0)
-    config = transformers.T5Config(
-        vocab_size=20,
-        d_model=8,
-        d_kv=4,
-        d_ff=16,
-        num_layers=1,
-        num_heads=2,
-        dropout_rate=0.0,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
+    config = tiny_t5_config()
     t5 = transformers.T5ForConditionalGeneration(config).double().eval()
     seq2seq, params = pf.functional(t5)
 

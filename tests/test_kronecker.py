@@ -15,6 +15,7 @@ from tests.cases import (
     dense_curvature,
     loss_and_targets,
     make_problem,
+    pooled_convolution,
     run_backward_with,
 )
 
@@ -824,15 +825,7 @@ def test_a_layer_of_another_shape_after_a_model_change_gets_its_factors_again():
     """A cached plan met a convolution whose input's spatial size changed (its pooling
     kernel set to 1): the layer took the whole-model path and KFLR refused it as "used
     outside a linear or convolution layer", on every later call. The plan is made again."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.MaxPool2d(2),
-        nn.Conv2d(2, 3, 3),
-        nn.Tanh(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(3, 2),
-    ).double()
+    model = pooled_convolution()
     X, y = torch.randn(4, 2, 8, 8, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
     model_fn, params = pf.functional(model)
     pf.kflr(model_fn, params, X, y)

@@ -25,7 +25,7 @@ from packfunc.compat.extensions.module_extension import ModuleExtension
 from packfunc.compat.extensions.secondorder.diag_ggn import DiagGGNExact
 from packfunc.compat.hessianfree.ggnvp import ggn_vector_product
 from packfunc.compat.utils.convert_parameters import vector_to_parameter_list
-from tests.cases import make_problem, run_backward_with
+from tests.cases import make_problem, pooled_convolution, run_backward_with
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 
@@ -344,16 +344,7 @@ def test_a_changed_layer_shape_gets_new_factors_and_no_stale_ones_stay():
     it, silently stale. The plan is made again; and a parameter left without factors keeps
     no earlier ones."""
     torch.manual_seed(0)
-    model = extend(
-        nn.Sequential(
-            nn.MaxPool2d(2),
-            nn.Conv2d(2, 3, 3),
-            nn.Tanh(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-            nn.Linear(3, 2),
-        ).double()
-    )
+    model = extend(pooled_convolution())
     lossfunc = extend(nn.CrossEntropyLoss())
     X, y = torch.randn(4, 2, 8, 8, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
     with backpack(ours.KFLR()):
