@@ -235,6 +235,8 @@ class FunctionalMode(TorchFunctionMode):
             if counter is args[0]:
                 return func(counter + skipped)
         out = self._dispatch(func, args, kwargs)
+        if func is F.batch_norm:
+            _contiguous_gradient(out)
         if func in RESHAPES:
             self.rows.remember(func, args, out)
         elif func in ELEMENTWISE:
@@ -338,6 +340,18 @@ def _counts_batches(func: Callable[..., Any], args: tuple[Any, ...]) -> bool:
         and args[0].dim() == 0
         and args[0].dtype == torch.long
     )
+
+
+def _contiguous_gradient(out: Any) -> None:
+    """Hand a batch norm's backward a contiguous gradient of its output.
+
+    torch 2.13's CPU kernel reads a one-sample gradient laid out otherwise (a transposed
+    cotangent: channels-last strides) wrongly: packfunc's passes, whose cotangents take
+    other layouts than your backward's, got wrong weight and bias gradients and wrong
+    cotangents for the layers before it (off by 0.03 of 0.003).
+    """
+    if isinstance(out, Tensor) and out.requires_grad and not is_functorch_wrapped_tensor(out):
+        out.register_hook(lambda gradient: gradient.contiguous())
 
 
 def functional_mode(batch_statistics: bool = False) -> TorchFunctionMode:

@@ -127,11 +127,23 @@ def _weight_gradient(g: Tensor, x: Tensor, mean: Tensor, inverse_std: Tensor) ->
     """``Σ_positions g ⊙ (x − mean) · inverse_std`` per channel of ``x [1, C, positions]``.
 
     The weight passed is ones (its value does not enter this gradient): CUDA's kernel
-    allocates the weight's gradient like the weight and refuses a missing one.
+    allocates the weight's gradient like the weight and refuses a missing one. Every tensor
+    goes in contiguous: the kernel reads memory as laid out contiguously (one channel's
+    running statistics expanded over the samples have stride 0: it read past them, and
+    unwritten memory came out as sample 0's gradient).
     """
     ones = x.new_ones(x.shape[1])
     found = torch.ops.aten.native_batch_norm_backward(
-        g, x, ones, None, None, mean, inverse_std, True, 0.0, [False, True, False]
+        g.contiguous(),
+        x.contiguous(),
+        ones,
+        None,
+        None,
+        mean.contiguous(),
+        inverse_std.contiguous(),
+        True,
+        0.0,
+        [False, True, False],
     )
     return cast(Tensor, found[1])
 
