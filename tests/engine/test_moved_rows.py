@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from tests.cases import assert_batch_grad_is_a_loop, autograd_batch_grad
@@ -55,6 +56,27 @@ REORDERINGS: dict[str, Reorder] = {
         lambda h: h[:, 0].topk(h.shape[0]).indices,
         lambda h, o: h[o],
         lambda z, o: z[_unsorted(o)],
+    ),
+    # one sample cannot tell these from the identity either (found by a probe)
+    "reversed arange": (
+        lambda h: torch.arange(h.shape[0] - 1, -1, -1),
+        lambda h, o: h[o],
+        lambda z, o: z.flip(0),
+    ),
+    "numpy index": (
+        lambda h: h,
+        lambda h, o: h[np.arange(h.shape[0])[::-1].copy()],
+        lambda z, o: z.flip(0),
+    ),
+    "cat of slices": (
+        lambda h: h,
+        lambda h, o: torch.cat([h[1:], h[:1]]),
+        lambda z, o: torch.cat([z[-1:], z[:-1]]),
+    ),
+    "unbind and stack": (
+        lambda h: h,
+        lambda h, o: torch.stack(h.unbind(0)[::-1]),
+        lambda z, o: z.flip(0),
     ),
 }
 

@@ -498,8 +498,9 @@ class _DiscoveryMode(ParameterMode):
         """
         if not isinstance(out, Tensor) or out.is_floating_point():
             return
-        if func is torch.arange:
-            if out.shape == (1,) and int(out[0]) == 0:
+        if func is torch.arange:  # torch.arange(N) alone: from 0, by 1
+            steps = [value for value in args if not isinstance(value, torch.dtype)]
+            if out.shape == (1,) and int(out[0]) == 0 and len(steps) == 1:
                 self.sample_index[id(out)] = out
             return
         source = args[0] if args else None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -882,8 +883,14 @@ def _indexes_rows(index: Any, dims: int) -> bool:
 
 
 def _selects(entry: Any) -> bool:
-    """Whether one index entry picks positions by value (a tensor or a list), not a slice."""
-    return isinstance(entry, (Tensor, list)) and not (
+    """Whether one index entry picks positions: by value, or a slice of a part.
+
+    A tensor, a list or a numpy array picks by value; ``x[1:]`` is the identity on one sample
+    and other rows on the batch.
+    """
+    if isinstance(entry, slice):
+        return entry != slice(None)
+    return isinstance(entry, (Tensor, list, np.ndarray)) and not (
         isinstance(entry, Tensor) and entry.dim() == 0 and entry.dtype != torch.bool
     )
 
@@ -907,6 +914,11 @@ _ROW_DIM_ARGUMENT: dict[str, tuple[int, str, Any]] = {
     "take_along_dim": (2, "dim", None),
     "flip": (1, "dims", None),
     "roll": (2, "dims", None),
+    "unbind": (1, "dim", 0),
+    "split": (2, "dim", 0),
+    "chunk": (2, "dim", 0),
+    "tensor_split": (2, "dim", 0),
+    "narrow": (1, "dim", None),
 }
 """Calls that move elements along the dims one argument names: its position after ``self``,
 its keyword and its default (``None``: the tensor flattened, so dim 0 too)."""
