@@ -383,8 +383,8 @@ def module_of(model_fn: ModelFn) -> nn.Module | None:
     found = _registered_module(model_fn)
     if found is not None:
         return found
-    closed_over = {id(m): m for m in map(_module_in, _closed_over(model_fn)) if m is not None}
-    return next(iter(closed_over.values())) if len(closed_over) == 1 else None
+    modules = {id(m): m for m in map(_module_in, closed_over(model_fn)) if m is not None}
+    return next(iter(modules.values())) if len(modules) == 1 else None
 
 
 def _registered_module(model_fn: Any) -> nn.Module | None:
@@ -396,7 +396,7 @@ def _registered_module(model_fn: Any) -> nn.Module | None:
     return None if ref is None else ref()
 
 
-def _closed_over(function: Any) -> list[Any]:
+def closed_over(function: Any) -> list[Any]:
     """Its closure cells' values and the globals its code names (a ``partial``'s function)."""
     if isinstance(function, functools.partial):
         return [function.func]

@@ -516,3 +516,37 @@ def test_a_setting_changed_after_the_first_call_makes_the_plan_again():
     attention.batch_first = False
     with pytest.raises(ValueError, match="must depend on that sample alone"):
         pf.batch_grad(model_fn, params, X, y)
+
+
+def test_private_and_enum_settings_changed_make_the_plan_again():
+    """A forward that starts moving rows (``lin(x.flip(0)).flip(0)``) when a private or an
+    enum attribute changes: the cached plan (closed forms) was kept, and per-sample
+    gradients went to other samples (off by 3 to 6)."""
+    import enum
+
+    class Order(enum.Enum):
+        KEPT = 0
+        FLIPPED = 1
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+            self._flipped, self.order = False, Order.KEPT
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self._flipped or self.order is Order.FLIPPED:
+                return self.head(torch.tanh(self.layer(x.flip(0)).flip(0)))
+            return self.head(torch.tanh(self.layer(x)))
+
+    torch.manual_seed(0)
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1])
+    for switch in ("private", "enum"):
+        model = Model().double()
+        model_fn, params = pf.functional(model)
+        pf.batch_grad(model_fn, params, X, y)
+        if switch == "private":
+            model._flipped = True
+        else:
+            model.order = Order.FLIPPED
+        assert_batch_grad_is_a_loop(model_fn, params, X, y)

@@ -24,6 +24,7 @@ RNN's zero initial state); the batch pass tells for sure.
 from __future__ import annotations
 
 import contextlib
+import enum
 import weakref
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
@@ -66,7 +67,12 @@ from packfunc.engine.ops import (
 )
 from packfunc.engine.precision import difference_beyond_rounding, forward_autocast
 from packfunc.engine.randomness import DEFAULT_GENERATOR_DRAW, private_generators, random_call
-from packfunc.functionalize import check_no_cached_parametrizations, module_of, select_samples
+from packfunc.functionalize import (
+    check_no_cached_parametrizations,
+    closed_over,
+    module_of,
+    select_samples,
+)
 from packfunc.types import ModelFn
 
 Recorded = Tensor | LocalInputs
@@ -1109,9 +1115,9 @@ _PLAIN = (bool, int, float, str, type(None))
 
 
 def _is_setting(value: Any) -> bool:
-    """A plain value or a tuple of them (``stride=(1, 1)``, ``batch_first=True``)."""
-    return type(value) in _PLAIN or (
-        type(value) is tuple and all(type(entry) in _PLAIN for entry in value)
+    """A plain value (an enum's too) or a tuple of them (``stride=(1, 1)``, ``eps=1e-5``)."""
+    return isinstance(value, (*_PLAIN, enum.Enum)) or (
+        type(value) is tuple and all(isinstance(entry, _PLAIN) for entry in value)
     )
 
 
@@ -1123,21 +1129,13 @@ def _settings(module: Any) -> Hashable:
     not see again.
     """
     return type(module), tuple(
-        (key, value)
-        for key, value in module.__dict__.items()
-        if not key.startswith("_") and _is_setting(value)
+        (key, value) for key, value in module.__dict__.items() if _is_setting(value)
     )
 
 
 def _closed_over_settings(model_fn: ModelFn) -> Hashable:
-    """The plain values a hand-written ``model_fn`` closes over (a flag it reads)."""
-    cells = getattr(model_fn, "__closure__", None) or ()
-    values = []
-    for cell in cells:
-        with contextlib.suppress(ValueError):  # an empty cell
-            value = cell.cell_contents
-            values.append(value if _is_setting(value) else None)
-    return tuple(values)
+    """The plain values a hand-written ``model_fn`` reads (closure cells, globals it names)."""
+    return tuple(value if _is_setting(value) else None for value in closed_over(model_fn))
 
 
 def _duplicated(leaves: list[Tensor]) -> frozenset[int]:
