@@ -378,9 +378,9 @@ class _DiscoveryMode(ParameterMode):
             self._derive(func, arguments, sources, out)
             self.plan.uses.append(Use(func, UseKind.DERIVED))
             return out
+        moved = bool(carriers) and self._moved_rows_among(values)
         if carriers:
             self._mark_samples(out)
-            moved = self._moved_rows_among(values)
             self._note_moved_rows(func, args, kwargs, out)
         per_sample = all(values[p].shape[:1] == (1,) for p in carriers)
         random = random_call(func, args, kwargs)

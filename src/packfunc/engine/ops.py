@@ -872,7 +872,7 @@ def row_index_of(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
 
 
 def _indexes_rows(index: Any, dims: int) -> bool:
-    """Whether an index (of ``x[index]``) selects along dim 0 by tensors or lists."""
+    """Whether an index (of ``x[index]``) selects along dim 0 (see :func:`_selects`)."""
     entries = list(index) if isinstance(index, tuple) else [index]
     while entries and entries[0] is None:  # h[None, rows]: the rows still index dim 0
         entries.pop(0)
