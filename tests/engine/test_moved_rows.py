@@ -106,7 +106,7 @@ def test_layers_on_moved_rows_take_the_whole_model_path_and_are_per_sample(name)
     model, X, y = _problem(name)
     model_fn, params = pf.functional(model)
     paths = pf.explain(model_fn, params, X)
-    assert "moved along dim 0" in paths["b.weight"], paths
+    assert "moved along its dim" in paths["b.weight"], paths
     assert paths["a.weight"].startswith("closed form"), paths  # before the move
     assert_batch_grad_is_a_loop(model_fn, params, X, y)
 
@@ -173,4 +173,71 @@ def test_a_mixture_of_experts_on_its_tokens_runs_each_sample_alone():
     torch.manual_seed(0)
     model_fn, params = pf.functional(Experts().double())
     X, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 3, (6,))
+    assert_batch_grad_is_a_loop(model_fn, params, X, y)
+
+
+SEQUENCE_FIRST_MOVES: dict[str, Callable[[Tensor], Tensor]] = {
+    "reversed arange": lambda h: h[:, torch.arange(h.shape[1]).flip(0)],
+    "flip": lambda h: h.flip(1),
+    "roll": lambda h: h.roll(2, 1),  # of 4 samples: its own inverse
+    "index_select": lambda h: h.index_select(1, torch.arange(h.shape[1] - 1, -1, -1)),
+    "gather": lambda h: h.gather(1, torch.arange(h.shape[1]).flip(0)[None, :, None].expand_as(h)),
+    "index after an ellipsis": lambda h: h[..., torch.arange(h.shape[1]).flip(0), :],
+}
+"""Moves of 4 samples along dim 1 of a sequence-first ``[T, N, d]`` tensor, each its own
+inverse."""
+
+
+class SequenceFirst(nn.Module):
+    """The batch at dim 1 (``nn.LSTM``'s and ``nn.MultiheadAttention``'s default layout),
+    moved there before a layer and put back after it (``move`` twice): a per-sample model."""
+
+    def __init__(self, move: Callable[[Tensor], Tensor], layer: str):
+        super().__init__()
+        self.move, self.layer = move, layer
+        self.inner = (
+            nn.LSTM(3, 3)
+            if layer == "lstm"
+            else nn.MultiheadAttention(3, 1)
+            if layer == "attention"
+            else nn.Linear(3, 3)
+        )
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.move(x.transpose(0, 1))  # [T, N, 3], the batch moved
+        if self.layer == "lstm":
+            h = self.inner(h)[0]
+        elif self.layer == "attention":
+            h = self.inner(h, h, h, need_weights=False)[0]
+        else:
+            h = torch.tanh(self.inner(h))
+        return self.head(self.move(h)[-1])  # the batch put back, the last step
+
+
+@pytest.mark.parametrize("layer", ["linear", "lstm", "attention"])
+@pytest.mark.parametrize("move", list(SEQUENCE_FIRST_MOVES))
+def test_moves_along_a_batch_dim_after_a_transpose_are_seen(move, layer):
+    """Discovery's sample is ``[T, 1, d]`` there: a move along a dim of one element may move
+    the batch (the per-sample gradients were each another sample's: off by 4.8, 0.30 for
+    the LSTM)."""
+    torch.manual_seed(0)
+    model = SequenceFirst(SEQUENCE_FIRST_MOVES[move], layer).double()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(4, 5, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    inner = next(name for name in params if name.startswith("inner."))
+    assert pf.explain(model_fn, params, X)[inner].startswith("whole model")
+    assert_batch_grad_is_a_loop(model_fn, params, X, y)
+
+
+@pytest.mark.parametrize("layer", ["linear", "lstm", "attention"])
+def test_sequence_first_models_that_keep_their_rows_keep_their_paths(layer):
+    """Sequence-first layers whose batch stays where it is keep the paths they had (features
+    permuted along the last dim: no move of the batch)."""
+    torch.manual_seed(0)
+    model = SequenceFirst(lambda h: h[:, :, torch.tensor([2, 0, 1])], layer).double()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(4, 5, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    paths = pf.explain(model_fn, params, X)
+    assert not any("moved" in path for path in paths.values()), paths
     assert_batch_grad_is_a_loop(model_fn, params, X, y)

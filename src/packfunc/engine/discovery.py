@@ -61,9 +61,8 @@ from packfunc.engine.ops import (
     SiteCall,
     bag_option,
     make_call,
-    moves_rows,
+    moved_dims,
     refuse_frequency_scaling,
-    row_index_of,
 )
 from packfunc.engine.precision import difference_beyond_rounding, forward_autocast
 from packfunc.engine.randomness import DEFAULT_GENERATOR_DRAW, private_generators, random_call
@@ -473,20 +472,25 @@ class _DiscoveryMode(ParameterMode):
     def _note_moved_rows(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
     ) -> None:
-        """Mark what a call makes of rows moved along the batch dim (:func:`moves_rows`).
+        """Mark what a call makes of rows moved along the batch dim (:func:`moved_dims`).
 
         A call on such rows passes them on; a call that indexes, sorts, flips or scatters
-        samples along dim 0 makes them (its output, and the tensor it writes). One sample
-        cannot tell where the batch's rows go (``h[h[:, 0].argsort()]`` is the identity
-        here): a layer on them takes the whole-model path, which runs each sample alone.
+        samples along a dim that may carry them (:meth:`_moves_the_batch`) makes them (its
+        output, and the tensor it writes). One sample cannot tell where the batch's rows go
+        (``h[h[:, 0].argsort()]`` is the identity here): a layer on them takes the whole-model
+        path, which runs each sample alone.
         """
         values = CallArguments.of(args, kwargs).values
         passed_on = self._moved_rows_among(values)
-        index = row_index_of(func, args, kwargs)
-        if index is not None and self.sample_index.get(id(index)) is index:
-            moving = False  # h[torch.arange(N), lengths]: every row stays where it is
-        else:
-            moving = moves_rows(func, args, kwargs) and self._any_marked(values)
+        first = args[0] if args else kwargs.get("input")
+        moving = (
+            isinstance(first, Tensor)
+            and self._any_marked(values)
+            and any(
+                self._moves_the_batch(first, dim, index)
+                for dim, index in moved_dims(func, args, kwargs)
+            )
+        )
         if not passed_on and not moving:
             return
         if not passed_on and self.moved_by is None:
@@ -495,6 +499,20 @@ class _DiscoveryMode(ParameterMode):
         tensors = [t for _, t in tensor_outputs(out)] + ([written] if written is not None else [])
         for tensor in tensors:
             self.moved[id(tensor)] = tensor
+
+    def _moves_the_batch(self, tensor: Tensor, dim: int, index: Any) -> bool:
+        """Whether a move along ``dim`` of ``tensor`` may move its samples (see :func:`moved_dims`).
+
+        Dim 0 may carry the batch, and so may any dim of one element: this sample's, after a
+        transpose (``[T, 1, d]`` here is ``[T, N, d]`` on the batch). Rows picked by
+        :meth:`_note_sample_index`'s indices stay where they are; a slice of another dim of
+        one element is taken as a part of that dim (``mask[:, :, :T]``).
+        """
+        if index is not None and self.sample_index.get(id(index)) is index:
+            return False
+        if dim == 0:
+            return True
+        return tensor.shape[dim] == 1 and not isinstance(index, slice)
 
     def _note_sample_index(self, func: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
         """Note ``torch.arange(N)`` (here ``[0]``) and its views: indices of the samples in order.
@@ -522,7 +540,7 @@ class _DiscoveryMode(ParameterMode):
     def _moved_reason(self, name: str) -> str:
         """Why a layer on moved rows takes the whole-model path."""
         return (
-            f"used by {name} on the batch's rows moved along dim 0 by {self.moved_by} (a sort, "
+            f"used by {name} on the batch's rows moved along its dim by {self.moved_by} (a sort, "
             "an index or a scatter of the samples): a row of the batch need not be its "
             "sample's, so each sample runs alone"
         )

@@ -797,13 +797,17 @@ def tapped_leaves(
     return tuple((role, leaf) for role in ROLES if (leaf := leaf_of(bound.get(role))) is not None)
 
 
-def moves_rows(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a call moves rows along dim 0 of its first argument, or writes rows by index.
+def moved_dims(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[tuple[int, Any]]:
+    """The dims of its first argument along which a call moves, picks or writes elements.
 
     The batch pass takes row ``n`` of a layer's input as sample ``n``'s: a model that runs a
     layer on its batch reordered (``h[h[:, 0].argsort()]``, ``h.flip(0)``, a mixture of
-    experts' ``index_select`` of its tokens and ``index_add`` back) would have each row's
-    results given to another sample, although every output row is its own sample's.
+    experts' ``index_select`` of its tokens and ``index_add`` back; along dim 1 of a
+    sequence-first ``[T, N, d]`` tensor) would have each row's results given to another
+    sample, although every output row is its own sample's. Which of these dims carries the
+    batch is the caller's to tell.
 
     Args:
         func: The function called (a ``torch`` function or a ``Tensor`` method).
@@ -811,75 +815,73 @@ def moves_rows(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         kwargs: Its keyword arguments.
 
     Returns:
-        Whether the call indexes, sorts, flips, rolls, gathers or scatters along dim 0.
+        ``(dim, index)`` for each dim the call indexes, sorts, flips, rolls, gathers or
+        scatters along: ``index`` is what picks there (a tensor, list, array or slice of
+        ``h[...]``, the index of ``index_select``/``gather``), ``None`` where nothing does.
 
     Example:
-        >>> h = torch.ones(4, 3)
-        >>> moves_rows(Tensor.__getitem__, (h, torch.tensor([1, 0])), {})
-        True
-        >>> moves_rows(Tensor.__getitem__, (h, (slice(None), torch.tensor([1, 0]))), {})
-        False
-        >>> moves_rows(torch.flip, (h, [1]), {})
-        False
+        >>> h, i = torch.ones(4, 3), torch.tensor([1, 0])
+        >>> moved_dims(Tensor.__getitem__, (h, i), {})[0][0]
+        0
+        >>> moved_dims(Tensor.__getitem__, (h, (slice(None), i)), {})[0][0]
+        1
+        >>> moved_dims(torch.flip, (h, [1]), {})
+        [(1, None)]
     """
     name = getattr(func, "__name__", "")
     name = name[:-1] if name.endswith("_") and not name.endswith("__") else name  # in place
     first = args[0] if args else kwargs.get("input")
     if not isinstance(first, Tensor) or first.dim() == 0:
-        return False
+        return []
+    every_dim: list[tuple[int, Any]] = [(dim, None) for dim in range(first.dim())]
     if name in ("__getitem__", "__setitem__"):
-        return len(args) > 1 and _indexes_rows(args[1], first.dim())
+        return _indexed_dims(args[1], first.dim()) if len(args) > 1 else []
     if name == "index_put":
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        return bool(indices) and indices[0] is not None
+        return [(dim, index) for dim, index in enumerate(indices) if index is not None]
     if name in _ALWAYS_MOVES_ROWS:
-        return True
+        return [(0, None)] if name in ("flipud", "msort") else every_dim
     where = _ROW_DIM_ARGUMENT.get(name)
     if where is None:
-        return False
+        return []
     position, keyword, default = where
     dims = args[position] if len(args) > position else kwargs.get(keyword, default)
     if dims is None:  # flattened (roll, take_along_dim without a dim)
-        return True
-    dims = [dims] if isinstance(dims, int) else list(dims)
-    return any(dim % first.dim() == 0 for dim in dims)
-
-
-def row_index_of(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The index a reading call picks rows along dim 0 by (``h[i]``, ``index_select``, ``gather``).
-
-    Args:
-        func: The function called.
-        args: Its positional arguments (``self`` first).
-        kwargs: Its keyword arguments.
-
-    Returns:
-        The index tensor or list, or ``None`` for other calls.
-
-    Example:
-        >>> i = torch.tensor([0])
-        >>> row_index_of(Tensor.__getitem__, (torch.ones(1, 2), (None, i)), {}) is i
-        True
-    """
-    name = getattr(func, "__name__", "")
-    if name == "__getitem__" and len(args) > 1:
-        entries = list(args[1]) if isinstance(args[1], tuple) else [args[1]]
-        entries = [entry for entry in entries if entry is not None]
-        return entries[0] if entries and entries[0] is not Ellipsis else None
+        return every_dim
+    index = None
     if name in ("index_select", "gather"):
-        return args[2] if len(args) > 2 else kwargs.get("index")
-    return None
+        index = args[2] if len(args) > 2 else kwargs.get("index")
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return [(dim % first.dim(), index) for dim in dims]
 
 
-def _indexes_rows(index: Any, dims: int) -> bool:
-    """Whether an index (of ``x[index]``) selects along dim 0 (see :func:`_selects`)."""
+def _indexed_dims(index: Any, dims: int) -> list[tuple[int, Any]]:
+    """The dims an index of ``x[index]`` picks positions along, with its entry there.
+
+    ``None`` adds a dim, an ``Ellipsis`` stands for the dims no entry names, an integer
+    takes one without picking (see :func:`_selects`), a boolean mask takes as many as it has.
+    """
     entries = list(index) if isinstance(index, tuple) else [index]
-    while entries and entries[0] is None:  # h[None, rows]: the rows still index dim 0
-        entries.pop(0)
-    if not entries or entries[0] is Ellipsis:
-        named = [e for e in entries[1:] if e is not None]
-        return len(named) >= dims and _selects(named[-dims])
-    return _selects(entries[0])
+    taken = [_dims_taken(entry) for entry in entries]
+    picked: list[tuple[int, Any]] = []
+    dim = 0
+    for entry, count in zip(entries, taken, strict=True):
+        if entry is Ellipsis:
+            dim = dims - sum(taken) + dim  # the dims no entry names, skipped
+            continue
+        if _selects(entry):
+            picked.extend((dim + k, entry) for k in range(count))
+        dim += count
+    return picked
+
+
+def _dims_taken(entry: Any) -> int:
+    """How many dims of the indexed tensor one entry of ``x[...]`` takes."""
+    if entry is None or entry is Ellipsis:
+        return 0
+    if isinstance(entry, Tensor) and entry.dtype == torch.bool:
+        return max(entry.dim(), 1)
+    return 1
 
 
 def _selects(entry: Any) -> bool:
@@ -896,7 +898,8 @@ def _selects(entry: Any) -> bool:
 
 
 _ALWAYS_MOVES_ROWS = frozenset({"take", "flipud", "msort", "masked_scatter"})
-"""Calls that move elements along dim 0 whatever their options."""
+"""Calls that move elements whatever their options: along dim 0 (``flipud``, ``msort``) or
+the tensor flattened."""
 
 _ROW_DIM_ARGUMENT: dict[str, tuple[int, str, Any]] = {
     "index_select": (1, "dim", None),
