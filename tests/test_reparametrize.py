@@ -265,3 +265,41 @@ def test_a_parametrization_registered_after_functional_names_the_fix():
     with pytest.raises(ValueError, match="'0.weight', a parametrized weight.*pf.functional"):
         pf.batch_grad(model_fn, params, X, y)
     assert params["0.weight"] is given
+
+
+def test_a_function_closing_over_several_modules_counts_as_running_them_all():
+    """A model and a frozen teacher (or the model in a dict): ``module_of`` found none, so
+    discovery's forward of one sample stayed on the model's buffers and attributes (a
+    counter went up three times per call; a refused call left spectral norm's ``u``
+    advanced)."""
+    model, teacher = _counting_model(), torch.nn.Linear(3, 2)
+    model.steps = 0
+    model.register_forward_pre_hook(lambda module, args: setattr(module, "steps", module.steps + 1))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    X, y = torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1])
+    holder = {"net": model}
+
+    def distilled(p, X):
+        return torch.func.functional_call(model, p, (X,)) - teacher(X).detach()
+
+    def in_a_dict(p, X):
+        return torch.func.functional_call(holder["net"], p, (X,))
+
+    for function in (distilled, in_a_dict):
+        calls, steps = int(model.calls), model.steps
+        pf.batch_grad(function, params, X, y)
+        assert (int(model.calls), model.steps) == (calls + 1, steps + 1)
+        pf.explain(function, params, X)
+        assert (int(model.calls), model.steps) == (calls + 1, steps + 1)
+
+    torch.manual_seed(1)
+    normed = torch.nn.Sequential(torch.nn.utils.spectral_norm(torch.nn.Linear(3, 2))).train()
+    params = {k: v.detach() for k, v in normed.named_parameters()}
+    u = normed[0].weight_u.clone()
+
+    def with_teacher(p, X):
+        return torch.func.functional_call(normed, p, (X,)) - teacher(X).detach()
+
+    with pytest.raises(ValueError, match="normed.0.weight_u"):
+        pf.batch_grad(with_teacher, params, X, y)
+    assert torch.equal(normed[0].weight_u, u)

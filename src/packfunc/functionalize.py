@@ -362,29 +362,39 @@ def _normal_tensor(value: Any) -> Any:
 def module_of(model_fn: ModelFn) -> nn.Module | None:
     """Return the module behind a ``model_fn``, else ``None``.
 
-    That of :func:`functional`'s model functions, or the one module a function closes over
-    directly or through such a model function (``lambda p, X: model_fn(p, X).logits``,
-    ``lambda p, X: functional_call(model, p, X)``): discovery keeps its buffers and
-    attributes as they were and knows its buffers for constants.
+    That of :func:`functional`'s model functions, or the modules a function closes over or
+    names as globals, directly, in a dict, list or tuple, or through such a model function
+    (``lambda p, X: model_fn(p, X).logits``, ``lambda p, X: functional_call(model, p, X)
+    - teacher(X)``): discovery keeps their buffers and attributes as they were and knows
+    their buffers for constants.
 
     Args:
         model_fn: Any model function.
 
     Returns:
-        The module, or ``None`` for a function that closes over none, or over several.
+        The module; a module holding them under their names in the function (registered
+        nowhere) for a function that closes over several; ``None`` for one that closes over
+        none.
 
     Example:
-        >>> layer = torch.nn.Linear(3, 2)
+        >>> layer, teacher = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
         >>> fn = functional(layer)[0]
         >>> module_of(fn) is layer, module_of(lambda p, X: fn(p, X) * 2) is layer
         (True, True)
+        >>> dict(module_of(lambda p, X: fn(p, X) - teacher(X)).named_children())
+        {'fn': Linear(in_features=3, out_features=2, bias=True), 'teacher': Linear(...)}
         >>> module_of(lambda p, X: X)
     """
     found = _registered_module(model_fn)
     if found is not None:
         return found
-    modules = {id(m): m for m in map(_module_in, closed_over(model_fn)) if m is not None}
-    return next(iter(modules.values())) if len(modules) == 1 else None
+    named: dict[int, tuple[str, nn.Module]] = {}
+    for name, value in closed_over(model_fn):
+        for key, module in _modules_in(name, value):
+            named.setdefault(id(module), (key, module))
+    if len(named) > 1:
+        return _holder(list(named.values()))
+    return next((module for _, module in named.values()), None)
 
 
 def _registered_module(model_fn: Any) -> nn.Module | None:
@@ -396,22 +406,51 @@ def _registered_module(model_fn: Any) -> nn.Module | None:
     return None if ref is None else ref()
 
 
-def closed_over(function: Any) -> list[Any]:
-    """Its closure cells' values and the globals its code names (a ``partial``'s function)."""
+def closed_over(function: Any) -> list[tuple[str, Any]]:
+    """The values a function reads from outside, by name: closure cells and named globals.
+
+    A ``partial``'s is its function, named ``func``.
+    """
     if isinstance(function, functools.partial):
-        return [function.func]
-    values = []
-    for cell in getattr(function, "__closure__", None) or ():
-        with contextlib.suppress(ValueError):  # an empty cell
-            values.append(cell.cell_contents)
+        return [("func", function.func)]
     code, found = getattr(function, "__code__", None), getattr(function, "__globals__", {})
+    values = []
+    cells = getattr(function, "__closure__", None) or ()
+    for name, cell in zip(code.co_freevars if code is not None else (), cells, strict=False):
+        with contextlib.suppress(ValueError):  # an empty cell
+            values.append((name, cell.cell_contents))
     names = code.co_names if code is not None else ()
-    return values + [found[name] for name in names if name in found]
+    return values + [(name, found[name]) for name in names if name in found]
 
 
-def _module_in(value: Any) -> nn.Module | None:
-    """``value`` if it is a module, the module of a :func:`functional` model function."""
-    return value if isinstance(value, nn.Module) else _registered_module(value)
+def _modules_in(name: str, value: Any) -> list[tuple[str, nn.Module]]:
+    """The modules in a closed-over value, by name: itself, or those among its entries.
+
+    Those of a dict, list or tuple are named ``holder_net`` for ``holder["net"]``; a
+    :func:`functional` model function counts as its module.
+    """
+    if isinstance(value, dict):
+        entries = [(f"{name}_{key}", v) for key, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        entries = [(f"{name}_{i}", v) for i, v in enumerate(value)]
+    else:
+        entries = [(name, value)]
+    found = [(k, v if isinstance(v, nn.Module) else _registered_module(v)) for k, v in entries]
+    return [(key, module) for key, module in found if module is not None]
+
+
+def _holder(named: list[tuple[str, nn.Module]]) -> nn.Module:
+    """A module holding ``named`` under their names (where a name cannot be one: its index).
+
+    Registered nowhere: the modules themselves are not changed.
+    """
+    holder = nn.Module()
+    for i, (name, module) in enumerate(named):
+        key = str(name).replace(".", "_")
+        if not key or hasattr(holder, key):
+            key = str(i)
+        holder.add_module(key, module)
+    return holder
 
 
 def wraps_module_of(model_fn: ModelFn, wrapper: F) -> F:

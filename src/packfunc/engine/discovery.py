@@ -1153,7 +1153,7 @@ def _settings(module: Any) -> Hashable:
 
 def _closed_over_settings(model_fn: ModelFn) -> Hashable:
     """The plain values a hand-written ``model_fn`` reads (closure cells, globals it names)."""
-    return tuple(value if _is_setting(value) else None for value in closed_over(model_fn))
+    return tuple(value if _is_setting(value) else None for _, value in closed_over(model_fn))
 
 
 def _duplicated(leaves: list[Tensor]) -> frozenset[int]:
