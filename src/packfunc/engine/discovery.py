@@ -34,7 +34,7 @@ from typing import Any, cast
 import optree
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch._C._functorch import is_functorch_wrapped_tensor, maybe_current_level
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -1130,13 +1130,18 @@ def _signature(model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Any) -> 
 
 
 _PLAIN = (bool, int, float, str, type(None))
+_PLAIN_TYPES = frozenset(_PLAIN)
+_SETTING_TYPES = (*_PLAIN, enum.Enum)
 
 
 def _is_setting(value: Any) -> bool:
     """A plain value (an enum's too) or a tuple of them (``stride=(1, 1)``, ``eps=1e-5``)."""
-    return isinstance(value, (*_PLAIN, enum.Enum)) or (
-        type(value) is tuple and all(isinstance(entry, _PLAIN) for entry in value)
-    )
+    kind = type(value)
+    if kind in _PLAIN_TYPES:
+        return True
+    if kind is tuple:
+        return all(isinstance(entry, _PLAIN) for entry in value)
+    return isinstance(value, _SETTING_TYPES)
 
 
 def _settings(module: Any) -> Hashable:
@@ -1144,11 +1149,22 @@ def _settings(module: Any) -> Hashable:
 
     A change of any since discovery may make another function, even one that mixes samples
     (attention with ``batch_first`` switched), which the plan's first check of rows would
-    not see again.
+    not see again. (``nn.Module``'s own dicts of parameters, children and hooks are skipped
+    by name: the signature is taken on every call.)
     """
     return type(module), tuple(
-        (key, value) for key, value in module.__dict__.items() if _is_setting(value)
+        [
+            (key, value)
+            for key, value in module.__dict__.items()
+            if key not in _MODULE_DICTS and _is_setting(value)
+        ]
     )
+
+
+_MODULE_DICTS = frozenset(
+    key for key, value in nn.Module().__dict__.items() if not _is_setting(value)
+)
+"""The attributes every ``nn.Module`` holds that are not settings (its parameters, hooks...)."""
 
 
 def _closed_over_settings(model_fn: ModelFn) -> Hashable:

@@ -13,6 +13,7 @@ back the attributes it set (:func:`restoring_attributes`).
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 from collections.abc import Callable, Iterator
 from typing import Protocol
@@ -140,8 +141,9 @@ def attribute_restorer(module: nn.Module | None) -> Restore:
 
     def restore(only: Callable[[object, object], bool] = lambda before, now: True) -> None:
         for now, before in saved:
-            if now.keys() == before.keys() and all(now[k] is v for k, v in before.items()):
-                continue
+            unchanged = all(map(operator.is_, now.values(), before.values()))
+            if now.keys() == before.keys() and unchanged:
+                continue  # (keys in another order: compared one by one below)
             for key in [key for key in now if key not in before and only(_MISSING, now[key])]:
                 del now[key]
             now.update(
