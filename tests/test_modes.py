@@ -303,6 +303,27 @@ def test_kfra_under_autocast_is_float32_and_close_to_float32():
             assert (a - b).norm() <= AUTOCAST_TOLERANCE * b.norm()
 
 
+@pytest.mark.parametrize("quantity", ["diag_hessian", "batch_diag_hessian", "batch_grad"])
+def test_a_plan_made_under_autocast_is_not_used_without_it(quantity):
+    """The plan keeps its layers' output dtypes: one made under bfloat16 autocast and used by
+    a later plain call gave a LayerNorm's Hessian diagonal in bfloat16 precision (2e-3
+    off, returned as bfloat16) or torch's dtype error."""
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Tanh(), nn.Linear(7, 3))
+
+    X, y = torch.randn(4, 5), torch.tensor([0, 1, 2, 0])
+    expected = getattr(pf, quantity)(*pf.functional(model()), X, y)
+    model_fn, params = pf.functional(model())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        getattr(pf, quantity)(model_fn, params, X, y)
+    found = getattr(pf, quantity)(model_fn, params, X, y)
+    for name in expected:
+        assert found[name].dtype == torch.float32
+        torch.testing.assert_close(found[name], expected[name], rtol=0, atol=0)
+
+
 def test_a_compiled_step_runs_packfunc_eagerly_around_its_graph():
     model, X, y = _problem()
     model_fn, params = pf.functional(model)

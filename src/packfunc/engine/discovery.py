@@ -64,7 +64,11 @@ from packfunc.engine.ops import (
     moved_dims,
     refuse_frequency_scaling,
 )
-from packfunc.engine.precision import difference_beyond_rounding, forward_autocast
+from packfunc.engine.precision import (
+    autocast_in_force,
+    difference_beyond_rounding,
+    forward_autocast,
+)
 from packfunc.engine.randomness import DEFAULT_GENERATOR_DRAW, private_generators, random_call
 from packfunc.functionalize import (
     check_no_cached_parametrizations,
@@ -1063,8 +1067,9 @@ def cached_discover(
 
     The signature is what a plan depends on besides the code: the parameters'
     structure, shapes, dtypes and devices, the inputs' structure and per-sample
-    shapes, and (for :func:`packfunc.functional` models) every submodule's training
-    flag. The batch pass checks every call against the plan and raises
+    shapes, every submodule's type and plain attributes (the training flag), the plain
+    values a hand-written ``model_fn`` reads, and the autocast in force (the plan holds
+    its layers' output dtypes). The batch pass checks every call against the plan and raises
     :class:`~packfunc.engine.batch_record.PlanMismatch` if the code took another path;
     callers then discover again. Training loops call the same ``model_fn`` on
     batches of one shape: they skip discovery's forward of one sample.
@@ -1126,6 +1131,7 @@ def _signature(model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Any) -> 
         ),
         tuple(_settings(m) for m in module.modules()) if module is not None else (),
         _closed_over_settings(model_fn),
+        autocast_in_force(),
     )
 
 

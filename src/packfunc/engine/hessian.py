@@ -31,7 +31,7 @@ as TorchScript decompositions.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
+from functools import partial, reduce
 from typing import Any, cast
 
 import optree
@@ -47,7 +47,7 @@ from packfunc.engine.hessian_recursion import layer_output_curvature
 from packfunc.engine.memory import DEFAULT_BUDGET, chunks, index_length
 from packfunc.engine.modes import twice_differentiable
 from packfunc.engine.piecewise import piecewise_affine_leaves
-from packfunc.engine.precision import full_precision
+from packfunc.engine.precision import full_precision, to_dtype_of
 from packfunc.engine.rules import rule_for
 from packfunc.engine.statistics import ggn_statistics
 from packfunc.engine.vocabulary import Statistic
@@ -174,6 +174,7 @@ def _site_stats(
     """Hessian diagonal of a linear weight or bias from ``d = diag(∂²L/∂z²)``, ``[N, O]``."""
     x = bp.record.inputs[k]
     assert isinstance(x, Tensor), "_from_output_curvature admits sites with recorded tensors"
+    x = to_dtype_of(x, curvature)  # (recorded under the caller's autocast: bfloat16)
     square = x.reshape(x.shape[0], -1).square() if role == "weight" else None
     in_out = square is not None and bp.plan.sites[k].call.transposed  # a weight [in, out]
     found: Stats = {}
@@ -197,7 +198,7 @@ def _layer_output_curvature_by_hvp(bp: BatchPass, sites: list[int]) -> dict[int,
     forward = probed_forward(bp.model_fn, bp.params, bp.leaves, bp.plan, bp.X)
     found = {}
     for k in sites:
-        probe = zero_probes(bp.plan, [k], bp.n)[k]
+        probe = _full_precision_probe(bp, k)
         _, pullback = vjp(grad(partial(_loss_at_site, bp, forward, k)), probe)
         width = probe.shape[1]
         units_at_once = max(1, DEFAULT_BUDGET // max(bp.n * width, 1))
@@ -209,6 +210,18 @@ def _layer_output_curvature_by_hvp(bp: BatchPass, sites: list[int]) -> dict[int,
             parts.append(products[torch.arange(len(picked)), :, picked].T)  # [N, units]
         found[k] = torch.cat(parts, dim=1)
     return found
+
+
+def _full_precision_probe(bp: BatchPass, k: int) -> Tensor:
+    """A zero probe of site ``k``'s output in the dtype a full-precision re-run gives it.
+
+    The plan's dtype is the forward's: bfloat16 for a plan made under autocast, where
+    the re-run's output is in the parameters' dtype (a bfloat16 probe would round the
+    curvature found through it).
+    """
+    probe = zero_probes(bp.plan, [k], bp.n)[k]
+    leaves = (bp.leaves[leaf] for _, leaf in bp.plan.sites[k].call.leaves)
+    return probe.to(reduce(torch.promote_types, (p.dtype for p in leaves), probe.dtype))
 
 
 def _loss_curvature(bp: BatchPass, wanted: list[int]) -> list[Stats]:

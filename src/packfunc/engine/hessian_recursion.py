@@ -18,6 +18,7 @@ from packfunc.engine.chain import Link, NotSequentialError, passes_recursions, t
 from packfunc.engine.memory import DEFAULT_BUDGET
 from packfunc.engine.ops import ELEMENTWISE, RESHAPES
 from packfunc.engine.pch import modified_curvature
+from packfunc.engine.precision import to_dtype_of
 from packfunc.losses import hessian_factors
 
 
@@ -57,7 +58,9 @@ def layer_output_curvature(bp: BatchPass, sites: list[int]) -> dict[int, Tensor]
     if not all(passes_recursions(link) for link in links[start:]):
         return None
     residual = modified_curvature(bp, links[start + 1 :], "none")
-    roots = hessian_factors(bp.loss, bp.record.output, bp.y).all()
+    # (the chain re-runs in full precision; under autocast the recorded output is bfloat16)
+    output = to_dtype_of(bp.record.output, links[-1].output)
+    roots = hessian_factors(bp.loss, output, bp.y).all()
     columns, signs, diagonal = roots, roots.new_ones(roots.shape[0]), None
     found: dict[int, Tensor] = {}
     for i in range(len(links) - 1, start - 1, -1):

@@ -76,6 +76,27 @@ def forward_precision_only(function: F) -> F:
     return run  # type: ignore[return-value]
 
 
+def autocast_in_force() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast model forwards run under now: the served call's, else the caller's own.
+
+    A plan records its layers' output dtypes: one made under autocast does not hold
+    without it (nor the other way round).
+
+    Example:
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     autocast_in_force()
+        (('cpu', torch.bfloat16),)
+    """
+    stack = _captured()
+    if stack:
+        return tuple(stack[-1])
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in _DEVICE_TYPES
+        if torch.is_autocast_enabled(device)
+    )
+
+
 @contextlib.contextmanager
 def forward_autocast() -> Iterator[None]:
     """Within the block, the autocast of the public call being served (if any) is on again.
