@@ -357,6 +357,52 @@ def test_optimizer_decreases_the_loss(method):
     assert losses[-1] < 0.5 * losses[0]
 
 
+AUTOCAST_OPTIMIZERS = [
+    ("kfac", {}),
+    ("kfac", {"pi_damping": True}),
+    ("ekfac", {}),
+    ("diag_ggn", {}),
+]
+
+
+@pytest.mark.parametrize(("method", "options"), AUTOCAST_OPTIMIZERS)
+def test_optimizers_stepped_under_autocast_keep_float32_state_and_plain_values(method, options):
+    """Three steps under bfloat16 autocast (full refreshes and, for EKFAC, an eigenvalue
+    re-fit in the stored basis), then one without: the state stays float32 — EKFAC's step 1
+    failed on a bfloat16 basis, KFAC's plain step on bfloat16 inverses — and the moves are
+    a plain run's up to the bfloat16 forwards. Only the model's forwards autocast: the first
+    step's factors are ``pf.kflr``'s under autocast, not float32's."""
+    X, y = digits_like(16)
+    X, loss = X.float(), nn.CrossEntropyLoss()
+    schedule = {"ema": 0.7, "update_period": 1, "mc_samples": None, **options}
+    if method != "diag_ggn":
+        schedule["inverse_period"] = 2
+    moves = {}
+    for autocast in (True, False):
+        model = small_model().float()
+        start = {k: p.detach().clone() for k, p in model.named_parameters()}
+        opt = OPTIMIZER[method](model, lr=LR, damping=DAMPING, loss=loss, **schedule)
+        for step in range(4):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast and step < 3):
+                opt.zero_grad()
+                loss(model(X), y).backward()
+                opt.step(batch=(X, y))
+                if autocast and step == 0 and method == "kfac" and not options:
+                    model_fn, params = pf.functional(small_model().float())
+                    expected = pf.kflr(model_fn, params, X, y, loss=loss)
+                    found = opt.transformation_state.curvature
+                    optree.tree_map(torch.testing.assert_close, found, expected)
+                    with torch.autocast("cpu", enabled=False):
+                        full = pf.kflr(model_fn, params, X, y, loss=loss)
+                    assert not torch.equal(found["2.weight"][1], full["2.weight"][1])
+            floating = optree.tree_leaves(opt.transformation_state)
+            assert {t.dtype for t in floating if t.is_floating_point()} == {torch.float32}
+        moves[autocast] = {k: p.detach() - start[k] for k, p in model.named_parameters()}
+    for key, plain in moves[False].items():
+        error = (moves[True][key] - plain).norm() / plain.norm()
+        assert error <= 3e-2, (key, float(error))
+
+
 def test_step_with_a_closure_returns_its_loss_and_uses_its_gradients():
     """Under no_grad too: the closure runs with gradients enabled, before the step."""
     X, y = digits_like(16)

@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from packfunc import kron
 from packfunc.eigen_kfac import ekfac, ekfac_and_factors
 from packfunc.engine.discovery import discover
+from packfunc.engine.precision import forward_precision_only
 from packfunc.functionalize import flatten_params, select_samples
 from packfunc.kronecker_factors import kfac, kflr
 from packfunc.losses import default_loss
@@ -509,13 +510,18 @@ def _scheduled(
         device = leaves[0].device if leaves else None
         return CurvatureState(torch.zeros((), dtype=torch.int64, device=device), None, None)
 
+    @forward_precision_only
     def update(
         updates: Updates,
         state: Any,
         params: Params | None = None,
         batch: Batch | None = None,
     ) -> tuple[Updates, Any]:
-        """Refresh the curvature when due and precondition ``updates``."""
+        """Refresh the curvature when due and precondition ``updates``.
+
+        Under ``torch.autocast`` only the model's forwards autocast: the factors, their
+        inverses and eigenbases, and the preconditioning stay in the parameters' dtype.
+        """
         step = int(state.step)
         full = state.curvature is None or step % inverse_period == 0
         curvature, inverse = state.curvature, state.inverse
