@@ -257,6 +257,59 @@ def test_modified_loss_output_warns():
         loss.backward()
 
 
+@pytest.mark.parametrize(
+    ("extension", "oracle"), [(ours.DiagGGNExact, pf.diag_ggn), (ours.DiagHessian, pf.diag_hessian)]
+)
+def test_second_order_refuses_a_penalty_on_the_output_beside_the_loss(extension, oracle):
+    """``(lossfunc(out, y) + 0.1 * out.pow(2).mean()).backward()``: first-order quantities took
+    the penalty's gradient while the curvature silently left it out (in the report, a last
+    bias's diagonal 0.25 for 0.31; BackPACK's does the same). Refused, naming the fix, which works;
+    a scaled loss only warns, and first-order extensions take the penalty."""
+    X, y = _data()
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    out = model(X)
+    with backpack(extension()), pytest.raises(ValueError, match="outside the backpack"):
+        (lossfunc(out, y) + 0.1 * out.pow(2).mean()).backward()
+    out = model(X)  # the fix the message names: the term in a backward pass of its own
+    with backpack(extension()):
+        lossfunc(out, y).backward(retain_graph=True)
+    (0.1 * out.pow(2).mean()).backward()
+    fn, params = pf.functional(_mlp())
+    expected = oracle(fn, params, X, y, loss=nn.CrossEntropyLoss())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(getattr(p, extension().savefield), expected[name])
+    out = model(X)
+    with backpack(extension()), pytest.warns(UserWarning, match="seems to have been"):
+        (3.0 * lossfunc(out.view(-1, 2), y)).backward()  # a scaled loss: its warning only
+    model.zero_grad()
+    out = model(X)
+    with backpack(ours.BatchGrad()):
+        (lossfunc(out, y) + 0.1 * out.pow(2).mean()).backward()
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
+
+
+def test_a_scaled_loss_gives_the_unscaled_hessian_and_clipped_sum():
+    """As docs/shim.md says: ``(s * loss).backward()`` gives the unscaled loss's Hessian
+    diagonals (BackPACK's add an ``s``-times residual to the unscaled GGN) and ``ClippedGrad``
+    clips the unscaled per-sample gradients (the bound clips none of them, every scaled one)."""
+    X, y = _data()
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss(reduction="sum"))
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    fn, params = pf.functional(_mlp())
+    g = pf.batch_grad(fn, params, X, y, loss=loss)
+    bound = 2.0 * float(torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in g.values())).max())
+    extensions = (ours.DiagHessian(), ours.BatchDiagHessian(), ours.ClippedGrad(bound))
+    with backpack(*extensions), pytest.warns(UserWarning, match="seems to have been"):
+        (8.0 * lossfunc(model(X), y)).backward()
+    diag = pf.diag_hessian(fn, params, X, y, loss=loss)
+    batch = pf.batch_diag_hessian(fn, params, X, y, loss=loss)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_h, diag[name])
+        torch.testing.assert_close(p.diag_h_batch, batch[name])
+        torch.testing.assert_close(p.grad_clipped, g[name].sum(0))  # none clipped unscaled
+
+
 def test_forward_passes_without_backward_keep_one_graph_alive():
     """Like BackPACK's ``module.output``: only the latest forward's output stays referenced."""
     model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())

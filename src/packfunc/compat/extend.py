@@ -367,12 +367,13 @@ def _on_loss_backward(
     from a scaled or otherwise changed loss value gets a warning, as in BackPACK
     (also when no extended model produced the loss input).
     """
+    grad = grad_outputs[0]
     if call is not None:
         call.task = torch._C._current_graph_task_id()
+        call.output_gradient = None if grad is None else grad.detach()
     ctx = context.active()
     if ctx is None or context.in_own_pass():
         return
-    grad = grad_outputs[0]
     second_order = any(ext.job().second_order for ext in ctx.extensions)
     if second_order and grad is not None and not bool((grad == 1).all()):
         warnings.warn(

@@ -29,12 +29,15 @@ class LossCall:
         target: Its targets, as passed.
         layout: How its input rearranges the recorded output.
         task: The autograd graph task of the last backward pass through it.
+        output_gradient: The gradient that backward pass brought to the loss value (1 for
+            ``loss.backward()``, ``s`` for a scaled loss), detached.
     """
 
     module: nn.Module
     target: Any
     layout: SampleLayout
     task: int = -1
+    output_gradient: Tensor | None = None
 
     def output(self, out: Tensor) -> Tensor:
         """The loss input in packfunc's per-sample form, from a model output ``out``."""

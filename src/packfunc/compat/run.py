@@ -31,6 +31,7 @@ from packfunc.engine.api import (
     RowsNotAloneError,
     cached_discover,
     check_rerun,
+    difference_beyond_rounding,
 )
 from packfunc.evaluation import evaluate
 from packfunc.functionalize import flatten_params, module_of, weakly_bound, wraps_module_of
@@ -89,6 +90,8 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
             "returning self.model(input_ids=input_ids, attention_mask=attention_mask).logits)."
         )
     record.check_output_unchanged()
+    if any(ext.job().second_order for ext in ctx.extensions):
+        _refuse_terms_beside_the_loss(record, route, gradient)
     X = record.args[0] if len(record.args) == 1 else record.args
     differentiable = torch.is_grad_enabled()
     model_fn = _model_function(model, record.element)
@@ -218,6 +221,81 @@ def _second_order_problem(
     if not route.stages:
         watched = partial(_watched, record, call.output, differentiable)
     return ends_at_loss, _without_hooks(call.module), call.targets(), watched
+
+
+def _loss_gradient(call: LossCall, output: Tensor) -> Tensor | None:
+    """The gradient the extended loss alone sends to the model output, or ``None``.
+
+    The loss, run again on the output (in packfunc's per-sample form, which leaves its
+    value as it was), pulled back from the gradient the backward pass brought to the loss
+    value (``s`` for ``(s * loss).backward()``). ``None`` where that gradient is unknown or
+    not one number (a loss without reduction, which second-order extensions refuse).
+
+    Args:
+        call: The extended loss the backward pass goes through.
+        output: The model output the loss takes (a rearrangement of).
+
+    Returns:
+        ``∂(s · loss)/∂output``, of ``output``'s shape (at least float32).
+
+    Example:
+        >>> layout = SampleLayout(gather=None, positions=1, row_shape=(1,), row_order=None)
+        >>> call = LossCall(torch.nn.MSELoss(reduction="sum"), torch.zeros(2, 1), layout)
+        >>> call.output_gradient = torch.tensor(2.0)  # (2 * loss).backward()
+        >>> _loss_gradient(call, torch.ones(2, 1)).tolist()
+        [[4.0], [4.0]]
+    """
+    scale = call.output_gradient
+    reduced = getattr(call.module, "reduction", None) in ("mean", "sum")
+    if scale is None or scale.numel() != 1 or not reduced:
+        return None
+    dtype = torch.promote_types(output.dtype, torch.float32)  # (a half-precision output)
+    with torch.enable_grad():
+        out = output.detach().to(dtype).requires_grad_()
+        value = _without_hooks(call.module)(call.output(out), call.targets())
+        (found,) = torch.autograd.grad(value, out, scale.reshape(()).to(value.dtype))
+    return found
+
+
+def _refuse_terms_beside_the_loss(
+    record: ForwardRecord, route: LossRoute, gradient: Tensor
+) -> None:
+    """Refuse jobs using the loss where the output's gradient is not the extended loss's alone.
+
+    ``(lossfunc(out, y) + 0.1 * out.pow(2).mean()).backward()``: first-order quantities
+    take the whole gradient, the curvature (and ``ClippedGrad``'s per-sample losses) would
+    be the extended loss's alone, so the results of one backward pass would describe two
+    losses (BackPACK's second-order extensions silently do). A scaled loss (``s * loss``, a
+    ``GradScaler``) passes (its warning is :func:`~packfunc.compat.extend._on_loss_backward`'s).
+    Not checked where the loss comes after further extended modules (their own records check
+    their outputs) or the output was let go.
+
+    Args:
+        record: The forward pass of the extended model.
+        route: How its output reaches the extended loss.
+        gradient: ``∂L/∂output`` from the backward pass.
+
+    Raises:
+        ValueError: naming the fix.
+    """
+    if route.loss is None or route.stages or record.output is None:
+        return
+    expected = _loss_gradient(route.loss, record.output)
+    if expected is None:
+        return
+    difference = difference_beyond_rounding(gradient, expected)
+    if difference is not None:
+        loss, model = type(route.loss.module).__name__, type(record.model).__name__
+        raise ValueError(
+            f"the gradient this backward pass brings to the output of the extended {model} is "
+            f"not that of the extended {loss} alone (it {difference}): the value "
+            "backpropagated adds other terms of the output (a penalty such as "
+            "0.1 * out.pow(2).mean(), a second loss), which the extensions that use the loss "
+            "function (second-order ones, ClippedGrad) would leave out while first-order ones "
+            "take their gradient. Compute such a term outside the backpack(...) block: "
+            "lossfunc(out, y).backward(retain_graph=True) inside it, penalty.backward() after "
+            "it (.grad gets both); first-order extensions alone take any loss."
+        )
 
 
 _HOOKS = (
