@@ -698,3 +698,89 @@ def test_channels_last_where_torch_func_cannot_run_it_names_the_layout():
         pf.ggn_vector_product(model_fn, params, X, y, v)
     model = model.to(memory_format=torch.contiguous_format)
     pf.ggn_vector_product(*pf.functional(model), X.contiguous(), y, v)
+
+
+def _gradient(model_fn, params, X, y):
+    """The gradient alone (its own path: one forward and one backward, nothing recorded)."""
+    return pf.compute(model_fn, params, X, y, quantities=("grad",))["grad"]
+
+
+def test_a_batch_size_mismatch_is_refused_before_the_model_runs():
+    """y's batch size was compared with X's only after discovery ran the model on ``X[0:1]``:
+    a graph batch (12 nodes in X, 4 graphs in y) failed with torch's IndexError inside the
+    model, a sequence-first LSTM input ``[T, N, d]`` with a PlanMismatch blaming Python loops.
+    Both are refused first, saying that dim 0 of every input must be the sample."""
+    torch.manual_seed(0)
+    graph = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3])  # the graph of each node
+    runs = []
+
+    def gnn(p, nodes):
+        runs.append(nodes.shape)
+        h = torch.tanh(nodes @ p["w1"].T)
+        return torch.zeros(4, 8).index_add(0, graph, h) @ p["w2"].T  # pooled per graph
+
+    params = {"w1": torch.randn(8, 3), "w2": torch.randn(2, 8)}
+    nodes, y = torch.randn(12, 3), torch.randint(0, 2, (4,))
+    for quantity in (pf.batch_grad, _gradient, pf.diag_ggn):
+        with pytest.raises(ValueError, match=r"\(4,\) but the batch has 12 .*dim 0 of every"):
+            quantity(gnn, params, nodes, y)
+    assert runs == []
+
+    class SequenceFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.head = nn.LSTM(3, 5), nn.Linear(5, 2)
+
+        def forward(self, x):  # x: [T, N, d]
+            return self.head(self.rnn(x)[0][-1])
+
+    model_fn, params = pf.functional(SequenceFirst())
+    with pytest.raises(ValueError, match=r"\(1,\) but the batch has 3 samples.*batch_first=True"):
+        pf.batch_grad(model_fn, params, torch.randn(3, 1, 3), torch.tensor([1]))
+
+
+@pytest.mark.filterwarnings("ignore:.*(nested tensors|Sparse CSR).*:UserWarning")
+@pytest.mark.parametrize("kind", ["coo", "csr", "jagged", "strided"])
+def test_sparse_and_nested_inputs_are_refused_naming_the_dense_tensor(kind):
+    """A sparse COO X on nn.Linear was refused as a layer's sparse gradients (nn.Embedding),
+    a CSR one ended in torch's "Sparse CSR tensors do not have strides", a torch.nested one
+    in torch's internal errors; every quantity refuses them, naming the dense tensor."""
+    model_fn, params = _mlp()
+    if kind in ("coo", "csr"):
+        inputs = X[:4].to_sparse() if kind == "coo" else X[:4].to_sparse_csr()
+        fix = r"sparse tensor.*X\['x'\]\.to_dense\(\)"
+    else:
+        rows = [X[:length] for length in (2, 3, 1, 4)]
+        layout = torch.jagged if kind == "jagged" else torch.strided
+        inputs = torch.nested.nested_tensor(rows, layout=layout)
+        fix = r"nested tensor.*to_padded_tensor\(X\['x'\], 0\.0\).*mask"
+    wrapped = lambda p, X: model_fn(p, X["x"])  # noqa: E731
+    for quantity in (pf.batch_grad, _gradient, pf.kfac):
+        with pytest.raises(ValueError, match=fix):
+            quantity(wrapped, params, {"x": inputs}, Y[:4])
+    v = {k: torch.ones_like(p) for k, p in params.items()}
+    with pytest.raises(ValueError, match=fix.replace(r"X\['x'\]", "X").replace("tensor.*", ".*")):
+        pf.ggn_vector_product(wrapped, params, {"x": inputs}, Y[:4], v)
+
+
+def test_an_output_without_the_batch_names_its_likely_cause():
+    """A per-sample Python list in a dict X is not sliced, so the one sample discovery runs
+    saw the whole batch's: "model_fn returned (4, 2) for a batch of one sample" now names the
+    list and the fix; a model_fn returning a tuple or dict ("returned tuple for a batch of one
+    sample") is told to return one tensor, and how."""
+    model_fn, params = _mlp()
+
+    def scaled(p, X):
+        return model_fn(p, X["x"]) * torch.as_tensor(X["scale"])[:, None]
+
+    inputs = {"x": X[:4], "scale": [1.0, 2.0, 3.0, 4.0]}
+    with pytest.raises(ValueError, match=r"Python values at X\['scale'\].*Make each a"):
+        pf.batch_grad(scaled, params, inputs, Y[:4])
+    inputs["scale"] = torch.tensor(inputs["scale"])  # the fix
+    found = pf.batch_grad(scaled, params, inputs, Y[:4])
+    assert found["0.weight"].shape == (4, 4, 3)
+    pair, named = (lambda p, X: (model_fn(p, X), X)), (lambda p, X: {"logits": model_fn(p, X)})
+    for wrapped, kind in ((pair, "tuple"), (named, "dict")):
+        for quantity in (pf.batch_grad, _gradient):
+            with pytest.raises((ValueError, TypeError), match=rf"{kind}.*one tensor.*\)\[0\]"):
+                quantity(wrapped, params, X, Y)

@@ -303,3 +303,62 @@ def test_a_function_closing_over_several_modules_counts_as_running_them_all():
     with pytest.raises(ValueError, match="normed.0.weight_u"):
         pf.batch_grad(with_teacher, params, X, y)
     assert torch.equal(normed[0].weight_u, u)
+
+
+def test_containers_a_forward_changes_in_place_keep_only_the_users_forward():
+    """A list or dict attribute the forward appends to (a log, a counter in a dict) kept
+    what packfunc's own runs added (``[1, 4, 1]`` where the user's forward leaves ``[4]``);
+    and attributes the forward rotates (deleted and set again) passed the restorer's check
+    of unchanged values by position."""
+
+    class Logging(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 2)
+            self.seen: list[int] = []
+            self.stats = {"calls": 0}
+            self.a, self.b, self.c = "X", "Y", "Z"
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen.append(x.shape[0])
+            self.stats["calls"] += 1
+            a, b, c = self.a, self.b, self.c
+            del self.a, self.b, self.c
+            self.b, self.c, self.a = c, a, b  # keys reordered, values rotated
+            return self.layer(x)
+
+    X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    model = Logging()
+    model_fn, params = pf.functional(model)
+    pf.batch_grad(model_fn, params, X, y)
+    assert (model.seen, model.stats) == ([4], {"calls": 1})
+    assert (model.a, model.b, model.c) == ("Y", "Z", "X")  # one forward of the user's
+    pf.explain(model_fn, params, X)
+    assert (model.seen, model.stats) == ([4], {"calls": 1})
+    assert (model.a, model.b, model.c) == ("Y", "Z", "X")
+
+
+def test_modules_reached_through_partials_defaults_and_wrappers_are_kept():
+    """A module passed by ``functools.partial``, as a default argument, or through a
+    wrapper of a wrapper was not found: discovery's forward stayed on its buffers."""
+    import functools
+
+    def base(model, p, X):
+        return torch.func.functional_call(model, p, (X,))
+
+    def wrapped(model):
+        inner = lambda p, X: base(model, p, X)  # noqa: E731
+        return lambda p, X: inner(p, X) * 1.0
+
+    def with_default(model):
+        def run(p, X, model=model):
+            return base(model, p, X)
+
+        return run
+
+    X, y = torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1])
+    for make in (lambda m: functools.partial(base, m), wrapped, with_default):
+        model = _counting_model()
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        pf.batch_grad(make(model), params, X, y)
+        assert int(model.calls) == 1

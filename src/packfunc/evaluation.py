@@ -21,11 +21,11 @@ from torch._C._functorch import is_functorch_wrapped_tensor
 
 from packfunc.engine import hessian
 from packfunc.engine.autodiff import refuse_differentiation
-from packfunc.engine.batch_pass import BatchPass, check_pass_arguments
+from packfunc.engine.batch_pass import BatchPass, check_pass_arguments, checked_batch_size
 from packfunc.engine.model_state import users_forward
 from packfunc.engine.statistics import clipped_sums, ggn_statistics, gradient_statistics
 from packfunc.engine.vocabulary import Statistic
-from packfunc.functionalize import as_index, batch_size, flatten_params
+from packfunc.functionalize import as_index, flatten_params
 from packfunc.losses import check_loss_inputs, default_loss, given_targets
 from packfunc.specs import QUANTITIES, SPECS, Combine, Cotangents, Quantity, Stats
 from packfunc.types import Inputs, MaxNorm, ModelFn, Params, ParamsT, Samples, Targets
@@ -231,7 +231,7 @@ def plain_gradient(
     """
     check_pass_arguments(model_fn, params, loss, chunk_size)
     leaves, treespec = optree.tree_flatten(params)
-    n = batch_size(X)
+    n = checked_batch_size(X, y, loss)
     with torch.enable_grad():
         watched = [leaf.detach().requires_grad_() for leaf in leaves]
         with users_forward():

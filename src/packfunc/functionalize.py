@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar, cast
@@ -257,6 +258,9 @@ def public_entry(function: F) -> F:
                 raise ValueError(_UNTRANSFORMABLE) from error
             if mutates_captured_tensor(error):
                 raise ValueError(_MUTATES_CAPTURED) from error
+            unsplittable = _unsplittable_among((args, kwargs))
+            if unsplittable is not None:  # (a path that checks no inputs: products, explain)
+                raise ValueError(_unsplittable_input(unsplittable, "an input")) from error
             if isinstance(error, NotImplementedError) and "'Sparse" in str(error):
                 raise ValueError(_SPARSE_GRADIENTS) from error  # (from the 'SparseCPU' backend)
             if _channels_last_among((args, kwargs)) and any(
@@ -336,6 +340,74 @@ _SPARSE_GRADIENTS = (
 )
 
 
+_SPARSE_LAYOUTS = frozenset(
+    {torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc}
+)
+"""The layouts of sparse tensors."""
+
+
+def refuse_unsplittable_inputs(X: Any) -> None:
+    """Refuse inputs packfunc cannot take samples of: sparse and nested tensors.
+
+    packfunc runs the model on single samples and on rows of the batch, under torch's
+    function transforms: a sparse tensor has neither strides nor per-sample rows there,
+    and a nested tensor's samples have lengths of their own (torch's errors name neither,
+    and a sparse input's reads like a layer's sparse gradients).
+
+    Args:
+        X: The inputs, a tensor or a pytree.
+
+    Raises:
+        ValueError: naming the input and the dense tensor to pass instead.
+
+    Example:
+        >>> refuse_unsplittable_inputs({"x": torch.ones(2, 3), "scale": 2.0})
+    """
+    paths, leaves, _ = optree.tree_flatten_with_path(X)
+    for path, leaf in zip(paths, leaves):
+        if _is_unsplittable(leaf):
+            name = input_name(path)
+            raise ValueError(_unsplittable_input(leaf, name, name))
+
+
+def input_name(path: tuple[Any, ...]) -> str:
+    """An input's name from its path in ``X``.
+
+    Example:
+        >>> input_name(("ids",)), input_name((0,)), input_name(())
+        ("X['ids']", 'X[0]', 'X')
+    """
+    return "X" + "".join(f"[{key!r}]" for key in path)
+
+
+def _is_unsplittable(value: Any) -> bool:
+    """Whether ``value`` is a sparse or nested tensor."""
+    return isinstance(value, Tensor) and (value.is_nested or value.layout in _SPARSE_LAYOUTS)
+
+
+def _unsplittable_among(values: Any) -> Tensor | None:
+    """The first sparse or nested tensor among ``values`` (a pytree), if any."""
+    return next((t for t in optree.tree_leaves(values) if _is_unsplittable(t)), None)
+
+
+def _unsplittable_input(tensor: Tensor, what: str, name: str = "X") -> str:
+    """The refusal of a sparse or nested input ``what``, its fix written for ``name``."""
+    if tensor.is_nested:
+        return (
+            f"{what} is a nested tensor (torch.nested, layout {tensor.layout}): its samples "
+            "have lengths of their own, and packfunc needs every input dense with the batch "
+            f"first. Pad it to a dense tensor with a mask: torch.nested.to_padded_tensor({name}, "
+            "0.0) is [N, T_max, ...], and a boolean mask [N, T_max] of the real positions lets "
+            "model_fn leave the padding out (a masked mean, an attention mask)."
+        )
+    return (
+        f"{what} is a sparse tensor (layout {tensor.layout}): packfunc runs the model on "
+        "single samples and rows of the batch under torch's function transforms, which "
+        f"cannot take them from a sparse tensor. Pass it dense: {name}.to_dense() (the model "
+        "computes the same values)."
+    )
+
+
 def normal_tensors(tree: Any) -> Any:
     """``tree`` with every inference tensor replaced by a normal copy (outside inference mode).
 
@@ -406,13 +478,42 @@ def _registered_module(model_fn: Any) -> nn.Module | None:
     return None if ref is None else ref()
 
 
-def closed_over(function: Any) -> list[tuple[str, Any]]:
-    """The values a function reads from outside, by name: closure cells and named globals.
+def closed_over(function: Any, depth: int = 2) -> list[tuple[str, Any]]:
+    """The values a function reads from outside, by name.
 
-    A ``partial``'s is its function, named ``func``.
+    Its closure cells, the globals it names and its default arguments; a ``partial``'s
+    function, arguments and keywords; and, ``depth`` functions deep, those of the plain
+    functions among them (a wrapper of a wrapper of the model).
+
+    Args:
+        function: Any callable.
+        depth: How many levels of functions among the values to open.
+
+    Returns:
+        ``(name, value)`` pairs, a value read twice once.
+
+    Example:
+        >>> scale = 2.0
+        >>> [name for name, _ in closed_over(lambda x: x * scale)]
+        ['scale']
+    """
+    found: dict[int, tuple[str, Any]] = {}
+    for name, value in _read_from_outside(function):
+        found.setdefault(id(value), (name, value))
+        if depth and (isinstance(value, (types.FunctionType, functools.partial))):
+            for entry in closed_over(value, depth - 1):
+                found.setdefault(id(entry[1]), entry)
+    return list(found.values())
+
+
+def _read_from_outside(function: Any) -> list[tuple[str, Any]]:
+    """A function's closure cells, named globals and defaults.
+
+    A ``partial``'s are its function, arguments and keywords.
     """
     if isinstance(function, functools.partial):
-        return [("func", function.func)]
+        arguments = [(f"arg{i}", a) for i, a in enumerate(function.args)]
+        return [("func", function.func), *arguments, *function.keywords.items()]
     code, found = getattr(function, "__code__", None), getattr(function, "__globals__", {})
     values = []
     cells = getattr(function, "__closure__", None) or ()
@@ -420,23 +521,32 @@ def closed_over(function: Any) -> list[tuple[str, Any]]:
         with contextlib.suppress(ValueError):  # an empty cell
             values.append((name, cell.cell_contents))
     names = code.co_names if code is not None else ()
-    return values + [(name, found[name]) for name in names if name in found]
+    values += [(name, found[name]) for name in names if name in found]
+    defaults = getattr(function, "__defaults__", None) or ()
+    values += [(f"default{i}", value) for i, value in enumerate(defaults)]
+    values += list((getattr(function, "__kwdefaults__", None) or {}).items())
+    return values
 
 
 def _modules_in(name: str, value: Any) -> list[tuple[str, nn.Module]]:
     """The modules in a closed-over value, by name: itself, or those among its entries.
 
-    Those of a dict, list or tuple are named ``holder_net`` for ``holder["net"]``; a
+    Those of a dict, list or tuple of a few entries (a holder, not a registry of models
+    the function picks one of) are named ``holder_net`` for ``holder["net"]``; a
     :func:`functional` model function counts as its module.
     """
-    if isinstance(value, dict):
+    if isinstance(value, dict) and len(value) <= _HOLDER_ENTRIES:
         entries = [(f"{name}_{key}", v) for key, v in value.items()]
-    elif isinstance(value, (list, tuple)):
+    elif isinstance(value, (list, tuple)) and len(value) <= _HOLDER_ENTRIES:
         entries = [(f"{name}_{i}", v) for i, v in enumerate(value)]
     else:
         entries = [(name, value)]
     found = [(k, v if isinstance(v, nn.Module) else _registered_module(v)) for k, v in entries]
     return [(key, module) for key, module in found if module is not None]
+
+
+_HOLDER_ENTRIES = 8
+"""The most entries of a dict, list or tuple :func:`_modules_in` looks into."""
 
 
 def _holder(named: list[tuple[str, nn.Module]]) -> nn.Module:

@@ -188,7 +188,10 @@ def check_loss_inputs(loss: nn.Module, output: Tensor, target: Tensor, n: int) -
     """
     name = type(loss).__name__
     if not isinstance(output, Tensor):
-        raise TypeError(f"model_fn must return a tensor for {name}; got {type(output).__name__}.")
+        raise TypeError(
+            f"model_fn returned a {type(output).__name__}; it must return one tensor for {name}, "
+            f"the output with the batch first. {PICK_THE_OUTPUT}"
+        )
     if isinstance(loss, GivenOutputGradient):
         if output.shape != loss.gradient.shape:
             raise ValueError(
@@ -203,17 +206,54 @@ def check_loss_inputs(loss: nn.Module, output: Tensor, target: Tensor, n: int) -
             f"model output has shape {tuple(output.shape)} but the batch has {n} samples; "
             "the output must keep the batch dimension first."
         )
-    if target.dim() == 0 or target.shape[0] != n:
-        raise ValueError(
-            f"targets have shape {tuple(target.shape)} but the batch has {n} samples; "
-            "y needs one entry per sample along dim 0."
-        )
+    check_target_batch(loss, target, n)
     if isinstance(loss, CLASS_LOSSES):
         _check_class_targets(loss, output, target)
     elif target.shape != output.shape:
         raise ValueError(
             f"{name} got output {tuple(output.shape)} and target {tuple(target.shape)}; "
             "PyTorch would broadcast them silently. Reshape y to the output's shape."
+        )
+
+
+PICK_THE_OUTPUT = (
+    "Return the output tensor from model_fn: lambda p, X: model_fn(p, X)[0] for a tuple, "
+    "model_fn(p, X)['logits'] for a dict, model_fn(p, X).logits for a Hugging Face model's "
+    "output."
+)
+"""How to make a ``model_fn`` that returns a tuple or dict return its output tensor."""
+
+
+def check_target_batch(loss: nn.Module, target: object, n: int) -> None:
+    """Check that the targets have one entry per sample, before the model runs.
+
+    The batch size ``n`` is the leading size of the inputs ``X``. Checked before
+    discovery, a model whose inputs do not have the sample along dim 0 (a graph batch's
+    nodes, a sequence-first ``[T, N, d]`` tensor) is refused here, not by what running
+    it on ``X[0:1]`` as one sample would do.
+
+    Args:
+        loss: A loss that passed :func:`check_loss`.
+        target: The targets ``y`` (anything else than a tensor is left to
+            :func:`check_loss_inputs`, as is :class:`GivenOutputGradient`'s ``y``).
+        n: The batch size of the inputs.
+
+    Raises:
+        ValueError: if ``y`` has no dim 0 of ``n`` entries.
+
+    Example:
+        >>> check_target_batch(torch.nn.MSELoss(), torch.zeros(3, 2), 3)
+    """
+    if isinstance(loss, GivenOutputGradient) or not isinstance(target, Tensor):
+        return
+    if target.dim() == 0 or target.shape[0] != n:
+        raise ValueError(
+            f"targets have shape {tuple(target.shape)} but the batch has {n} samples; "
+            "y needs one entry per sample along dim 0. The batch size is the leading size "
+            "of X: dim 0 of every input must be the sample (not a graph batch's nodes with "
+            "targets per graph, nor the positions of a sequence-first [T, N, d] input). Put "
+            "the samples first: batch_first=True, X.transpose(0, 1), or each graph's nodes "
+            "padded to [graphs, nodes, d] with a mask."
         )
 
 

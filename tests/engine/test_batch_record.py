@@ -1,5 +1,8 @@
 """The batch pass: tapped leaves for plans that call the leaves only, the mode for any other."""
 
+import types
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -550,3 +553,51 @@ def test_private_and_enum_settings_changed_make_the_plan_again():
         else:
             model.order = Order.FLIPPED
         assert_batch_grad_is_a_loop(model_fn, params, X, y)
+
+
+@pytest.mark.parametrize(
+    "off, on",
+    [
+        (np.bool_(False), np.bool_(True)),
+        (torch.Size([0]), torch.Size([1])),
+        (((0,),), ((1,),)),
+        (frozenset({0}), frozenset({1})),
+        ({"flip": False}, {"flip": True}),
+        (types.SimpleNamespace(flip=False), types.SimpleNamespace(flip=True)),
+    ],
+    ids=["numpy bool", "torch.Size", "nested tuple", "frozenset", "dict", "config object"],
+)
+def test_settings_of_other_plain_kinds_make_the_plan_again(off, on):
+    """Flags a user takes for plain (a numpy bool, ``torch.Size``, a dict of options, a
+    config object as Hugging Face's ``config``) were not part of the plan's key: a switch to
+    moving rows kept the closed forms (off by 0.74)."""
+
+    def flipped(flag: object) -> bool:
+        if isinstance(flag, dict):
+            return flag["flip"]
+        if isinstance(flag, types.SimpleNamespace):
+            return flag.flip
+        return bool(flag) and flag not in (torch.Size([0]), ((0,),), frozenset({0}))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer, self.head, self.flag = nn.Linear(3, 4), nn.Linear(4, 2), off
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if flipped(self.flag):
+                return self.head(torch.tanh(self.layer(x.flip(0)).flip(0)))
+            return self.head(torch.tanh(self.layer(x)))
+
+    torch.manual_seed(0)
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1])
+    model = Model().double()
+    model_fn, params = pf.functional(model)
+    pf.batch_grad(model_fn, params, X, y)
+    if isinstance(on, types.SimpleNamespace):
+        model.flag.flip = True  # the same object, changed
+    elif isinstance(on, dict):
+        model.flag["flip"] = True
+    else:
+        model.flag = on
+    assert_batch_grad_is_a_loop(model_fn, params, X, y)

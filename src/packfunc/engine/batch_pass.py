@@ -57,8 +57,9 @@ from packfunc.functionalize import (
     check_model_arguments,
     flatten_params,
     module_of,
+    refuse_unsplittable_inputs,
 )
-from packfunc.losses import check_loss
+from packfunc.losses import check_loss, check_target_batch
 from packfunc.types import ModelFn
 
 _VMAPPED_COLUMNS = 32
@@ -174,6 +175,31 @@ def refuse_empty_leaves(leaves: list[Tensor], names: list[str]) -> None:
             )
 
 
+def checked_batch_size(X: Any, y: Any, loss: nn.Module) -> int:
+    """The batch size of ``X``, its inputs and the targets checked before the model runs.
+
+    Args:
+        X: The inputs, a tensor or a pytree with leading batch dimension.
+        y: The targets (their leading size must be the batch size).
+        loss: The loss, checked by :func:`~packfunc.losses.check_loss`.
+
+    Returns:
+        The batch size ``N``.
+
+    Raises:
+        ValueError: for sparse or nested inputs, inputs of several leading sizes, an
+            empty batch, or targets of another batch size.
+
+    Example:
+        >>> checked_batch_size(torch.zeros(4, 3), torch.zeros(4), torch.nn.MSELoss())
+        4
+    """
+    refuse_unsplittable_inputs(X)
+    n = batch_size(X)
+    check_target_batch(loss, y, n)
+    return n
+
+
 _REUSED_ROWS = (
     "Here the rows are those of a forward pass that ran before (packfunc.compat): a parameter "
     "changed through .data between that forward pass and the backward pass differs the same "
@@ -280,7 +306,7 @@ class BatchPass:
         check_pass_arguments(model_fn, params, loss, chunk_size)
         self.leaves, self.treespec, self.names = flatten_params(params)
         refuse_empty_leaves(self.leaves, self.names)
-        self.n = batch_size(X)
+        self.n = checked_batch_size(X, y, loss)
         self.model_fn, self.params, self.X, self.y, self.loss = model_fn, params, X, y, loss
         self.chunk_size = chunk_size
         self.keeps_loss = True

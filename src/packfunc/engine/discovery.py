@@ -23,25 +23,30 @@ RNN's zero initial state); the batch pass tells for sure.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import enum
+import types
 import weakref
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, cast
 
+import numpy as np
 import optree
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor, maybe_current_level
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from packfunc.engine.attention import ATTENTION_OPS
+from packfunc.engine.batch_dims import Dims, batch_dims_after, contracted_dims
 from packfunc.engine.local import CallArguments, LocalInputs, Source
-from packfunc.engine.model_state import kept_model_state
+from packfunc.engine.model_state import MODULE_INTERNALS, kept_model_state
 from packfunc.engine.modes import (
     REWRITTEN_OPS,
     LeafIndex,
@@ -60,9 +65,11 @@ from packfunc.engine.ops import (
     OpSignature,
     SiteCall,
     bag_option,
+    is_integer_index,
     make_call,
     moved_dims,
     refuse_frequency_scaling,
+    writes_rows,
 )
 from packfunc.engine.precision import (
     autocast_in_force,
@@ -73,9 +80,11 @@ from packfunc.engine.randomness import DEFAULT_GENERATOR_DRAW, private_generator
 from packfunc.functionalize import (
     check_no_cached_parametrizations,
     closed_over,
+    input_name,
     module_of,
     select_samples,
 )
+from packfunc.losses import PICK_THE_OUTPUT
 from packfunc.types import ModelFn
 
 Recorded = Tensor | LocalInputs
@@ -257,6 +266,10 @@ class _DiscoveryMode(ParameterMode):
         self.generators: dict[int, tuple[torch.Generator, Tensor]] = {}
         # torch.arange(N) and its views: an index that leaves every row where it is
         self.sample_index: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+        # the dims of tensors that carry samples known to carry the batch (the inputs' dim 0)
+        self.batch_dims: dict[int, tuple[weakref.ref[Tensor], Dims]] = {
+            id(t): (weakref.ref(t), frozenset({0})) for t in self.samples.values() if t.dim()
+        }
         self._note_memory(list(self.samples.values()))
         self.level = maybe_current_level()  # the caller's torch.func transforms, if any
 
@@ -479,22 +492,17 @@ class _DiscoveryMode(ParameterMode):
         """Mark what a call makes of rows moved along the batch dim (:func:`moved_dims`).
 
         A call on such rows passes them on; a call that indexes, sorts, flips or scatters
-        samples along a dim that may carry them (:meth:`_moves_the_batch`) makes them (its
-        output, and the tensor it writes). One sample cannot tell where the batch's rows go
-        (``h[h[:, 0].argsort()]`` is the identity here): a layer on them takes the whole-model
-        path, which runs each sample alone.
+        samples along a dim that carries them (:meth:`_moves_the_batch`), or sums over it
+        (``P @ h``), makes them (its output, and the tensor it writes). One sample cannot
+        tell where the batch's rows go (``h[h[:, 0].argsort()]`` is the identity here): a
+        layer on them takes the whole-model path, which runs each sample alone. Notes the
+        output's batch dims too (:meth:`_note_batch_dims`).
         """
         values = CallArguments.of(args, kwargs).values
+        carriers = [v for v in values if isinstance(v, Tensor) and self.samples.get(id(v)) is v]
         passed_on = self._moved_rows_among(values)
-        first = args[0] if args else kwargs.get("input")
-        moving = (
-            isinstance(first, Tensor)
-            and self._any_marked(values)
-            and any(
-                self._moves_the_batch(first, dim, index)
-                for dim, index in moved_dims(func, args, kwargs)
-            )
-        )
+        moving = bool(carriers) and self._moves_samples(func, args, kwargs, carriers)
+        self._note_batch_dims(func, args, kwargs, out, carriers)
         if not passed_on and not moving:
             return
         if not passed_on and self.moved_by is None:
@@ -504,19 +512,79 @@ class _DiscoveryMode(ParameterMode):
         for tensor in tensors:
             self.moved[id(tensor)] = tensor
 
+    def _moves_samples(
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        carriers: list[Tensor],
+    ) -> bool:
+        """Whether a call on samples moves them along the batch (see :meth:`_note_moved_rows`).
+
+        A call that reads rows moves them where the tensor it reads carries samples (not a
+        fixed table indexed by them: ``table[ids]``); one that writes rows, where anything
+        it writes does.
+        """
+        first = args[0] if args else kwargs.get("input")
+        if isinstance(first, Tensor) and (any(first is t for t in carriers) or writes_rows(func)):
+            for dim, index in moved_dims(func, args, kwargs):
+                if self._moves_the_batch(first, dim, index):
+                    return True
+        if func is F.embedding:  # rows of a weight that carries samples, picked by index
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            return any(weight is t for t in carriers)
+        return any(
+            self._contracts_the_batch(tensor, dim)
+            for tensor, dim in contracted_dims(func, args, kwargs)
+            if any(tensor is t for t in carriers)
+        )
+
     def _moves_the_batch(self, tensor: Tensor, dim: int, index: Any) -> bool:
         """Whether a move along ``dim`` of ``tensor`` may move its samples (see :func:`moved_dims`).
 
-        Dim 0 may carry the batch, and so may any dim of one element: this sample's, after a
-        transpose (``[T, 1, d]`` here is ``[T, N, d]`` on the batch). Rows picked by
-        :meth:`_note_sample_index`'s indices stay where they are; a slice of another dim of
-        one element is taken as a part of that dim (``mask[:, :, :T]``).
+        Along a dim known to carry the batch (:meth:`_note_batch_dims`), any pick does.
+        Where the batch dims are not known: along dim 0 any pick but an integer does, along
+        another dim of one element (this sample's, after a transpose: ``[T, 1, d]`` here
+        is ``[T, N, d]`` on the batch) any but an integer or a slice (``mask[:, :, :T]``).
+        Rows picked by :meth:`_note_sample_index`'s indices stay where they are.
         """
         if index is not None and self.sample_index.get(id(index)) is index:
+            return False
+        known = self._batch_dims_of(tensor)
+        if known is not None:
+            return dim in known
+        if is_integer_index(index):
             return False
         if dim == 0:
             return True
         return tensor.shape[dim] == 1 and not isinstance(index, slice)
+
+    def _contracts_the_batch(self, tensor: Tensor, dim: int) -> bool:
+        """Whether a product summing over ``dim`` of ``tensor`` sums over its samples."""
+        known = self._batch_dims_of(tensor)
+        return dim in known if known is not None else dim == 0
+
+    def _batch_dims_of(self, tensor: Tensor) -> Dims | None:
+        """The known batch dims of a tensor that carries samples, else ``None``."""
+        entry = self.batch_dims.get(id(tensor))
+        return entry[1] if entry is not None and entry[0]() is tensor else None
+
+    def _note_batch_dims(
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        carriers: list[Tensor],
+    ) -> None:
+        """Note which dims of a call's outputs carry the batch (:func:`batch_dims_after`)."""
+        known = [(t, self._batch_dims_of(t)) for t in carriers]
+        for _, tensor in tensor_outputs(out):
+            dims = batch_dims_after(func, args, kwargs, tensor, known)
+            if dims is None:
+                self.batch_dims.pop(id(tensor), None)
+            else:
+                self.batch_dims[id(tensor)] = (weakref.ref(tensor), dims)
 
     def _note_sample_index(self, func: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
         """Note ``torch.arange(N)`` (here ``[0]``) and its views: indices of the samples in order.
@@ -739,11 +807,16 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
     mode.plan.rewritten_ops |= mode.rows.rewritten  # (the tapped path sees no flat rows' source)
     mode.plan.updated_buffer = changed[0] if changed else None
     mode.plan.updated_input = not _equal_trees(sample, X_first)  # (the batch is untouched)
-    if not (isinstance(out, Tensor) and out.dim() and out.shape[0] == 1):
-        shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+    if not isinstance(out, Tensor):  # a tuple, a dict, a ModelOutput
         raise ValueError(
-            f"model_fn returned {shape} for a batch of one sample; it must return a tensor "
-            "whose leading dimension is the batch dimension."
+            f"model_fn returned a {type(out).__name__}; it must return one tensor, the output "
+            f"with the batch first. {PICK_THE_OUTPUT}"
+        )
+    if not (out.dim() and out.shape[0] == 1):
+        hint = _python_values_hint(X_first)
+        raise ValueError(
+            f"model_fn returned {tuple(out.shape)} for a batch of one sample; it must return "
+            f"a tensor whose leading dimension is the batch dimension.{hint}"
         )
     if mode.samples.get(id(out)) is not out:
         raise ValueError(_SAMPLES_OUT_OF_SIGHT)
@@ -920,6 +993,34 @@ def _overlaps(span: tuple[int, int, int], spans: list[tuple[int, int, int]]) -> 
 def _copied(tree: Any) -> Any:
     """``tree`` with every tensor cloned."""
     return optree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, tree)
+
+
+def _python_values_hint(X: Any) -> str:
+    """Where ``X`` holds Python values per sample (a list), why the output lost its batch.
+
+    packfunc does not split such values into samples: the one sample discovery ran
+    (``X[0:1]``) saw the whole batch's.
+
+    Example:
+        >>> _python_values_hint({"x": torch.ones(2), "scale": [1.0, 2.0]})[:36]
+        " X holds Python values at X['scale']"
+    """
+
+    def tensorless(value: Any) -> bool:
+        return isinstance(value, (list, tuple)) and not any(
+            isinstance(leaf, Tensor) for leaf in optree.tree_leaves(cast(Any, value))
+        )
+
+    paths, leaves, _ = optree.tree_flatten_with_path(X, is_leaf=tensorless)
+    names = [input_name(path) for path, leaf in zip(paths, leaves) if not isinstance(leaf, Tensor)]
+    if not names:
+        return ""
+    return (
+        f" X holds Python values at {', '.join(names)}, which packfunc does not split into "
+        "samples: the one sample it ran (X[0:1]) saw the whole batch's. Make each an input "
+        "tensor with the batch first (torch.tensor(...)), or close over values the samples "
+        "share in model_fn."
+    )
 
 
 def _equal_trees(a: Any, b: Any) -> bool:
@@ -1120,6 +1221,7 @@ def _signature(model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Any) -> 
     """What a plan depends on besides ``model_fn``'s code (see :func:`cached_discover`)."""
     inputs, input_spec = optree.tree_flatten(X)
     module = module_of(model_fn)
+    held: dict[int, Hashable] = {}  # configuration objects' settings, each taken once
     return (
         optree.tree_structure(params),
         tuple((leaf.shape, leaf.dtype, leaf.device) for leaf in leaves),
@@ -1129,7 +1231,7 @@ def _signature(model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Any) -> 
             (x.shape[1:], x.dtype, x.device) if isinstance(x, Tensor) else _hashable(x)
             for x in inputs
         ),
-        tuple(_settings(m) for m in module.modules()) if module is not None else (),
+        tuple(_settings(m, held) for m in module.modules()) if module is not None else (),
         _closed_over_settings(model_fn),
         autocast_in_force(),
     )
@@ -1137,45 +1239,70 @@ def _signature(model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Any) -> 
 
 _PLAIN = (bool, int, float, str, type(None))
 _PLAIN_TYPES = frozenset(_PLAIN)
-_SETTING_TYPES = (*_PLAIN, enum.Enum)
+_SETTING_TYPES = (*_PLAIN, enum.Enum, np.generic)
 
 
 def _is_setting(value: Any) -> bool:
-    """A plain value (an enum's too) or a tuple of them (``stride=(1, 1)``, ``eps=1e-5``)."""
+    """A plain value (an enum's, a numpy scalar too), or a tuple or frozenset of them.
+
+    ``stride=(1, 1)``, ``torch.Size([3])``, ``np.bool_(True)``.
+    """
     kind = type(value)
     if kind in _PLAIN_TYPES:
         return True
-    if kind is tuple:
-        return all(isinstance(entry, _PLAIN) for entry in value)
+    if isinstance(value, (tuple, frozenset)):
+        return all(_is_setting(entry) for entry in value)
     return isinstance(value, _SETTING_TYPES)
 
 
-def _settings(module: Any) -> Hashable:
-    """A module's type and plain public attributes (``training``, ``batch_first``, ``eps``...).
+def _settings(module: Any, held: dict[int, Hashable]) -> Hashable:
+    """A module's type and plain attributes (``training``, ``batch_first``, ``eps``...).
 
     A change of any since discovery may make another function, even one that mixes samples
     (attention with ``batch_first`` switched), which the plan's first check of rows would
-    not see again. (``nn.Module``'s own dicts of parameters, children and hooks are skipped
-    by name: the signature is taken on every call.)
+    not see again. So may one of a dict of plain options, or of a configuration object the
+    module holds (Hugging Face's ``config``, a dataclass, a namespace), whose plain
+    attributes count too (each object once, in ``held``); class attributes do not.
+    ``nn.Module``'s own dicts of parameters, children and hooks are skipped by name: the
+    signature is taken on every call.
     """
-    return type(module), tuple(
-        [
-            (key, value)
-            for key, value in module.__dict__.items()
-            if key not in _MODULE_DICTS and _is_setting(value)
-        ]
+    found = []
+    for key, value in getattr(module, "__dict__", {}).items():
+        if key in MODULE_INTERNALS:
+            continue
+        if _is_setting(value):
+            found.append((key, value))
+        elif type(value) is dict and _is_setting((*value.keys(), *value.values())):
+            found.append((key, tuple(value.items())))  # options in a dict
+        elif _is_configuration(value):
+            if id(value) not in held:
+                held[id(value)] = None  # (an object that holds itself)
+                held[id(value)] = _settings(value, held)
+            found.append((key, held[id(value)]))
+    return type(module), tuple(found)
+
+
+def _is_configuration(value: Any) -> bool:
+    """A configuration object: a dataclass, a namespace, or a Hugging Face ``config``."""
+    if isinstance(value, (types.SimpleNamespace, argparse.Namespace)):
+        return True
+    kind = type(value)
+    return (dataclasses.is_dataclass(value) and not isinstance(value, type)) or any(
+        base.__name__ == "PretrainedConfig" for base in kind.__mro__
     )
-
-
-_MODULE_DICTS = frozenset(
-    key for key, value in nn.Module().__dict__.items() if not _is_setting(value)
-)
-"""The attributes every ``nn.Module`` holds that are not settings (its parameters, hooks...)."""
 
 
 def _closed_over_settings(model_fn: ModelFn) -> Hashable:
     """The plain values a hand-written ``model_fn`` reads (closure cells, globals it names)."""
-    return tuple(value if _is_setting(value) else None for _, value in closed_over(model_fn))
+    held: dict[int, Hashable] = {}
+    return tuple(
+        value
+        if _is_setting(value)
+        else _settings(value, held)
+        if _is_configuration(value)
+        else None
+        for _, value in closed_over(model_fn)
+    )
 
 
 def _duplicated(leaves: list[Tensor]) -> frozenset[int]:

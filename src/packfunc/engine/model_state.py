@@ -137,13 +137,19 @@ def attribute_restorer(module: nn.Module | None) -> Restore:
         >>> restore(); hasattr(layer, "calls")
         False
     """
-    saved = [(owner.__dict__, owner.__dict__.copy()) for owner in _submodules(module)]
+    saved = [
+        (owner.__dict__, owner.__dict__.copy(), tuple(owner.__dict__), _contents(owner.__dict__))
+        for owner in _submodules(module)
+    ]
 
     def restore(only: Callable[[object, object], bool] = lambda before, now: True) -> None:
-        for now, before in saved:
+        for now, before, keys, contents in saved:
+            for container, copy in contents:
+                if not _same_contents(container, copy) and only(copy, container):
+                    _refill(container, copy)
             unchanged = all(map(operator.is_, now.values(), before.values()))
-            if now.keys() == before.keys() and unchanged:
-                continue  # (keys in another order: compared one by one below)
+            if tuple(now) == keys and unchanged:
+                continue
             for key in [key for key in now if key not in before and only(_MISSING, now[key])]:
                 del now[key]
             now.update(
@@ -153,6 +159,51 @@ def attribute_restorer(module: nn.Module | None) -> Restore:
             )
 
     return restore
+
+
+Container = list[object] | dict[object, object] | set[object]
+
+
+def _contents(attributes: dict[str, object]) -> list[tuple[Container, Container]]:
+    """The lists, dicts and sets among a module's own attributes, with copies of them.
+
+    A forward may append to them: what packfunc's own runs add is taken out again.
+    """
+    return [
+        (value, value.copy())
+        for key, value in attributes.items()
+        if isinstance(value, (list, dict, set))
+        and type(value) in (list, dict, set)
+        and key not in MODULE_INTERNALS
+    ]
+
+
+def _same_contents(container: Container, copy: Container) -> bool:
+    """Whether a container still holds the same objects as its copy (compared by identity)."""
+    if len(container) != len(copy):
+        return False
+    if isinstance(container, dict):
+        assert isinstance(copy, dict)
+        same_values = all(map(operator.is_, container.values(), copy.values()))
+        return tuple(container) == tuple(copy) and same_values
+    if isinstance(container, list):
+        return all(map(operator.is_, container, copy))
+    return container == copy
+
+
+def _refill(container: Container, copy: Container) -> None:
+    """Put a container's contents back in place (the module holds that very container)."""
+    container.clear()
+    if isinstance(container, list):
+        container.extend(copy)
+    else:
+        container.update(copy)  # type: ignore[arg-type]
+
+
+MODULE_INTERNALS = frozenset(
+    key for key, value in torch.nn.Module().__dict__.items() if isinstance(value, (dict, set))
+)
+"""The dicts and sets every ``nn.Module`` holds (its parameters, buffers, children, hooks)."""
 
 
 def is_packfunc_tensor(value: object) -> bool:

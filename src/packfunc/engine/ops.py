@@ -840,7 +840,11 @@ def moved_dims(
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
         return [(dim, index) for dim, index in enumerate(indices) if index is not None]
     if name in _ALWAYS_MOVES_ROWS:
-        return [(0, None)] if name in ("flipud", "msort") else every_dim
+        return [(0, None)] if name in ("flipud", "msort", "__reversed__") else every_dim
+    if name == "fliplr":
+        return [(1, None)]
+    if name == "hsplit":
+        return [(1 if first.dim() > 1 else 0, None)]
     where = _ROW_DIM_ARGUMENT.get(name)
     if where is None:
         return []
@@ -849,17 +853,47 @@ def moved_dims(
     if dims is None:  # flattened (roll, take_along_dim without a dim)
         return every_dim
     index = None
-    if name in ("index_select", "gather"):
+    if name in ("index_select", "gather", "select"):
         index = args[2] if len(args) > 2 else kwargs.get("index")
     dims = [dims] if isinstance(dims, int) else list(dims)
     return [(dim % first.dim(), index) for dim in dims]
+
+
+def writes_rows(func: Callable[..., Any]) -> bool:
+    """Whether a call writes its other arguments' entries into its first by position.
+
+    ``buf[idx] = h``, ``index_add``, ``index_copy``, ``scatter`` and kin move the rows they
+    write wherever the tensor written into comes from; a reading call (``h[idx]``) moves
+    the rows of its first argument only.
+
+    Example:
+        >>> writes_rows(Tensor.index_add), writes_rows(Tensor.__getitem__)
+        (True, False)
+    """
+    name = getattr(func, "__name__", "").rstrip("_")
+    return name in _WRITES_ROWS or getattr(func, "__name__", "") == "__setitem__"
+
+
+_WRITES_ROWS = frozenset(
+    {
+        "index_put",
+        "index_copy",
+        "index_add",
+        "index_reduce",
+        "index_fill",
+        "scatter",
+        "scatter_add",
+        "scatter_reduce",
+        "masked_scatter",
+    }
+)
 
 
 def _indexed_dims(index: Any, dims: int) -> list[tuple[int, Any]]:
     """The dims an index of ``x[index]`` picks positions along, with its entry there.
 
     ``None`` adds a dim, an ``Ellipsis`` stands for the dims no entry names, an integer
-    takes one without picking (see :func:`_selects`), a boolean mask takes as many as it has.
+    picks one position, a boolean mask takes as many dims as it has (see :func:`_selects`).
     """
     entries = list(index) if isinstance(index, tuple) else [index]
     taken = [_dims_taken(entry) for entry in entries]
@@ -869,7 +903,7 @@ def _indexed_dims(index: Any, dims: int) -> list[tuple[int, Any]]:
         if entry is Ellipsis:
             dim = dims - sum(taken) + dim  # the dims no entry names, skipped
             continue
-        if _selects(entry):
+        if _selects(entry) or is_integer_index(entry):
             picked.extend((dim + k, entry) for k in range(count))
         dim += count
     return picked
@@ -882,6 +916,18 @@ def _dims_taken(entry: Any) -> int:
     if isinstance(entry, Tensor) and entry.dtype == torch.bool:
         return max(entry.dim(), 1)
     return 1
+
+
+def is_integer_index(entry: Any) -> bool:
+    """Whether an index entry is one integer (a Python int or a 0-d integer tensor).
+
+    Example:
+        >>> is_integer_index(-1), is_integer_index(torch.tensor(2)), is_integer_index([2])
+        (True, True, False)
+    """
+    if isinstance(entry, Tensor):
+        return entry.dim() == 0 and not entry.is_floating_point() and entry.dtype != torch.bool
+    return isinstance(entry, int) and not isinstance(entry, bool)
 
 
 def _selects(entry: Any) -> bool:
@@ -897,7 +943,7 @@ def _selects(entry: Any) -> bool:
     )
 
 
-_ALWAYS_MOVES_ROWS = frozenset({"take", "flipud", "msort", "masked_scatter"})
+_ALWAYS_MOVES_ROWS = frozenset({"take", "flipud", "msort", "masked_scatter", "__reversed__"})
 """Calls that move elements whatever their options: along dim 0 (``flipud``, ``msort``) or
 the tensor flattened."""
 
@@ -922,6 +968,10 @@ _ROW_DIM_ARGUMENT: dict[str, tuple[int, str, Any]] = {
     "chunk": (2, "dim", 0),
     "tensor_split": (2, "dim", 0),
     "narrow": (1, "dim", None),
+    "select": (1, "dim", None),
+    "rot90": (2, "dims", (0, 1)),
+    "vsplit": (2, "dim", 0),
+    "dsplit": (2, "dim", 2),
 }
 """Calls that move elements along the dims one argument names: its position after ``self``,
 its keyword and its default (``None``: the tensor flattened, so dim 0 too)."""

@@ -1,0 +1,320 @@
+"""Where the batch lies in discovery's tensors: the dims that carry the samples.
+
+Discovery runs one sample, so the batch dim has one element there, as may any other dim: a
+sequence-first ``[T, N, d]`` tensor is ``[T, 1, d]``, and a move of its rows along dim 1 is
+the identity on one sample but gives each of the batch's rows to another sample. The dims
+that carry the batch are followed from the inputs (dim 0) through the calls that move dims
+(transposes, permutes, ``unsqueeze``, ``stack``, basic indexing, ``einsum``) and the calls
+that keep them; where a call's effect on them is unknown, every dim of one element and dim 0
+may carry it (:func:`possible_batch_dims`).
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+Dims = frozenset[int]
+"""The dims of a tensor that carry the batch (one, unless broadcasting merged two)."""
+
+BatchDimsOf = Callable[[Tensor], Dims | None]
+"""The known batch dims of a tensor that carries samples, ``None`` where unknown."""
+
+_SWAPS = frozenset({"transpose", "swapaxes", "swapdims"})
+_MOVES = frozenset({"movedim", "moveaxis"})
+_RESHAPES = frozenset(
+    {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "ravel", "as_strided"}
+)
+"""Calls that lay the entries out anew: the batch stays at dim 0 only where it was there."""
+
+_MOVE_DIMS = _SWAPS | _MOVES | _RESHAPES | {"t", "permute", "__get__", "rot90"}
+"""Calls whose output has the input's number of dims but may have them elsewhere (``__get__``
+is another property's than ``x.T``, ``x.mT``)."""
+
+
+def possible_batch_dims(tensor: Tensor) -> Dims:
+    """The dims that may carry the batch where the calls before do not tell.
+
+    Dim 0, and every dim of one element.
+
+    Args:
+        tensor: A tensor of discovery's one-sample forward.
+
+    Returns:
+        The dims.
+
+    Example:
+        >>> sorted(possible_batch_dims(torch.ones(5, 1, 3)))
+        [0, 1]
+    """
+    return frozenset({0} | {dim for dim, size in enumerate(tensor.shape) if size == 1})
+
+
+def batch_dims_after(
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    out: Tensor,
+    carriers: Sequence[tuple[Tensor, Dims | None]],
+) -> Dims | None:
+    """The dims of a call's output that carry the batch, from those of its inputs.
+
+    Args:
+        func: The function called.
+        args: Its positional arguments (``self`` first).
+        kwargs: Its keyword arguments.
+        out: One tensor output of the call.
+        carriers: The call's arguments that carry samples, with their known batch dims.
+
+    Returns:
+        The output's batch dims, or ``None`` where the call does not tell.
+
+    Example:
+        >>> h = torch.ones(1, 5, 3)
+        >>> batch_dims_after(Tensor.transpose, (h, 0, 1), {}, h.transpose(0, 1),
+        ...                  [(h, frozenset({0}))])
+        frozenset({1})
+    """
+    if not carriers or any(dims is None for _, dims in carriers):
+        return None
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property: x.T, x.mT
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    name = name[:-1] if name.endswith("_") and not name.endswith("__") else name  # in place
+    first = args[0] if args else kwargs.get("input")
+    of_first = next((dims for tensor, dims in carriers if tensor is first), None)
+    if isinstance(first, Tensor) and of_first is not None:
+        told, moved = _moved_by(name, args, kwargs, first, out, of_first)
+        if told:
+            return moved
+    if name == "stack":
+        return _stacked(args, kwargs, carriers)
+    if name == "einsum":
+        return _einsum_output_dims(args, carriers)
+    if name in _MOVE_DIMS:
+        return None
+    shared = {dims for _, dims in carriers}
+    if len(shared) != 1:
+        return None
+    (dims,) = shared
+    assert dims is not None
+    if all(tensor.dim() == out.dim() for tensor, _ in carriers):
+        return dims  # elementwise ops, layers, reductions kept dim, cat
+    return dims if dims == {0} and out.dim() and out.shape[0] == 1 else None
+
+
+def _moved_by(
+    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], first: Tensor, out: Tensor, dims: Dims
+) -> tuple[bool, Dims | None]:
+    """Whether a call moves its first argument's dims, and the batch dims after it."""
+    ndim = first.dim()
+    if name in _SWAPS:
+        a, b = (_dim_argument(args, kwargs, i, key, ndim) for i, key in ((1, "dim0"), (2, "dim1")))
+        if a is None or b is None:
+            return True, None
+        return True, frozenset(b if d == a else a if d == b else d for d in dims)
+    if name in ("t", "T", "H"):  # (T of more than two dims reverses them all)
+        return True, frozenset(ndim - 1 - d for d in dims)
+    if name in ("mT", "mH", "adjoint"):
+        last = {ndim - 1: ndim - 2, ndim - 2: ndim - 1}
+        return True, frozenset(last.get(d, d) for d in dims)
+    if name == "permute":
+        order = args[1:] if len(args) > 2 or not args[1:] else args[1]
+        order = kwargs.get("dims", order)
+        order = [d % ndim for d in (order if isinstance(order, Sequence) else [order])]
+        return True, (frozenset(order.index(d) for d in dims) if len(order) == ndim else None)
+    if name in _MOVES:
+        return True, _moved_dims(args, kwargs, ndim, dims)
+    if name == "unsqueeze":
+        dim = _dim_argument(args, kwargs, 1, "dim", out.dim())
+        return True, (None if dim is None else frozenset(d + (d >= dim) for d in dims))
+    if name == "squeeze":
+        return True, _squeezed(args, kwargs, first, dims)
+    if name == "__getitem__" and len(args) > 1:
+        return True, _indexed(args[1], ndim, dims)
+    if name in _RESHAPES:
+        return True, (dims if dims == {0} and out.dim() and out.shape[0] == 1 else None)
+    if name == "rot90":
+        turns = args[1] if len(args) > 1 else kwargs.get("k", 1)
+        pair = args[2] if len(args) > 2 else kwargs.get("dims", (0, 1))
+        a, b = (d % ndim for d in pair)
+        swapped = frozenset(b if d == a else a if d == b else d for d in dims)
+        return True, (swapped if turns % 2 else dims)
+    return False, None
+
+
+def _dim_argument(
+    args: tuple[Any, ...], kwargs: dict[str, Any], position: int, key: str, ndim: int
+) -> int | None:
+    """A dim argument, made non-negative; ``None`` where it is missing or not an integer."""
+    value = args[position] if len(args) > position else kwargs.get(key)
+    return value % ndim if isinstance(value, int) and ndim else None
+
+
+def _moved_dims(args: tuple[Any, ...], kwargs: dict[str, Any], ndim: int, dims: Dims) -> Dims:
+    """The batch dims after ``movedim(source, destination)``."""
+    source = args[1] if len(args) > 1 else kwargs["source"]
+    destination = args[2] if len(args) > 2 else kwargs["destination"]
+    sources = [s % ndim for s in ([source] if isinstance(source, int) else source)]
+    targets = [t % ndim for t in ([destination] if isinstance(destination, int) else destination)]
+    order: list[int | None] = [None] * ndim
+    for s, t in zip(sources, targets, strict=True):
+        order[t] = s
+    rest = iter(d for d in range(ndim) if d not in sources)
+    filled = [next(rest) if d is None else d for d in order]
+    return frozenset(filled.index(d) for d in dims)
+
+
+def _squeezed(
+    args: tuple[Any, ...], kwargs: dict[str, Any], first: Tensor, dims: Dims
+) -> Dims | None:
+    """The batch dims after ``squeeze``: unknown where a batch dim (of one element) goes."""
+    chosen = args[1] if len(args) > 1 else kwargs.get("dim")
+    if chosen is None:
+        gone = {d for d, size in enumerate(first.shape) if size == 1}
+    else:
+        listed = [chosen] if isinstance(chosen, int) else list(chosen)
+        gone = {d % first.dim() for d in listed if first.shape[d] == 1}
+    if gone & dims:
+        return None
+    return frozenset(d - sum(g < d for g in gone) for d in dims)
+
+
+def _indexed(index: Any, ndim: int, dims: Dims) -> Dims | None:
+    """The batch dims after basic indexing ``x[index]``.
+
+    ``None`` for an advanced index, or an integer taking a batch dim.
+    """
+    entries = list(index) if isinstance(index, tuple) else [index]
+    if not all(_is_basic(entry) for entry in entries):
+        return None
+    named = sum(entry is not None and entry is not Ellipsis for entry in entries)
+    found: set[int] = set()
+    source = target = 0
+    for entry in entries:
+        if entry is None:
+            target += 1
+        elif entry is Ellipsis:
+            skipped = ndim - named
+            found |= {target + d - source for d in dims if source <= d < source + skipped}
+            source, target = source + skipped, target + skipped
+        elif isinstance(entry, slice):
+            found |= {target for d in dims if d == source}
+            source, target = source + 1, target + 1
+        else:  # an integer
+            if source in dims:
+                return None
+            source += 1
+    found |= {target + d - source for d in dims if d >= source}
+    return frozenset(found)
+
+
+def _is_basic(entry: Any) -> bool:
+    """Whether an index entry is basic: ``None``, ``...``, a slice or an integer."""
+    if entry is None or entry is Ellipsis or isinstance(entry, (slice, int)):
+        return True
+    return (
+        isinstance(entry, Tensor)
+        and entry.dim() == 0
+        and not entry.is_floating_point()
+        and (entry.dtype != torch.bool)
+    )
+
+
+def _stacked(
+    args: tuple[Any, ...], kwargs: dict[str, Any], carriers: Sequence[tuple[Tensor, Dims | None]]
+) -> Dims | None:
+    """The batch dims after ``torch.stack(tensors, dim)``: each input's, shifted past ``dim``."""
+    shared = {dims for _, dims in carriers}
+    tensors = args[0] if args else kwargs.get("tensors")
+    if len(shared) != 1 or not tensors:
+        return None
+    (dims,) = shared
+    assert dims is not None
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    dim %= tensors[0].dim() + 1
+    return frozenset(d + (d >= dim) for d in dims)
+
+
+def _einsum_output_dims(
+    args: tuple[Any, ...], carriers: Sequence[tuple[Tensor, Dims | None]]
+) -> Dims | None:
+    """The batch dims of ``torch.einsum(equation, *operands)``'s output, by the letters."""
+    letters = _einsum_letters(args)
+    if letters is None:
+        return None
+    inputs, output = letters
+    found: set[int] = set()
+    for operand, subscripts in zip(_einsum_operands(args), inputs, strict=False):
+        dims = next((d for tensor, d in carriers if tensor is operand), None)
+        for d in dims or ():
+            if subscripts[d] in output:
+                found.add(output.index(subscripts[d]))
+    return frozenset(found) or None
+
+
+def contracted_dims(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[tuple[Tensor, int]]:
+    """The dims a product sums over, per operand (``P @ h`` sums over ``h``'s rows).
+
+    Args:
+        func: The function called.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
+
+    Returns:
+        ``(operand, dim)`` for each contracted dim of ``matmul``/``mm``/``bmm``/``einsum``.
+
+    Example:
+        >>> P, h = torch.ones(4, 4), torch.ones(4, 3)
+        >>> [(t is h, d) for t, d in contracted_dims(torch.matmul, (P, h), {})]
+        [(False, 1), (True, 0)]
+    """
+    name = getattr(func, "__name__", "")
+    if name in ("matmul", "mm", "bmm", "__matmul__", "__rmatmul__"):
+        operands = [args[0] if args else kwargs.get("input"), args[1] if len(args) > 1 else None]
+        if name == "__rmatmul__":
+            operands.reverse()
+        a, b = operands
+        if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or not (a.dim() and b.dim()):
+            return []
+        return [(a, a.dim() - 1), (b, max(b.dim() - 2, 0))]
+    if name == "einsum":
+        letters = _einsum_letters(args)
+        if letters is None:
+            return []
+        inputs, output = letters
+        return [
+            (operand, d)
+            for operand, subscripts in zip(_einsum_operands(args), inputs, strict=False)
+            for d, letter in enumerate(subscripts)
+            if letter not in output
+        ]
+    return []
+
+
+def _einsum_operands(args: tuple[Any, ...]) -> list[Any]:
+    """``torch.einsum``'s operands, given one by one or as a list."""
+    rest = list(args[1:])
+    return list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
+
+
+def _einsum_letters(args: tuple[Any, ...]) -> tuple[list[str], str] | None:
+    """Each operand's subscripts and the output's of an explicit einsum without ``...``."""
+    equation = args[0] if args else None
+    if not isinstance(equation, str) or "..." in equation:
+        return None
+    equation = equation.replace(" ", "")
+    left, arrow, output = equation.partition("->")
+    inputs = left.split(",")
+    if not arrow:  # implicit output: the letters seen once, in order
+        joined = "".join(inputs)
+        output = "".join(sorted(c for c in set(joined) if joined.count(c) == 1))
+    if not all(set(part) <= set(string.ascii_letters) for part in (*inputs, output)):
+        return None
+    return inputs, output
