@@ -784,3 +784,25 @@ def test_an_output_without_the_batch_names_its_likely_cause():
         for quantity in (pf.batch_grad, _gradient):
             with pytest.raises((ValueError, TypeError), match=rf"{kind}.*one tensor.*\)\[0\]"):
                 quantity(wrapped, params, X, Y)
+
+
+def test_inputs_of_another_leading_size_are_named_with_the_fix():
+    """Position ids ``[1, T]`` shared by the batch: the message gave the sizes alone."""
+    model_fn, params = pf.functional(torch.nn.Linear(3, 2))
+    X = {"x": torch.randn(4, 3), "position_ids": torch.arange(5)[None]}
+    with pytest.raises(ValueError, match=r"X\['position_ids'\]: 1.*closed over in model_fn"):
+        pf.batch_grad(lambda p, X: model_fn(p, X["x"]), params, X, torch.tensor([0, 1, 1, 0]))
+
+
+def test_a_models_own_error_with_a_sparse_input_keeps_its_message():
+    """Any error of a call with a sparse input was relabelled as refusing the input."""
+    layer = torch.nn.Linear(2, 2)
+    model_fn, params = pf.functional(layer)
+
+    def buggy(p, X):
+        return model_fn(p, X.to_dense())  # [4, 3] into a layer of 2 inputs: the model's bug
+
+    X, y = torch.randn(4, 3).to_sparse(), torch.tensor([0, 1, 1, 0])
+    tangent = {k: torch.ones_like(v) for k, v in params.items()}
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        pf.ggn_vector_product(buggy, params, X, y, tangent)

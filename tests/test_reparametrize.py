@@ -362,3 +362,37 @@ def test_modules_reached_through_partials_defaults_and_wrappers_are_kept():
         params = {k: v.detach() for k, v in model.named_parameters()}
         pf.batch_grad(make(model), params, X, y)
         assert int(model.calls) == 1
+
+
+def test_tensors_and_hooks_a_forward_changes_are_those_of_the_users_forward_alone():
+    """An average kept in a dict of tensors, updated in place, was updated by packfunc's
+    own forwards too (discovery, the check of rows, ``pf.explain``); a hook the forward
+    registers once was registered again after discovery put its flag back."""
+
+    class Averaging(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 2)
+            self.stats = {"mean": torch.zeros(3)}
+            self._hooked = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                self.stats["mean"].mul_(0.9).add_(0.1 * x.mean(0))
+            if not self._hooked:
+                self.layer.register_forward_hook(lambda module, args, out: None)
+                self._hooked = True
+            return self.layer(x)
+
+    torch.manual_seed(0)
+    X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    users = Averaging()
+    users(X)
+    model = Averaging()
+    model_fn, params = pf.functional(model)
+    pf.explain(model_fn, params, X)
+    assert torch.equal(model.stats["mean"], torch.zeros(3))
+    assert (len(model.layer._forward_hooks), model._hooked) == (0, False)
+    pf.batch_grad(model_fn, params, X, y)
+    torch.testing.assert_close(model.stats["mean"], users.stats["mean"], rtol=0, atol=0)
+    assert len(model.layer._forward_hooks) == 1

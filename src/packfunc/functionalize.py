@@ -259,7 +259,8 @@ def public_entry(function: F) -> F:
             if mutates_captured_tensor(error):
                 raise ValueError(_MUTATES_CAPTURED) from error
             unsplittable = _unsplittable_among((args, kwargs))
-            if unsplittable is not None:  # (a path that checks no inputs: products, explain)
+            symptom = any(word in str(error) for word in _UNSPLITTABLE_SYMPTOMS)
+            if unsplittable is not None and symptom:  # (a path that checks no inputs: explain)
                 raise ValueError(_unsplittable_input(unsplittable, "an input")) from error
             if isinstance(error, NotImplementedError) and "'Sparse" in str(error):
                 raise ValueError(_SPARSE_GRADIENTS) from error  # (from the 'SparseCPU' backend)
@@ -740,6 +741,10 @@ def leaf_names(paths: list[tuple[Any, ...]]) -> list[str]:
     return names
 
 
+_UNSPLITTABLE_SYMPTOMS = ("Sparse", "sparse", "Nested", "nested", "strides", "layout")
+"""Words of torch's errors on sparse or nested tensors (a model's own error keeps its own)."""
+
+
 def batch_size(X: Any) -> int:
     """Return the common leading dimension of all tensors in the input pytree.
 
@@ -757,13 +762,21 @@ def batch_size(X: Any) -> int:
         >>> batch_size((torch.zeros(5, 2), torch.zeros(5)))
         5
     """
-    sizes = {
-        leaf.shape[0] for leaf in optree.tree_leaves(X) if isinstance(leaf, Tensor) and leaf.dim()
-    }
+    paths, leaves, _ = optree.tree_flatten_with_path(X)
+    named = [
+        (input_name(path), leaf.shape[0])
+        for path, leaf in zip(paths, leaves)
+        if isinstance(leaf, Tensor) and leaf.dim()
+    ]
+    sizes = {size for _, size in named}
     if len(sizes) != 1:
+        listed = ", ".join(f"{name}: {size}" for name, size in named)
         raise ValueError(
             "X must be a tensor or a pytree of tensors sharing one leading batch dimension; "
-            f"found leading sizes {sorted(sizes)}."
+            f"found leading sizes {sorted(sizes)} ({listed}). An input the samples share "
+            "(position ids [1, T] or [T], a mask for every sample) is closed over in model_fn "
+            "(lambda p, X: model_fn(p, {**X, 'position_ids': ids})) or expanded to [N, ...] "
+            "(ids.expand(N, -1)); a PackedSequence is passed padded."
         )
     size = sizes.pop()
     if size == 0:

@@ -260,6 +260,21 @@ MORE_MOVES: dict[str, Callable[[Tensor], Tensor]] = {
     "embedding of the rows": lambda h: F.embedding(torch.arange(h.shape[0]).flip(0), h),
     "permutation matrix": lambda h: _permutation(h) @ h,
     "einsum with a permutation": lambda h: torch.einsum("mn,nd->md", _permutation(h), h),
+    # found by a second probe: a new leading dim of one element, other products
+    "reshape to [1, N, d]": lambda h: h.reshape(1, -1, h.shape[1]).flip(1).squeeze(0),
+    "unflatten": lambda h: h.unflatten(0, (1, -1)).flip(1).squeeze(0),
+    "expand": lambda h: h.expand(1, -1, -1).flip(1).squeeze(0),
+    "broadcast with [1, 1, d]": lambda h: (h + h.new_zeros(1, 1, h.shape[1])).flip(1)[0],
+    "matmul with [1, d, d]": lambda h: (h @ torch.eye(h.shape[1], dtype=h.dtype)[None]).flip(1)[0],
+    "new_zeros and index_copy": lambda h: (
+        h.new_zeros(1, *h.shape).index_copy(1, torch.arange(h.shape[0]).flip(0), h[None]).squeeze(0)
+    ),
+    "addmm": lambda h: torch.addmm(h.new_zeros(1), _permutation(h), h),
+    "tensordot": lambda h: torch.tensordot(_permutation(h), h, dims=1),
+    "linear of the transpose": lambda h: F.linear(h.T, _permutation(h)).T,
+    "einsum with an ellipsis": lambda h: torch.einsum("nm,m...->n...", _permutation(h), h),
+    "baddbmm": lambda h: torch.baddbmm(h.new_zeros(1), _permutation(h)[None], h[None])[0],
+    "multi_dot": lambda h: torch.linalg.multi_dot([_permutation(h), h]),
 }
 """Reversals of the batch found by a probe that no listed move made (off by 0.33)."""
 
@@ -346,4 +361,48 @@ def test_picks_along_dims_that_do_not_carry_the_batch_keep_the_closed_forms(make
     X, y = torch.randn(*shape, dtype=torch.float64), torch.tensor([0, 1, 2])
     paths = pf.explain(model_fn, params, X)
     assert not any(path.startswith("whole model") for path in paths.values()), paths
+    assert_batch_grad_is_a_loop(model_fn, params, X, y)
+
+
+class _SequenceFirstHeads(nn.Module):
+    """Attention written by hand on a sequence-first batch, its heads split by ``reshape``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.head = nn.Linear(8, 24), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.transpose(0, 1)  # [T, N, 8]
+        T, N = h.shape[:2]
+        q, k, v = (t.reshape(T, N, 2, 4) for t in self.proj(h).chunk(3, -1))
+        a = torch.einsum("tnhd,snhd->nhts", q, k).softmax(-1)
+        return self.head(torch.einsum("nhts,snhd->nthd", a, v).reshape(N, T, 8).mean(1))
+
+
+class _OneHot(nn.Module):
+    """A one-hot of each sample's strongest position, built by ``scatter_`` (one position)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.head = nn.Linear(3, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.proj(x))  # [N, T, 8]
+        index = h[..., 0].argmax(-1, keepdim=True)
+        onehot = torch.zeros(x.shape[0], x.shape[1], dtype=h.dtype).scatter_(1, index, 1.0)
+        return self.head((h * onehot[..., None]).sum(1))
+
+
+@pytest.mark.parametrize(
+    "make, shape",
+    [(_SequenceFirstHeads, (3, 4, 8)), (_SequenceFirstHeads, (3, 1, 8)), (_OneHot, (3, 1, 3))],
+    ids=["sequence-first heads", "sequence-first heads of one step", "one-hot of one position"],
+)
+def test_batch_dims_followed_through_reshapes_and_writes_keep_the_closed_forms(make, shape):
+    torch.manual_seed(0)
+    model_fn, params = pf.functional(make().double())
+    X, y = torch.randn(*shape, dtype=torch.float64), torch.tensor([0, 1, 2])
+    paths = pf.explain(model_fn, params, X)
+    assert not any("moved" in path for path in paths.values()), paths
+    assert paths["head.weight"].startswith("closed form"), paths
     assert_batch_grad_is_a_loop(model_fn, params, X, y)

@@ -91,6 +91,8 @@ _VMAP_CANNOT = (
     "Attempting to batch over indexing with a boolean mask",
     # rows = torch.where(idx == e)[0] (nonzero), masked_select: shapes that depend on values
     "operators that can output dynamic shape",
+    # h.masked_select(mask) with a mask per sample
+    "Attempted to vmap over `mask` in torch.masked_select",
 )
 """What ``vmap`` says of models it cannot run but a loop over samples can."""
 

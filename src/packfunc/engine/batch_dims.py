@@ -32,6 +32,89 @@ _RESHAPES = frozenset(
 """Calls that lay the entries out anew: the batch stays at dim 0 only where it was there."""
 
 _MOVE_DIMS = _SWAPS | _MOVES | _RESHAPES | {"t", "permute", "__get__", "rot90"}
+_UNTRACKED = frozenset(
+    {
+        "new_zeros",
+        "new_ones",
+        "new_full",
+        "new_empty",
+        "new_tensor",
+        "tensordot",
+        "kron",
+        "outer",
+        "ger",
+        "diag_embed",
+        "diagonal",
+        "unfold",
+        "fold",
+        "repeat_interleave",
+        "select",
+    }
+)
+"""Calls whose output's dims are not the input's in place (``h.new_zeros(1, N, d)``)."""
+_APPENDS_DIMS = frozenset({"embedding", "one_hot"})
+_BROADCASTS = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "true_divide",
+        "pow",
+        "where",
+        "maximum",
+        "minimum",
+        "masked_fill",
+        "expand",
+        "expand_as",
+        "broadcast_to",
+        "matmul",
+        "__add__",
+        "__radd__",
+        "__sub__",
+        "__rsub__",
+        "__mul__",
+        "__rmul__",
+        "__truediv__",
+        "__rtruediv__",
+        "__matmul__",
+        "__rmatmul__",
+        "__pow__",
+        "__eq__",
+        "__ne__",
+        "__lt__",
+        "__le__",
+        "__gt__",
+        "__ge__",
+        "__and__",
+        "__or__",
+    }
+)
+"""Calls that line their inputs' dims up from the right (broadcasting)."""
+_REDUCTIONS = frozenset(
+    {
+        "sum",
+        "mean",
+        "nansum",
+        "nanmean",
+        "prod",
+        "amax",
+        "amin",
+        "max",
+        "min",
+        "argmax",
+        "argmin",
+        "norm",
+        "std",
+        "var",
+        "logsumexp",
+        "all",
+        "any",
+        "count_nonzero",
+        "median",
+    }
+)
+"""Calls that reduce the dims their ``dim`` names (all, without one)."""
 """Calls whose output has the input's number of dims but may have them elsewhere (``__get__``
 is another property's than ``x.T``, ``x.mT``)."""
 
@@ -95,16 +178,18 @@ def batch_dims_after(
         return _stacked(args, kwargs, carriers)
     if name == "einsum":
         return _einsum_output_dims(args, carriers)
-    if name in _MOVE_DIMS:
+    if name in _MOVE_DIMS or name in _UNTRACKED:
         return None
-    shared = {dims for _, dims in carriers}
-    if len(shared) != 1:
+    if name in _APPENDS_DIMS:  # embedding(ids): the ids' dims lead the output's
+        return of_first
+    if name in _REDUCTIONS and isinstance(first, Tensor) and of_first is not None:
+        return _reduced(args, kwargs, first, of_first) if len(carriers) == 1 else None
+    highest = max(tensor.dim() for tensor, _ in carriers)
+    if highest > out.dim() or (highest < out.dim() and name not in _BROADCASTS):
         return None
-    (dims,) = shared
-    assert dims is not None
-    if all(tensor.dim() == out.dim() for tensor, _ in carriers):
-        return dims  # elementwise ops, layers, reductions kept dim, cat
-    return dims if dims == {0} and out.dim() and out.shape[0] == 1 else None
+    # each carrier's dims aligned from the right, as broadcasting lines them up
+    aligned = {frozenset(d + out.dim() - t.dim() for d in dims or ()) for t, dims in carriers}
+    return aligned.pop() if len(aligned) == 1 else None
 
 
 def _moved_by(
@@ -137,7 +222,7 @@ def _moved_by(
     if name == "__getitem__" and len(args) > 1:
         return True, _indexed(args[1], ndim, dims)
     if name in _RESHAPES:
-        return True, (dims if dims == {0} and out.dim() and out.shape[0] == 1 else None)
+        return True, _reshaped(first, out, dims)
     if name == "rot90":
         turns = args[1] if len(args) > 1 else kwargs.get("k", 1)
         pair = args[2] if len(args) > 2 else kwargs.get("dims", (0, 1))
@@ -145,6 +230,52 @@ def _moved_by(
         swapped = frozenset(b if d == a else a if d == b else d for d in dims)
         return True, (swapped if turns % 2 else dims)
     return False, None
+
+
+def _reshaped(first: Tensor, out: Tensor, dims: Dims) -> Dims | None:
+    """The batch dims after a reshape: where the dims before the batch's are kept.
+
+    The batch dim ``b`` stays where the output has the input's sizes before it and one
+    element at ``b``; dims of one element right after it may be the batch too (one sample
+    cannot tell ``h.reshape(1, -1, d)`` from ``h.reshape(N, 1, d)``).
+    """
+    if len(dims) != 1:
+        return None
+    (b,) = dims
+    if out.dim() <= b or out.shape[:b] != first.shape[:b] or out.shape[b] != 1:
+        return None
+    end = b + 1
+    while end < out.dim() and out.shape[end] == 1 and out.dim() > first.dim():
+        end += 1
+    return frozenset(range(b, end))
+
+
+def _reduced(
+    args: tuple[Any, ...], kwargs: dict[str, Any], first: Tensor, dims: Dims
+) -> Dims | None:
+    """The batch dims after a reduction along ``dim`` (``None`` where it reduces a batch dim)."""
+    gone = _reduced_dims(args, kwargs, first)
+    if gone & dims:
+        return None
+    keepdim = args[2] if len(args) > 2 and isinstance(args[2], bool) else kwargs.get("keepdim")
+    if keepdim:
+        return dims
+    return frozenset(d - sum(g < d for g in gone) for d in dims)
+
+
+def _reduced_dims(args: tuple[Any, ...], kwargs: dict[str, Any], first: Tensor) -> frozenset[int]:
+    """The dims a reduction (``sum``, ``mean``, ``amax`` ...) of ``first`` reduces.
+
+    Example:
+        >>> sorted(_reduced_dims((torch.ones(2, 3, 4), (0, -1)), {}, torch.ones(2, 3, 4)))
+        [0, 2]
+    """
+    chosen = args[1] if len(args) > 1 and not isinstance(args[1], torch.dtype) else None
+    chosen = kwargs.get("dim", chosen)
+    if chosen is None:
+        return frozenset(range(first.dim()))
+    listed = [chosen] if isinstance(chosen, int) else list(chosen)
+    return frozenset(d % max(first.dim(), 1) for d in listed)
 
 
 def _dim_argument(
@@ -275,15 +406,29 @@ def contracted_dims(
         >>> [(t is h, d) for t, d in contracted_dims(torch.matmul, (P, h), {})]
         [(False, 1), (True, 0)]
     """
-    name = getattr(func, "__name__", "")
-    if name in ("matmul", "mm", "bmm", "__matmul__", "__rmatmul__"):
-        operands = [args[0] if args else kwargs.get("input"), args[1] if len(args) > 1 else None]
-        if name == "__rmatmul__":
-            operands.reverse()
-        a, b = operands
-        if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or not (a.dim() and b.dim()):
+    name = getattr(func, "__name__", "").removeprefix("linalg_")
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+    if name in ("matmul", "mm", "bmm", "__matmul__", "__rmatmul__", "mv", "inner", "linear"):
+        operands = tensors[:2] if name != "__rmatmul__" else tensors[1::-1]
+        if len(operands) < 2 or not all(t.dim() for t in operands):
             return []
+        a, b = operands
+        if name == "inner":
+            return [(a, a.dim() - 1), (b, b.dim() - 1)]
+        if name == "linear":  # x Wᵀ: W's dim 1
+            return [(a, a.dim() - 1), (b, b.dim() - 1)]
         return [(a, a.dim() - 1), (b, max(b.dim() - 2, 0))]
+    if name in ("addmm", "baddbmm", "addbmm", "addmv") and len(tensors) >= 3:
+        _, a, b = tensors[:3]
+        summed = [(a, 0), (b, 0)] if name == "addbmm" else []
+        return [*summed, (a, a.dim() - 1), (b, max(b.dim() - 2, 0))]
+    if name == "multi_dot" and args and isinstance(args[0], (list, tuple)):
+        chain = [t for t in args[0] if isinstance(t, Tensor)]
+        return [pair for a, b in zip(chain, chain[1:]) for pair in ((a, a.dim() - 1), (b, 0))]
+    if name == "tensordot" and len(tensors) >= 2:
+        return _tensordot_dims(
+            tensors[0], tensors[1], args[2] if len(args) > 2 else kwargs.get("dims", 2)
+        )
     if name == "einsum":
         letters = _einsum_letters(args)
         if letters is None:
@@ -298,6 +443,14 @@ def contracted_dims(
     return []
 
 
+def _tensordot_dims(a: Tensor, b: Tensor, dims: Any) -> list[tuple[Tensor, int]]:
+    """The dims ``torch.tensordot(a, b, dims)`` sums over."""
+    if isinstance(dims, int):
+        return [(a, a.dim() - dims + k) for k in range(dims)] + [(b, k) for k in range(dims)]
+    first, second = ([d] if isinstance(d, int) else list(d) for d in dims)
+    return [(a, d % a.dim()) for d in first] + [(b, d % b.dim()) for d in second]
+
+
 def _einsum_operands(args: tuple[Any, ...]) -> list[Any]:
     """``torch.einsum``'s operands, given one by one or as a list."""
     rest = list(args[1:])
@@ -305,16 +458,39 @@ def _einsum_operands(args: tuple[Any, ...]) -> list[Any]:
 
 
 def _einsum_letters(args: tuple[Any, ...]) -> tuple[list[str], str] | None:
-    """Each operand's subscripts and the output's of an explicit einsum without ``...``."""
+    """Each operand's subscripts and the output's of an einsum, ``...`` spelled out.
+
+    An ellipsis stands for as many dims as its operand has beyond its letters, lined up
+    from the right across operands (as broadcasting does); capital letters name them.
+    """
     equation = args[0] if args else None
-    if not isinstance(equation, str) or "..." in equation:
+    operands = _einsum_operands(args)
+    if not isinstance(equation, str):
         return None
     equation = equation.replace(" ", "")
     left, arrow, output = equation.partition("->")
     inputs = left.split(",")
-    if not arrow:  # implicit output: the letters seen once, in order
-        joined = "".join(inputs)
-        output = "".join(sorted(c for c in set(joined) if joined.count(c) == 1))
-    if not all(set(part) <= set(string.ascii_letters) for part in (*inputs, output)):
+    if len(inputs) != len(operands):
         return None
-    return inputs, output
+    spelled, widest = [], 0
+    for part, operand in zip(inputs, operands, strict=True):
+        if "..." in part:
+            count = getattr(operand, "ndim", 0) - (len(part) - 3)
+            if count < 0:
+                return None
+            widest = max(widest, count)
+            part = part.replace("...", _ELLIPSIS_LETTERS[len(_ELLIPSIS_LETTERS) - count :])
+        spelled.append(part)
+    if not arrow:  # implicit output: the ellipsis', then the letters seen once, in order
+        joined = "".join(inputs).replace("...", "")
+        once = "".join(sorted(c for c in set(joined) if joined.count(c) == 1))
+        output = _ELLIPSIS_LETTERS[len(_ELLIPSIS_LETTERS) - widest :] + once
+    else:
+        output = output.replace("...", _ELLIPSIS_LETTERS[len(_ELLIPSIS_LETTERS) - widest :])
+    if not all(set(part) <= set(string.ascii_letters) for part in (*spelled, output)):
+        return None
+    return spelled, output
+
+
+_ELLIPSIS_LETTERS = string.ascii_uppercase
+"""Letters for the dims of an ellipsis, the last ones for the rightmost dims."""

@@ -526,9 +526,18 @@ class _DiscoveryMode(ParameterMode):
         it writes does.
         """
         first = args[0] if args else kwargs.get("input")
-        if isinstance(first, Tensor) and (any(first is t for t in carriers) or writes_rows(func)):
+        if not isinstance(first, Tensor):
+            first = None
+        carried = first is not None and any(first is t for t in carriers)
+        if first is not None and (carried or writes_rows(func)):
+            # a fresh tensor written by index (zeros(N, T).scatter_(1, ids, 1)) is laid out
+            # as the index that carries the samples
+            laid_out = first
+            if writes_rows(func) and self._batch_dims_of(first) is None:
+                index = self._index_of_a_write(args, kwargs, carriers)
+                laid_out = first if index is None else index
             for dim, index in moved_dims(func, args, kwargs):
-                if self._moves_the_batch(first, dim, index):
+                if self._moves_the_batch(first, dim, index, laid_out):
                     return True
         if func is F.embedding:  # rows of a weight that carries samples, picked by index
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
@@ -539,7 +548,19 @@ class _DiscoveryMode(ParameterMode):
             if any(tensor is t for t in carriers)
         )
 
-    def _moves_the_batch(self, tensor: Tensor, dim: int, index: Any) -> bool:
+    def _index_of_a_write(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], carriers: list[Tensor]
+    ) -> Tensor | None:
+        """The index of a ``scatter`` into a tensor of unknown layout, where it is known."""
+        index = args[2] if len(args) > 2 else kwargs.get("index")
+        if not (isinstance(index, Tensor) and any(index is t for t in carriers)):
+            return None
+        known = self._batch_dims_of(index) is not None
+        return index if known and index.dim() == args[0].dim() else None
+
+    def _moves_the_batch(
+        self, tensor: Tensor, dim: int, index: Any, laid_out: Tensor | None = None
+    ) -> bool:
         """Whether a move along ``dim`` of ``tensor`` may move its samples (see :func:`moved_dims`).
 
         Along a dim known to carry the batch (:meth:`_note_batch_dims`), any pick does.
@@ -550,7 +571,7 @@ class _DiscoveryMode(ParameterMode):
         """
         if index is not None and self.sample_index.get(id(index)) is index:
             return False
-        known = self._batch_dims_of(tensor)
+        known = self._batch_dims_of(tensor if laid_out is None else laid_out)
         if known is not None:
             return dim in known
         if is_integer_index(index):
@@ -996,7 +1017,7 @@ def _copied(tree: Any) -> Any:
 
 
 def _python_values_hint(X: Any) -> str:
-    """Where ``X`` holds Python values per sample (a list), why the output lost its batch.
+    """Where ``X`` holds Python lists or tuples (per sample?), why the output lost its batch.
 
     packfunc does not split such values into samples: the one sample discovery ran
     (``X[0:1]``) saw the whole batch's.
@@ -1012,7 +1033,7 @@ def _python_values_hint(X: Any) -> str:
         )
 
     paths, leaves, _ = optree.tree_flatten_with_path(X, is_leaf=tensorless)
-    names = [input_name(path) for path, leaf in zip(paths, leaves) if not isinstance(leaf, Tensor)]
+    names = [input_name(path) for path, leaf in zip(paths, leaves) if tensorless(leaf)]
     if not names:
         return ""
     return (

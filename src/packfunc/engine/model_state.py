@@ -16,10 +16,10 @@ import contextlib
 import operator
 import threading
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 __all__ = [
     "attribute_restorer",
@@ -55,7 +55,8 @@ def kept_model_state(module: nn.Module | None) -> Iterator[list[str]]:
         >>> norm.running_mean, changed
         (tensor([0., 0.]), ['running_mean', 'running_var', 'num_batches_tracked'])
     """
-    restore_buffers, restore_attributes = buffer_restorer(module), attribute_restorer(module)
+    restore_buffers = buffer_restorer(module)
+    restore_attributes = attribute_restorer(module, whole=True)
     changed: list[str] = []
     try:
         yield changed
@@ -116,16 +117,21 @@ class Restore(Protocol):
     def __call__(self, only: Callable[[object, object], bool] = ...) -> None: ...
 
 
-def attribute_restorer(module: nn.Module | None) -> Restore:
+def attribute_restorer(module: nn.Module | None, whole: bool = False) -> Restore:
     """A function that puts the attributes of ``module`` and its submodules back as they are now.
 
-    An attribute set since is put back, one added is deleted (each module's own
-    ``__dict__``; the dicts of parameters, buffers, children and hooks are kept as they
-    are: buffers have :func:`buffer_restorer`). ``restore(only)`` does that for the
-    attributes ``only(value_before, value_now)`` picks (a missing value is ``_MISSING``).
+    An attribute set since is put back, one added is deleted, a list, dict or set changed
+    in place gets its entries back (each module's own ``__dict__``; the dicts of
+    parameters, buffers and children are kept as they are: buffers have
+    :func:`buffer_restorer`). ``restore(only)`` does that for the attributes
+    ``only(value_before, value_now)`` picks (a missing value is ``_MISSING``). ``whole``
+    (a forward that is not the user's at all) also removes hooks registered since and puts
+    back the values of tensors held in attributes that were changed in place (an
+    exponential average kept in a dict).
 
     Args:
         module: A module, or ``None`` (nothing kept).
+        whole: Whether to keep hooks and tensors' values too (each tensor is copied).
 
     Returns:
         ``restore()``.
@@ -137,12 +143,23 @@ def attribute_restorer(module: nn.Module | None) -> Restore:
         >>> restore(); hasattr(layer, "calls")
         False
     """
+    owners = _submodules(module)
     saved = [
-        (owner.__dict__, owner.__dict__.copy(), tuple(owner.__dict__), _contents(owner.__dict__))
-        for owner in _submodules(module)
+        (
+            owner.__dict__,
+            owner.__dict__.copy(),
+            tuple(owner.__dict__),
+            _contents(owner.__dict__, hooks=whole),
+        )
+        for owner in owners
     ]
+    tensors = [kept for owner in owners for kept in _held_tensors(owner.__dict__)] if whole else []
 
     def restore(only: Callable[[object, object], bool] = lambda before, now: True) -> None:
+        with torch.no_grad():
+            for tensor, version, value in tensors:
+                if tensor._version != version:
+                    tensor.copy_(value)
         for now, before, keys, contents in saved:
             for container, copy in contents:
                 if not _same_contents(container, copy) and only(copy, container):
@@ -164,22 +181,66 @@ def attribute_restorer(module: nn.Module | None) -> Restore:
 Container = list[object] | dict[object, object] | set[object]
 
 
-def _contents(attributes: dict[str, object]) -> list[tuple[Container, Container]]:
+def _contents(attributes: dict[str, object], hooks: bool) -> list[tuple[Container, Container]]:
     """The lists, dicts and sets among a module's own attributes, with copies of them.
 
-    A forward may append to them: what packfunc's own runs add is taken out again.
+    A forward may append to them: what packfunc's own runs add is taken out again. With
+    ``hooks``, so are the hooks registered since in the module's dicts of hooks (a forward
+    that registers one once; a copy of such a dict holds only its keys, see :func:`_refill`).
     """
-    return [
+    found: list[tuple[Container, Container]] = [
         (value, value.copy())
         for key, value in attributes.items()
         if isinstance(value, (list, dict, set))
         and type(value) in (list, dict, set)
         and key not in MODULE_INTERNALS
     ]
+    if hooks:
+        found += [
+            (value, set(value))
+            for key, value in attributes.items()
+            if key in MODULE_INTERNALS and "hooks" in key and isinstance(value, dict)
+        ]
+    return found
+
+
+def _held_tensors(attributes: dict[str, object]) -> list[tuple[Tensor, int, Tensor]]:
+    """The tensors a module holds in plain attributes, lists and dicts, with copies.
+
+    Each with its version (a change in place moves it) and a copy of its value.
+    """
+    found: dict[int, Tensor] = {}
+    for key, value in attributes.items():
+        if key in MODULE_INTERNALS:
+            continue
+        entries: list[object] = (
+            list(value.values())
+            if isinstance(value, dict)
+            else list(value)
+            if isinstance(value, (list, tuple))
+            else [value]
+        )
+        for entry in entries:
+            if _plain_tensor(entry):
+                found[id(entry)] = cast(Tensor, entry)
+    return [(t, t._version, t.detach().clone()) for t in found.values()]
+
+
+def _plain_tensor(value: object) -> bool:
+    """A dense tensor outside autograd's graph (an average, a cache), whose value is kept."""
+    return (
+        isinstance(value, Tensor)
+        and not value.requires_grad
+        and value.layout == torch.strided
+        and value.device.type != "meta"
+        and not value.is_inference()  # (no version to tell a change by)
+    )
 
 
 def _same_contents(container: Container, copy: Container) -> bool:
     """Whether a container still holds the same objects as its copy (compared by identity)."""
+    if isinstance(container, dict) and isinstance(copy, set):  # hooks: none added
+        return container.keys() <= copy
     if len(container) != len(copy):
         return False
     if isinstance(container, dict):
@@ -192,7 +253,15 @@ def _same_contents(container: Container, copy: Container) -> bool:
 
 
 def _refill(container: Container, copy: Container) -> None:
-    """Put a container's contents back in place (the module holds that very container)."""
+    """Put a container's contents back in place (the module holds that very container).
+
+    A dict of hooks copied as the set of its keys loses the hooks registered since (and
+    keeps those removed since: packfunc's own hooks may be).
+    """
+    if isinstance(container, dict) and isinstance(copy, set):
+        for key in [key for key in container if key not in copy]:
+            del container[key]
+        return
     container.clear()
     if isinstance(container, list):
         container.extend(copy)
