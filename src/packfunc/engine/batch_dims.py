@@ -5,8 +5,8 @@ sequence-first ``[T, N, d]`` tensor is ``[T, 1, d]``, and a move of its rows alo
 the identity on one sample but gives each of the batch's rows to another sample. The dims
 that carry the batch are followed from the inputs (dim 0) through the calls that move dims
 (transposes, permutes, ``unsqueeze``, ``stack``, basic indexing, ``einsum``) and the calls
-that keep them; where a call's effect on them is unknown, every dim of one element and dim 0
-may carry it (:func:`possible_batch_dims`).
+that keep them; where a call's effect on them is unknown, discovery takes dim 0 and every dim
+of one element for the batch's (``_DiscoveryMode._moves_the_batch``).
 """
 
 from __future__ import annotations
@@ -21,15 +21,12 @@ from torch import Tensor
 Dims = frozenset[int]
 """The dims of a tensor that carry the batch (one, unless broadcasting merged two)."""
 
-BatchDimsOf = Callable[[Tensor], Dims | None]
-"""The known batch dims of a tensor that carries samples, ``None`` where unknown."""
-
 _SWAPS = frozenset({"transpose", "swapaxes", "swapdims"})
 _MOVES = frozenset({"movedim", "moveaxis"})
 _RESHAPES = frozenset(
     {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "ravel", "as_strided"}
 )
-"""Calls that lay the entries out anew: the batch stays at dim 0 only where it was there."""
+"""Calls that lay the entries out anew (see :func:`_reshaped`)."""
 
 _MOVE_DIMS = _SWAPS | _MOVES | _RESHAPES | {"t", "permute", "__get__", "rot90"}
 _UNTRACKED = frozenset(
@@ -117,24 +114,6 @@ _REDUCTIONS = frozenset(
 """Calls that reduce the dims their ``dim`` names (all, without one)."""
 """Calls whose output has the input's number of dims but may have them elsewhere (``__get__``
 is another property's than ``x.T``, ``x.mT``)."""
-
-
-def possible_batch_dims(tensor: Tensor) -> Dims:
-    """The dims that may carry the batch where the calls before do not tell.
-
-    Dim 0, and every dim of one element.
-
-    Args:
-        tensor: A tensor of discovery's one-sample forward.
-
-    Returns:
-        The dims.
-
-    Example:
-        >>> sorted(possible_batch_dims(torch.ones(5, 1, 3)))
-        [0, 1]
-    """
-    return frozenset({0} | {dim for dim, size in enumerate(tensor.shape) if size == 1})
 
 
 def batch_dims_after(
