@@ -21,6 +21,7 @@ from packfunc.functionalize import (
     flatten_params,
     module_of,
     public_entry,
+    refuse_unsplittable_inputs,
     select_samples,
 )
 from packfunc.types import Inputs, ModelFn, Params, shares_arguments
@@ -55,6 +56,7 @@ def explain(model_fn: ModelFn, params: Params, X: Inputs) -> PathTree:
     leaves, treespec, _ = flatten_params(params)
     # a probe, not a forward of the user's: what it sets on the model (a running statistic,
     # a power iteration) is put back
+    refuse_unsplittable_inputs(X)
     n = batch_size(X)
     with torch.no_grad(), private_generators(leaves), kept_model_state(module_of(model_fn)):
         for sample in [0, *other_samples(n)]:  # as the batch pass: another sample's path

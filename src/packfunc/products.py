@@ -30,10 +30,16 @@ from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.engine.pch import loss_hessian_product, pch_block_product
 from packfunc.engine.precision import full_precision, in_loss_dtype
 from packfunc.engine.randomness import random_model_error
-from packfunc.functionalize import check_model_arguments, flatten_params, module_of
+from packfunc.functionalize import (
+    check_model_arguments,
+    flatten_params,
+    module_of,
+    refuse_unsplittable_inputs,
+)
 from packfunc.losses import (
     check_loss,
     check_loss_inputs,
+    check_target_batch,
     default_loss,
     given_targets,
     hessian_factors,
@@ -117,7 +123,7 @@ def ggn_vector_product(
         ...                    v)["weight"].shape
         torch.Size([2, 3])
     """
-    loss = _checked(loss, model_fn, params)
+    loss = _checked(loss, model_fn, params, X, y)
     forward = _model(model_fn, X, params, [])
     return cast(ParamsT, _first_column(_ggn_products(forward, params, _stacked(v), loss, y)))
 
@@ -151,7 +157,7 @@ def hessian_vector_product(
         ...                        torch.tensor([0, 1, 1, 0]), v)["bias"].shape
         torch.Size([2])
     """
-    loss = _checked(loss, model_fn, params)
+    loss = _checked(loss, model_fn, params, X, y)
     forward = _model(model_fn, X, params, [])
     return cast(ParamsT, _first_column(_hessian_products(forward, params, _stacked(v), loss, y)))
 
@@ -185,7 +191,7 @@ def ggn_block_products(
         ...                    torch.tensor([0, 1, 1, 0]), mats)["weight"].shape
         torch.Size([5, 2, 3])
     """
-    loss = _checked(loss, model_fn, params)
+    loss = _checked(loss, model_fn, params, X, y)
     return _per_block(
         model_fn, params, X, mats, lambda forward, leaf, m: _ggn_products(forward, leaf, m, loss, y)
     )
@@ -220,7 +226,7 @@ def hessian_block_products(
         ...                        torch.tensor([0, 1, 1, 0]), mats)["bias"].shape
         torch.Size([5, 2])
     """
-    loss = _checked(loss, model_fn, params)
+    loss = _checked(loss, model_fn, params, X, y)
     return _per_block(
         model_fn,
         params,
@@ -290,11 +296,22 @@ def pch_block_products(
     return cast(ParamsT, refuse_differentiation(found, bp.leaves, "pch_block_products", bp.X))
 
 
-def _checked(loss: nn.Module | None, model_fn: ModelFn, params: Any) -> nn.Module:
+def _checked(
+    loss: nn.Module | None, model_fn: ModelFn, params: Any, X: Any = None, y: Any = None
+) -> nn.Module:
+    """The loss, checked with the arguments before the model runs.
+
+    Sparse and nested inputs, and targets of another batch size than the inputs' (where
+    every input has one leading size), are refused here, not after a forward of the batch.
+    """
     check_model_arguments(model_fn, params)
     loss = loss or default_loss()
     check_loss(loss)
     flatten_params(params)
+    refuse_unsplittable_inputs(X)
+    sizes = {t.shape[0] for t in optree.tree_leaves(X) if isinstance(t, Tensor) and t.dim()}
+    if len(sizes) == 1:
+        check_target_batch(loss, y, sizes.pop())
     return loss
 
 
