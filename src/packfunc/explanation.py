@@ -54,10 +54,10 @@ def explain(model_fn: ModelFn, params: Params, X: Inputs) -> PathTree:
     """
     check_model_arguments(model_fn, params)
     leaves, treespec, _ = flatten_params(params)
-    # a probe, not a forward of the user's: what it sets on the model (a running statistic,
-    # a power iteration) is put back
     refuse_unsplittable_inputs(X)
     n = batch_size(X)
+    # a probe, not a forward of the user's: what it sets on the model (a running statistic,
+    # a power iteration) is put back
     with torch.no_grad(), private_generators(leaves), kept_model_state(module_of(model_fn)):
         for sample in [0, *other_samples(n)]:  # as the batch pass: another sample's path
             plan = discover(model_fn, params, leaves, select_samples(X, slice(sample, sample + 1)))

@@ -341,6 +341,9 @@ _SPARSE_GRADIENTS = (
 )
 
 
+_UNSPLITTABLE_SYMPTOMS = ("Sparse", "sparse", "Nested", "nested", "strides", "layout")
+"""Words of torch's errors on sparse or nested tensors (a model's own error keeps its own)."""
+
 _SPARSE_LAYOUTS = frozenset(
     {torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc}
 )
@@ -741,8 +744,16 @@ def leaf_names(paths: list[tuple[Any, ...]]) -> list[str]:
     return names
 
 
-_UNSPLITTABLE_SYMPTOMS = ("Sparse", "sparse", "Nested", "nested", "strides", "layout")
-"""Words of torch's errors on sparse or nested tensors (a model's own error keeps its own)."""
+def leading_sizes(X: Any) -> set[int]:
+    """The sizes of dim 0 of the tensors in a pytree (those of no dims left out).
+
+    Example:
+        >>> leading_sizes({"x": torch.zeros(5, 2), "scale": 2.0, "t": torch.tensor(1.0)})
+        {5}
+    """
+    return {
+        leaf.shape[0] for leaf in optree.tree_leaves(X) if isinstance(leaf, Tensor) and leaf.dim()
+    }
 
 
 def batch_size(X: Any) -> int:
@@ -762,15 +773,14 @@ def batch_size(X: Any) -> int:
         >>> batch_size((torch.zeros(5, 2), torch.zeros(5)))
         5
     """
-    paths, leaves, _ = optree.tree_flatten_with_path(X)
-    named = [
-        (input_name(path), leaf.shape[0])
-        for path, leaf in zip(paths, leaves)
-        if isinstance(leaf, Tensor) and leaf.dim()
-    ]
-    sizes = {size for _, size in named}
+    sizes = leading_sizes(X)
     if len(sizes) != 1:
-        listed = ", ".join(f"{name}: {size}" for name, size in named)
+        paths, leaves, _ = optree.tree_flatten_with_path(X)
+        listed = ", ".join(
+            f"{input_name(path)}: {leaf.shape[0]}"
+            for path, leaf in zip(paths, leaves)
+            if isinstance(leaf, Tensor) and leaf.dim()
+        )
         raise ValueError(
             "X must be a tensor or a pytree of tensors sharing one leading batch dimension; "
             f"found leading sizes {sorted(sizes)} ({listed}). An input the samples share "

@@ -33,6 +33,7 @@ from packfunc.engine.randomness import random_model_error
 from packfunc.functionalize import (
     check_model_arguments,
     flatten_params,
+    leading_sizes,
     module_of,
     refuse_unsplittable_inputs,
 )
@@ -309,7 +310,7 @@ def _checked(
     check_loss(loss)
     flatten_params(params)
     refuse_unsplittable_inputs(X)
-    sizes = {t.shape[0] for t in optree.tree_leaves(X) if isinstance(t, Tensor) and t.dim()}
+    sizes = leading_sizes(X)
     if len(sizes) == 1:
         check_target_batch(loss, y, sizes.pop())
     return loss

@@ -292,12 +292,11 @@ def _refuse_terms_beside_the_loss(
             "backpropagated adds other terms of the output (a penalty such as "
             "0.1 * out.pow(2).mean(), a second loss), or a hook changes that gradient on its "
             "way (out.register_hook(...), gradient clipping of the output), which the "
-            "extensions that use the loss "
-            "function (second-order ones, ClippedGrad) would leave out while first-order ones "
-            "take their gradient. Compute such a term outside the backpack(...) block: "
-            "lossfunc(out, y).backward(retain_graph=True) inside it, penalty.backward() after "
-            "it (.grad gets both), and no hook on the output; first-order extensions alone take "
-            "any loss."
+            "extensions that use the loss function (second-order ones, ClippedGrad) would "
+            "leave out while first-order ones take their gradient. Compute such a term outside "
+            "the backpack(...) block: lossfunc(out, y).backward(retain_graph=True) inside it, "
+            "penalty.backward() after it (.grad gets both), and no hook on the output; "
+            "first-order extensions alone take any loss."
         )
 
 

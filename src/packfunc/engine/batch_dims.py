@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from packfunc.engine.ops import is_integer_index, out_of_place_name
+
 Dims = frozenset[int]
 """The dims of a tensor that carry the batch (one, unless broadcasting merged two)."""
 
@@ -143,10 +145,9 @@ def batch_dims_after(
     """
     if not carriers or any(dims is None for _, dims in carriers):
         return None
-    name = getattr(func, "__name__", "")
+    name = out_of_place_name(func)
     if name == "__get__":  # a property: x.T, x.mT
         name = getattr(getattr(func, "__self__", None), "__name__", name)
-    name = name[:-1] if name.endswith("_") and not name.endswith("__") else name  # in place
     first = args[0] if args else kwargs.get("input")
     of_first = next((dims for tensor, dims in carriers if tensor is first), None)
     if isinstance(first, Tensor) and of_first is not None:
@@ -180,19 +181,18 @@ def _moved_by(
         a, b = (_dim_argument(args, kwargs, i, key, ndim) for i, key in ((1, "dim0"), (2, "dim1")))
         if a is None or b is None:
             return True, None
-        return True, frozenset(b if d == a else a if d == b else d for d in dims)
+        return True, _swapped(dims, a, b)
     if name in ("t", "T", "H"):  # (T of more than two dims reverses them all)
         return True, frozenset(ndim - 1 - d for d in dims)
     if name in ("mT", "mH", "adjoint"):
-        last = {ndim - 1: ndim - 2, ndim - 2: ndim - 1}
-        return True, frozenset(last.get(d, d) for d in dims)
+        return True, _swapped(dims, ndim - 2, ndim - 1)
     if name == "permute":
         order = args[1:] if len(args) > 2 or not args[1:] else args[1]
         order = kwargs.get("dims", order)
         order = [d % ndim for d in (order if isinstance(order, Sequence) else [order])]
         return True, (frozenset(order.index(d) for d in dims) if len(order) == ndim else None)
     if name in _MOVES:
-        return True, _moved_dims(args, kwargs, ndim, dims)
+        return True, _after_movedim(args, kwargs, ndim, dims)
     if name == "unsqueeze":
         dim = _dim_argument(args, kwargs, 1, "dim", out.dim())
         return True, (None if dim is None else frozenset(d + (d >= dim) for d in dims))
@@ -206,8 +206,7 @@ def _moved_by(
         turns = args[1] if len(args) > 1 else kwargs.get("k", 1)
         pair = args[2] if len(args) > 2 else kwargs.get("dims", (0, 1))
         a, b = (d % ndim for d in pair)
-        swapped = frozenset(b if d == a else a if d == b else d for d in dims)
-        return True, (swapped if turns % 2 else dims)
+        return True, (_swapped(dims, a, b) if turns % 2 else dims)
     return False, None
 
 
@@ -237,9 +236,7 @@ def _reduced(
     if gone & dims:
         return None
     keepdim = args[2] if len(args) > 2 and isinstance(args[2], bool) else kwargs.get("keepdim")
-    if keepdim:
-        return dims
-    return frozenset(d - sum(g < d for g in gone) for d in dims)
+    return dims if keepdim else _without(dims, gone)
 
 
 def _reduced_dims(args: tuple[Any, ...], kwargs: dict[str, Any], first: Tensor) -> frozenset[int]:
@@ -265,7 +262,7 @@ def _dim_argument(
     return value % ndim if isinstance(value, int) and ndim else None
 
 
-def _moved_dims(args: tuple[Any, ...], kwargs: dict[str, Any], ndim: int, dims: Dims) -> Dims:
+def _after_movedim(args: tuple[Any, ...], kwargs: dict[str, Any], ndim: int, dims: Dims) -> Dims:
     """The batch dims after ``movedim(source, destination)``."""
     source = args[1] if len(args) > 1 else kwargs["source"]
     destination = args[2] if len(args) > 2 else kwargs["destination"]
@@ -289,8 +286,16 @@ def _squeezed(
     else:
         listed = [chosen] if isinstance(chosen, int) else list(chosen)
         gone = {d % first.dim() for d in listed if first.shape[d] == 1}
-    if gone & dims:
-        return None
+    return None if gone & dims else _without(dims, gone)
+
+
+def _swapped(dims: Dims, a: int, b: int) -> Dims:
+    """The batch dims after dims ``a`` and ``b`` swap places."""
+    return frozenset(b if d == a else a if d == b else d for d in dims)
+
+
+def _without(dims: Dims, gone: set[int] | frozenset[int]) -> Dims:
+    """The batch dims after the dims ``gone`` (none of them a batch dim) are removed."""
     return frozenset(d - sum(g < d for g in gone) for d in dims)
 
 
@@ -325,14 +330,7 @@ def _indexed(index: Any, ndim: int, dims: Dims) -> Dims | None:
 
 def _is_basic(entry: Any) -> bool:
     """Whether an index entry is basic: ``None``, ``...``, a slice or an integer."""
-    if entry is None or entry is Ellipsis or isinstance(entry, (slice, int)):
-        return True
-    return (
-        isinstance(entry, Tensor)
-        and entry.dim() == 0
-        and not entry.is_floating_point()
-        and (entry.dtype != torch.bool)
-    )
+    return entry is None or entry is Ellipsis or isinstance(entry, slice) or is_integer_index(entry)
 
 
 def _stacked(

@@ -529,11 +529,12 @@ class _DiscoveryMode(ParameterMode):
         if not isinstance(first, Tensor):
             first = None
         carried = first is not None and any(first is t for t in carriers)
-        if first is not None and (carried or writes_rows(func)):
+        writes = writes_rows(func)
+        if first is not None and (carried or writes):
             # a fresh tensor written by index (zeros(N, T).scatter_(1, ids, 1)) is laid out
             # as the index that carries the samples
             laid_out = first
-            if writes_rows(func) and self._batch_dims_of(first) is None:
+            if writes and self._batch_dims_of(first) is None:
                 index = self._index_of_a_write(args, kwargs, carriers)
                 laid_out = first if index is None else index
             for dim, index in moved_dims(func, args, kwargs):

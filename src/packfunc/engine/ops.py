@@ -797,6 +797,17 @@ def tapped_leaves(
     return tuple((role, leaf) for role in ROLES if (leaf := leaf_of(bound.get(role))) is not None)
 
 
+def out_of_place_name(func: Callable[..., Any]) -> str:
+    """A function's name without the trailing ``_`` of an in-place method (``flip_``).
+
+    Example:
+        >>> out_of_place_name(Tensor.index_add_), out_of_place_name(Tensor.__setitem__)
+        ('index_add', '__setitem__')
+    """
+    name: str = getattr(func, "__name__", "")
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+
+
 def moved_dims(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> list[tuple[int, Any]]:
@@ -828,8 +839,7 @@ def moved_dims(
         >>> moved_dims(torch.flip, (h, [1]), {})
         [(1, None)]
     """
-    name = getattr(func, "__name__", "")
-    name = name[:-1] if name.endswith("_") and not name.endswith("__") else name  # in place
+    name = out_of_place_name(func)
     first = args[0] if args else kwargs.get("input")
     if not isinstance(first, Tensor) or first.dim() == 0:
         return []
@@ -870,12 +880,12 @@ def writes_rows(func: Callable[..., Any]) -> bool:
         >>> writes_rows(Tensor.index_add), writes_rows(Tensor.__getitem__)
         (True, False)
     """
-    name = getattr(func, "__name__", "").rstrip("_")
-    return name in _WRITES_ROWS or getattr(func, "__name__", "") == "__setitem__"
+    return out_of_place_name(func) in _WRITES_ROWS
 
 
 _WRITES_ROWS = frozenset(
     {
+        "__setitem__",
         "index_put",
         "index_copy",
         "index_add",
