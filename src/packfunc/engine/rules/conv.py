@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from packfunc.engine.memory import chunks
+from packfunc.engine.memory import chunks, unfold_chunk_length
 from packfunc.engine.ops import SiteCall
 from packfunc.engine.rules.base import Route
 from packfunc.engine.rules.product import ProductWeight, gram_is_cheaper
@@ -384,14 +384,17 @@ class ConvWeight(ProductWeight):
         The output factor comes from all cotangents at once (with ``"expand"``, whose
         product copies the cotangents, chunk by chunk). The input is unfolded no more
         samples at a time than make up the input's own size (the backward pass's
-        activations are still alive), each chunk's factor added into the first: with one
-        group and positions not reduced, straight into the layout ``[C_in·k, samples·L]``
-        of one matrix product (one copy and one product per chunk, nothing per sample).
+        activations are still alive; on an accelerator up to a floor of a few MiB, see
+        :func:`~packfunc.engine.memory.unfold_chunk_length`), each chunk's factor added
+        into the first: with one group and positions not reduced, straight into the
+        layout ``[C_in·k, samples·L]`` of one matrix product (one copy and one product per
+        chunk, nothing per sample).
         """
         n, groups = x.shape[0], call.option("groups")
         cotangents = g.reshape(g.shape[0], n, groups, g.shape[2] // groups, -1)
         output = None if approx == "expand" else self.output_factor(cotangents, approx)
-        at_once = max(1, x.numel() // self.canonical_input_size(x, g, call, param))
+        unfolded = self.canonical_input_size(x, g, call, param)
+        at_once = unfold_chunk_length(n, x.numel(), unfolded, x.device)
         inputs: Tensor | None = None
         for chunk in chunks(n, at_once):
             if approx == "expand":
