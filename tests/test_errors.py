@@ -11,6 +11,7 @@ from torch import nn
 import packfunc as pf
 from packfunc.compat import backpack, extend
 from packfunc.compat.extensions import BatchGrad
+from packfunc.engine import discovery
 from tests.cases import assert_trees_close, autograd_batch_grad
 
 
@@ -141,6 +142,27 @@ def test_a_batch_of_one_sample_does_not_pass_the_mixing_check_for_later_batches(
     pf.batch_l2_grad(model_fn, params, X[:1], Y[:1])  # (a centred sample: 0 alone and in batch)
     with pytest.raises(ValueError, match="mixes samples"):
         pf.batch_grad(model_fn, params, X, Y)
+
+
+def test_batches_of_one_sample_reuse_their_plan_and_a_larger_batch_is_still_checked(monkeypatch):
+    """Each call on a batch of one discovered its plan again (unchecked plans were dropped: a
+    small LM's KFAC took 23 ms a call against 7.7 ms cached); they are kept for batches of
+    one alone, and the next larger batch discovers again and is checked."""
+    discoveries = []
+    discover = discovery.discover
+    monkeypatch.setattr(
+        discovery, "discover", lambda *args: discoveries.append(1) or discover(*args)
+    )
+    model = _Centered()
+    model_fn, params = pf.functional(model)
+    for n in range(3):
+        found = pf.batch_grad(model_fn, params, X[n : n + 1], Y[n : n + 1])
+        expected = autograd_batch_grad(model, nn.CrossEntropyLoss(), X[n : n + 1], Y[n : n + 1])
+        assert_trees_close(found, expected)
+    assert len(discoveries) == 1
+    with pytest.raises(ValueError, match="mixes samples"):
+        pf.batch_grad(model_fn, params, X, Y)
+    assert len(discoveries) == 2
 
 
 def test_a_loop_over_the_samples_is_refused_with_the_fix():

@@ -473,6 +473,21 @@ def module_of(model_fn: ModelFn) -> nn.Module | None:
     return next((module for _, module in named.values()), None)
 
 
+def is_own_model_function(model_fn: Any) -> bool:
+    """Whether ``model_fn`` is one of :func:`functional`'s (or :func:`weakly_bound`'s).
+
+    Such a function reads nothing from outside but its module: no closed-over setting
+    can change what it computes.
+
+    Example:
+        >>> is_own_model_function(functional(torch.nn.Linear(3, 2))[0])
+        True
+        >>> is_own_model_function(lambda p, X: X)
+        False
+    """
+    return _registered_module(model_fn) is not None
+
+
 def _registered_module(model_fn: Any) -> nn.Module | None:
     """The module of one of :func:`functional`'s model functions, else ``None``."""
     try:

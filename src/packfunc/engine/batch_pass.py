@@ -338,7 +338,9 @@ class BatchPass:
             if self.plan.first_output is not None:  # unchecked: the next call discovers again
                 forget_plan(model_fn)
             raise
-        if not checked:
+        if not checked and self.n == 1:  # kept for batches of one, which need no check
+            self.plan.one_sample_only = True
+        elif not checked:
             forget_plan(model_fn)  # (unchecked under vmap: discovered again until checked)
         failed = {leaf for k in self.record.failed for _, leaf in self.plan.sites[k].call.leaves}
         self.whole_model = sorted(self.plan.uncovered | failed)

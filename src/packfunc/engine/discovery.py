@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import dataclasses
 import enum
+import functools
 import types
 import weakref
 from collections.abc import Callable, Hashable, Iterable
@@ -81,6 +82,7 @@ from packfunc.functionalize import (
     check_no_cached_parametrizations,
     closed_over,
     input_name,
+    is_own_model_function,
     module_of,
     select_samples,
 )
@@ -174,6 +176,9 @@ class Plan:
     sample: int = 0
     """The sample of the batch discovery ran on (the first, unless the batch's calls
     followed another sample's path: see :func:`cached_discover`)."""
+    one_sample_only: bool = False
+    """Kept for batches of one sample alone: its rows were never checked (a batch of one,
+    whose row is trivially its own), so a larger batch discovers again and checks them."""
 
     @property
     def rewritten(self) -> bool:
@@ -1220,13 +1225,21 @@ def cached_discover(
         entry = _PLANS.get(model_fn)
     except TypeError:  # not weakly referenceable (e.g. a functools.partial): no cache
         entry = None
-    if entry is not None and entry[0] == key:
+    if entry is not None and entry[0] == key and _serves(entry[1], X):
         return entry[1], True
     plan = discover(model_fn, params, leaves, select_samples(X, slice(sample, sample + 1)))
     plan.sample = sample
     with contextlib.suppress(TypeError):
         _PLANS[model_fn] = (key, plan)
     return plan, False
+
+
+def _serves(plan: Plan, X: Any) -> bool:
+    """Whether a cached plan may serve the batch ``X`` (one of one sample only, if unchecked)."""
+    if not plan.one_sample_only:
+        return True
+    inputs = [x for x in optree.tree_leaves(X) if isinstance(x, Tensor)]
+    return all(x.dim() == 0 or x.shape[0] == 1 for x in inputs)
 
 
 def forget_plan(model_fn: ModelFn) -> None:
@@ -1306,16 +1319,29 @@ def _settings(module: Any, held: dict[int, Hashable]) -> Hashable:
 
 def _is_configuration(value: Any) -> bool:
     """A configuration object: a dataclass, a namespace, or a Hugging Face ``config``."""
-    if isinstance(value, (types.SimpleNamespace, argparse.Namespace)):
+    return _is_configuration_type(type(value))
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_configuration_type(kind: type) -> bool:
+    """Whether instances of ``kind`` are configuration objects (a class itself is not)."""
+    if issubclass(kind, type):
+        return False
+    if issubclass(kind, (types.SimpleNamespace, argparse.Namespace)):
         return True
-    kind = type(value)
-    return (dataclasses.is_dataclass(value) and not isinstance(value, type)) or any(
+    return dataclasses.is_dataclass(kind) or any(
         base.__name__ == "PretrainedConfig" for base in kind.__mro__
     )
 
 
 def _closed_over_settings(model_fn: ModelFn) -> Hashable:
-    """The plain values a hand-written ``model_fn`` reads (closure cells, globals it names)."""
+    """The plain values a hand-written ``model_fn`` reads (closure cells, globals it names).
+
+    :func:`~packfunc.functionalize.functional`'s read nothing but their module, whose
+    settings the signature has.
+    """
+    if is_own_model_function(model_fn):
+        return ()
     held: dict[int, Hashable] = {}
     return tuple(
         value
