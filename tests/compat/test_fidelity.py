@@ -289,6 +289,63 @@ def test_second_order_refuses_a_penalty_on_the_output_beside_the_loss(extension,
         torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
 
 
+class _KeepsHidden(nn.Module):
+    """An MLP that keeps its hidden activation (for a loss term on it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.inner, self.head = nn.Linear(3, 4).double(), nn.Linear(4, 2).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.hidden = torch.tanh(self.inner(x))
+        return self.head(self.hidden)
+
+
+@pytest.mark.parametrize("extension", [ours.BatchGrad, ours.BatchL2Grad, ours.Variance])
+def test_a_loss_term_on_a_hidden_activation_is_refused_and_leaves_no_results(extension):
+    """``(lossfunc(out, y) + 0.5 * model.hidden.pow(2).sum()).backward()``: the term reaches
+    the inner layer's output directly, and ``grad_batch`` held the output's part alone (0.43
+    off, not summing to ``.grad``; BackPACK's include it). Refused after the backward pass,
+    every first-order result removed; the fix the message names works."""
+    X, y = _data()
+    model, lossfunc = extend(_KeepsHidden()), extend(nn.CrossEntropyLoss())
+    out = model(X)
+    with backpack(extension()), pytest.raises(ValueError, match="activation the forward keeps"):
+        (lossfunc(out, y) + 0.5 * model.hidden.pow(2).sum()).backward()
+    savefield = extension().savefield
+    assert not any(hasattr(p, savefield) for p in model.parameters())
+    assert all(p.grad is not None for p in model.parameters())  # the backward pass ran
+    model.zero_grad()
+    out = model(X)  # the fix: the term in a backward pass of its own
+    with backpack(ours.BatchGrad()):
+        lossfunc(out, y).backward(retain_graph=True)
+    (0.5 * model.hidden.pow(2).sum()).backward()
+    expected = _per_sample_grads(_KeepsHidden(), nn.CrossEntropyLoss(), X, y)
+    for p, g in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad_batch, g)
+
+
+def test_terms_beside_the_layers_outputs_are_not_refused():
+    """Weight decay in the loss (BackPACK's results leave it out too), a penalty on the output
+    (taken, as BackPACK takes it) and a hook that scales a hidden gradient (packfunc's
+    pullback runs it too) change no layer's output gradient behind the output's back."""
+    X, y = _data()
+    model, lossfunc = extend(_KeepsHidden()), extend(nn.CrossEntropyLoss())
+    out = model(X)
+    decay = 0.1 * sum(p.pow(2).sum() for p in model.parameters())
+    with backpack(ours.BatchGrad()):
+        (lossfunc(out, y) + decay + 0.1 * out.pow(2).mean()).backward()
+    assert model.inner.weight.grad_batch.shape == (5, 4, 3)
+    model.zero_grad()
+    out = model(X)
+    model.hidden.register_hook(lambda g: 2 * g)
+    with backpack(ours.BatchGrad()):
+        lossfunc(out, y).backward()
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
+
+
 def test_a_scaled_loss_gives_the_unscaled_hessian_and_clipped_sum():
     """As docs/shim.md says: ``(s * loss).backward()`` gives the unscaled loss's Hessian
     diagonals (BackPACK's add an ``s``-times residual to the unscaled GGN) and ``ClippedGrad``

@@ -24,6 +24,7 @@ from packfunc.compat.elements import select_element
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
 from packfunc.compat.layout import SampleLayout
 from packfunc.compat.records import ForwardRecord, LossCall, LossRoute
+from packfunc.compat.site_cotangents import SiteCotangents
 from packfunc.engine.api import (
     BatchPass,
     BatchRecord,
@@ -102,6 +103,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
     params = {name: every_param[name] for name in names}
     results: dict[str, dict[str, Any]] = {}
     passes: dict[bool, BatchPass] = {}
+    cotangents = SiteCotangents()
     for ext in ctx.extensions:
         job = ext.job()
         if ctx.debug:
@@ -112,7 +114,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
             )
         else:
             fn, loss, y = model_fn, GivenOutputGradient(gradient), gradient
-            watched = partial(_watched, record, None, differentiable)
+            watched = partial(_watched, record, None, differentiable, cotangents)
         if _uses_forward(job) and job.second_order not in passes:
             bp = passes[job.second_order] = _batch_pass(record, fn, params, X, y, loss, watched)
             if bp.reran:
@@ -134,6 +136,10 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
                 store_result(model.get_parameter(name), ext.savefield, results[ext.savefield][name])
             else:  # (a parameter without Kronecker factors: no last step's value either)
                 forget_result(model.get_parameter(name), ext.savefield)
+    if False in passes and not passes[False].reran:
+        first_order = [e.savefield for e in ctx.extensions if not e.job().second_order]
+        refuse = partial(_refuse_terms_inside_the_model, record.model, first_order)
+        cotangents.check_after_backward(_output_node(record), refuse)
     if ctx.extension_hook is not None:
         for module in _backward_order(record, route):
             ctx.extension_hook(module)
@@ -219,7 +225,7 @@ def _second_order_problem(
     ends_at_loss = _ending_at_loss(model_fn, route.stages, call)
     watched = partial(_not_reusable, record)
     if not route.stages:
-        watched = partial(_watched, record, call.output, differentiable)
+        watched = partial(_watched, record, call.output, differentiable, None)
     return ends_at_loss, _without_hooks(call.module), call.targets(), watched
 
 
@@ -310,6 +316,33 @@ _HOOKS = (
     "_backward_pre_hooks",
 )
 """The hook dicts of a module."""
+
+
+def _refuse_terms_inside_the_model(model: nn.Module, savefields: list[str], _: list[int]) -> None:
+    """Remove the first-order results and refuse: a term reached the model's layers directly.
+
+    Raises:
+        ValueError: always, naming the fix.
+    """
+    for param in model.parameters():
+        for savefield in savefields:
+            forget_result(param, savefield)
+    raise ValueError(
+        f"this backward pass brings a layer inside the extended {type(model).__name__} a "
+        "gradient that does not come through the model's output (a loss term on an "
+        "activation the forward keeps, such as a penalty on a hidden layer or a router's "
+        "auxiliary loss): packfunc.compat's first-order results would hold the per-sample "
+        "gradients of the output's terms alone, without it (BackPACK's include it), so "
+        f"they were removed ({', '.join(savefields)}). Make the term part of the model's "
+        "output (return it beside the logits from an outer module, and add it to the "
+        "loss there), or backpropagate it in a backward pass of its own outside "
+        "`with backpack(...)` (.grad still sums both)."
+    )
+
+
+def _output_node(record: ForwardRecord) -> object:
+    """The autograd node of the record's output (``None`` once it is let go)."""
+    return None if record.output is None else record.output.grad_fn
 
 
 def _without_hooks(loss: nn.Module) -> nn.Module:
@@ -419,6 +452,7 @@ def _watched(
     record: ForwardRecord,
     adapt: Callable | None,
     differentiable: bool,
+    cotangents: SiteCotangents | None,
     plan: Plan,
     leaves: list[Tensor],
     loss: nn.Module,
@@ -429,13 +463,23 @@ def _watched(
 
     Where it does not, packfunc's own pass runs the model again: refused if the model
     changed since its forward pass (see :meth:`ForwardRecord.check_unchanged`).
+    ``cotangents`` notes what its pullbacks give each site (see
+    :mod:`~packfunc.compat.site_cotangents`).
     """
     plan.note_random(record.recorder.random)
     output = record.output
     found = None
     if output is not None:
         found = record.recorder.record(
-            plan, leaves, output, loss, y, n, adapt=adapt, differentiable=differentiable
+            plan,
+            leaves,
+            output,
+            loss,
+            y,
+            n,
+            adapt=adapt,
+            differentiable=differentiable,
+            cotangents=cotangents,
         )
     if found is None:
         record.check_unchanged(_OWN_PASS)

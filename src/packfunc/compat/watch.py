@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
+from packfunc.compat.site_cotangents import SiteCotangents
 from packfunc.engine.api import (
     ATTENTION_OPS,
     LINEAR_CALLS,
@@ -213,6 +214,7 @@ class ForwardRecorder(TorchFunctionMode):
         n: int,
         adapt: Callable[[Tensor], Tensor] | None = None,
         differentiable: bool = False,
+        cotangents: SiteCotangents | None = None,
     ) -> BatchRecord | None:
         """The batch pass's record, from the watched forward; ``None`` if it does not fit.
 
@@ -225,6 +227,8 @@ class ForwardRecorder(TorchFunctionMode):
             n: The batch size.
             adapt: Maps the output to the loss input (a shape change), if they differ.
             differentiable: Keep the results' graphs (``create_graph=True``).
+            cotangents: Notes each site's cotangent in the record's pullbacks, to compare
+                with the user's backward pass.
 
         Returns:
             A :class:`~packfunc.engine.batch_record.BatchRecord` pulling back through the watched
@@ -239,7 +243,8 @@ class ForwardRecorder(TorchFunctionMode):
         with torch.enable_grad():
             final = output if adapt is None else adapt(output)
         check_loss_inputs(loss, final, y, n)
-        return autograd_record(final, inputs, edges, shapes, failed, loss, y, differentiable)
+        found = autograd_record(final, inputs, edges, shapes, failed, loss, y, differentiable)
+        return found if cotangents is None else cotangents.watching(found, edges)
 
 
 _Matched = tuple[dict[int, Recorded], dict[int, GradientEdge], dict[int, tuple[int, ...]], set[int]]

@@ -8,7 +8,13 @@ of the engine, so what the shim depends on is listed in one place.
 
 from packfunc.engine.attention import ATTENTION_OPS
 from packfunc.engine.batch_pass import BatchPass, check_rerun
-from packfunc.engine.batch_record import BatchRecord, autograd_record, graph_owner, sample_layout
+from packfunc.engine.batch_record import (
+    BatchRecord,
+    SiteConsumer,
+    autograd_record,
+    graph_owner,
+    sample_layout,
+)
 from packfunc.engine.discovery import (
     FixedTensors,
     Plan,
@@ -52,6 +58,7 @@ __all__ = [
     "SIGNATURES",
     "BatchPass",
     "BatchRecord",
+    "SiteConsumer",
     "CallArguments",
     "Derived",
     "FixedTensors",

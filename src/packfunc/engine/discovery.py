@@ -1319,12 +1319,12 @@ def _settings(module: Any, held: dict[int, Hashable]) -> Hashable:
 
 def _is_configuration(value: Any) -> bool:
     """A configuration object: a dataclass, a namespace, or a Hugging Face ``config``."""
-    return _is_configuration_type(type(value))
+    return _is_configuration_type(cast(Hashable, type(value)))
 
 
 @functools.lru_cache(maxsize=1024)
-def _is_configuration_type(kind: type) -> bool:
-    """Whether instances of ``kind`` are configuration objects (a class itself is not)."""
+def _is_configuration_type(kind: Any) -> bool:
+    """Whether instances of the type ``kind`` are configuration objects (a class is not)."""
     if issubclass(kind, type):
         return False
     if issubclass(kind, (types.SimpleNamespace, argparse.Namespace)):

@@ -393,8 +393,8 @@ class ConvWeight(ProductWeight):
         n, groups = x.shape[0], call.option("groups")
         cotangents = g.reshape(g.shape[0], n, groups, g.shape[2] // groups, -1)
         output = None if approx == "expand" else self.output_factor(cotangents, approx)
-        unfolded = self.canonical_input_size(x, g, call, param)
-        at_once = unfold_chunk_length(n, x.numel(), unfolded, x.device)
+        per_sample = self.canonical_input_size(x, g, call, param)
+        at_once = unfold_chunk_length(n, x.numel(), per_sample, x.device)
         inputs: Tensor | None = None
         for chunk in chunks(n, at_once):
             if approx == "expand":
