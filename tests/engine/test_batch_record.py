@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tests.cases import RecurrentHead, assert_batch_grad_is_a_loop
 from torch import nn
 
@@ -601,3 +603,40 @@ def test_settings_of_other_plain_kinds_make_the_plan_again(off, on):
     else:
         model.flag = on
     assert_batch_grad_is_a_loop(model_fn, params, X, y)
+
+
+def _below_by_search(node, targets) -> bool:
+    """Oracle: whether any of ``targets`` is a strict descendant of ``node`` (full search)."""
+    stack, seen = [node], set()
+    while stack:
+        for child, _ in stack.pop().next_functions:
+            if child is not None and child not in seen:
+                if child in targets:
+                    return True
+                seen.add(child)
+                stack.append(child)
+    return False
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 1000), st.integers(0, 1000), st.booleans()),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_lowest_sites_are_those_with_no_site_below(steps):
+    """Random graphs of sums and products of earlier tensors: the sites a search that stops at
+    the first site below finds (each node visited once for the lowest ones) are those a full
+    search of every site's descendants finds."""
+    leaf = torch.ones(2, requires_grad=True)
+    tensors = [leaf * 1.0, leaf * 2.0]
+    sites = {}
+    for i, (a, b, is_site) in enumerate(steps):
+        tensors.append(tensors[a % len(tensors)] * tensors[b % len(tensors)] + i)
+        if is_site:
+            sites[i] = tensors[-1].grad_fn
+    nodes = set(sites.values())
+    expected = [k for k, node in sites.items() if not _below_by_search(node, nodes - {node})]
+    assert batch_record.lowest_sites(sites) == expected

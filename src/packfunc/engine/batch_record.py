@@ -933,25 +933,29 @@ def lowest_sites(nodes: dict[int, Node]) -> list[int]:
         [0]
     """
     site_nodes = set(nodes.values())
-    reaches: dict[Node, bool] = {}  # a site's node at or below the node
+    clear: set[Node] = set()  # nodes with no site's node at or below them
+    return [k for k, node in nodes.items() if not _site_below(node, site_nodes, clear)]
 
-    def below(node: Node) -> list[Node]:
-        return [child for child, _ in node.next_functions if child is not None]
 
-    for start in site_nodes:
-        stack = [(start, False)]
-        while stack:  # post-order: a node's children are settled before the node
-            node, expanded = stack.pop()
-            if node in reaches:
+def _site_below(start: Node, site_nodes: set[Node], clear: set[Node]) -> bool:
+    """Whether another site's node lies below ``start``: a search that stops at the first.
+
+    A search that finds none adds what it saw to ``clear``, which later searches skip: each
+    site's search ends at the nearest site below it, and the graph below the lowest is
+    walked once.
+    """
+    seen: set[Node] = set()
+    stack = [start]
+    while stack:
+        for child, _ in stack.pop().next_functions:
+            if child is None or child in seen or child in clear:
                 continue
-            children = below(node)
-            if expanded or not children:
-                found = any(child in site_nodes or reaches[child] for child in children)
-                reaches[node] = found
-                continue
-            stack.append((node, True))
-            stack.extend((child, False) for child in children if child not in reaches)
-    return [k for k, node in nodes.items() if not reaches[node]]
+            if child in site_nodes:
+                return True
+            seen.add(child)
+            stack.append(child)
+    clear |= seen
+    return False
 
 
 def _deliver(

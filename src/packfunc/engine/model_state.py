@@ -179,6 +179,7 @@ def attribute_restorer(module: nn.Module | None, whole: bool = False) -> Restore
 
 
 Container = list[object] | dict[object, object] | set[object]
+_CONTAINERS = frozenset((list, dict, set))
 
 
 def _contents(attributes: dict[str, object], hooks: bool) -> list[tuple[Container, Container]]:
@@ -190,10 +191,8 @@ def _contents(attributes: dict[str, object], hooks: bool) -> list[tuple[Containe
     """
     found: list[tuple[Container, Container]] = [
         (value, value.copy())
-        for key, value in attributes.items()
-        if isinstance(value, (list, dict, set))
-        and type(value) in (list, dict, set)
-        and key not in MODULE_INTERNALS
+        for value in map(attributes.__getitem__, attributes.keys() - MODULE_INTERNALS)
+        if type(value) in _CONTAINERS
     ]
     if hooks:
         found += [
