@@ -250,6 +250,8 @@ def clipping_factors(norms: Tensor, max_norm: float, eps: float) -> Tensor:
     factors = (max_norm / (norms + eps)).clamp(max=1.0)
     if under_vmap():  # (no branch on values there: an overflowed norm's factor is NaN)
         return torch.where(norms.isinf(), torch.nan, factors)
+    if bool(norms.isfinite().all()):  # (one wait for the device, where one is used)
+        return factors
     if bool(norms.isinf().any()):
         sample = int(norms.isinf().nonzero()[0, 0])
         wider = (
