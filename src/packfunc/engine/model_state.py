@@ -189,11 +189,12 @@ def _contents(attributes: dict[str, object], hooks: bool) -> list[tuple[Containe
     ``hooks``, so are the hooks registered since in the module's dicts of hooks (a forward
     that registers one once; a copy of such a dict holds only its keys, see :func:`_refill`).
     """
-    found: list[tuple[Container, Container]] = [
-        (value, value.copy())
+    containers = [
+        cast(Container, value)
         for value in map(attributes.__getitem__, attributes.keys() - MODULE_INTERNALS)
         if type(value) in _CONTAINERS
     ]
+    found: list[tuple[Container, Container]] = [(value, value.copy()) for value in containers]
     if hooks:
         found += [
             (value, set(value))
