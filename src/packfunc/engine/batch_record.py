@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import Any
@@ -858,9 +858,12 @@ def autograd_record(
     def last_gradients(cotangent: Tensor, consume: SiteConsumer | None) -> dict[int, Tensor]:
         if consume is None or differentiable or not sites:
             return _consumed(gradients(cotangent, False, retain=False), consume)
-        captured = [k for k in sites if k not in (streamed or ())]
-        if not captured:  # the graph starts outside the record (a frozen layer's parameters)
-            captured = lowest_sites({k: outputs[k].node for k in sites})
+        # the lowest sites are captured, the others' nodes run on the way to them; a site not
+        # streamed (its output made from a fresh leaf) has none below. A streamed site need
+        # not lie above one of those: a branch fed by a tensor that requires grad from outside
+        # the record (a closed-over frozen layer) meets the rest only at the output
+        rooted = [k for k in sites if k not in (streamed or ())]
+        captured = lowest_sites({k: outputs[k].node for k in sites}, known=rooted)
         nodes = {outputs[k].node for k in captured}
         # a node a capture ends at may not run: its sites are captured as well
         hooked = [k for k in sites if k not in captured and outputs[k].node not in nodes]
@@ -913,7 +916,7 @@ def autograd_record(
     )
 
 
-def lowest_sites(nodes: dict[int, Node]) -> list[int]:
+def lowest_sites(nodes: dict[int, Node], known: Collection[int] = ()) -> list[int]:
     """The sites below which no other site's node lies in the autograd graph.
 
     A backward pass that reaches them runs every other site's node on its way (each lies
@@ -921,6 +924,7 @@ def lowest_sites(nodes: dict[int, Node]) -> list[int]:
 
     Args:
         nodes: Site -> the autograd node of its output.
+        known: Sites known to have no site below (not searched).
 
     Returns:
         The lowest sites, in the order given.
@@ -934,7 +938,9 @@ def lowest_sites(nodes: dict[int, Node]) -> list[int]:
     """
     site_nodes = set(nodes.values())
     clear: set[Node] = set()  # nodes with no site's node at or below them
-    return [k for k, node in nodes.items() if not _site_below(node, site_nodes, clear)]
+    return [
+        k for k, node in nodes.items() if k in known or not _site_below(node, site_nodes, clear)
+    ]
 
 
 def _site_below(start: Node, site_nodes: set[Node], clear: set[Node]) -> bool:

@@ -1291,30 +1291,73 @@ def _is_setting(value: Any) -> bool:
 
 
 def _settings(module: Any, held: dict[int, Hashable]) -> Hashable:
-    """A module's type and plain attributes (``training``, ``batch_first``, ``eps``...).
+    """A module's type, plain attributes (``training``, ``batch_first``, ``eps``...) and hooks.
 
     A change of any since discovery may make another function, even one that mixes samples
     (attention with ``batch_first`` switched), which the plan's first check of rows would
-    not see again. So may one of a dict of plain options, or of a configuration object the
-    module holds (Hugging Face's ``config``, a dataclass, a namespace), whose plain
-    attributes count too (each object once, in ``held``); class attributes do not.
-    ``nn.Module``'s own dicts of parameters, children and hooks are skipped by name: the
-    signature is taken on every call.
+    not see again. So may one of a dict or short list of plain options, a function held as
+    an attribute (``self.act``, by identity), a configuration object the module holds
+    (Hugging Face's ``config``, a dataclass, with slots too, a namespace), whose plain
+    attributes count too (each object once, in ``held``), or a forward hook registered
+    since (by identity); class attributes do not. ``nn.Module``'s own dicts of parameters,
+    children and hooks are skipped by name: the signature is taken on every call.
     """
     found = []
-    for key, value in getattr(module, "__dict__", {}).items():
+    attributes = _attributes(module)
+    for key, value in attributes.items():
         if key in MODULE_INTERNALS:
             continue
-        if _is_setting(value):
+        if type(value) in _PLAIN_TYPES:  # (the common case, without a call)
             found.append((key, value))
-        elif type(value) is dict and _is_setting((*value.keys(), *value.values())):
-            found.append((key, tuple(value.items())))  # options in a dict
-        elif _is_configuration(value):
-            if id(value) not in held:
-                held[id(value)] = None  # (an object that holds itself)
-                held[id(value)] = _settings(value, held)
-            found.append((key, held[id(value)]))
+            continue
+        setting = _setting(value, held)
+        if setting is not _NOT_A_SETTING:
+            found.append((key, setting))
+    for name in _FORWARD_HOOKS:
+        hooks = attributes.get(name)
+        if hooks:
+            found.append((name, tuple(map(id, hooks.values()))))
     return type(module), tuple(found)
+
+
+_FORWARD_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
+_NOT_A_SETTING = object()
+_LISTED = 16
+"""The most entries of a list attribute read as options (a longer one is data)."""
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
+
+
+def _attributes(value: Any) -> dict[str, Any]:
+    """An object's own attributes: its ``__dict__``, or a slotted dataclass's fields."""
+    attributes = getattr(value, "__dict__", None)
+    if attributes is not None:
+        return cast(dict[str, Any], attributes)
+    if dataclasses.is_dataclass(value):
+        return {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)}
+    return {}
+
+
+def _setting(value: Any, held: dict[int, Hashable]) -> Any:
+    """What of ``value`` a plan depends on, or :data:`_NOT_A_SETTING`.
+
+    A plain value itself; a dict or short list of them as a tuple; a function by identity; a
+    configuration object by its settings (each object once, in ``held``).
+    """
+    if _is_setting(value):
+        return value
+    kind = type(value)
+    if kind is dict and _is_setting((*value.keys(), *value.values())):
+        return tuple(value.items())  # options in a dict
+    if kind is list and len(value) <= _LISTED and _is_setting(tuple(value)):
+        return ("list", tuple(value))
+    if isinstance(value, _FUNCTIONS):
+        return ("function", id(value))
+    if _is_configuration(value):
+        if id(value) not in held:
+            held[id(value)] = None  # (an object that holds itself)
+            held[id(value)] = _settings(value, held)
+        return held[id(value)]
+    return _NOT_A_SETTING
 
 
 def _is_configuration(value: Any) -> bool:
@@ -1343,14 +1386,8 @@ def _closed_over_settings(model_fn: ModelFn) -> Hashable:
     if is_own_model_function(model_fn):
         return ()
     held: dict[int, Hashable] = {}
-    return tuple(
-        value
-        if _is_setting(value)
-        else _settings(value, held)
-        if _is_configuration(value)
-        else None
-        for _, value in closed_over(model_fn)
-    )
+    settings = (_setting(value, held) for _, value in closed_over(model_fn))
+    return tuple(None if setting is _NOT_A_SETTING else setting for setting in settings)
 
 
 def _duplicated(leaves: list[Tensor]) -> frozenset[int]:
