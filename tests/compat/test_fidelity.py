@@ -326,6 +326,22 @@ def test_a_loss_term_on_a_hidden_activation_is_refused_and_leaves_no_results(ext
         torch.testing.assert_close(p.grad_batch, g)
 
 
+def test_a_small_term_on_a_hidden_activation_and_clipped_sums_are_refused_too():
+    """Found by a probe of the check: ``ClippedGrad`` (which uses the loss function) took the
+    term's absence silently (1.48 off ``.grad`` with nothing clipped), a term of weight 1e-4
+    passed a fixed 1e-4 tolerance in float64, and a refusal left ``grad_clipped`` and the
+    second-order results behind."""
+    X, y = _data()
+    model, lossfunc = extend(_KeepsHidden()), extend(nn.CrossEntropyLoss(reduction="sum"))
+    extensions = (ours.ClippedGrad(1e6), ours.BatchGrad(), ours.DiagGGNExact())
+    for weight, used in ((0.5, extensions[:1]), (1e-4, extensions)):
+        out = model(X)
+        with backpack(*used), pytest.raises(ValueError, match="activation the forward keeps"):
+            (lossfunc(out, y) + weight * model.hidden.pow(2).sum()).backward()
+        for p in model.parameters():
+            assert not any(hasattr(p, e.savefield) for e in extensions)
+
+
 def test_terms_beside_the_layers_outputs_are_not_refused():
     """Weight decay in the loss (BackPACK's results leave it out too), a penalty on the output
     (taken, as BackPACK takes it) and a hook that scales a hidden gradient (packfunc's

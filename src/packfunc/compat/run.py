@@ -103,18 +103,18 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
     params = {name: every_param[name] for name in names}
     results: dict[str, dict[str, Any]] = {}
     passes: dict[bool, BatchPass] = {}
-    cotangents = SiteCotangents()
+    cotangents = {False: SiteCotangents(), True: SiteCotangents()}  # per pass
     for ext in ctx.extensions:
         job = ext.job()
         if ctx.debug:
             print(f"[packfunc.compat] {type(ext).__name__} on {type(model).__name__}: {job.name}")
         if job.second_order:
             fn, loss, y, watched = _second_order_problem(
-                ext, job, record, route, model_fn, differentiable
+                ext, job, record, route, model_fn, differentiable, cotangents[True]
             )
         else:
             fn, loss, y = model_fn, GivenOutputGradient(gradient), gradient
-            watched = partial(_watched, record, None, differentiable, cotangents)
+            watched = partial(_watched, record, None, differentiable, cotangents[False])
         if _uses_forward(job) and job.second_order not in passes:
             bp = passes[job.second_order] = _batch_pass(record, fn, params, X, y, loss, watched)
             if bp.reran:
@@ -136,10 +136,16 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
                 store_result(model.get_parameter(name), ext.savefield, results[ext.savefield][name])
             else:  # (a parameter without Kronecker factors: no last step's value either)
                 forget_result(model.get_parameter(name), ext.savefield)
-    if False in passes and not passes[False].reran:
-        first_order = [e.savefield for e in ctx.extensions if not e.job().second_order]
-        refuse = partial(_refuse_terms_inside_the_model, record.model, first_order)
-        cotangents.check_after_backward(_output_node(record), refuse)
+    # the extended loss's own pass is compared as the backward pass scaled it (s * loss)
+    scale = route.loss.output_gradient if route.loss else None
+    cotangents[True].scale = scale
+    if scale is None or scale.numel() != 1:
+        cotangents[True].ours.clear()  # (its scale unknown: not compared)
+    savefields = [ext.savefield for ext in ctx.extensions]
+    for pass_cotangents in cotangents.values():
+        if pass_cotangents.ours:  # (a pass over the user's forward pulled its gradient back)
+            refuse = partial(_refuse_terms_inside_the_model, record.model, savefields)
+            pass_cotangents.check_after_backward(_output_node(record), refuse)
     if ctx.extension_hook is not None:
         for module in _backward_order(record, route):
             ctx.extension_hook(module)
@@ -203,13 +209,15 @@ def _second_order_problem(
     route: LossRoute,
     model_fn: Callable,
     differentiable: bool,
+    cotangents: SiteCotangents,
 ) -> tuple[Callable, nn.Module, Any, Callable]:
     """``(model_fn, loss, targets, watched)`` for the loss this backward pass goes through.
 
     The model function ends where the loss starts: extended modules the output
     passes through on the way (chained in plain code) are composed after it, and
     the loss input's rearrangement of the output (``f.view(-1, C)``) is applied
-    in packfunc's per-sample form.
+    in packfunc's per-sample form. ``cotangents`` notes what a pullback of the loss
+    gradient over the user's forward gives each layer (``ClippedGrad``'s).
     """
     if route.error is not None:
         raise ValueError(route.error)
@@ -225,7 +233,7 @@ def _second_order_problem(
     ends_at_loss = _ending_at_loss(model_fn, route.stages, call)
     watched = partial(_not_reusable, record)
     if not route.stages:
-        watched = partial(_watched, record, call.output, differentiable, None)
+        watched = partial(_watched, record, call.output, differentiable, cotangents)
     return ends_at_loss, _without_hooks(call.module), call.targets(), watched
 
 
@@ -319,7 +327,7 @@ _HOOKS = (
 
 
 def _refuse_terms_inside_the_model(model: nn.Module, savefields: list[str], _: list[int]) -> None:
-    """Remove the first-order results and refuse: a term reached the model's layers directly.
+    """Remove this backward pass's results and refuse: a term reached the layers directly.
 
     Raises:
         ValueError: always, naming the fix.
@@ -331,12 +339,12 @@ def _refuse_terms_inside_the_model(model: nn.Module, savefields: list[str], _: l
         f"this backward pass brings a layer inside the extended {type(model).__name__} a "
         "gradient that does not come through the model's output (a loss term on an "
         "activation the forward keeps, such as a penalty on a hidden layer or a router's "
-        "auxiliary loss): packfunc.compat's first-order results would hold the per-sample "
-        "gradients of the output's terms alone, without it (BackPACK's include it), so "
-        f"they were removed ({', '.join(savefields)}). Make the term part of the model's "
-        "output (return it beside the logits from an outer module, and add it to the "
-        "loss there), or backpropagate it in a backward pass of its own outside "
-        "`with backpack(...)` (.grad still sums both)."
+        "auxiliary loss): packfunc.compat's per-sample gradients would hold the output's "
+        "terms alone, without it (BackPACK's first-order results include it), so this "
+        f"backward pass's results were removed ({', '.join(savefields)}). Make the term "
+        "part of the model's output (return it beside the logits from an outer module, and "
+        "add it to the loss there), or backpropagate it in a backward pass of its own "
+        "outside `with backpack(...)` (.grad still sums both)."
     )
 
 

@@ -48,6 +48,9 @@ class SiteCotangents:
     edges: dict[int, GradientEdge] = field(default_factory=dict)
     ours: dict[int, Fingerprint] = field(default_factory=dict)
     users: dict[int, Fingerprint] = field(default_factory=dict)
+    scale: Tensor | None = None
+    """What the user's backward pass multiplies packfunc's pullback by (a scaled loss, in a
+    pass of the extended loss's own gradient); ``None``: one."""
 
     @staticmethod
     def note(into: dict[int, Fingerprint], k: int, g: Tensor | None) -> None:
@@ -56,7 +59,10 @@ class SiteCotangents:
             into[k] = torch.zeros(()) if g is None else torch.linalg.vector_norm(g.detach())
 
     def watching(self, record: BatchRecord, edges: dict[int, GradientEdge]) -> BatchRecord:
-        """``record`` with pullbacks that note each site's cotangent of one output cotangent.
+        """``record`` with pullbacks that note each site's cotangent of the loss gradient.
+
+        Only pullbacks of the record's own ``∂L/∂output`` are noted (a second-order pass
+        pulls back other columns too).
 
         Args:
             record: A batch record pulling back through the user's graph.
@@ -67,32 +73,41 @@ class SiteCotangents:
         """
         self.edges = dict(edges)
 
+        def of_the_loss_gradient(cotangent: Tensor) -> bool:
+            found = watched.__dict__.get("_loss_and_cotangent")
+            return found is not None and _same_tensor(cotangent, found[1])
+
         def pullback(cotangent: Tensor) -> dict[int, Tensor]:
             found = record.pullback(cotangent)
-            for k, g in found.items():
-                self.note(self.ours, k, g)
+            if of_the_loss_gradient(cotangent):
+                for k, g in found.items():
+                    self.note(self.ours, k, g)
             return found
 
         def pullback_columns(cotangents: Tensor) -> dict[int, Tensor]:
             found = record.pullback_columns(cotangents)
-            if len(cotangents) == 1:  # (several columns are not the output's gradient)
+            if len(cotangents) == 1 and of_the_loss_gradient(cotangents[0]):
                 for k, g in found.items():
                     self.note(self.ours, k, g[0])
             return found
 
         def last_pullback(cotangent: Tensor, consume: SiteConsumer | None) -> dict[int, Tensor]:
+            if not of_the_loss_gradient(cotangent):
+                return record.last_pullback(cotangent, consume)
+
             def noted(k: int, g: Tensor) -> Tensor | None:
                 self.note(self.ours, k, g)
                 return g if consume is None else consume(k, g)
 
             return record.last_pullback(cotangent, noted)
 
-        return dataclasses.replace(
+        watched = dataclasses.replace(
             record,
             pullback=pullback,
             pullback_columns=pullback_columns,
             last_pullback=last_pullback,
         )
+        return watched
 
     def check_after_backward(
         self, output_node: object, refuse: Callable[[list[int]], None]
@@ -119,7 +134,10 @@ class SiteCotangents:
         def compare() -> None:
             for handle in handles:
                 handle.remove()
-            differing = [k for k in self.users if bool(_differ(self.ours[k], self.users[k]))]
+            scale = 1.0 if self.scale is None else self.scale.abs().reshape(())
+            differing = [
+                k for k in self.users if bool(_differ(self.ours[k] * scale, self.users[k]))
+            ]
             if differing:
                 refuse(differing)
 
@@ -131,17 +149,28 @@ class SiteCotangents:
             self.note(self.users, k, grad_outputs[at])
 
 
-def _differ(ours: Fingerprint, users: Fingerprint, tolerance: float = 1e-4) -> Tensor:
+def _differ(ours: Fingerprint, users: Fingerprint) -> Tensor:
     """Whether two cotangents' norms differ beyond rounding (a boolean tensor).
 
     The same nodes compute both from the same gradient: they agree to rounding unless a
     term reached the site besides the output's gradient (a term ``p`` moves the squared
-    norm by ``2⟨g, p⟩ + ‖p‖²``).
+    norm by ``2⟨g, p⟩ + ‖p‖²``). Rounding is a thousand of the dtype's epsilon (float32:
+    1.2e-4 of the squared norm, float64: 2.2e-13).
 
     Example:
         >>> bool(_differ(torch.tensor(2.0), torch.tensor(2.0))), bool(
         ...     _differ(torch.tensor(2.0), torch.tensor(2.1)))
         (False, True)
     """
+    tolerance = 1000 * torch.finfo(torch.promote_types(ours.dtype, users.dtype)).eps
     a, b = ours.double().square(), users.double().square().to(ours.device)
     return (a - b).abs() > tolerance * torch.maximum(a, b)
+
+
+def _same_tensor(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` is ``b`` or a view of all of it (``b[None][0]``)."""
+    try:
+        same_memory = a.data_ptr() == b.data_ptr()
+    except RuntimeError:  # (a functorch wrapper has no storage to compare)
+        return False
+    return same_memory and a.shape == b.shape and a.stride() == b.stride()
