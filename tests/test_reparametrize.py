@@ -338,6 +338,45 @@ def test_containers_a_forward_changes_in_place_keep_only_the_users_forward():
     assert (model.a, model.b, model.c) == ("Y", "Z", "X")
 
 
+def test_containers_of_other_kinds_and_nested_ones_keep_only_the_users_forward():
+    """Found by a probe: an ``OrderedDict``, a ``deque``, a ``defaultdict`` and a list held in
+    a dict kept packfunc's own runs' entries (``[1, 4, 1]``, with ``diag_hessian``
+    ``[1, 4, 1, 4, 4]``); only exact lists, dicts and sets at the top were put back."""
+    import collections
+
+    class Logging(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 2)
+            self.ordered: collections.OrderedDict[int, int] = collections.OrderedDict()
+            self.recent: collections.deque[int] = collections.deque(maxlen=100)
+            self.counts: collections.defaultdict[int, int] = collections.defaultdict(int)
+            self.nested: dict[str, list[int]] = {"sizes": []}
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            n = x.shape[0]
+            self.ordered[len(self.ordered)] = n
+            self.recent.append(n)
+            self.counts[len(self.counts)] += n
+            self.nested["sizes"].append(n)
+            return self.layer(x)
+
+    def state(model: Logging) -> tuple:
+        return (
+            list(model.ordered.values()),
+            list(model.recent),
+            list(model.counts.values()),
+            model.nested["sizes"],
+        )
+
+    X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    for quantity in (pf.batch_grad, pf.diag_hessian):
+        model = Logging()
+        model_fn, params = pf.functional(model)
+        quantity(model_fn, params, X, y)
+        assert state(model) == ([4], [4], [4], [4])
+
+
 def test_modules_reached_through_partials_defaults_and_wrappers_are_kept():
     """A module passed by ``functools.partial``, as a default argument, or through a
     wrapper of a wrapper was not found: discovery's forward stayed on its buffers."""

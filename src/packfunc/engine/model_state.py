@@ -12,6 +12,7 @@ back the attributes it set (:func:`restoring_attributes`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import operator
 import threading
@@ -178,22 +179,30 @@ def attribute_restorer(module: nn.Module | None, whole: bool = False) -> Restore
     return restore
 
 
-Container = list[object] | dict[object, object] | set[object]
-_CONTAINERS = frozenset((list, dict, set))
+Container = list[object] | dict[object, object] | set[object] | collections.deque[object]
+_CONTAINERS = (list, dict, set, collections.deque)
+_NESTED_LIMIT = 64
+"""The most entries of a container whose own containers are kept too."""
 
 
 def _contents(attributes: dict[str, object], hooks: bool) -> list[tuple[Container, Container]]:
-    """The lists, dicts and sets among a module's own attributes, with copies of them.
+    """The lists, dicts, sets and deques among a module's own attributes, with copies.
 
-    A forward may append to them: what packfunc's own runs add is taken out again. With
+    Subclasses too (an ``OrderedDict``, a ``defaultdict``), and those held one level in (a
+    list of sizes in a dict of logs, in containers of up to 64 entries). A forward may
+    append to them: what packfunc's own runs add is taken out again. With
     ``hooks``, so are the hooks registered since in the module's dicts of hooks (a forward
     that registers one once; a copy of such a dict holds only its keys, see :func:`_refill`).
     """
     containers = [
         cast(Container, value)
         for value in map(attributes.__getitem__, attributes.keys() - MODULE_INTERNALS)
-        if type(value) in _CONTAINERS
+        if isinstance(value, _CONTAINERS)
     ]
+    for outer in list(containers):  # one level in: a list of sizes in a dict of logs
+        if len(outer) <= _NESTED_LIMIT:
+            entries = outer.values() if isinstance(outer, dict) else outer
+            containers += [cast(Container, e) for e in entries if isinstance(e, _CONTAINERS)]
     found: list[tuple[Container, Container]] = [(value, value.copy()) for value in containers]
     if hooks:
         found += [
@@ -247,7 +256,7 @@ def _same_contents(container: Container, copy: Container) -> bool:
         assert isinstance(copy, dict)
         same_values = all(map(operator.is_, container.values(), copy.values()))
         return tuple(container) == tuple(copy) and same_values
-    if isinstance(container, list):
+    if isinstance(container, (list, collections.deque)):
         return all(map(operator.is_, container, copy))
     return container == copy
 
@@ -263,7 +272,7 @@ def _refill(container: Container, copy: Container) -> None:
             del container[key]
         return
     container.clear()
-    if isinstance(container, list):
+    if isinstance(container, (list, collections.deque)):
         container.extend(copy)
     else:
         container.update(copy)  # type: ignore[arg-type]
