@@ -144,6 +144,17 @@ def test_a_batch_of_one_sample_does_not_pass_the_mixing_check_for_later_batches(
         pf.batch_grad(model_fn, params, X, Y)
 
 
+def test_a_refused_plan_stays_refused_under_vmap():
+    """A plan refused outside ``vmap`` served silently under it afterwards (the rows check
+    cannot compare values there; per-sample gradient norms 1.27 where each is 0)."""
+    model_fn, params = pf.functional(_Centered())
+    with pytest.raises(ValueError, match="mixes samples"):
+        pf.batch_grad(model_fn, params, X, Y)
+    stacked = {k: torch.stack([v, v]) for k, v in params.items()}
+    with pytest.raises(ValueError, match="mixes samples"):
+        torch.func.vmap(lambda p: pf.batch_grad(model_fn, p, X, Y))(stacked)
+
+
 def test_batches_of_one_sample_reuse_their_plan_and_a_larger_batch_is_still_checked(monkeypatch):
     """Each call on a batch of one discovered its plan again (unchecked plans were dropped: a
     small LM's KFAC took 23 ms a call against 7.7 ms cached); they are kept for batches of

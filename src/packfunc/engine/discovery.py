@@ -177,6 +177,9 @@ class Plan:
     """The sample of the batch discovery ran on (the first, unless the batch's calls
     followed another sample's path: see :func:`cached_discover`)."""
     one_sample_only: bool = False
+    refusal: str | None = None
+    """The rows check's refusal of this plan, repeated for every later batch (under
+    ``vmap`` too, where values decide nothing)."""
     """Kept for batches of one sample alone: its rows were never checked (a batch of one,
     whose row is trivially its own), so a larger batch discovers again and checks them."""
 
@@ -1108,6 +1111,8 @@ def check_rows_alone(
         >>> check_rows_alone(plan, layer(X), lambda: layer(X[3:])), plan.first_output
         (True, None)
     """
+    if plan.refusal is not None:
+        raise RowsNotAloneError(plan.refusal)
     first = plan.first_output
     if first is None:
         return True
@@ -1136,7 +1141,7 @@ def check_rows_alone(
     if what is None:
         plan.first_output = None
         return True
-    raise RowsNotAloneError(
+    plan.refusal = (
         f"the model's output for {which} alone {what}: its row of the batch must "
         "depend on that sample alone. Either an input is not batched along dim 0 (an input "
         "shared by the batch whose length equals the batch size, e.g. positions [T] with "
@@ -1145,6 +1150,7 @@ def check_rows_alone(
         "forward depends on Python state it updates (a call counter), which makes each of "
         "packfunc's runs of it another function."
     )
+    raise RowsNotAloneError(plan.refusal)
 
 
 def last_sample_output(model_fn: ModelFn, params: Any, X: Any, n: int) -> Tensor:
