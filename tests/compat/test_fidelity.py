@@ -342,6 +342,34 @@ def test_a_small_term_on_a_hidden_activation_and_clipped_sums_are_refused_too():
             assert not any(hasattr(p, e.savefield) for e in extensions)
 
 
+def test_a_hook_on_the_output_is_refused_and_a_retained_output_gradient_kept():
+    """Found by a probe: a hook on the model's output ran again in packfunc's own pullback
+    (``grad_batch`` summing to twice ``.grad``, 0.24 off), and ``out.retain_grad()`` came
+    out three times the plain backward's. The hook is refused naming the fix (on a copy),
+    which works; the retained gradient is put back."""
+    X, y = _data()
+    model, lossfunc = extend(_KeepsHidden()), extend(nn.CrossEntropyLoss())
+    out = model(X)
+    out.register_hook(lambda g: 2 * g)
+    with backpack(ours.BatchGrad()), pytest.raises(ValueError, match=r"out.clone\(\)"):
+        lossfunc(out, y).backward()
+    model.zero_grad()
+    out = model(X).clone()
+    out.register_hook(lambda g: 2 * g)
+    with backpack(ours.BatchGrad()):
+        lossfunc(out, y).backward()
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
+    plain = model(X)
+    plain.retain_grad()
+    lossfunc(plain, y).backward()
+    out = model(X)
+    out.retain_grad()
+    with backpack(ours.BatchGrad(), ours.DiagGGNExact()):
+        lossfunc(out, y).backward()
+    torch.testing.assert_close(out.grad, plain.grad)
+
+
 def test_terms_beside_the_layers_outputs_are_not_refused():
     """Weight decay in the loss (BackPACK's results leave it out too), a penalty on the output
     (taken, as BackPACK takes it) and a hook that scales a hidden gradient (packfunc's

@@ -91,6 +91,8 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
             "returning self.model(input_ids=input_ids, attention_mask=attention_mask).logits)."
         )
     record.check_output_unchanged()
+    _refuse_hooks_on_the_output(record)
+    retained = _retained_gradient(record)
     if any(ext.job().second_order for ext in ctx.extensions):
         _refuse_terms_beside_the_loss(record, route, gradient)
     X = record.args[0] if len(record.args) == 1 else record.args
@@ -146,6 +148,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         if pass_cotangents.ours:  # (a pass over the user's forward pulled its gradient back)
             refuse = partial(_refuse_terms_inside_the_model, record.model, savefields)
             pass_cotangents.check_after_backward(_output_node(record), refuse)
+    _restore_retained_gradient(record, retained)
     if ctx.extension_hook is not None:
         for module in _backward_order(record, route):
             ctx.extension_hook(module)
@@ -346,6 +349,41 @@ def _refuse_terms_inside_the_model(model: nn.Module, savefields: list[str], _: l
         "add it to the loss there), or backpropagate it in a backward pass of its own "
         "outside `with backpack(...)` (.grad still sums both)."
     )
+
+
+def _refuse_hooks_on_the_output(record: ForwardRecord) -> None:
+    """Refuse a hook on the model's output: packfunc's own pullback from it would run it again.
+
+    ``out.register_hook(lambda g: 2 * g)``: the gradient the backward pass brings has been
+    through it once, and packfunc's pullback of that gradient from the output runs it a
+    second time (per-sample gradients summing to twice ``.grad``).
+
+    Raises:
+        ValueError: naming the fix.
+    """
+    output = record.output
+    if output is not None and output._backward_hooks:
+        raise ValueError(
+            f"a hook is registered on the output of the extended {type(record.model).__name__}"
+            " (out.register_hook): packfunc.compat pulls the output's gradient back from "
+            "that tensor again, which would run the hook a second time. Register it on a "
+            "copy the loss takes instead (out = out.clone(); out.register_hook(...))."
+        )
+
+
+def _retained_gradient(record: ForwardRecord) -> tuple[bool, Tensor | None]:
+    """Whether the output retains its gradient (``out.retain_grad()``), and the one it has."""
+    output = record.output
+    if output is None or not output.retains_grad:
+        return False, None
+    return True, output.grad
+
+
+def _restore_retained_gradient(record: ForwardRecord, retained: tuple[bool, Tensor | None]) -> None:
+    """Put back the output's retained ``.grad``: packfunc's own pullbacks added to it again."""
+    keeps, grad = retained
+    if keeps and record.output is not None:
+        record.output.grad = grad
 
 
 def _output_node(record: ForwardRecord) -> object:
