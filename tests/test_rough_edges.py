@@ -146,10 +146,12 @@ def test_shim_first_forward_backpropagated_is_right():
 
 
 def test_shim_two_forwards_in_one_backward_are_refused():
+    """And leave no results (the first forward's were left, from half of the loss)."""
     model, lossfunc = extend(_model()), extend(nn.CrossEntropyLoss())
     out1, out2 = model(X), model(X[:4])
     with backpack(BatchGrad()), pytest.raises(ValueError, match="two forward passes"):
         (lossfunc(out1, Y) + lossfunc(out2, Y[:4])).backward()
+    assert not any(hasattr(p, "grad_batch") for p in model.parameters())
 
 
 def test_shim_hook_after_an_earlier_forward_is_refused():
