@@ -19,7 +19,13 @@ from torch import Tensor, nn
 
 import packfunc as pf
 from packfunc.compat import context
-from packfunc.compat._stored_io import forget_result, memory_cleanup, store_result, stored_io
+from packfunc.compat._stored_io import (
+    forget_result,
+    forget_results,
+    memory_cleanup,
+    store_result,
+    stored_io,
+)
 from packfunc.compat.elements import select_element
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
 from packfunc.compat.layout import SampleLayout
@@ -92,7 +98,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         )
     record.check_output_unchanged()
     _refuse_hooks_on_the_output(record)
-    retained = _retained_gradient(record)
+    retained = cast(Tensor, record.output).grad if _retains_gradient(record) else None
     if any(ext.job().second_order for ext in ctx.extensions):
         _refuse_terms_beside_the_loss(record, route, gradient)
     X = record.args[0] if len(record.args) == 1 else record.args
@@ -335,9 +341,7 @@ def _refuse_terms_inside_the_model(model: nn.Module, savefields: list[str], _: l
     Raises:
         ValueError: always, naming the fix.
     """
-    for param in model.parameters():
-        for savefield in savefields:
-            forget_result(param, savefield)
+    forget_results(model, savefields)
     raise ValueError(
         f"this backward pass brings a layer inside the extended {type(model).__name__} a "
         "gradient that does not come through the model's output (a loss term on an "
@@ -371,19 +375,15 @@ def _refuse_hooks_on_the_output(record: ForwardRecord) -> None:
         )
 
 
-def _retained_gradient(record: ForwardRecord) -> tuple[bool, Tensor | None]:
-    """Whether the output retains its gradient (``out.retain_grad()``), and the one it has."""
-    output = record.output
-    if output is None or not output.retains_grad:
-        return False, None
-    return True, output.grad
+def _retains_gradient(record: ForwardRecord) -> bool:
+    """Whether the record's output retains its gradient (``out.retain_grad()``)."""
+    return record.output is not None and record.output.retains_grad
 
 
-def _restore_retained_gradient(record: ForwardRecord, retained: tuple[bool, Tensor | None]) -> None:
+def _restore_retained_gradient(record: ForwardRecord, grad: Tensor | None) -> None:
     """Put back the output's retained ``.grad``: packfunc's own pullbacks added to it again."""
-    keeps, grad = retained
-    if keeps and record.output is not None:
-        record.output.grad = grad
+    if _retains_gradient(record):
+        cast(Tensor, record.output).grad = grad
 
 
 def _output_node(record: ForwardRecord) -> object:

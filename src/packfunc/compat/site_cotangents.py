@@ -128,7 +128,6 @@ class SiteCotangents:
         for k, edge in self.edges.items():
             if k not in self.ours or edge.node is output_node:
                 continue
-
             handles.append(edge.node.register_prehook(partial(self._users, k, edge.output_nr)))
 
         def compare() -> None:

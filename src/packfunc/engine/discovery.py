@@ -83,6 +83,7 @@ from packfunc.functionalize import (
     closed_over,
     input_name,
     is_own_model_function,
+    leading_sizes,
     module_of,
     select_samples,
 )
@@ -177,11 +178,11 @@ class Plan:
     """The sample of the batch discovery ran on (the first, unless the batch's calls
     followed another sample's path: see :func:`cached_discover`)."""
     one_sample_only: bool = False
+    """Kept for batches of one sample alone: its rows were never checked (a batch of one,
+    whose row is trivially its own), so a larger batch discovers again and checks them."""
     refusal: str | None = None
     """The rows check's refusal of this plan, repeated for every later batch (under
     ``vmap`` too, where values decide nothing)."""
-    """Kept for batches of one sample alone: its rows were never checked (a batch of one,
-    whose row is trivially its own), so a larger batch discovers again and checks them."""
 
     @property
     def rewritten(self) -> bool:
@@ -1242,10 +1243,7 @@ def cached_discover(
 
 def _serves(plan: Plan, X: Any) -> bool:
     """Whether a cached plan may serve the batch ``X`` (one of one sample only, if unchecked)."""
-    if not plan.one_sample_only:
-        return True
-    inputs = [x for x in optree.tree_leaves(X) if isinstance(x, Tensor)]
-    return all(x.dim() == 0 or x.shape[0] == 1 for x in inputs)
+    return not plan.one_sample_only or leading_sizes(X) <= {1}
 
 
 def forget_plan(model_fn: ModelFn) -> None:

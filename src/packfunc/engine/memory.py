@@ -54,7 +54,7 @@ def unfold_chunk_length(
         8
     """
     held = input_numel if device.type == "cpu" else max(input_numel, ACCELERATOR_CHUNK_FLOOR)
-    return max(1, min(max(n, 1), held // max(unfolded_per_sample, 1)))
+    return chunk_length(n, unfolded_per_sample, None, budget=held)
 
 
 def chunk_length(
