@@ -15,7 +15,12 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from packfunc.engine.autodiff import is_untransformable_function, mutates_captured_tensor
-from packfunc.engine.model_state import attribute_restorer, packfunc_passes, restoring_attributes
+from packfunc.engine.model_state import (
+    attribute_restorer,
+    packfunc_passes,
+    restoring_attributes,
+    submodules,
+)
 from packfunc.engine.precision import forward_precision_only
 from packfunc.reparametrize import call_with_tensors
 from packfunc.types import ModelFn
@@ -155,7 +160,7 @@ def eagerly_if_compiled_in_place(module: nn.Module) -> contextlib.AbstractContex
         ...     layer(torch.zeros(1, 2)).shape
         torch.Size([1, 2])
     """
-    if all(getattr(sub, "_compiled_call_impl", None) is None for sub in module.modules()):
+    if all(getattr(sub, "_compiled_call_impl", None) is None for sub in submodules(module)):
         return contextlib.nullcontext()
     if not hasattr(torch.compiler, "set_stance"):
         raise ValueError(

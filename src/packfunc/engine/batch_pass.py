@@ -580,6 +580,7 @@ class ColumnGradients:
         self.sites = sites
         self.recorded = self._recorded_calls(sites)
         self._canonical: dict[int, list[Term]] = {}
+        self._leaf_sites: dict[int, list[int]] | None = None
 
     @cached_property
     def cotangents(self) -> Tensor:
@@ -639,11 +640,23 @@ class ColumnGradients:
         self.recorded.pop(leaf, None)
         self._canonical.pop(leaf, None)
         calls = self.bp.plan.sites
-        for k in [k for k in self.sites if any(i == leaf for _, i in calls[k].call.leaves)]:
-            if not any(i in self.recorded for _, i in calls[k].call.leaves):
+        for k in self._sites_of().get(leaf, ()):
+            if k in self.sites and not any(i in self.recorded for _, i in calls[k].call.leaves):
                 del self.sites[k]
                 if self.owns_record:
                     self.bp.record.inputs.pop(k, None)
+
+    def _sites_of(self) -> dict[int, list[int]]:
+        """Leaf -> the sites given to these column gradients that use it, in their order.
+
+        Found once: :meth:`release` is called for every leaf.
+        """
+        if self._leaf_sites is None:
+            self._leaf_sites = {}
+            for k in self.sites:
+                for _, leaf in self.bp.plan.sites[k].call.leaves:
+                    self._leaf_sites.setdefault(leaf, []).append(k)
+        return self._leaf_sites
 
     def _recorded_calls(self, sites: dict[int, Tensor]) -> dict[int, list[Term]]:
         """Each tapped leaf's calls with their recorded input and cotangents, not canonicalized."""

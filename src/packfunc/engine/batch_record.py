@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any
 
@@ -231,7 +231,7 @@ class _RecordMode(ParameterMode):
                 values[position] = leaves[source]
             elif isinstance(values[position], _TappedLeaf):  # a derived tensor's alias
                 values[position] = values[position].as_subclass(Tensor)
-        arguments = replace(arguments, values=tuple(values))
+        arguments = arguments.with_values(values)
         self.inputs[k] = LocalInputs(func, arguments, sources, batched, narrow, leaves)
         return self._probed(k, out)
 

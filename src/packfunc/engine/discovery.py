@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from packfunc.engine.attention import ATTENTION_OPS
 from packfunc.engine.batch_dims import Dims, batch_dims_after, contracted_dims
 from packfunc.engine.local import CallArguments, LocalInputs, Source
-from packfunc.engine.model_state import MODULE_INTERNALS, kept_model_state
+from packfunc.engine.model_state import MODULE_INTERNALS, kept_model_state, submodules
 from packfunc.engine.modes import (
     REWRITTEN_OPS,
     LeafIndex,
@@ -1270,7 +1270,7 @@ def _signature(model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Any) -> 
             (x.shape[1:], x.dtype, x.device) if isinstance(x, Tensor) else _hashable(x)
             for x in inputs
         ),
-        tuple(_settings(m, held) for m in module.modules()) if module is not None else (),
+        tuple(_settings(m, held) for m in submodules(module)),
         _closed_over_settings(model_fn),
         autocast_in_force(),
     )

@@ -144,7 +144,7 @@ def attribute_restorer(module: nn.Module | None, whole: bool = False) -> Restore
         >>> restore(); hasattr(layer, "calls")
         False
     """
-    owners = _submodules(module)
+    owners = submodules(module)
     saved = [
         (
             owner.__dict__,
@@ -325,22 +325,31 @@ def made_in_a_pass(before: object, now: object) -> bool:
     return on_users_graph and isinstance(now, torch.Tensor)
 
 
-def _submodules(module: nn.Module | None) -> list[nn.Module]:
+def submodules(module: nn.Module | None) -> list[nn.Module]:
     """``module`` and every module below it, each once (``module.modules()``, 4× faster).
 
-    A restorer is taken before every batch pass: its cost is paid on every call.
+    Restorers, the plan's key and the check for compiled submodules walk the model before
+    every batch pass: their cost is paid on every call. The order is the same for the same tree.
+
+    Args:
+        module: A module, or ``None`` (none).
+
+    Returns:
+        The modules, depth first.
 
     Example:
-        >>> len(_submodules(torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.ReLU())))
+        >>> len(submodules(torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.ReLU())))
         3
     """
-    found: dict[int, nn.Module] = {}
-    stack = [module] if module is not None else []
+    if module is None:
+        return []
+    found = {id(module): module}
+    stack = [module]
     while stack:
-        current = stack.pop()
-        if id(current) not in found:
-            found[id(current)] = current
-            stack.extend(child for child in current._modules.values() if child is not None)
+        for child in stack.pop()._modules.values():
+            if child is not None and (key := id(child)) not in found:
+                found[key] = child
+                stack.append(child)
     return list(found.values())
 
 
