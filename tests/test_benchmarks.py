@@ -23,6 +23,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import cuda_profile  # noqa: E402
 import dp_step  # noqa: E402
+import fixed_cost  # noqa: E402
 import laplace_fit  # noqa: E402
 import memory  # noqa: E402
 import optimizer  # noqa: E402
@@ -468,3 +469,28 @@ def test_cuda_profile_prints_one_line_per_contender(capsys) -> None:
         "MLP kfac N=2 plain fwd+bwd",
     ]
     assert all(" ms (fastest " in line and " MiB" in line for line in lines)
+
+
+def test_fixed_cost_prints_every_contender_with_its_counts(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(sys, "argv", ["fixed_cost.py", "--rounds", "4"])
+    fixed_cost.main()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    rows = [line.split(" | ") for line in lines[1:]]  # (the separator starts "|-")
+    assert {(row[0], row[1]) for row in rows} >= {
+        ("| MLP kfac", "packfunc"),
+        ("| MLP kfac", "curvlinops"),
+        ("| LM DP step", "plain"),
+        ("| LM DP step", "packfunc"),
+        ("| LM DP step", "hooks by hand"),
+    }
+    for row in rows:
+        assert float(row[2].split()[0]) > 0
+        assert int(row[4]) > 0 and int(row[5].rstrip(" |")) > 0
+
+
+def test_fixed_cost_closures_compute_the_quantity() -> None:
+    tiny = fixed_cost.tiny_mlp()
+    fn, params = pf.functional(tiny.model())
+    expected = pf.kfac(fn, params, tiny.X, tiny.y, kfac_approx="expand", mc_samples=1)
+    found = fixed_cost.quantity_calls("kfac", ("packfunc",))["packfunc"]()
+    assert set(found) == set(expected)
