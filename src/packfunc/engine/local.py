@@ -75,6 +75,12 @@ class CallArguments:
     def with_values(self, values: Iterable[Any]) -> CallArguments:
         """The same layout with other values (``dataclasses.replace`` costs 3× the calls).
 
+        Args:
+            values: One value per entry of :attr:`values`.
+
+        Returns:
+            The arguments with those values.
+
         Example:
             >>> CallArguments.of((1, [2, 3]), {}).with_values([4, 5, 6]).rebuild([7, 8, 9])
             ((7, [8, 9]), {})
@@ -245,7 +251,14 @@ class LocalInputs:
     rows: int | None = None
 
     def with_arguments(self, arguments: CallArguments) -> LocalInputs:
-        """The same call with other (flattened) arguments, e.g. detached ones."""
+        """The same call with other (flattened) arguments, e.g. detached ones.
+
+        Args:
+            arguments: The call's arguments, laid out as :attr:`arguments`.
+
+        Returns:
+            The recorded call with those arguments.
+        """
         return LocalInputs(
             self.func,
             arguments,

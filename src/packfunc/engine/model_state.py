@@ -335,7 +335,7 @@ def submodules(module: nn.Module | None) -> list[nn.Module]:
         module: A module, or ``None`` (none).
 
     Returns:
-        The modules, depth first.
+        The modules, each once, in an order the tree fixes.
 
     Example:
         >>> len(submodules(torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.ReLU())))
