@@ -889,3 +889,40 @@ def test_dp_optimizer_refuses_a_stepped_tensor_that_is_not_the_models() -> None:
     with pytest.raises(ValueError, match="not a parameter of the model"):
         opt.step(batch=(X, y))
     assert torch.equal(prompt, torch.zeros_like(prompt))
+
+
+def test_a_loss_without_reduction_is_told_to_sum_where_clipping_needs_it():
+    """Found by a probe: ``reduction='none'`` was told to "pass reduction='mean' or
+    reduction='sum'", and then 'mean' was refused by all three."""
+    model = nn.Linear(3, 2)
+    model_fn, params = pf.functional(model)
+    X, y, none = (
+        torch.randn(4, 3),
+        torch.tensor([0, 1, 1, 0]),
+        nn.CrossEntropyLoss(reduction="none"),
+    )
+    with pytest.raises(ValueError, match=r"clipped_grad and DP-SGD: 'sum'"):
+        pf.clipped_grad(model_fn, params, X, y, loss=none, max_norm=1.0)
+    with pytest.raises(ValueError, match=r"private_gradient needs a loss with reduction='sum'"):
+        pf.privacy.private_gradient(
+            model_fn, max_norm=1.0, noise_multiplier=1.0, expected_batch_size=4, loss=none
+        )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"DPOptimizer needs a loss with reduction='sum'"):
+        pf.privacy.DPOptimizer(
+            model, optimizer, max_norm=1.0, noise_multiplier=1.0, expected_batch_size=4, loss=none
+        )
+
+
+def test_a_norm_made_nan_by_an_overflowed_input_names_the_overflow():
+    """Found by a probe: a saturated tanh gives a layer a zero output gradient while its
+    input's squared norm overflows (inputs of 1e160 in float64): the closed form's 0 · inf is
+    NaN, refused with a message that blamed a NaN or inf input. It names the overflow too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(6, 4, dtype=torch.float64) * 1e160, torch.randint(0, 3, (6,))
+    with pytest.raises(FloatingPointError, match="squared norm overflows the dtype"):
+        pf.clipped_grad(
+            model_fn, params, X, y, loss=nn.CrossEntropyLoss(reduction="sum"), max_norm=1.0
+        )

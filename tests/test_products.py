@@ -171,3 +171,19 @@ def test_per_sample_quantities_still_refuse_batchnorm_in_training_mode(quantity)
     model, loss, X, y = _batchnorm_problem("mlp")
     with pytest.raises(ValueError, match=r"model\.eval\(\)"):
         quantity(*pf.functional(model), X, y, loss=loss)
+
+
+@pytest.mark.parametrize(
+    "product", [pf.hessian_block_products, pf.ggn_block_products, pf.pch_block_products]
+)
+def test_block_products_refuse_stacks_of_another_layout_naming_it(product):
+    """Found by a probe: columns laid out ``[p.numel(), V]`` (or any shape but ``[V, *p]``)
+    reached a pullback and raised torch's "Mismatch in shape: grad_output[0] ...". The
+    stack's expected layout is named now, with the reshape that gives it."""
+    fn, params = pf.functional(nn.Linear(4, 3))
+    X, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    wrong = {k: torch.ones(t.numel(), 1) for k, t in params.items()}
+    with pytest.raises(ValueError, match=r"mats\['bias'\] has shape \[3, 1\].*\[V, 3\]"):
+        product(fn, params, X, y, wrong)
+    right = {k: torch.ones(2, *t.shape) for k, t in params.items()}
+    assert product(fn, params, X, y, right)["weight"].shape == (2, 3, 4)

@@ -377,6 +377,61 @@ def test_containers_of_other_kinds_and_nested_ones_keep_only_the_users_forward()
         assert state(model) == ([4], [4], [4], [4])
 
 
+class _Counting(torch.nn.Module):
+    """Logs each forward's batch size and counts its forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 2)
+        self.log: list[int] = []
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.log.append(x.shape[0])
+        self.calls += 1
+        return torch.tanh(self.layer(x))
+
+
+_OWN_PASSES = {
+    "diag_hessian": lambda fn, p, X, y: pf.diag_hessian(fn, p, X, y),
+    "batch_diag_hessian": lambda fn, p, X, y: pf.batch_diag_hessian(fn, p, X, y),
+    "hessian_vector_product": lambda fn, p, X, y: pf.hessian_vector_product(
+        fn, p, X, y, {k: torch.ones_like(t) for k, t in p.items()}
+    ),
+}
+
+
+@pytest.mark.parametrize("quantity", list(_OWN_PASSES))
+def test_closed_over_modules_keep_what_a_pf_functional_model_keeps(quantity):
+    """Found by a probe: a hand-written model function (``functional_call`` on a closed-over
+    model, a closed-over teacher) left packfunc's own extra passes on its modules (a
+    ``diag_hessian`` logged ``[4, 4]``, 2 calls; ``pf.functional``'s model: ``[4]``, 1). Its
+    modules are put back after each of packfunc's own passes as ``pf.functional``'s are."""
+    X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    found = []
+    for how in ("pf.functional", "closure", "teacher"):
+        torch.manual_seed(0)
+        model, teacher = _Counting(), _Counting()
+        model_fn, params = _model_function(how, model, teacher)
+        _OWN_PASSES[quantity](model_fn, params, X, y)
+        found.append((model.log, model.calls))
+        if how == "teacher":
+            assert (teacher.log, teacher.calls) == (model.log, model.calls)
+    assert found[1] == found[0] and found[2] == found[0]
+    assert found[0] in (([4], 1), ([], 0))
+
+
+def _model_function(how: str, model: nn.Module, teacher: nn.Module):
+    """``pf.functional``'s model function, one closing over ``model``, or one over a teacher."""
+    if how == "pf.functional":
+        return pf.functional(model)
+    params = {k: t.detach() for k, t in model.named_parameters()}
+    if how == "closure":
+        return lambda p, x: functional_call(model, p, (x,)), params
+    student = pf.functional(model)[0]
+    return lambda p, x: student(p, x) - 0.5 * teacher(x).detach(), params
+
+
 def test_modules_reached_through_partials_defaults_and_wrappers_are_kept():
     """A module passed by ``functools.partial``, as a default argument, or through a
     wrapper of a wrapper was not found: discovery's forward stayed on its buffers."""

@@ -493,6 +493,38 @@ def is_own_model_function(model_fn: Any) -> bool:
     return _registered_module(model_fn) is not None
 
 
+def run_model(model_fn: ModelFn, params: Any, X: Any) -> Any:
+    """``model_fn(params, X)``, put back in packfunc's own passes as the user's model would be.
+
+    In one of packfunc's own passes, what it sets on the modules it reads from outside
+    (:func:`module_of`) is put back afterwards. :func:`functional`'s model functions put their
+    module's attributes back themselves; a hand-written one (``lambda p, X:
+    functional_call(model, p, (X,))``, a closed-over teacher) counts as running the modules
+    it closes over, whose counters and logs then show one forward per call, as the user's
+    own forward leaves them.
+
+    Args:
+        model_fn: Any model function.
+        params: Its parameters.
+        X: Its inputs.
+
+    Returns:
+        What ``model_fn`` returns.
+
+    Example:
+        >>> layer = torch.nn.Linear(3, 2)
+        >>> run_model(lambda p, X: layer(X), {}, torch.ones(1, 3)).shape
+        torch.Size([1, 2])
+    """
+    if not restoring_attributes() or is_own_model_function(model_fn):
+        return model_fn(params, X)
+    put_back = attribute_restorer(module_of(model_fn))
+    try:
+        return model_fn(params, X)
+    finally:
+        put_back()
+
+
 def _registered_module(model_fn: Any) -> nn.Module | None:
     """The module of one of :func:`functional`'s model functions, else ``None``."""
     try:

@@ -165,7 +165,7 @@ def check_loss(loss: nn.Module) -> None:
     if loss.reduction not in ("mean", "sum"):
         raise ValueError(
             f"{type(loss).__name__}(reduction={loss.reduction!r}) has no per-sample scaling; "
-            "pass reduction='mean' or reduction='sum'."
+            "pass reduction='mean' or reduction='sum' (clipped_grad and DP-SGD: 'sum')."
         )
 
 

@@ -36,6 +36,7 @@ from packfunc.functionalize import (
     leading_sizes,
     module_of,
     refuse_unsplittable_inputs,
+    run_model,
 )
 from packfunc.losses import (
     check_loss,
@@ -287,7 +288,7 @@ def pch_block_products(
         given_targets(y, "pch_block_products"),
         _checked(loss, model_fn, params),
     )
-    blocks = optree.tree_leaves(cast(Any, mats), none_is_leaf=True)
+    blocks = _checked_mats(params, mats)
     with twice_differentiable(), bp.undone_on_refusal():
         results = [
             None if m is None else pch_block_product(bp, i, m, modify) for i, m in enumerate(blocks)
@@ -328,7 +329,7 @@ def _model(model_fn: ModelFn, X: Any, params: Any, replaced: list[int]) -> Calla
             current = optree.tree_unflatten(treespec, current)
         # the products are of the whole batch, in full precision (see engine/precision.py)
         with full_precision(), functional_mode(batch_statistics=True):
-            return in_loss_dtype(model_fn(current, X), leaves)  # see engine/precision.py
+            return in_loss_dtype(run_model(model_fn, current, X), leaves)  # engine/precision.py
 
     return forward
 
@@ -341,15 +342,34 @@ def _per_block(
     product: Callable[[Callable[[Any], Tensor], Tensor, Tensor], Tensor],
 ) -> ParamsT:
     leaves, treespec = optree.tree_flatten(cast(Any, params))
-    blocks = optree.tree_leaves(cast(Any, mats), none_is_leaf=True)
-    if len(blocks) != len(leaves):
-        raise ValueError("mats must have one leaf (or None) per parameter leaf.")
+    blocks = _checked_mats(params, mats)
     with twice_differentiable():
         results = [
             None if m is None else product(_model(model_fn, X, params, [i]), leaves[i], m)
             for i, m in enumerate(blocks)
         ]
     return cast(ParamsT, optree.tree_unflatten(treespec, results))
+
+
+def _checked_mats(params: Any, mats: Any) -> list[Tensor | None]:
+    """The leaves of ``mats``, one per parameter leaf, each ``None`` or a stack ``[V, *p]``.
+
+    Raises:
+        ValueError: naming the leaf and the layout it takes.
+    """
+    leaves, _, names = flatten_params(params)
+    blocks = optree.tree_leaves(cast(Any, mats), none_is_leaf=True)
+    if len(blocks) != len(leaves):
+        raise ValueError("mats must have one leaf (or None) per parameter leaf.")
+    for name, m, leaf in zip(names, blocks, leaves, strict=True):
+        if m is not None and (m.dim() != leaf.dim() + 1 or m.shape[1:] != leaf.shape):
+            stack = ", ".join(["V", *map(str, leaf.shape)])
+            raise ValueError(
+                f"mats[{name!r}] has shape {list(m.shape)}; the parameter {name!r} of shape "
+                f"{list(leaf.shape)} takes V vectors stacked as [{stack}] (from columns laid "
+                "out [V, p.numel()]: m.reshape(-1, *p.shape))."
+            )
+    return cast(list[Tensor | None], blocks)
 
 
 def _ggn_products(

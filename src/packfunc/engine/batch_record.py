@@ -52,6 +52,7 @@ from packfunc.engine.ops import (
 )
 from packfunc.engine.precision import forward_autocast, in_loss_dtype
 from packfunc.engine.randomness import GeneratorMark
+from packfunc.functionalize import run_model
 from packfunc.losses import check_loss_inputs
 from packfunc.types import ModelFn
 
@@ -433,7 +434,7 @@ def probed_forward(
     def forward(probes: dict[int, Tensor]) -> tuple[Tensor, dict[int, Recorded]]:
         mode = _RecordMode(leaf_of, plan, {k: p.shape for k, p in probes.items()}, probes)
         with mode:
-            output = model_fn(params, X)
+            output = run_model(model_fn, params, X)
         mode.finish()
         if failed is not None:
             failed.update(mode.failed)

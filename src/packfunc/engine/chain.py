@@ -28,6 +28,7 @@ from packfunc.engine.ops import (
     SiteCall,
     make_call,
 )
+from packfunc.functionalize import run_model
 from packfunc.types import ModelFn
 
 
@@ -215,7 +216,7 @@ def trace_chain(model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Tensor)
         raise NotSequentialError("KFRA needs a single input tensor X.")
     mode = _ChainMode(LeafIndex(leaves), X)
     with torch.no_grad(), mode:
-        output = model_fn(params, X)
+        output = run_model(model_fn, params, X)
     entry = mode.chain_of(output) if isinstance(output, Tensor) else None
     if entry is None:
         raise NotSequentialError(

@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from packfunc.engine.attention import ATTENTION_OPS
 from packfunc.engine.batch_dims import Dims, batch_dims_after, contracted_dims
 from packfunc.engine.local import CallArguments, LocalInputs, Source
-from packfunc.engine.model_state import MODULE_INTERNALS, kept_model_state, submodules
+from packfunc.engine.model_state import MODULE_INTERNALS, kept_model_state
 from packfunc.engine.modes import (
     REWRITTEN_OPS,
     LeafIndex,
@@ -1270,10 +1270,46 @@ def _signature(model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Any) -> 
             (x.shape[1:], x.dtype, x.device) if isinstance(x, Tensor) else _hashable(x)
             for x in inputs
         ),
-        tuple(_settings(m, held) for m in submodules(module)),
+        _tree_settings(module, held),
         _closed_over_settings(model_fn),
         autocast_in_force(),
     )
+
+
+def _tree_settings(module: Any, held: dict[int, Hashable]) -> Hashable:
+    """The module tree as a plan depends on it: each module's children by name, and settings.
+
+    In pre-order; a module met again (registered at two paths) is its first place's index,
+    an empty slot ``None``: two trees differ here wherever they differ (a parameterless
+    softmax moved from one container to another between calls makes a new plan, whose
+    first batch is checked).
+
+    Args:
+        module: The model, or ``None`` (no module: a hand-written ``model_fn``).
+        held: Configuration objects' settings taken so far (see :func:`_settings`).
+
+    Returns:
+        A hashable description.
+
+    Example:
+        >>> shared = torch.nn.ReLU()
+        >>> tree = _tree_settings(torch.nn.Sequential(shared, shared), {})
+        >>> tree[0][0], tree[2]
+        (('0', '1'), 1)
+    """
+    found: list[Hashable] = []
+    first: dict[int, int] = {}  # id -> its index in found
+    stack = [module] if module is not None else []
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in first:
+            found.append(None if current is None else first[id(current)])
+            continue
+        first[id(current)] = len(found)
+        children = current._modules
+        found.append((tuple(children), _settings(current, held)))
+        stack.extend(reversed(children.values()))
+    return tuple(found)
 
 
 _PLAIN = (bool, int, float, str, type(None))

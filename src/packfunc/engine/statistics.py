@@ -269,8 +269,9 @@ def clipping_factors(norms: Tensor, max_norm: float, eps: float) -> Tensor:
         sample = int(norms.isnan().nonzero()[0, 0])
         raise FloatingPointError(
             f"the gradient norm of sample {sample} is NaN (a NaN or inf in its input, output "
-            "or loss): no clipping bounds it, and the clipped sum would be NaN. Drop or fix "
-            "that sample."
+            "or loss, or a layer input whose squared norm overflows the dtype, times a zero "
+            "gradient): no clipping bounds it, and the clipped sum would be NaN. Drop or fix "
+            "that sample (or scale its inputs down)."
         )
     return factors
 

@@ -24,7 +24,7 @@ from torch.func import vmap
 from packfunc.engine.autodiff import is_untransformable_function, over_samples, vjp
 from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.engine.precision import to_dtype_of
-from packfunc.functionalize import batch_size, select_samples
+from packfunc.functionalize import batch_size, run_model, select_samples
 from packfunc.types import ModelFn
 
 
@@ -173,5 +173,5 @@ def output_with(
     """
     current = [replaced.get(i, leaf) for i, leaf in enumerate(leaves)]
     with functional_mode():
-        output = model_fn(optree.tree_unflatten(treespec, current), X)
+        output = run_model(model_fn, optree.tree_unflatten(treespec, current), X)
     return to_dtype_of(output, next(iter(replaced.values())))
