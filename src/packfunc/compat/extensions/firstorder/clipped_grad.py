@@ -12,7 +12,7 @@ from packfunc.specs import SPECS
 
 
 class ClippedGrad(BackpropExtension):
-    """``Σ_n g_n · min(1, C / ‖g_n‖)`` per parameter (norms over all of them): ``grad_clipped``.
+    """``Σ_n g_n · min(1, C / (‖g_n‖ + 1e-6))`` per parameter (norms over all): ``grad_clipped``.
 
     Args:
         max_norm: The bound ``C > 0``, or one bound per trainable parameter (in
