@@ -565,8 +565,11 @@ def closed_over(function: Any, depth: int = 2) -> list[tuple[str, Any]]:
 def _read_from_outside(function: Any) -> list[tuple[str, Any]]:
     """A function's closure cells, named globals and defaults.
 
-    A ``partial``'s are its function, arguments and keywords.
+    A ``partial``'s are its function, arguments and keywords; a bound method's, the object
+    it is bound to and its function's.
     """
+    if isinstance(function, types.MethodType):  # (a module's own model_fn method: the module)
+        return [("self", function.__self__), *_read_from_outside(function.__func__)]
     if isinstance(function, functools.partial):
         arguments = [(f"arg{i}", a) for i, a in enumerate(function.args)]
         return [("func", function.func), *arguments, *function.keywords.items()]

@@ -689,6 +689,64 @@ def test_a_module_moved_in_the_tree_makes_the_plan_again(move):
         pf.batch_grad(model_fn, params, X, y)
 
 
+class _MethodModel(nn.Module):
+    """A model whose model function is its own method (``functional_call`` on itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.act = nn.Linear(3, 4).double(), nn.Softmax(dim=1)
+        self.l2 = nn.Linear(4, 2).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.act(self.l1(x)))
+
+    def model_fn(self, p: dict, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(self, p, (x,))
+
+
+def _mixing_hook(_module, _inputs, out):
+    return out.softmax(0)
+
+
+_REPLACED = {
+    "child of a bound-method model function": lambda m: setattr(m, "act", nn.Softmax(dim=0)),
+    "hook removed and another registered": lambda m: (
+        m.hook.remove(),
+        m.l1.register_forward_hook(_mixing_hook),
+    ),
+    "global forward hook": lambda m: setattr(
+        m,
+        "global_hook",
+        nn.modules.module.register_module_forward_hook(
+            lambda module, i, out: _mixing_hook(module, i, out) if module is m.l1 else out
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(_REPLACED))
+def test_what_a_key_of_ids_or_closures_missed_makes_the_plan_again(change):
+    """Found by a probe: a model function that is a method of the model (its module was not
+    seen: no tree in the key, 0.25 off), a hook removed and another registered that got the
+    freed id (0.08 off), and a global forward hook (0.08 off) kept a stale plan after the model
+    came to mix samples. A method's object counts as read now, hooks and functions are held
+    in the key by identity, and global hooks are in the key."""
+    torch.manual_seed(0)
+    X, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
+    model = _MethodModel()
+    model.hook = model.l1.register_forward_hook(lambda module, i, out: out)
+    params = {k: t.detach() for k, t in model.named_parameters()}
+    model_fn = model.model_fn
+    assert_batch_grad_is_a_loop(model_fn, params, X, y)
+    _REPLACED[change](model)
+    try:
+        with pytest.raises(ValueError, match="must depend on that sample alone"):
+            pf.batch_grad(model_fn, params, X, y)
+    finally:
+        if hasattr(model, "global_hook"):
+            model.global_hook.remove()
+
+
 _OPTIONS = {"center": False}
 
 

@@ -1273,6 +1273,7 @@ def _signature(model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Any) -> 
         _tree_settings(module, held),
         _closed_over_settings(model_fn),
         autocast_in_force(),
+        _global_hooks(),
     )
 
 
@@ -1310,6 +1311,45 @@ def _tree_settings(module: Any, held: dict[int, Hashable]) -> Hashable:
         found.append((tuple(children), _settings(current, held)))
         stack.extend(reversed(children.values()))
     return tuple(found)
+
+
+class _Same:
+    """A value in a plan's key by identity, held so that its ``id`` is not reused.
+
+    A hook removed and another registered in its place may get the freed ``id``: a key of
+    bare ids took the new hook (one that mixes samples) for the old.
+
+    Args:
+        value: Any object (a hook, a function held as an attribute).
+
+    Example:
+        >>> f = lambda x: x
+        >>> _Same(f) == _Same(f), _Same(f) == _Same(lambda x: x)
+        (True, False)
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.value is self.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+
+def _global_hooks() -> Hashable:
+    """The forward hooks registered for every module (``register_module_forward_hook``)."""
+    hooks = torch.nn.modules.module
+    return tuple(
+        tuple(map(_Same, registered.values()))
+        for registered in (
+            getattr(hooks, "_global_forward_hooks", {}),
+            getattr(hooks, "_global_forward_pre_hooks", {}),
+        )
+    )
 
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -1356,7 +1396,7 @@ def _settings(module: Any, held: dict[int, Hashable]) -> Hashable:
     for name in _FORWARD_HOOKS:
         hooks = attributes.get(name)
         if hooks:
-            found.append((name, tuple(map(id, hooks.values()))))
+            found.append((name, tuple(map(_Same, hooks.values()))))
     return type(module), tuple(found)
 
 
@@ -1391,7 +1431,7 @@ def _setting(value: Any, held: dict[int, Hashable]) -> Any:
     if kind is list and len(value) <= _LISTED and _is_setting(tuple(value)):
         return ("list", tuple(value))
     if isinstance(value, _FUNCTIONS):
-        return ("function", id(value))
+        return ("function", _Same(value))
     if _is_configuration(value):
         if id(value) not in held:
             held[id(value)] = None  # (an object that holds itself)
