@@ -328,8 +328,9 @@ def made_in_a_pass(before: object, now: object) -> bool:
 def submodules(module: nn.Module | None) -> list[nn.Module]:
     """``module`` and every module below it, each once (``module.modules()``, 4× faster).
 
-    Restorers, the plan's key and the check for compiled submodules walk the model before
-    every batch pass: their cost is paid on every call. The order is the same for the same tree.
+    Restorers and the check for compiled submodules walk the model before every batch pass:
+    their cost is paid on every call. The order carries no structure (the plan's key walks
+    the tree itself, :func:`~packfunc.engine.discovery._tree_settings`).
 
     Args:
         module: A module, or ``None`` (none).
