@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -187,3 +188,16 @@ def test_block_products_refuse_stacks_of_another_layout_naming_it(product):
         product(fn, params, X, y, wrong)
     right = {k: torch.ones(2, *t.shape) for k, t in params.items()}
     assert product(fn, params, X, y, right)["weight"].shape == (2, 3, 4)
+
+
+@pytest.mark.parametrize(
+    "product", [pf.hessian_block_products, pf.ggn_block_products, pf.pch_block_products]
+)
+def test_block_products_refuse_a_stack_that_is_not_a_tensor(product):
+    """A NumPy array where a tensor belongs raised an AttributeError (no 'dim'); the leaf
+    is named with the type it takes."""
+    fn, params = pf.functional(nn.Linear(4, 3))
+    X, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    mats = {"weight": torch.ones(2, 3, 4), "bias": np.ones((2, 3))}
+    with pytest.raises(TypeError, match=r"mats\['bias'\] is of type ndarray.*\[V, \*p\.shape\]"):
+        product(fn, params, X, y, mats)

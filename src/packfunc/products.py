@@ -362,6 +362,11 @@ def _checked_mats(params: Any, mats: Any) -> list[Tensor | None]:
     if len(blocks) != len(leaves):
         raise ValueError("mats must have one leaf (or None) per parameter leaf.")
     for name, m, leaf in zip(names, blocks, leaves, strict=True):
+        if m is not None and not isinstance(m, Tensor):
+            raise TypeError(
+                f"mats[{name!r}] is of type {type(m).__name__}; each leaf of mats is a tensor of V "
+                f"vectors stacked as [V, *p.shape] (or None: no product for {name!r})."
+            )
         if m is not None and (m.dim() != leaf.dim() + 1 or m.shape[1:] != leaf.shape):
             stack = ", ".join(["V", *map(str, leaf.shape)])
             raise ValueError(

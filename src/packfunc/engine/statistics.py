@@ -190,19 +190,25 @@ def clipped_sums(
     kept: dict[int, Tensor] = dict(early.kept) if early else {}
     room = early.room if early else DEFAULT_BUDGET
     for leaf in range(len(bp.leaves)):
-        if leaf not in bp.whole_model and leaf not in squares:
-            squares[leaf], found = _squared_norms(columns, leaf, room)
-            if found is not None:
+        if leaf not in bp.whole_model and leaf not in squares and leaf not in kept:
+            value, found = _squared_norms(columns, leaf, room)
+            if found is None:
+                squares[leaf] = cast(Tensor, value)
+            else:
                 kept[leaf], room = found, room - found.numel()
     if bp.whole_model:
         whole = _materialized(columns, bp.whole_model, {Statistic.SQUARED_NORMS}, everyone)
         squares |= {leaf: f[Statistic.SQUARED_NORMS] for leaf, f in zip(bp.whole_model, whole)}
     if isinstance(max_norm, list):
+        squares |= {leaf: _statistic(Statistic.SQUARED_NORMS, t[None]) for leaf, t in kept.items()}
         return _clipped_per_leaf(columns, squares, kept, max_norm, eps)
-    norms = torch.stack([squares[leaf] for leaf in sorted(squares)]).sum(0).sqrt()
+    rows = SampleRows(list(kept.values()))
+    parts = [squares[leaf] for leaf in sorted(squares)] + ([rows.squared_norms()] if kept else [])
+    norms = torch.stack(parts).sum(0).sqrt()
     factors = clipping_factors(norms, max_norm, eps)
     rest = [leaf for leaf in range(len(bp.leaves)) if leaf not in kept]
-    sums = dict(zip(kept, _weighted_sums(factors, list(kept.values()))))
+    sums = dict(zip(kept, rows.weighted_sums(factors)))
+    del rows
     for leaf in kept:
         columns.release(leaf)
     # `columns` is not used again: its cotangents are scaled in place where they can be, and
@@ -276,46 +282,75 @@ def clipping_factors(norms: Tensor, max_norm: float, eps: float) -> Tensor:
     return factors
 
 
-def _weighted_sums(weights: Tensor, per_sample: list[Tensor]) -> list[Tensor]:
-    """``Σ_n w_n t_n`` of each tensor ``t [N, ...]``.
+class SampleRows:
+    """Per-sample tensors ``[N, ...]`` as rows: their squared norms and weighted sums together.
 
-    Small tensors of one dtype (a layer's bias, a norm's scale) are concatenated into one
-    product: a product per tensor costs more in calls than in arithmetic there.
+    The small ones of the first one's dtype (a layer's bias, a norm's scale) are joined into
+    one matrix: one product for all of them costs less in calls than one per tensor does
+    in arithmetic there.
 
     Args:
-        weights: ``[N]``.
-        per_sample: Tensors ``[N, ...]``.
-
-    Returns:
-        One sum per tensor, shaped like its sample.
+        per_sample: Tensors ``[N, ...]`` of one batch.
 
     Example:
-        >>> _weighted_sums(torch.tensor([1.0, 2.0]), [torch.ones(2, 3), torch.ones(2)])
-        [tensor([3., 3., 3.]), tensor(3.)]
+        >>> rows = SampleRows([torch.ones(2, 3), torch.ones(2)])
+        >>> rows.squared_norms(), rows.weighted_sums(torch.tensor([1.0, 2.0]))
+        (tensor([4., 4.]), [tensor([3., 3., 3.]), tensor(3.)])
     """
-    rows = [t.reshape(len(weights), math.prod(t.shape[1:])) for t in per_sample]
-    small = [i for i, r in enumerate(rows) if r.shape[1] <= _SMALL and r.dtype == rows[0].dtype]
-    found: dict[int, Tensor] = {}
-    if len(small) > 1:
-        joined = torch.cat([rows[i] for i in small], 1)
-        parts = (weights.to(joined.dtype) @ joined).split([rows[i].shape[1] for i in small])
-        found = dict(zip(small, parts, strict=True))
-    return [
-        (found[i] if i in found else weights.to(r.dtype) @ r).view(t.shape[1:])
-        for i, (r, t) in enumerate(zip(rows, per_sample, strict=True))
-    ]
+
+    def __init__(self, per_sample: list[Tensor]):
+        self.shapes = [t.shape[1:] for t in per_sample]
+        # (math.prod, not -1: an empty batch has no width to infer)
+        self.rows = [t.reshape(len(t), math.prod(t.shape[1:])) for t in per_sample]
+        first = self.rows[0].dtype if self.rows else None
+        self.small = [
+            i for i, r in enumerate(self.rows) if r.shape[1] <= _SMALL and r.dtype == first
+        ]
+        self.joined: Tensor | None = None
+        if len(self.small) > 1:
+            self.joined = torch.cat([self.rows[i] for i in self.small], 1)
+
+    def _alone(self) -> list[int]:
+        """The tensors not in :attr:`joined`."""
+        return [i for i in range(len(self.rows)) if self.joined is None or i not in self.small]
+
+    def squared_norms(self) -> Tensor:
+        """``[N]``: each sample's squared norm over all the tensors."""
+        parts = [self.rows[i] for i in self._alone()]
+        if self.joined is not None:
+            parts.append(self.joined)
+        squares = [r.square().sum(1) for r in parts]
+        return sum(squares[1:], squares[0])
+
+    def weighted_sums(self, weights: Tensor) -> list[Tensor]:
+        """``Σ_n w_n t_n`` of each tensor ``t``, shaped like its sample.
+
+        Args:
+            weights: ``[N]``.
+        """
+        found: dict[int, Tensor] = {}
+        if self.joined is not None:
+            sizes = [self.rows[i].shape[1] for i in self.small]
+            parts = (weights.to(self.joined.dtype) @ self.joined).split(sizes)
+            found = dict(zip(self.small, parts, strict=True))
+        for i in self._alone():
+            found[i] = weights.to(self.rows[i].dtype) @ self.rows[i]
+        return [found[i].view(shape) for i, shape in enumerate(self.shapes)]
 
 
 _SMALL = 2**12
-"""Elements per sample up to which :func:`_weighted_sums` concatenates a tensor."""
+"""Elements per sample up to which :class:`SampleRows` joins a tensor."""
 
 
-def _squared_norms(columns: ColumnGradients, leaf: int, room: int) -> tuple[Tensor, Tensor | None]:
-    """A tapped leaf's per-sample squared norms, and its per-sample gradients where kept.
+def _squared_norms(
+    columns: ColumnGradients, leaf: int, room: int
+) -> tuple[Tensor | None, Tensor | None]:
+    """A tapped leaf's per-sample squared norms, or its per-sample gradients where kept.
 
     They are kept where they are smaller than the leaf's calls' cotangents, or formed for
     the norms anyway (no closed form, or a cheaper one by the cost rule), within ``room``
-    elements.
+    elements; their squared norms are then taken with the other kept ones
+    (:class:`SampleRows`), and ``None`` is returned in their place.
     """
     everyone = slice(0, columns.bp.n)
     small = _per_sample_is_smaller(columns, leaf)
@@ -323,8 +358,9 @@ def _squared_norms(columns: ColumnGradients, leaf: int, room: int) -> tuple[Tens
     if value is not None:
         return value, None
     found = columns.leaf_columns(leaf, everyone)[0]  # [N, *p]
-    squares = _statistic(Statistic.SQUARED_NORMS, found[None])
-    return squares, found if found.numel() <= room else None
+    if found.numel() <= room:
+        return None, found
+    return _statistic(Statistic.SQUARED_NORMS, found[None]), None
 
 
 class _NormsDuringBackward:
@@ -350,9 +386,9 @@ class _NormsDuringBackward:
         columns = ColumnGradients(self.bp, self.bp.record.output_cotangent[None], {k: g[None]})
         dropped = True
         for _, leaf in self.bp.plan.sites[k].call.leaves:
-            self.squares[leaf], found = _squared_norms(columns, leaf, self.room)
+            value, found = _squared_norms(columns, leaf, self.room)
             if found is None:
-                dropped = False
+                self.squares[leaf], dropped = cast(Tensor, value), False
             else:
                 self.kept[leaf], self.room = found, self.room - found.numel()
         if not dropped:
@@ -383,7 +419,7 @@ def _clipped_per_leaf(
     for leaf, bound in enumerate(bounds):
         factors = clipping_factors(squares[leaf].sqrt(), bound, eps)
         if leaf in kept:
-            sums.append(_weighted_sums(factors, [kept[leaf]])[0])
+            sums.append(SampleRows([kept[leaf]]).weighted_sums(factors)[0])
             continue
         reweighted = columns.reweighted(factors, [leaf])  # copies: a site serves several leaves
         value = None
