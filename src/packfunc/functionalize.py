@@ -591,17 +591,57 @@ def _modules_in(name: str, value: Any) -> list[tuple[str, nn.Module]]:
     """The modules in a closed-over value, by name: itself, or those among its entries.
 
     Those of a dict, list or tuple of a few entries (a holder, not a registry of models
-    the function picks one of) are named ``holder_net`` for ``holder["net"]``; a
-    :func:`functional` model function counts as its module.
+    the function picks one of) are named ``holder_net`` for ``holder["net"]``; those an
+    object that is not a module holds as attributes (a trainer whose method is the model
+    function, ``trainer.model``), ``trainer_model``. A :func:`functional` model function
+    counts as its module.
+
+    Example:
+        >>> class Trainer:
+        ...     def __init__(self): self.model, self.steps = torch.nn.Linear(2, 1), 0
+        >>> [key for key, _ in _modules_in("trainer", Trainer())]
+        ['trainer_model']
     """
     if isinstance(value, dict) and len(value) <= _HOLDER_ENTRIES:
         entries = [(f"{name}_{key}", v) for key, v in value.items()]
     elif isinstance(value, (list, tuple)) and len(value) <= _HOLDER_ENTRIES:
         entries = [(f"{name}_{i}", v) for i, v in enumerate(value)]
+    elif _holds_attributes(value):
+        entries = [(f"{name}_{key}", v) for key, v in vars(value).items()]
     else:
         entries = [(name, value)]
     found = [(k, v if isinstance(v, nn.Module) else _registered_module(v)) for k, v in entries]
     return [(key, module) for key, module in found if module is not None]
+
+
+_NOT_HOLDERS = (
+    nn.Module,
+    Tensor,
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    functools.partial,
+)
+
+
+def _holds_attributes(value: Any) -> bool:
+    """Whether ``value`` is an object whose own attributes may hold the model (a trainer).
+
+    Not a module, tensor, class, Python module or function, and not one of many attributes
+    (a configuration, not a holder).
+    """
+    attributes = getattr(value, "__dict__", None)
+    return (
+        type(attributes) is dict
+        and len(attributes) <= _OBJECT_ATTRIBUTES
+        and not isinstance(value, _NOT_HOLDERS)
+    )
+
+
+_OBJECT_ATTRIBUTES = 64
+"""The most attributes of an object :func:`_modules_in` looks among."""
 
 
 _HOLDER_ENTRIES = 8

@@ -838,3 +838,110 @@ def test_a_branch_fed_by_a_closed_over_tensor_that_requires_grad_is_pulled_back(
         torch.testing.assert_close(clipped[name], weighted)
     outer = pf.kflr(model_fn, params, X, y, loss=loss)["w2"]
     assert all(factor.norm() > 0.1 for factor in outer)
+
+
+class _Trainer:
+    """An object that is not a module, holding the model; its method is the model function."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.steps = model, 0
+
+    def model_fn(self, p: dict, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(self.model, p, (x,))
+
+
+class _ListHeld(nn.Module):
+    """A softmax kept in a plain list attribute (not an ``nn.ModuleList``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(3, 4).double(), nn.Linear(4, 2).double()
+        self.acts = [nn.Softmax(dim=1)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.acts[0](self.l1(x)))
+
+
+_HELD = {
+    "a trainer's model, child swapped": (
+        lambda m: (_Trainer(m).model_fn, m),
+        lambda m: setattr(m, "act", nn.Softmax(dim=0)),
+    ),
+    "a trainer's model, option changed": (
+        lambda m: (_Trainer(m).model_fn, m),
+        lambda m: setattr(m.act, "dim", 0),
+    ),
+    "a module in a plain list, swapped": (
+        lambda _: (lambda model: (pf.functional(model)[0], model))(_ListHeld()),
+        lambda m: m.acts.__setitem__(0, nn.Softmax(dim=0)),
+    ),
+    "a module in a plain list, option changed": (
+        lambda _: (lambda model: (pf.functional(model)[0], model))(_ListHeld()),
+        lambda m: setattr(m.acts[0], "dim", 0),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_HELD))
+def test_modules_held_outside_the_tree_are_in_the_plans_key(case):
+    """Found by a probe: a model held by an object that is not a module (``fn =
+    trainer.model_fn``, kept) and a module in a plain list attribute were not in the plan's
+    key: made to mix samples between two calls, they kept the stale plan (0.09 to 0.17 off),
+    where a fresh model function is refused. Both are walked as children now."""
+    torch.manual_seed(0)
+    X, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
+    build, change = _HELD[case]
+    model_fn, model = build(_MethodModel())
+    params = {k: t.detach() for k, t in model.named_parameters()}
+    assert_batch_grad_is_a_loop(model_fn, params, X, y)
+    change(model)
+    with pytest.raises(ValueError, match="must depend on that sample alone"):
+        pf.batch_grad(model_fn, params, X, y)
+
+
+class _Counter(nn.Module):
+    """Counts its forwards in a plain attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x
+
+
+class _CountingHolder(nn.Module):
+    """A linear layer whose output goes through a counter kept in a plain list or dict."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin, counter = nn.Linear(3, 2).double(), _Counter()
+        self.held = [counter] if kind == "list" else {"counter": counter}
+
+    @property
+    def counter(self) -> _Counter:
+        return self.held[0] if isinstance(self.held, list) else self.held["counter"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.counter(self.lin(x))
+
+
+@pytest.mark.parametrize("holder", ["list", "dict", "trainer"])
+@pytest.mark.parametrize("quantity", [pf.batch_grad, pf.diag_hessian, pf.kfac])
+def test_modules_held_outside_the_tree_count_one_forward_per_call(holder, quantity):
+    """A counter kept in a plain list or dict of the model (or in a model held by a trainer)
+    counted packfunc's own passes too: 3 forwards for batch_grad's first call, 2 for
+    diag_hessian, where a registered child counts 1. They are put back as a child's are."""
+    torch.manual_seed(0)
+    if holder == "trainer":
+        counter = _Counter()
+        model: nn.Module = nn.Sequential(nn.Linear(3, 2).double(), counter)
+        model_fn = _Trainer(model).model_fn
+    else:
+        model = _CountingHolder(holder)
+        counter, model_fn = model.counter, pf.functional(model)[0]
+    params = {k: t.detach() for k, t in model.named_parameters()}
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    quantity(model_fn, params, X, y)
+    assert counter.calls == 1

@@ -1379,7 +1379,8 @@ def _settings(module: Any, held: dict[int, Hashable]) -> Hashable:
     an attribute (``self.act``, by identity), a configuration object the module holds
     (Hugging Face's ``config``, a dataclass, with slots too, a namespace), whose plain
     attributes count too (each object once, in ``held``), or a forward hook registered
-    since (by identity); class attributes do not. ``nn.Module``'s own dicts of parameters,
+    since (by identity), or a module kept in a plain list, tuple or dict (walked as a child);
+    class attributes do not. ``nn.Module``'s own dicts of parameters,
     children and hooks are skipped by name: the signature is taken on every call.
     """
     found = []
@@ -1391,6 +1392,9 @@ def _settings(module: Any, held: dict[int, Hashable]) -> Hashable:
             found.append((key, value))
             continue
         setting = _setting(value, held)
+        if setting is _NOT_A_SETTING and (modules := _held_modules(value)):
+            # a module kept in a plain list or dict (or set past nn.Module): run as a child
+            setting = ("modules", tuple(_held_tree(m, held) for m in modules))
         if setting is not _NOT_A_SETTING:
             found.append((key, setting))
     for name in _FORWARD_HOOKS:
@@ -1438,6 +1442,35 @@ def _setting(value: Any, held: dict[int, Hashable]) -> Any:
             held[id(value)] = _settings(value, held)
         return held[id(value)]
     return _NOT_A_SETTING
+
+
+def _held_modules(value: Any) -> list[torch.nn.Module]:
+    """The modules a plain attribute holds, not registered as children.
+
+    Itself (set past ``nn.Module``), or those in a list, tuple or dict of a few entries
+    (``self.acts = [nn.Softmax(-1)]``).
+
+    Example:
+        >>> len(_held_modules([torch.nn.ReLU(), 2])), _held_modules(3)
+        (1, [])
+    """
+    if isinstance(value, torch.nn.Module):
+        return [value]
+    if type(value) in (list, tuple, dict) and len(value) <= _LISTED:
+        entries = value.values() if type(value) is dict else value
+        return [entry for entry in entries if isinstance(entry, torch.nn.Module)]
+    return []
+
+
+def _held_tree(module: torch.nn.Module, held: dict[int, Hashable]) -> Hashable:
+    """The tree of a module an attribute holds (see :func:`_tree_settings`), each once.
+
+    Held in ``held`` by its ``id``: a module that holds its own holder is not walked again.
+    """
+    if id(module) not in held:
+        held[id(module)] = None  # (a module that holds its holder)
+        held[id(module)] = _tree_settings(module, held)
+    return held[id(module)]
 
 
 def _is_configuration(value: Any) -> bool:

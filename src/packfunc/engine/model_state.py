@@ -145,15 +145,16 @@ def attribute_restorer(module: nn.Module | None, whole: bool = False) -> Restore
         False
     """
     owners = submodules(module)
-    saved = [
-        (
-            owner.__dict__,
-            owner.__dict__.copy(),
-            tuple(owner.__dict__),
-            _contents(owner.__dict__, hooks=whole),
-        )
-        for owner in owners
-    ]
+    saved = []
+    known = {id(owner) for owner in owners}
+    for owner in owners:  # (grows: modules held in a plain list or dict are owners too)
+        contents = _contents(owner.__dict__, hooks=whole)
+        saved.append((owner.__dict__, owner.__dict__.copy(), tuple(owner.__dict__), contents))
+        for held in _held_modules(contents):
+            for found in submodules(held):
+                if id(found) not in known:
+                    known.add(id(found))
+                    owners.append(found)
     tensors = [kept for owner in owners for kept in _held_tensors(owner.__dict__)] if whole else []
 
     def restore(only: Callable[[object, object], bool] = lambda before, now: True) -> None:
@@ -210,6 +211,20 @@ def _contents(attributes: dict[str, object], hooks: bool) -> list[tuple[Containe
             for key, value in attributes.items()
             if key in MODULE_INTERNALS and "hooks" in key and isinstance(value, dict)
         ]
+    return found
+
+
+def _held_modules(contents: list[tuple[Container, Container]]) -> list[nn.Module]:
+    """The modules among the entries of a module's lists and dicts (not registered children).
+
+    A forward that calls ``self.acts[0](x)`` on a module kept in a plain list runs it as
+    a child: what it sets is put back as a child's is.
+    """
+    found = []
+    for container, _ in contents:
+        if isinstance(container, (list, dict)) and len(container) <= _NESTED_LIMIT:
+            entries = container.values() if isinstance(container, dict) else container
+            found += [entry for entry in entries if isinstance(entry, nn.Module)]
     return found
 
 
