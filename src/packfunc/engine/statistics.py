@@ -319,7 +319,8 @@ class SampleRows:
         parts = [self.rows[i] for i in self._alone()]
         if self.joined is not None:
             parts.append(self.joined)
-        squares = [r.square().sum(1) for r in parts]
+        # (a norm, not a sum of squares: no temporary of the rows' size)
+        squares = [torch.linalg.vector_norm(r, dim=1).square() for r in parts]
         return sum(squares[1:], squares[0])
 
     def weighted_sums(self, weights: Tensor) -> list[Tensor]:
