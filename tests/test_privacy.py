@@ -926,3 +926,76 @@ def test_a_norm_made_nan_by_an_overflowed_input_names_the_overflow():
         pf.clipped_grad(
             model_fn, params, X, y, loss=nn.CrossEntropyLoss(reduction="sum"), max_norm=1.0
         )
+
+
+def test_clipped_grad_per_group_bounds(case) -> None:
+    """Groups of parameters (a tuple of names as a key of ``max_norm``), each clipped by its
+    joint per-sample norm; a group of one is a parameter clipped alone. The private
+    gradient's noise is sized by ``√Σ C_g²``."""
+    problem = make_problem(case, "cross_entropy", "sum", n=4)
+    batch = autograd_batch_grad(problem.model, problem.loss, problem.X, problem.y)
+    model_fn, params = problem.functional()
+    names = sorted(params)
+    halves = [tuple(names[: len(names) // 2 + 1]), tuple(names[len(names) // 2 + 1 :])]
+    groups = {group: 0.2 * (i + 1) for i, group in enumerate(halves) if group}
+    expected = {}
+    for group, bound in groups.items():
+        norms = torch.cat([batch[k].reshape(len(batch[k]), -1) for k in group], 1).norm(dim=1)
+        factors = (bound / (norms + 1e-6)).clamp(max=1.0)
+        expected |= {k: torch.tensordot(factors, batch[k], dims=1) for k in group}
+    found = pf.clipped_grad(
+        model_fn, params, problem.X, problem.y, loss=problem.loss, max_norm=groups
+    )
+    assert_trees_close(found, expected)
+    singles = {(k,): 0.1 * (i + 1) for i, k in enumerate(names)}
+    assert_trees_close(
+        pf.clipped_grad(
+            model_fn, params, problem.X, problem.y, loss=problem.loss, max_norm=singles
+        ),
+        pf.clipped_grad(
+            model_fn,
+            params,
+            problem.X,
+            problem.y,
+            loss=problem.loss,
+            max_norm=[0.1 * (i + 1) for i in range(len(names))],
+        ),
+    )
+
+
+def test_group_bounds_name_every_parameter_once() -> None:
+    """A parameter in two groups, or in none, or a key that is not a name or a tuple of
+    names, is refused naming it; the sensitivity of groups is ``√Σ C_g²``."""
+    model, loss, X, y = _problem()
+    model_fn, params = pf.functional(model)
+    names = sorted(params)
+    with pytest.raises(ValueError, match=r"in two groups \['0.weight'\]"):
+        twice = {tuple(names[:2]): 1.0, tuple(names[1:]): 1.0}
+        pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=twice)
+    with pytest.raises(ValueError, match=r"missing \['2.weight'\]"):
+        pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm={tuple(names[:3]): 1.0})
+    with pytest.raises(TypeError, match="tuples of them"):
+        pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm={0: 1.0})
+    groups = {tuple(names[:2]): 0.3, tuple(names[2:]): 0.4}
+    dp = _unit_noise(model_fn, loss, groups)
+    noise, _ = dp.update(None, dp.init(params), params, (X[:0], y[:0]))
+    assert 0.5 < _over_sensitivity(noise, groups).std().item() < 1.5
+
+
+def test_dp_optimizer_takes_group_bounds() -> None:
+    """``DPOptimizer(max_norm={(names...): C})`` writes the grouped clipped sum (no noise)."""
+    model, loss, X, y = _problem()
+    groups = {("0.weight", "0.bias"): 0.3, ("2.weight", "2.bias"): 0.2}
+    model_fn, params = pf.functional(model)
+    expected = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=groups)
+    opt = pf.privacy.DPOptimizer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        max_norm=groups,
+        noise_multiplier=0.0,
+        expected_batch_size=len(X),
+        loss=loss,
+    )
+    opt.step(batch=(X, y))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name] / len(X))

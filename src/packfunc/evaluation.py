@@ -28,7 +28,16 @@ from packfunc.engine.vocabulary import Statistic
 from packfunc.functionalize import as_index, flatten_params
 from packfunc.losses import check_loss_inputs, default_loss, given_targets
 from packfunc.specs import QUANTITIES, SPECS, Combine, Cotangents, Quantity, Stats
-from packfunc.types import Inputs, MaxNorm, ModelFn, Params, ParamsT, Samples, Targets
+from packfunc.types import (
+    ClippingGroups,
+    Inputs,
+    MaxNorm,
+    ModelFn,
+    Params,
+    ParamsT,
+    Samples,
+    Targets,
+)
 
 CLIPPING_EPS = 1e-6
 """Added to each norm before dividing, so zero gradients stay finite (as in opacus)."""
@@ -373,8 +382,8 @@ def clipped_leaf_sums(
 
     Args:
         bp: The batch pass.
-        max_norm: The bound ``C > 0``, or one bound per leaf (each leaf clipped alone):
-            see :func:`clipping_bounds`.
+        max_norm: The bound ``C > 0``, or one bound per leaf (each leaf clipped alone) or per
+            group of leaves (clipped by their joint norm): see :func:`clipping_bounds`.
         last: No pullback through ``bp`` follows (its graph is freed as this one goes).
 
     Returns:
@@ -394,51 +403,72 @@ def clipped_leaf_sums(
     return clipped_sums(bp, bound, CLIPPING_EPS, last=last)
 
 
-def clipping_bounds(max_norm: MaxNorm | None, names: list[str]) -> float | list[float]:
-    """``max_norm`` checked: one bound, or one per leaf in the leaves' order.
+def clipping_bounds(max_norm: MaxNorm | None, names: list[str]) -> float | ClippingGroups:
+    """``max_norm`` checked: one bound, or groups of leaves each with its bound.
 
     Args:
         max_norm: A real number (a 0-d tensor too); a sequence of them, one per leaf in
-            the flattening order of ``params``; or a mapping from each leaf's name (as
-            :func:`~packfunc.functionalize.flatten_params` names it: a dict's keys) to
-            its bound.
+            the flattening order of ``params`` (each leaf clipped alone); or a mapping whose
+            keys are leaves' names (as :func:`~packfunc.functionalize.flatten_params` names
+            them: a dict's keys) or tuples of names (a group, clipped by its joint norm),
+            each leaf in one key.
         names: The leaves' names, in order.
 
     Returns:
-        The bound, or the list of bounds.
+        The bound, or the groups in the order of their first leaves.
 
     Raises:
-        TypeError: for another kind of value.
-        ValueError: for a bound that is not positive (NaN included), or bounds that do
-            not match the leaves one to one.
+        TypeError: for another kind of value, or a key that is neither a name nor a tuple.
+        ValueError: for a bound that is not positive (NaN included), or keys that do not
+            name every leaf exactly once.
 
     Example:
         >>> clipping_bounds({"w": 1, "b": 2.0}, ["b", "w"])
-        [2.0, 1.0]
+        [([0], 2.0), ([1], 1.0)]
+        >>> clipping_bounds({("w", "b"): 1.0, "c": 0.5}, ["b", "c", "w"])
+        [([0, 2], 1.0), ([1], 0.5)]
     """
     if isinstance(max_norm, numbers.Real) or (isinstance(max_norm, Tensor) and max_norm.dim() == 0):
         return _positive([float(max_norm)], max_norm)[0]
     if isinstance(max_norm, Mapping):
-        missing, unknown = sorted(set(names) - set(max_norm)), sorted(set(max_norm) - set(names))
-        if missing or unknown:
-            raise ValueError(
-                f"max_norm names {sorted(max_norm)}, the parameters are {names}: missing "
-                f"{missing}, unknown {unknown}. Give one bound per parameter name."
-            )
-        return _positive([float(max_norm[name]) for name in names], max_norm)
+        return _named_groups(max_norm, names)
     if isinstance(max_norm, Sequence) and not isinstance(max_norm, str):
         if len(max_norm) != len(names):
             raise ValueError(
                 f"max_norm has {len(max_norm)} bounds for {len(names)} parameters ({names}): "
                 "pass one number, one per parameter in that order, or a dict {name: bound}."
             )
-        return _positive([float(b) for b in max_norm], max_norm)
+        bounds = _positive([float(b) for b in max_norm], max_norm)
+        return [([leaf], bound) for leaf, bound in enumerate(bounds)]
     if max_norm is None:
         raise ValueError("clipping needs max_norm > 0; got max_norm=None.")
     raise TypeError(
         "max_norm must be a number, a list of numbers (one per parameter) or a dict "
-        f"{{name: bound}}; got {type(max_norm).__name__}."
+        f"{{name or tuple of names: bound}}; got {type(max_norm).__name__}."
     )
+
+
+def _named_groups(max_norm: Mapping[Any, Any], names: list[str]) -> ClippingGroups:
+    """The groups of a mapping from names, or tuples of names, to bounds (see above)."""
+    keys = [(key,) if isinstance(key, str) else key for key in max_norm]
+    if not all(isinstance(key, tuple) and all(isinstance(n, str) for n in key) for key in keys):
+        raise TypeError(
+            "max_norm's keys are parameter names or tuples of them (a group clipped by its "
+            f"joint norm); got {list(max_norm)}."
+        )
+    named = [name for key in keys for name in key]
+    missing, unknown = sorted(set(names) - set(named)), sorted(set(named) - set(names))
+    twice = sorted({name for name in named if named.count(name) > 1})
+    if missing or unknown or twice:
+        raise ValueError(
+            f"max_norm names {named}, the parameters are {names}: missing {missing}, unknown "
+            f"{unknown}, in two groups {twice}. Give each parameter name one bound (alone, or "
+            "in one tuple of names clipped together)."
+        )
+    bounds = _positive([float(b) for b in max_norm.values()], max_norm)
+    index = {name: leaf for leaf, name in enumerate(names)}
+    groups = [(sorted(index[name] for name in key), b) for key, b in zip(keys, bounds)]
+    return sorted(groups, key=lambda group: group[0][0])
 
 
 def _positive(bounds: list[float], given: object) -> list[float]:

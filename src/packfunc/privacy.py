@@ -71,7 +71,8 @@ def clipped_grad(
             or one bound per leaf of ``params`` (a dict ``{name: C_i}``, or a list in the
             flattening order: a dict's sorted keys), each leaf's per-sample
             gradient clipped alone (opacus' per-layer clipping; the step's sensitivity is then
-            ``√Σ C_i²``).
+            ``√Σ C_i²``); or one per group of leaves, a tuple of names clipped by their joint
+            norm (``{("0.weight", "0.bias"): C_1, ...}``, each leaf in one key).
         loss: A ``torch.nn`` loss with ``reduction='sum'``, each sample's own loss
             (default ``CrossEntropyLoss(reduction='sum')``); a mean is refused.
 
@@ -319,7 +320,9 @@ class DPOptimizer:
     Args:
         model: The module being trained (its trainable parameters are clipped together).
         optimizer: A ``torch.optim`` optimizer over those parameters.
-        max_norm: The clipping bound ``C``.
+        max_norm: The clipping bound ``C``; or bounds per parameter or group of parameters
+            by name, as :func:`clipped_grad` takes them (the names of
+            ``model.named_parameters()``).
         noise_multiplier: ``σ``.
         expected_batch_size: ``q·n`` for Poisson sampling (the batch size otherwise).
         loss: A loss with ``reduction='sum'`` (default ``CrossEntropyLoss(reduction='sum')``).
@@ -343,7 +346,7 @@ class DPOptimizer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        max_norm: float,
+        max_norm: MaxNorm,
         noise_multiplier: float,
         expected_batch_size: float,
         loss: nn.Module | None = None,
@@ -552,7 +555,10 @@ def private_gradient(
 
 
 def _sensitivity(max_norm: MaxNorm) -> float:
-    """The clipped sum's L2 sensitivity: ``C``, or ``√Σ C_i²`` with one bound per parameter."""
+    """The clipped sum's L2 sensitivity: ``C``, or ``√Σ C_i²`` with one bound ``C_i`` each.
+
+    One bound per parameter, or per group of parameters clipped together.
+    """
     if isinstance(max_norm, Mapping):
         bounds = [float(c) for c in max_norm.values()]
     elif isinstance(max_norm, Sequence) and not isinstance(max_norm, str):

@@ -49,9 +49,12 @@ else:
     FactorTree = Factors | Mapping[str, _Factors] | Sequence[_Factors] | None
 """Kronecker factors shaped like ``params`` (``None`` for a parameter without a rule)."""
 
-MaxNorm = float | Sequence[float] | Mapping[str, float]
+MaxNorm = float | Sequence[float] | Mapping[str | tuple[str, ...], float]
 """A clipping bound: one for all parameters together, or one per parameter (in leaf order,
-or by name)."""
+or by name), or one per group of parameters clipped by their joint norm (a tuple of names)."""
+
+ClippingGroups = list[tuple[list[int], float]]
+"""Leaves clipped together by their joint per-sample norm (leaf indices), each group's bound."""
 
 Samples = Sequence[int] | Tensor | None
 """Sample indices (``None``: every sample)."""

@@ -31,6 +31,7 @@ from packfunc.engine.memory import (
 )
 from packfunc.engine.vocabulary import PER_SAMPLE, Statistic
 from packfunc.losses import hessian_factors
+from packfunc.types import ClippingGroups
 
 _SQUARES_AT_ONCE = 2**20
 """Elements squared per temporary: small enough for the allocator to reuse its memory."""
@@ -149,7 +150,7 @@ class _StatisticsDuringBackward:
 
 
 def clipped_sums(
-    bp: BatchPass, max_norm: float | list[float], eps: float, *, last: bool = False
+    bp: BatchPass, max_norm: float | ClippingGroups, eps: float, *, last: bool = False
 ) -> list[Tensor]:
     """``Σ_n c_n g_n`` per leaf, ``c_n = min(1, max_norm / (‖g_n‖ + eps))``: DP-SGD's clipped sum.
 
@@ -166,8 +167,8 @@ def clipped_sums(
 
     Args:
         bp: The batch pass (of a summed loss).
-        max_norm: The bound ``C``; or one bound per leaf, each leaf clipped alone by its
-            own norm ``‖g_{n,leaf}‖``.
+        max_norm: The bound ``C``; or groups of leaves with a bound each, each group
+            clipped alone by its own joint norm (a group of one leaf: ``‖g_{n,leaf}‖``).
         eps: Added to each norm before dividing.
         last: Nothing uses ``bp`` afterwards (its graph and records are used up).
 
@@ -201,7 +202,7 @@ def clipped_sums(
         squares |= {leaf: f[Statistic.SQUARED_NORMS] for leaf, f in zip(bp.whole_model, whole)}
     if isinstance(max_norm, list):
         squares |= {leaf: _statistic(Statistic.SQUARED_NORMS, t[None]) for leaf, t in kept.items()}
-        return _clipped_per_leaf(columns, squares, kept, max_norm, eps)
+        return _clipped_by_group(columns, squares, kept, max_norm, eps)
     rows = SampleRows(list(kept.values()))
     parts = [squares[leaf] for leaf in sorted(squares)] + ([rows.squared_norms()] if kept else [])
     norms = torch.stack(parts).sum(0).sqrt()
@@ -320,7 +321,7 @@ class SampleRows:
         if self.joined is not None:
             parts.append(self.joined)
         # (a norm, not a sum of squares: no temporary of the rows' size)
-        squares = [torch.linalg.vector_norm(r, dim=1).square() for r in parts]
+        squares: list[Tensor] = [torch.linalg.vector_norm(r, dim=1).square() for r in parts]
         return sum(squares[1:], squares[0])
 
     def weighted_sums(self, weights: Tensor) -> list[Tensor]:
@@ -408,28 +409,37 @@ def _per_sample_is_smaller(columns: ColumnGradients, leaf: int) -> bool:
     return bool(terms) and columns.bp.n * columns.bp.leaves[leaf].numel() < cotangents
 
 
-def _clipped_per_leaf(
+def _clipped_by_group(
     columns: ColumnGradients,
     squares: dict[int, Tensor],
     kept: dict[int, Tensor],
-    bounds: list[float],
+    groups: ClippingGroups,
     eps: float,
 ) -> list[Tensor]:
-    """Each leaf's sum of its per-sample gradients clipped alone to its own bound."""
-    bp, everyone, sums = columns.bp, slice(0, columns.bp.n), []
-    for leaf, bound in enumerate(bounds):
-        factors = clipping_factors(squares[leaf].sqrt(), bound, eps)
-        if leaf in kept:
-            sums.append(SampleRows([kept[leaf]]).weighted_sums(factors)[0])
+    """Each group's leaves' sums of per-sample gradients clipped by the group's joint norm."""
+    bp, everyone = columns.bp, slice(0, columns.bp.n)
+    sums: dict[int, Tensor] = {}
+    for leaves, bound in groups:
+        norms = torch.stack([squares[leaf] for leaf in leaves]).sum(0).sqrt()
+        factors = clipping_factors(norms, bound, eps)
+        mine = [leaf for leaf in leaves if leaf in kept]
+        if mine:
+            sums |= dict(
+                zip(mine, SampleRows([kept[leaf] for leaf in mine]).weighted_sums(factors))
+            )
+        rest = [leaf for leaf in leaves if leaf not in kept]
+        if not rest:
             continue
-        reweighted = columns.reweighted(factors, [leaf])  # copies: a site serves several leaves
-        value = None
-        if leaf not in bp.whole_model:
-            value = reweighted.closed_form(leaf, Statistic.SUM, everyone)
-        if value is None:
-            value = _materialized(reweighted, [leaf], {Statistic.SUM}, everyone)[0][Statistic.SUM]
-        sums.append(value)
-    return sums
+        reweighted = columns.reweighted(factors, rest)  # copies: a site serves several groups
+        for leaf in rest:
+            value = None
+            if leaf not in bp.whole_model:
+                value = reweighted.closed_form(leaf, Statistic.SUM, everyone)
+            if value is None:
+                found = _materialized(reweighted, [leaf], {Statistic.SUM}, everyone)
+                value = found[0][Statistic.SUM]
+            sums[leaf] = value
+    return [sums[leaf] for leaf in range(len(bp.leaves))]
 
 
 def _materialized(
