@@ -136,16 +136,29 @@ class RecurrentHead(nn.Module):
 
 
 class LearnedInitialState(nn.Module):
-    """A GRU whose initial state is a parameter copied over the batch."""
+    """A GRU whose initial state is a parameter copied over the batch.
 
-    def __init__(self):
+    With ``deep``: a 2-layer bidirectional LSTM whose states ``[L·D, 1, H]`` are copied
+    along dim 1, the batch's dim for ``hx`` (each layer's state selected from it).
+    """
+
+    def __init__(self, deep: bool = False):
         super().__init__()
-        self.rnn = nn.GRU(3, 4, batch_first=True)
-        self.h0 = nn.Parameter(0.5 * torch.randn(1, 1, 4))
-        self.head = nn.Linear(4, 2)
+        self.deep = deep
+        if deep:
+            self.rnn: nn.RNNBase = nn.LSTM(3, 4, num_layers=2, bidirectional=True, batch_first=True)
+            self.c0 = nn.Parameter(0.5 * torch.randn(4, 1, 4))
+        else:
+            self.rnn = nn.GRU(3, 4, batch_first=True)
+        self.h0 = nn.Parameter(0.5 * torch.randn(4 if deep else 1, 1, 4))
+        self.head = nn.Linear(8 if deep else 4, 2)
 
     def forward(self, x: Tensor) -> Tensor:
-        out, _ = self.rnn(x, self.h0.expand(1, x.shape[0], 4).contiguous())
+        h0 = self.h0.expand(-1, x.shape[0], 4).contiguous()
+        if self.deep:
+            out, _ = self.rnn(x, (h0, self.c0.expand(-1, x.shape[0], 4).contiguous()))
+        else:
+            out, _ = self.rnn(x, h0)
         return self.head(out[:, -1])
 
 
@@ -392,6 +405,12 @@ CASES: dict[str, Case] = {
         Case("lstm", lambda: RecurrentHead(nn.LSTM), _randn(4, 3)),
         Case("recurrent_cells", UnrolledCells, _randn(3, 3)),
         Case("learned_initial_state", LearnedInitialState, _randn(3, 3)),
+        Case(
+            "learned_initial_state_deep",
+            lambda: LearnedInitialState(deep=True),
+            _randn(3, 3),
+            slow=True,
+        ),
         Case("transformer", TransformerBlock, _randn(5, 8), classes=3, slow=True),
         Case(
             "transformer_seq_first",

@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from packfunc.engine.decompositions import run_decomposed
-from packfunc.engine.ops import BROADCASTS
+from packfunc.engine.ops import BROADCASTS, CONVERSIONS
 
 
 @dataclass(frozen=True)
@@ -128,13 +128,17 @@ class Derivation:
         broadcast: Whether every row along dim 0 is the same (a size-one dim copied,
             e.g. ``cls.expand(N, 1, D)``): one sample's share is its first row.
         copied: Whether it is, or is computed from, such a copy (``h0.expand(N, H)``
-            through a layer): its rows are then the same where their values are.
+            through a layer, or a copy along another dim that a selection made dim 0: a
+            learned initial state ``h0.expand(L, N, H)[layer]``): its rows are then the same
+            where their values are.
+        copy_dims: The dims known to be copies of a size-one dim (see :func:`copy_dims`).
     """
 
     leaves: frozenset[int]
     compute: Callable[[Mapping[int, Tensor]], Tensor]
     broadcast: bool = False
     copied: bool = False
+    copy_dims: frozenset[int] = frozenset()
 
 
 def copies_along_batch(func: Callable[..., Any], arguments: CallArguments, out: Any) -> bool:
@@ -163,6 +167,74 @@ def copies_along_batch(func: Callable[..., Any], arguments: CallArguments, out: 
     return first.dim() < out.dim() or first.shape[:1] == (1,)
 
 
+def copy_dims(
+    func: Callable[..., Any], arguments: CallArguments, sources: Mapping[int, Source], out: Any
+) -> frozenset[int]:
+    """The dims of a call's output known to be copies of a size-one dim.
+
+    An ``expand``/``broadcast_to``/``repeat`` makes them (a size-one or missing dim copied);
+    conversions keep them, and an integer index or ``select`` and ``transpose`` move them
+    (``h0.expand(L, N, H)[layer]``: dim 1 becomes dim 0). Any other op knows none.
+
+    Args:
+        func: The op.
+        arguments: Its flattened arguments.
+        sources: Its parameter arguments.
+        out: Its output.
+
+    Returns:
+        The dims.
+
+    Example:
+        >>> h0 = torch.zeros(2, 1, 3)
+        >>> made = copy_dims(Tensor.expand, CallArguments.of((h0, 2, 4, 3), {}), {0: 0},
+        ...                  h0.expand(2, 4, 3))
+        >>> made
+        frozenset({1})
+        >>> moved = Derivation(frozenset({0}), lambda v: v[0], copy_dims=made)
+        >>> copy_dims(Tensor.__getitem__, CallArguments.of((h0, 1), {}), {0: moved}, h0[1])
+        frozenset({0})
+    """
+    values = arguments.values
+    first = values[0] if values else None
+    if not isinstance(first, Tensor) or not isinstance(out, Tensor):
+        return frozenset()
+    if func in BROADCASTS:
+        lead = out.dim() - first.dim()
+        return frozenset(
+            d
+            for d in range(out.dim())
+            if out.shape[d] != 1 and (d < lead or first.shape[d - lead] == 1)
+        )
+    source = sources.get(0)
+    dims = source.copy_dims if isinstance(source, Derivation) else frozenset()
+    if not dims:
+        return frozenset()
+    if func in CONVERSIONS or func in (Tensor.clone, torch.clone, Tensor.detach):
+        return dims if out.shape == first.shape else frozenset()
+    removed = _selected_dim(func, values, first, out)
+    if removed is not None:
+        return frozenset(d - (d > removed) for d in dims if d != removed)
+    if func in (Tensor.transpose, torch.transpose) and len(values) == 3:
+        a, b = (int(v) % first.dim() for v in values[1:])
+        swap = {a: b, b: a}
+        return frozenset(swap.get(d, d) for d in dims)
+    return frozenset()
+
+
+def _selected_dim(
+    func: Callable[..., Any], values: tuple[Any, ...], first: Tensor, out: Tensor
+) -> int | None:
+    """The dim an integer index (``t[k]``) or ``select(dim, k)`` removes, else ``None``."""
+    if out.dim() != first.dim() - 1:
+        return None
+    if func is Tensor.__getitem__ and len(values) == 2 and type(values[1]) is int:
+        return 0
+    if func in (Tensor.select, torch.select) and len(values) == 3:
+        return int(values[1]) % first.dim()
+    return None
+
+
 Source = int | Derivation
 """Where a parameter-valued argument comes from: a leaf index or a derivation."""
 
@@ -174,6 +246,7 @@ def derive(
     index: int | None,
     broadcast: bool,
     constant: bool = False,
+    copies: frozenset[int] = frozenset(),
 ) -> Derivation:
     """The derivation of an output of ``func`` whose parameter arguments are ``sources``.
 
@@ -185,6 +258,7 @@ def derive(
         broadcast: Whether the op copies a size-one dim 0 (see :attr:`Derivation.broadcast`).
         constant: Whether the model made it under ``torch.no_grad()`` (a statistic of a
             weight): differentiation then holds it constant.
+        copies: The output's dims known to be copies (:func:`copy_dims`).
 
     Returns:
         The :class:`Derivation`.
@@ -205,8 +279,12 @@ def derive(
         found = cast(Tensor, out if index is None else out[index])
         return found.detach() if constant else found
 
-    copied = broadcast or any(isinstance(s, Derivation) and s.copied for s in sources.values())
-    return Derivation(leaves, compute, broadcast, copied)
+    copied = (
+        broadcast
+        or 0 in copies
+        or any(isinstance(s, Derivation) and s.copied for s in sources.values())
+    )
+    return Derivation(leaves, compute, broadcast, copied, copies)
 
 
 def _substituted(

@@ -32,6 +32,7 @@ from packfunc.engine.local import (
     Derivation,
     Source,
     copies_along_batch,
+    copy_dims,
     derive,
     without_running_updates,
 )
@@ -573,7 +574,8 @@ def remember_derivations(
     first = outputs[0][1] if outputs else None
     broadcast = copies_along_batch(func, arguments, first)
     for index, tensor in outputs:
-        derivation = derive(func, arguments, sources, index, broadcast, constant)
+        copies = copy_dims(func, arguments, sources, tensor)
+        derivation = derive(func, arguments, sources, index, broadcast, constant, copies)
         derived[id(tensor)] = (tensor, derivation)
 
 
