@@ -470,8 +470,9 @@ def module_of(model_fn: ModelFn) -> nn.Module | None:
     if found is not None:
         return found
     named: dict[int, tuple[str, nn.Module]] = {}
+    used = read_names(model_fn)
     for name, value in closed_over(model_fn):
-        for key, module in _modules_in(name, value):
+        for key, module in _modules_in(name, value, used):
             named.setdefault(id(module), (key, module))
     if len(named) > 1:
         return _holder(list(named.values()))
@@ -587,27 +588,28 @@ def _read_from_outside(function: Any) -> list[tuple[str, Any]]:
     return values
 
 
-def _modules_in(name: str, value: Any) -> list[tuple[str, nn.Module]]:
+def _modules_in(name: str, value: Any, used: frozenset[str]) -> list[tuple[str, nn.Module]]:
     """The modules in a closed-over value, by name: itself, or those among its entries.
 
     Those of a dict, list or tuple of a few entries (a holder, not a registry of models
     the function picks one of) are named ``holder_net`` for ``holder["net"]``; those an
-    object that is not a module holds as attributes (a trainer whose method is the model
-    function, ``trainer.model``), ``trainer_model``. A :func:`functional` model function
-    counts as its module.
+    object that is not a module holds as attributes that the function's code names
+    (``used``: a trainer whose method reads ``self.model``, not its EMA copy),
+    ``trainer_model``. A :func:`functional` model function counts as its module.
 
     Example:
         >>> class Trainer:
-        ...     def __init__(self): self.model, self.steps = torch.nn.Linear(2, 1), 0
-        >>> [key for key, _ in _modules_in("trainer", Trainer())]
+        ...     def __init__(self): self.model, self.ema = torch.nn.Linear(2, 1), torch.nn.ReLU()
+        >>> [key for key, _ in _modules_in("trainer", Trainer(), frozenset({"model"}))]
         ['trainer_model']
     """
+    attributes = object_attributes(value)
     if isinstance(value, dict) and len(value) <= _HOLDER_ENTRIES:
         entries = [(f"{name}_{key}", v) for key, v in value.items()]
     elif isinstance(value, (list, tuple)) and len(value) <= _HOLDER_ENTRIES:
         entries = [(f"{name}_{i}", v) for i, v in enumerate(value)]
-    elif _holds_attributes(value):
-        entries = [(f"{name}_{key}", v) for key, v in vars(value).items()]
+    elif attributes is not None:
+        entries = [(f"{name}_{key}", v) for key, v in attributes.items() if key in used]
     else:
         entries = [(name, value)]
     found = [(k, v if isinstance(v, nn.Module) else _registered_module(v)) for k, v in entries]
@@ -623,25 +625,73 @@ _NOT_HOLDERS = (
     types.BuiltinFunctionType,
     types.MethodType,
     functools.partial,
+    list,
+    tuple,
+    dict,
 )
 
 
-def _holds_attributes(value: Any) -> bool:
-    """Whether ``value`` is an object whose own attributes may hold the model (a trainer).
+def object_attributes(value: Any) -> dict[str, Any] | None:
+    """The own attributes of an object that may hold the model (a trainer), else ``None``.
 
-    Not a module, tensor, class, Python module or function, and not one of many attributes
-    (a configuration, not a holder).
+    Its ``__dict__`` and slots. ``None`` for a module, tensor, container, class, Python module
+    or function, an object without attributes, and one of more than 64 (a configuration or
+    a registry, not a holder).
+
+    Example:
+        >>> class Slotted:
+        ...     __slots__ = ("model",)
+        >>> held = Slotted(); held.model = 1
+        >>> object_attributes(held), object_attributes(3)
+        ({'model': 1}, None)
     """
-    attributes = getattr(value, "__dict__", None)
-    return (
-        type(attributes) is dict
-        and len(attributes) <= _OBJECT_ATTRIBUTES
-        and not isinstance(value, _NOT_HOLDERS)
-    )
+    if isinstance(value, _NOT_HOLDERS):
+        return None
+    own = getattr(value, "__dict__", None)
+    found: dict[str, Any] = dict(own) if type(own) is dict else {}
+    for kind in type(value).__mro__:
+        slots = kind.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__") and slot not in found:
+                with contextlib.suppress(AttributeError):
+                    found[slot] = getattr(value, slot)
+    return found if 0 < len(found) <= _OBJECT_ATTRIBUTES else None
 
 
 _OBJECT_ATTRIBUTES = 64
 """The most attributes of an object :func:`_modules_in` looks among."""
+
+
+def read_names(function: Any, depth: int = 2) -> frozenset[str]:
+    """The attribute and global names a function's code reads.
+
+    Also those of the functions it closes over (``depth`` deep), and of nested functions.
+
+    Example:
+        >>> sorted(read_names(lambda p, X: trainer.model(X)))
+        ['model', 'trainer']
+    """
+    names: set[str] = set()
+    stack = [(function, depth)]
+    while stack:
+        current, level = stack.pop()
+        if isinstance(current, types.MethodType):
+            current = current.__func__
+        if isinstance(current, functools.partial):
+            current = current.func
+        code = getattr(current, "__code__", None)
+        codes = [code] if isinstance(code, types.CodeType) else []
+        while codes:
+            found = codes.pop()
+            names.update(found.co_names)
+            codes += [c for c in found.co_consts if isinstance(c, types.CodeType)]
+        if level:
+            stack += [
+                (value, level - 1)
+                for _, value in _read_from_outside(current)
+                if isinstance(value, (types.FunctionType, types.MethodType, functools.partial))
+            ]
+    return frozenset(names)
 
 
 _HOLDER_ENTRIES = 8

@@ -1,5 +1,6 @@
 """The batch pass: tapped leaves for plans that call the leaves only, the mode for any other."""
 
+import collections
 import dataclasses
 import types
 
@@ -13,7 +14,7 @@ from tests.cases import RecurrentHead, assert_batch_grad_is_a_loop
 from torch import nn
 
 import packfunc as pf
-from packfunc.engine import batch_record
+from packfunc.engine import batch_record, discovery
 from packfunc.engine.batch_record import PlanMismatch
 from packfunc.engine.discovery import Plan, discover
 from packfunc.functionalize import flatten_params
@@ -945,3 +946,123 @@ def test_modules_held_outside_the_tree_count_one_forward_per_call(holder, quanti
     X, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
     quantity(model_fn, params, X, y)
     assert counter.calls == 1
+
+
+class _Held(nn.Module):
+    """A softmax over dim 1 kept outside the registered children, in one of several ways."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(3, 4).double(), nn.Linear(4, 2).double()
+        act = nn.Softmax(dim=1)
+        if kind == "tuple":
+            self.held = (act,)
+        elif kind == "direct":
+            object.__setattr__(self, "held", act)
+        elif kind == "ordered dict":
+            self.held = collections.OrderedDict(act=act)
+        elif kind == "list of 17":
+            self.held = [nn.Identity() for _ in range(16)] + [act]
+        elif kind == "nested":
+            self.held = [[act]]
+        else:  # a dict of an option and a module
+            self.held = {"scale": 1.0, "act": act}
+        self.kind = kind
+
+    @property
+    def act(self) -> nn.Module:
+        held = self.held
+        if self.kind in ("tuple", "list of 17", "nested"):
+            return held[-1][0] if self.kind == "nested" else held[-1]
+        return held if self.kind == "direct" else held["act"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.held["scale"] if self.kind == "mixed dict" else 1.0
+        return self.l2(scale * self.act(self.l1(x)))
+
+
+_HELD_KINDS = ["tuple", "direct", "ordered dict", "list of 17", "nested", "mixed dict"]
+
+
+@pytest.mark.parametrize("kind", _HELD_KINDS)
+def test_modules_held_in_any_plain_container_are_in_the_plans_key(kind):
+    """Found by a probe of the first fix: a module in an OrderedDict, in a list of 17, in a
+    nested list, or a dict's option beside a module, kept a stale plan (0.17-0.61 off) after
+    the held softmax was switched to mix samples; each is refused as a fresh model is."""
+    torch.manual_seed(0)
+    X, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
+    model = _Held(kind)
+    model_fn, params = pf.functional(model)
+    assert_batch_grad_is_a_loop(model_fn, params, X, y)
+    model.act.dim = 0
+    with pytest.raises(ValueError, match="must depend on that sample alone"):
+        pf.batch_grad(model_fn, params, X, y)
+
+
+class _CountingBuffer(nn.Module):
+    """Counts its forwards in a plain attribute and in a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.n += 1
+        return x
+
+
+class _TupleHolder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.held = nn.Linear(3, 2).double(), (_CountingBuffer(),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.held[0](self.lin(x))
+
+
+@pytest.mark.parametrize("quantity", [pf.batch_grad, pf.diag_hessian, pf.kfac])
+def test_a_tuple_held_module_and_its_buffers_count_one_forward_per_call(quantity):
+    """A counter and a buffer in a module kept in a tuple counted packfunc's own passes
+    (3 to 4 forwards; in a list, the buffer too): they are put back as a child's are."""
+    torch.manual_seed(0)
+    model = _TupleHolder()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    quantity(model_fn, params, X, y)
+    assert model.held[0].calls == 1 and model.held[0].n.item() == 1
+
+
+class _SlottedTrainer:
+    __slots__ = ("model", "ema", "dim")
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.ema, self.dim = model, _CountingBuffer(), 1
+
+    def model_fn(self, p: dict, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(self.model, p, (x,)).softmax(self.dim)
+
+
+def test_a_slotted_trainer_its_read_attributes_and_not_its_others():
+    """A trainer with ``__slots__`` was not looked into (a stale plan 0.51 off); a plain
+    attribute its method reads (``self.dim``) was not in the key (0.21 off); a module it
+    holds but the method never names (an EMA copy) made a plan per call when it changed."""
+    torch.manual_seed(0)
+    X, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
+    model = _MethodModel()
+    trainer = _SlottedTrainer(model)
+    model_fn = trainer.model_fn
+    params = {k: t.detach() for k, t in model.named_parameters()}
+    assert_batch_grad_is_a_loop(model_fn, params, X, y)
+    plan = discovery._PLANS[model_fn][1]
+    trainer.ema.calls += 1  # an unread module changed: the plan stays
+    pf.batch_grad(model_fn, params, X, y)
+    assert discovery._PLANS[model_fn][1] is plan
+    trainer.dim = 0  # the output is now normalized over the batch
+    with pytest.raises(ValueError, match="must depend on that sample alone"):
+        pf.batch_grad(model_fn, params, X, y)
+    trainer.dim = 1
+    model.act = nn.Softmax(dim=0)  # the model it reads, changed
+    with pytest.raises(ValueError, match="must depend on that sample alone"):
+        pf.batch_grad(model_fn, params, X, y)

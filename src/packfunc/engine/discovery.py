@@ -47,7 +47,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from packfunc.engine.attention import ATTENTION_OPS
 from packfunc.engine.batch_dims import Dims, batch_dims_after, contracted_dims
 from packfunc.engine.local import CallArguments, LocalInputs, Source
-from packfunc.engine.model_state import MODULE_INTERNALS, kept_model_state
+from packfunc.engine.model_state import (
+    MODULE_INTERNALS,
+    held_entries,
+    held_modules,
+    kept_model_state,
+)
 from packfunc.engine.modes import (
     REWRITTEN_OPS,
     LeafIndex,
@@ -85,6 +90,8 @@ from packfunc.functionalize import (
     is_own_model_function,
     leading_sizes,
     module_of,
+    object_attributes,
+    read_names,
     select_samples,
 )
 from packfunc.losses import PICK_THE_OUTPUT
@@ -1307,9 +1314,10 @@ def _tree_settings(module: Any, held: dict[int, Hashable]) -> Hashable:
             found.append(None if current is None else first[id(current)])
             continue
         first[id(current)] = len(found)
-        children = current._modules
-        found.append((tuple(children), _settings(current, held)))
-        stack.extend(reversed(children.values()))
+        children, kept = current._modules, cast(list[torch.nn.Module], [])
+        found.append((tuple(children), _settings(current, held, kept)))
+        # the modules kept in plain attributes (a list of activations) come as children last
+        stack.extend(reversed([*children.values(), *kept]))
     return tuple(found)
 
 
@@ -1370,7 +1378,9 @@ def _is_setting(value: Any) -> bool:
     return isinstance(value, _SETTING_TYPES)
 
 
-def _settings(module: Any, held: dict[int, Hashable]) -> Hashable:
+def _settings(
+    module: Any, held: dict[int, Hashable], kept: list[torch.nn.Module] | None = None
+) -> Hashable:
     """A module's type, plain attributes (``training``, ``batch_first``, ``eps``...) and hooks.
 
     A change of any since discovery may make another function, even one that mixes samples
@@ -1379,9 +1389,11 @@ def _settings(module: Any, held: dict[int, Hashable]) -> Hashable:
     an attribute (``self.act``, by identity), a configuration object the module holds
     (Hugging Face's ``config``, a dataclass, with slots too, a namespace), whose plain
     attributes count too (each object once, in ``held``), or a forward hook registered
-    since (by identity), or a module kept in a plain list, tuple or dict (walked as a child);
-    class attributes do not. ``nn.Module``'s own dicts of parameters,
-    children and hooks are skipped by name: the signature is taken on every call.
+    since (by identity); class attributes do not. ``nn.Module``'s own dicts of parameters,
+    children and hooks are skipped by name: the signature is taken on every call. With
+    ``kept``, the modules a module's attributes hold outside its children (in a list, tuple or
+    dict, :func:`~packfunc.engine.model_state.held_modules`) are appended to it, and their
+    containers' layout and plain entries count as settings.
     """
     found = []
     attributes = _attributes(module)
@@ -1392,9 +1404,9 @@ def _settings(module: Any, held: dict[int, Hashable]) -> Hashable:
             found.append((key, value))
             continue
         setting = _setting(value, held)
-        if setting is _NOT_A_SETTING and (modules := _held_modules(value)):
-            # a module kept in a plain list or dict (or set past nn.Module): run as a child
-            setting = ("modules", tuple(_held_tree(m, held) for m in modules))
+        if setting is _NOT_A_SETTING and kept is not None and (modules := held_modules(value)):
+            kept += modules  # (run as children: walked by the caller)
+            setting = _held_layout(value, held)
         if setting is not _NOT_A_SETTING:
             found.append((key, setting))
     for name in _FORWARD_HOOKS:
@@ -1444,33 +1456,27 @@ def _setting(value: Any, held: dict[int, Hashable]) -> Any:
     return _NOT_A_SETTING
 
 
-def _held_modules(value: Any) -> list[torch.nn.Module]:
-    """The modules a plain attribute holds, not registered as children.
+def _held_layout(value: Any, held: dict[int, Hashable]) -> Hashable:
+    """A container holding modules as a plan depends on it: its type, entries and modules.
 
-    Itself (set past ``nn.Module``), or those in a list, tuple or dict of a few entries
-    (``self.acts = [nn.Softmax(-1)]``).
+    Where the modules are, and the plain entries beside them (``{"dim": 1, "act": ...}``).
 
     Example:
-        >>> len(_held_modules([torch.nn.ReLU(), 2])), _held_modules(3)
-        (1, [])
+        >>> _held_layout({"dim": 1, "act": torch.nn.ReLU()}, {})
+        (<class 'dict'>, (('dim', 1), ('act', 'module')))
     """
-    if isinstance(value, torch.nn.Module):
-        return [value]
-    if type(value) in (list, tuple, dict) and len(value) <= _LISTED:
-        entries = value.values() if type(value) is dict else value
-        return [entry for entry in entries if isinstance(entry, torch.nn.Module)]
-    return []
-
-
-def _held_tree(module: torch.nn.Module, held: dict[int, Hashable]) -> Hashable:
-    """The tree of a module an attribute holds (see :func:`_tree_settings`), each once.
-
-    Held in ``held`` by its ``id``: a module that holds its own holder is not walked again.
-    """
-    if id(module) not in held:
-        held[id(module)] = None  # (a module that holds its holder)
-        held[id(module)] = _tree_settings(module, held)
-    return held[id(module)]
+    entries = held_entries(value)
+    keys = list(value) if isinstance(value, dict) else range(len(entries))
+    layout: list[tuple[Hashable, Hashable]] = []
+    for key, entry in zip(keys, entries, strict=True):
+        if isinstance(entry, torch.nn.Module):
+            layout.append((key, "module"))
+        elif held_modules(entry):
+            layout.append((key, _held_layout(entry, held)))
+        else:
+            setting = _setting(entry, held)
+            layout.append((key, None if setting is _NOT_A_SETTING else setting))
+    return type(value), tuple(layout)
 
 
 def _is_configuration(value: Any) -> bool:
@@ -1499,8 +1505,23 @@ def _closed_over_settings(model_fn: ModelFn) -> Hashable:
     if is_own_model_function(model_fn):
         return ()
     held: dict[int, Hashable] = {}
-    settings = (_setting(value, held) for _, value in closed_over(model_fn))
+    used = read_names(model_fn)
+    settings = (_read_setting(value, held, used) for _, value in closed_over(model_fn))
     return tuple(None if setting is _NOT_A_SETTING else setting for setting in settings)
+
+
+def _read_setting(value: Any, held: dict[int, Hashable], used: frozenset[str]) -> Any:
+    """:func:`_setting` of a value a function reads, or an object's plain attributes.
+
+    An object holding the model (a trainer whose method is the model function) counts by
+    the plain attributes the function's code names (``self.dim``).
+    """
+    setting = _setting(value, held)
+    attributes = object_attributes(value) if setting is _NOT_A_SETTING else None
+    if attributes is None:
+        return setting
+    named = ((key, _setting(v, held)) for key, v in attributes.items() if key in used)
+    return tuple((key, s) for key, s in named if s is not _NOT_A_SETTING)
 
 
 def _duplicated(leaves: list[Tensor]) -> frozenset[int]:

@@ -84,7 +84,7 @@ def buffer_restorer(module: nn.Module | None) -> Callable[[], list[str]]:
     """
     named = [
         (owner, f"{prefix}.{name}" if prefix else name, name, buffer, buffer.clone())
-        for prefix, owner in (module.named_modules() if module is not None else ())
+        for prefix, owner in modules_with_held(module)
         for name, buffer in owner.named_buffers(recurse=False)
         if buffer.device.type != "meta"
     ]
@@ -147,10 +147,10 @@ def attribute_restorer(module: nn.Module | None, whole: bool = False) -> Restore
     owners = submodules(module)
     saved = []
     known = {id(owner) for owner in owners}
-    for owner in owners:  # (grows: modules held in a plain list or dict are owners too)
-        contents = _contents(owner.__dict__, hooks=whole)
+    for owner in owners:  # (grows: modules held in plain attributes are owners too)
+        contents, modules = _contents(owner.__dict__, hooks=whole)
         saved.append((owner.__dict__, owner.__dict__.copy(), tuple(owner.__dict__), contents))
-        for held in _held_modules(contents):
+        for held in modules:
             for found in submodules(held):
                 if id(found) not in known:
                     known.add(id(found))
@@ -186,20 +186,37 @@ _NESTED_LIMIT = 64
 """The most entries of a container whose own containers are kept too."""
 
 
-def _contents(attributes: dict[str, object], hooks: bool) -> list[tuple[Container, Container]]:
-    """The lists, dicts, sets and deques among a module's own attributes, with copies.
+def _contents(
+    attributes: dict[str, object], hooks: bool
+) -> tuple[list[tuple[Container, Container]], list[nn.Module]]:
+    """A module's own lists, dicts, sets and deques with copies, and the modules it holds.
 
-    Subclasses too (an ``OrderedDict``, a ``defaultdict``), and those held one level in (a
-    list of sizes in a dict of logs, in containers of up to 64 entries). A forward may
-    append to them: what packfunc's own runs add is taken out again. With
+    The modules its attributes hold outside its registered children: :func:`held_modules`.
+    Containers of subclasses too (an ``OrderedDict``, a ``defaultdict``), and those held
+    one level in (a list of sizes in a dict of logs, in containers of up to 64 entries). A
+    forward may append to them: what packfunc's own runs add is taken out again. With
     ``hooks``, so are the hooks registered since in the module's dicts of hooks (a forward
     that registers one once; a copy of such a dict holds only its keys, see :func:`_refill`).
+    One pass over the attributes finds both.
     """
-    containers = [
-        cast(Container, value)
-        for value in map(attributes.__getitem__, attributes.keys() - MODULE_INTERNALS)
-        if isinstance(value, _CONTAINERS)
-    ]
+    containers: list[Container] = []
+    modules: list[nn.Module] = []
+    for key in attributes.keys() - MODULE_INTERNALS:
+        value = attributes[key]
+        if isinstance(value, _CONTAINERS):
+            containers.append(cast(Container, value))
+        if isinstance(value, _HOLDERS):
+            modules += held_modules(value)
+    return _copied(containers, attributes, hooks), modules
+
+
+_HOLDERS = (nn.Module, list, tuple, dict)
+
+
+def _copied(
+    containers: list[Container], attributes: dict[str, object], hooks: bool
+) -> list[tuple[Container, Container]]:
+    """The containers and those one level in, with copies (and the hooks' dicts, with ``hooks``)."""
     for outer in list(containers):  # one level in: a list of sizes in a dict of logs
         if len(outer) <= _NESTED_LIMIT:
             entries = outer.values() if isinstance(outer, dict) else outer
@@ -214,18 +231,85 @@ def _contents(attributes: dict[str, object], hooks: bool) -> list[tuple[Containe
     return found
 
 
-def _held_modules(contents: list[tuple[Container, Container]]) -> list[nn.Module]:
-    """The modules among the entries of a module's lists and dicts (not registered children).
+HELD_ENTRIES = 64
+"""The most entries of a list, tuple or dict whose modules count as held."""
 
-    A forward that calls ``self.acts[0](x)`` on a module kept in a plain list runs it as
-    a child: what it sets is put back as a child's is.
+
+def held_modules(value: object) -> list[nn.Module]:
+    """The modules an attribute holds outside the registered tree (no ``nn.ModuleList``).
+
+    The value itself (set past ``nn.Module.__setattr__``), or the modules in a list, tuple or
+    dict (subclasses too) of up to 64 entries, and one level further in (``[[layer]]``). A
+    forward that calls ``self.acts[0](x)`` runs such a module as a child: packfunc keys its
+    plans on it and puts back what it sets as a child's.
+
+    Args:
+        value: An attribute's value.
+
+    Returns:
+        The modules, in order (possibly repeated).
+
+    Example:
+        >>> len(held_modules([torch.nn.ReLU(), 2, (torch.nn.Tanh(),)])), held_modules(3)
+        (2, [])
     """
-    found = []
-    for container, _ in contents:
-        if isinstance(container, (list, dict)) and len(container) <= _NESTED_LIMIT:
-            entries = container.values() if isinstance(container, dict) else container
-            found += [entry for entry in entries if isinstance(entry, nn.Module)]
+    if isinstance(value, nn.Module):
+        return [value]
+    found: list[nn.Module] = []
+    for entry in held_entries(value):
+        if isinstance(entry, nn.Module):
+            found.append(entry)
+        else:
+            found += [inner for inner in held_entries(entry) if isinstance(inner, nn.Module)]
     return found
+
+
+def held_entries(value: object) -> list[object]:
+    """The entries of a list, tuple or dict (its values) of up to 64 entries, else none.
+
+    Example:
+        >>> held_entries({"a": 1}), held_entries("ab"), held_entries(list(range(65)))
+        ([1], [], [])
+    """
+    if isinstance(value, (list, tuple)) and len(value) <= HELD_ENTRIES:
+        return list(value)
+    if isinstance(value, dict) and len(value) <= HELD_ENTRIES:
+        return list(value.values())
+    return []
+
+
+def modules_with_held(module: nn.Module | None) -> list[tuple[str, nn.Module]]:
+    """``module.named_modules()`` and the modules held in plain attributes, each once.
+
+    A held module is named by its holder's attribute (``acts.held``). Not for every call's
+    hot path: each module's attributes are read (see :func:`held_modules`).
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(1, 1))
+        >>> net.acts = [torch.nn.ReLU()]
+        >>> [name for name, _ in modules_with_held(net)]
+        ['', '0', 'acts.held']
+    """
+    if module is None:
+        return []
+    found: dict[int, tuple[str, nn.Module]] = {}
+    stack = [("", module)]
+    while stack:
+        prefix, current = stack.pop()
+        if id(current) in found:
+            continue
+        found[id(current)] = (prefix, current)
+        children = [
+            (f"{prefix}.{name}" if prefix else name, child)
+            for name, child in current._modules.items()
+            if child is not None
+        ]
+        for key, value in current.__dict__.items():
+            if key not in MODULE_INTERNALS and isinstance(value, _HOLDERS):
+                name = f"{prefix}.{key}.held" if prefix else f"{key}.held"
+                children += [(name, held) for held in held_modules(value)]
+        stack.extend(reversed(children))
+    return list(found.values())
 
 
 def _held_tensors(attributes: dict[str, object]) -> list[tuple[Tensor, int, Tensor]]:
