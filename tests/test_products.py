@@ -201,3 +201,20 @@ def test_block_products_refuse_a_stack_that_is_not_a_tensor(product):
     mats = {"weight": torch.ones(2, 3, 4), "bias": np.ones((2, 3))}
     with pytest.raises(TypeError, match=r"mats\['bias'\] is of type ndarray.*\[V, \*p\.shape\]"):
         product(fn, params, X, y, mats)
+
+
+def test_block_products_name_the_leaves_mats_lacks_and_refuse_integer_vectors():
+    """A missing leaf or a list in place of one was told "one leaf per parameter leaf"
+    without which; integer vectors reached torch's "Expected tangent to be floating point"
+    (GGN) or ran (Hessian). Found by a probe."""
+    fn, params = pf.functional(nn.Sequential(nn.Linear(3, 2)))
+    X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    for product in (pf.ggn_block_products, pf.hessian_block_products):
+        with pytest.raises(ValueError, match=r"missing \['0.bias'\], not parameters \[\]"):
+            product(fn, params, X, y, {"0.weight": torch.ones(1, 2, 3)})
+        listed = {"0.weight": torch.ones(1, 2, 3), "0.bias": [torch.ones(1, 2)]}
+        with pytest.raises(ValueError, match=r"not parameters \['0.bias.0'\]"):
+            product(fn, params, X, y, listed)
+        integer = {"0.weight": torch.ones(1, 2, 3, dtype=torch.long), "0.bias": None}
+        with pytest.raises(TypeError, match="dtype torch.int64.*floating-point"):
+            product(fn, params, X, y, integer)

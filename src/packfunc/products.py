@@ -358,14 +358,26 @@ def _checked_mats(params: Any, mats: Any) -> list[Tensor | None]:
         ValueError: naming the leaf and the layout it takes.
     """
     leaves, _, names = flatten_params(params)
-    blocks = optree.tree_leaves(cast(Any, mats), none_is_leaf=True)
-    if len(blocks) != len(leaves):
-        raise ValueError("mats must have one leaf (or None) per parameter leaf.")
+    paths, blocks, _ = optree.tree_flatten_with_path(cast(Any, mats), none_is_leaf=True)
+    given = [".".join(map(str, path)) or "<root>" for path in paths]
+    if given != names:
+        missing = [name for name in names if name not in given]
+        unknown = [name for name in given if name not in names]
+        raise ValueError(
+            f"mats must have one leaf (or None) per parameter leaf, laid out as params: "
+            f"missing {missing}, not parameters {unknown} (mats has {len(blocks)} leaves, "
+            f"params {len(leaves)})."
+        )
     for name, m, leaf in zip(names, blocks, leaves, strict=True):
         if m is not None and not isinstance(m, Tensor):
             raise TypeError(
                 f"mats[{name!r}] is of type {type(m).__name__}; each leaf of mats is a tensor of V "
                 f"vectors stacked as [V, *p.shape] (or None: no product for {name!r})."
+            )
+        if m is not None and not (m.is_floating_point() or m.is_complex()):
+            raise TypeError(
+                f"mats[{name!r}] has dtype {m.dtype}; products take floating-point vectors "
+                f"(mats[{name!r}].to({leaf.dtype}))."
             )
         if m is not None and (m.dim() != leaf.dim() + 1 or m.shape[1:] != leaf.shape):
             stack = ", ".join(["V", *map(str, leaf.shape)])
