@@ -943,23 +943,11 @@ def test_clipped_grad_per_group_bounds(case) -> None:
         norms = torch.cat([batch[k].reshape(len(batch[k]), -1) for k in group], 1).norm(dim=1)
         factors = (bound / (norms + 1e-6)).clamp(max=1.0)
         expected |= {k: torch.tensordot(factors, batch[k], dims=1) for k in group}
-    found = pf.clipped_grad(
-        model_fn, params, problem.X, problem.y, loss=problem.loss, max_norm=groups
-    )
-    assert_trees_close(found, expected)
-    singles = {(k,): 0.1 * (i + 1) for i, k in enumerate(names)}
+    clipped = partial(pf.clipped_grad, model_fn, params, problem.X, problem.y, loss=problem.loss)
+    assert_trees_close(clipped(max_norm=groups), expected)
+    bounds = [0.1 * (i + 1) for i in range(len(names))]
     assert_trees_close(
-        pf.clipped_grad(
-            model_fn, params, problem.X, problem.y, loss=problem.loss, max_norm=singles
-        ),
-        pf.clipped_grad(
-            model_fn,
-            params,
-            problem.X,
-            problem.y,
-            loss=problem.loss,
-            max_norm=[0.1 * (i + 1) for i in range(len(names))],
-        ),
+        clipped(max_norm=dict(zip([(k,) for k in names], bounds))), clipped(max_norm=bounds)
     )
 
 

@@ -900,15 +900,17 @@ def test_modules_held_outside_the_tree_are_in_the_plans_key(case):
         pf.batch_grad(model_fn, params, X, y)
 
 
-class _Counter(nn.Module):
-    """Counts its forwards in a plain attribute."""
+class _CountingBuffer(nn.Module):
+    """Counts its forwards in a plain attribute and in a buffer."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
+        self.register_buffer("n", torch.zeros(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
+        self.n += 1
         return x
 
 
@@ -917,11 +919,11 @@ class _CountingHolder(nn.Module):
 
     def __init__(self, kind: str) -> None:
         super().__init__()
-        self.lin, counter = nn.Linear(3, 2).double(), _Counter()
+        self.lin, counter = nn.Linear(3, 2).double(), _CountingBuffer()
         self.held = [counter] if kind == "list" else {"counter": counter}
 
     @property
-    def counter(self) -> _Counter:
+    def counter(self) -> _CountingBuffer:
         return self.held[0] if isinstance(self.held, list) else self.held["counter"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -936,7 +938,7 @@ def test_modules_held_outside_the_tree_count_one_forward_per_call(holder, quanti
     diag_hessian, where a registered child counts 1. They are put back as a child's are."""
     torch.manual_seed(0)
     if holder == "trainer":
-        counter = _Counter()
+        counter = _CountingBuffer()
         model: nn.Module = nn.Sequential(nn.Linear(3, 2).double(), counter)
         model_fn = _Trainer(model).model_fn
     else:
@@ -997,20 +999,6 @@ def test_modules_held_in_any_plain_container_are_in_the_plans_key(kind):
     model.act.dim = 0
     with pytest.raises(ValueError, match="must depend on that sample alone"):
         pf.batch_grad(model_fn, params, X, y)
-
-
-class _CountingBuffer(nn.Module):
-    """Counts its forwards in a plain attribute and in a buffer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-        self.register_buffer("n", torch.zeros(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        self.n += 1
-        return x
 
 
 class _TupleHolder(nn.Module):
