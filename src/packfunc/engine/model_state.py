@@ -25,9 +25,12 @@ from torch import Tensor, nn
 __all__ = [
     "attribute_restorer",
     "buffer_restorer",
+    "held_entries",
+    "held_modules",
     "is_packfunc_tensor",
     "made_in_a_pass",
     "kept_model_state",
+    "modules_with_held",
     "packfunc_passes",
     "restart_users_forward",
     "restoring_attributes",
