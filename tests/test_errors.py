@@ -839,3 +839,20 @@ def test_curvature_products_refuse_targets_of_another_batch_size_before_the_mode
         with pytest.raises(ValueError, match="targets have shape"):
             product(model_fn, params, X, y, v)
     assert not calls
+
+
+def test_an_element_weight_of_another_batch_is_named_with_data():
+    """``BCEWithLogitsLoss(weight=[N, 1])`` (one row per sample of the whole set) with
+    ``data=`` met torch's raw broadcasting error in the first smaller batch (a probe); it is
+    named now. A weight per output entry serves every batch."""
+    fn, params = pf.functional(nn.Sequential(nn.Linear(3, 2)))
+    X, y = torch.randn(4, 3), torch.rand(4, 2).round()
+    batches = [(X[:2], y[:2]), (X[2:], y[2:])]
+    per_sample = nn.BCEWithLogitsLoss(weight=torch.rand(4, 1))
+    with pytest.raises(ValueError, match=r"weight=...\) has shape \(4, 1\).*\(2, 2\)"):
+        pf.diag_ggn(fn, params, data=batches, loss=per_sample)
+    per_entry = nn.BCEWithLogitsLoss(weight=torch.rand(2))
+    whole = pf.diag_ggn(fn, params, X, y, loss=per_entry)
+    split = pf.diag_ggn(fn, params, data=batches, loss=per_entry)
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name])

@@ -214,6 +214,34 @@ def check_loss_inputs(loss: nn.Module, output: Tensor, target: Tensor, n: int) -
             f"{name} got output {tuple(output.shape)} and target {tuple(target.shape)}; "
             "PyTorch would broadcast them silently. Reshape y to the output's shape."
         )
+    else:
+        _check_element_weights(loss, output, n)
+
+
+def _check_element_weights(loss: nn.Module, output: Tensor, n: int) -> None:
+    """Refuse an element-wise loss's ``weight``/``pos_weight`` that does not fit the batch.
+
+    A weight with one row per sample of another batch (``BCEWithLogitsLoss(weight=[N, 1])``
+    with ``data=``, whose batches are smaller) would meet torch's raw broadcasting error.
+
+    Example:
+        >>> loss = torch.nn.BCEWithLogitsLoss(weight=torch.ones(4, 1))
+        >>> _check_element_weights(loss, torch.zeros(4, 3), 4)
+    """
+    for option in ("weight", "pos_weight"):
+        weight = getattr(loss, option, None)
+        if not isinstance(weight, Tensor) or weight.dim() == 0:
+            continue
+        try:
+            torch.broadcast_shapes(weight.shape, output.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"{type(loss).__name__}({option}=...) has shape {tuple(weight.shape)}, which "
+                f"does not broadcast to this batch's output {tuple(output.shape)} ({n} "
+                "samples; with data= each batch is its own). Give a weight that fits every "
+                "batch (one per output entry, e.g. [C]), or pass each batch with a loss of "
+                "its own rows."
+            ) from None
 
 
 PICK_THE_OUTPUT = (
