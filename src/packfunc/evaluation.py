@@ -10,6 +10,7 @@ requested quantity shares one forward and one pullback; quantities made of other
 
 from __future__ import annotations
 
+import collections
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -458,7 +459,7 @@ def _named_groups(max_norm: Mapping[Any, Any], names: list[str]) -> ClippingGrou
         )
     named = [name for key in keys for name in key]
     missing, unknown = sorted(set(names) - set(named)), sorted(set(named) - set(names))
-    twice = sorted({name for name in named if named.count(name) > 1})
+    twice = sorted(name for name, count in collections.Counter(named).items() if count > 1)
     if missing or unknown or twice:
         raise ValueError(
             f"max_norm names {named}, the parameters are {names}: missing {missing}, unknown "

@@ -855,6 +855,16 @@ def flatten_params(params: Any) -> tuple[list[Tensor], optree.PyTreeSpec, list[s
     return leaves, treespec, names
 
 
+def path_name(path: tuple[Any, ...]) -> str:
+    """A pytree leaf's name: its path's keys joined with dots (``"<root>"`` for a bare leaf).
+
+    Example:
+        >>> path_name(("layer", 0, "weight")), path_name(())
+        ('layer.0.weight', '<root>')
+    """
+    return ".".join(str(key) for key in path) or "<root>"
+
+
 def leaf_names(paths: list[tuple[Any, ...]]) -> list[str]:
     """Name every leaf by its path's keys joined with dots; refuse two leaves of one name.
 
@@ -875,7 +885,7 @@ def leaf_names(paths: list[tuple[Any, ...]]) -> list[str]:
         >>> leaf_names([("a", 0), ("b",)])
         ['a.0', 'b']
     """
-    names = [".".join(str(key) for key in path) or "<root>" for path in paths]
+    names = [path_name(path) for path in paths]
     first: dict[str, tuple[Any, ...]] = {}
     for name, path in zip(names, paths):
         if name in first:

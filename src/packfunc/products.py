@@ -35,6 +35,7 @@ from packfunc.functionalize import (
     flatten_params,
     leading_sizes,
     module_of,
+    path_name,
     refuse_unsplittable_inputs,
     run_model,
 )
@@ -359,7 +360,7 @@ def _checked_mats(params: Any, mats: Any) -> list[Tensor | None]:
     """
     leaves, _, names = flatten_params(params)
     paths, blocks, _ = optree.tree_flatten_with_path(cast(Any, mats), none_is_leaf=True)
-    given = [".".join(map(str, path)) or "<root>" for path in paths]
+    given = [path_name(path) for path in paths]
     if given != names:
         missing = [name for name in names if name not in given]
         unknown = [name for name in given if name not in names]

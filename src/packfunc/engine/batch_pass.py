@@ -12,7 +12,7 @@ the whole-model path) otherwise, zeros for unused leaves.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property, partial
 from typing import Any, cast
@@ -93,6 +93,23 @@ class Term:
     x: Tensor
     g: Tensor
     call: SiteCall
+
+
+def sites_by_leaf(plan: Plan, sites: Iterable[int]) -> dict[int, list[int]]:
+    """Leaf -> those of ``sites`` whose call uses it, in the order given.
+
+    Args:
+        plan: The plan the sites belong to.
+        sites: Site indices.
+
+    Returns:
+        The sites of each leaf some site uses.
+    """
+    found: dict[int, list[int]] = {}
+    for k in sites:
+        for _, leaf in plan.sites[k].call.leaves:
+            found.setdefault(leaf, []).append(k)
+    return found
 
 
 def canonical_term(term: Term, param: Tensor) -> Term:
@@ -453,10 +470,7 @@ class BatchPass:
         Returns:
             Site indices.
         """
-        sites_of: dict[int, list[int]] = {}
-        for k in self.record.inputs:
-            for _, leaf in self.plan.sites[k].call.leaves:
-                sites_of.setdefault(leaf, []).append(k)
+        sites_of = sites_by_leaf(self.plan, self.record.inputs)
         return {
             k
             for k in self.record.inputs
@@ -652,10 +666,7 @@ class ColumnGradients:
         Found once: :meth:`release` is called for every leaf.
         """
         if self._leaf_sites is None:
-            self._leaf_sites = {}
-            for k in self.sites:
-                for _, leaf in self.bp.plan.sites[k].call.leaves:
-                    self._leaf_sites.setdefault(leaf, []).append(k)
+            self._leaf_sites = sites_by_leaf(self.bp.plan, self.sites)
         return self._leaf_sites
 
     def _recorded_calls(self, sites: dict[int, Tensor]) -> dict[int, list[Term]]:

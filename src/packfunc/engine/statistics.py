@@ -201,11 +201,9 @@ def clipped_sums(
         whole = _materialized(columns, bp.whole_model, {Statistic.SQUARED_NORMS}, everyone)
         squares |= {leaf: f[Statistic.SQUARED_NORMS] for leaf, f in zip(bp.whole_model, whole)}
     if isinstance(max_norm, list):
-        squares |= {leaf: _statistic(Statistic.SQUARED_NORMS, t[None]) for leaf, t in kept.items()}
         return _clipped_by_group(columns, squares, kept, max_norm, eps)
     rows = SampleRows(list(kept.values()))
-    parts = [squares[leaf] for leaf in sorted(squares)] + ([rows.squared_norms()] if kept else [])
-    norms = torch.stack(parts).sum(0).sqrt()
+    norms = _joint_norms([squares[leaf] for leaf in sorted(squares)], rows)
     factors = clipping_factors(norms, max_norm, eps)
     rest = [leaf for leaf in range(len(bp.leaves)) if leaf not in kept]
     sums = dict(zip(kept, rows.weighted_sums(factors)))
@@ -344,6 +342,17 @@ _SMALL = 2**12
 """Elements per sample up to which :class:`SampleRows` joins a tensor."""
 
 
+def _joint_norms(squares: list[Tensor], kept: SampleRows) -> Tensor:
+    """``[N]``: each sample's norm over leaves of squared norms ``squares`` and kept gradients.
+
+    Example:
+        >>> _joint_norms([torch.tensor([9.0])], SampleRows([torch.full((1, 4), 2.0)]))
+        tensor([5.])
+    """
+    parts = squares + ([kept.squared_norms()] if kept.rows else [])
+    return torch.stack(parts).sum(0).sqrt()
+
+
 def _squared_norms(
     columns: ColumnGradients, leaf: int, room: int
 ) -> tuple[Tensor | None, Tensor | None]:
@@ -420,14 +429,11 @@ def _clipped_by_group(
     bp, everyone = columns.bp, slice(0, columns.bp.n)
     sums: dict[int, Tensor] = {}
     for leaves, bound in groups:
-        norms = torch.stack([squares[leaf] for leaf in leaves]).sum(0).sqrt()
-        factors = clipping_factors(norms, bound, eps)
         mine = [leaf for leaf in leaves if leaf in kept]
-        if mine:
-            sums |= dict(
-                zip(mine, SampleRows([kept[leaf] for leaf in mine]).weighted_sums(factors))
-            )
         rest = [leaf for leaf in leaves if leaf not in kept]
+        rows = SampleRows([kept[leaf] for leaf in mine])
+        factors = clipping_factors(_joint_norms([squares[leaf] for leaf in rest], rows), bound, eps)
+        sums |= dict(zip(mine, rows.weighted_sums(factors)))
         if not rest:
             continue
         reweighted = columns.reweighted(factors, rest)  # copies: a site serves several groups
