@@ -1054,3 +1054,33 @@ def test_a_slotted_trainer_its_read_attributes_and_not_its_others():
     model.act = nn.Softmax(dim=0)  # the model it reads, changed
     with pytest.raises(ValueError, match="must depend on that sample alone"):
         pf.batch_grad(model_fn, params, X, y)
+
+
+@pytest.mark.parametrize("quantity", ["batch_grad", "kfac", "clipped_grad"])
+def test_a_batch_pass_leaves_no_reference_cycle(quantity):
+    """A pass's pullback was a closure that called itself: every call left a reference cycle
+    (its autograd nodes, edges and shapes: 20 objects on an MLP, 47 on an LM) for the
+    garbage collector, whose collections then ran during later calls."""
+    import gc
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    options = {"max_norm": 1.0} if quantity == "clipped_grad" else {}
+
+    def call():
+        return getattr(pf, quantity)(model_fn, params, X, y, loss=loss, **options)
+
+    call()  # (a first call makes the plan)
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        call()
+        gc.collect()
+        left = list(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert left == []

@@ -829,32 +829,37 @@ def autograd_record(
     sites = [k for k in outputs if k not in direct]
     edges = [outputs[k] for k in sites]
 
-    def gradients(cotangent: Tensor, batched: bool, retain: bool = True) -> dict[int, Tensor]:
+    def pulled_back(cotangent: Tensor, batched: bool, retain: bool) -> dict[int, Tensor]:
+        pulled = torch.autograd.grad(
+            root,
+            edges,
+            cotangent,
+            retain_graph=retain or differentiable,
+            create_graph=differentiable,
+            allow_unused=True,
+            is_grads_batched=batched,
+        )
         found = dict.fromkeys(direct, cotangent)
-        if not edges:
-            return found
-        try:
-            pulled = torch.autograd.grad(
-                root,
-                edges,
-                cotangent,
-                retain_graph=retain or differentiable,
-                create_graph=differentiable,
-                allow_unused=True,
-                is_grads_batched=batched,
-            )
-        except RuntimeError as error:
-            if not (batched and "random operations inside of vmap" in str(error)):
-                raise
-            # a checkpoint recomputing dropout in the backward: one column at a time (the
-            # recomputation restores the forward's random state, so its masks are the same)
-            columns = [gradients(column, False) for column in cotangent.unbind(0)]
-            return {k: torch.stack([column[k] for column in columns]) for k in columns[0]}
         for k, g in zip(sites, pulled):
             shape = (*cotangent.shape[:batched], *shapes[k])
             # an output laid out as flat rows (an addmm recorded as a linear layer) is reshaped
             found[k] = g.reshape(shape) if g is not None else cotangent.new_zeros(shape)
         return found
+
+    # (not recursive: a closure that calls itself is a reference cycle, which would keep
+    # the graph's nodes, and the tensors they save, until the garbage collector runs)
+    def gradients(cotangent: Tensor, batched: bool, retain: bool = True) -> dict[int, Tensor]:
+        if not edges:
+            return dict.fromkeys(direct, cotangent)
+        try:
+            return pulled_back(cotangent, batched, retain)
+        except RuntimeError as error:
+            if not (batched and "random operations inside of vmap" in str(error)):
+                raise
+        # a checkpoint recomputing dropout in the backward: one column at a time (the
+        # recomputation restores the forward's random state, so its masks are the same)
+        columns = [pulled_back(column, False, True) for column in cotangent.unbind(0)]
+        return {k: torch.stack([column[k] for column in columns]) for k in columns[0]}
 
     def last_gradients(cotangent: Tensor, consume: SiteConsumer | None) -> dict[int, Tensor]:
         if consume is None or differentiable or not sites:
