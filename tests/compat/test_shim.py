@@ -434,6 +434,34 @@ def test_a_training_loop_does_not_keep_activations_alive():
     assert sum(ref() is not None for ref in alive) == 0
 
 
+@pytest.mark.parametrize("extension", ["BatchGrad", "KFAC", "DiagGGNExact", "ClippedGrad"])
+def test_a_step_lets_its_activations_go_without_the_garbage_collector(extension):
+    """The record of a step's forward was held in a reference cycle (its pullbacks held it,
+    and it held them) until the garbage collector ran: in a loop of KFAC steps on an MLP,
+    the previous step's layer inputs were alive beside the next step's (a peak of 59.5 MiB
+    for five steps against 43.5 MiB for one)."""
+    torch.manual_seed(0)
+    clipped = extension == "ClippedGrad"  # (a sum: each sample's own loss)
+    model = extend(_mlp())
+    lossfunc = extend(nn.CrossEntropyLoss(reduction="sum" if clipped else "mean"))
+    X, y = _data("mlp")
+    made = ours.ClippedGrad(1.0) if clipped else getattr(ours, extension)()
+    with backpack(made):  # (a first step makes the plan)
+        lossfunc(model(X), y).backward()
+    seen: list[weakref.ref] = []
+    hook = model[0].register_forward_hook(lambda m, i, o: seen.append(weakref.ref(o)))
+    gc.collect()
+    gc.disable()
+    try:
+        with backpack(made):
+            lossfunc(model(X), y).backward()
+        alive = sum(ref() is not None for ref in seen)
+    finally:
+        gc.enable()
+        hook.remove()
+    assert seen and alive == 0
+
+
 def test_debug_prints_what_runs(capsys):
     model, lossfunc = extend(_mlp(), debug=True), extend(nn.CrossEntropyLoss())
     X, y = _data("mlp")

@@ -14,9 +14,11 @@ the same autograd node: a difference beyond rounding removes the results and ref
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -74,7 +76,9 @@ class SiteCotangents:
         self.edges = dict(edges)
 
         def of_the_loss_gradient(cotangent: Tensor) -> bool:
-            found = watched.__dict__.get("_loss_and_cotangent")
+            # (weakly: the record holds these pullbacks, which would otherwise hold it, a
+            # cycle that kept its recorded inputs until the garbage collector ran)
+            found = cast(BatchRecord, watched_ref()).__dict__.get("_loss_and_cotangent")
             return found is not None and _same_tensor(cotangent, found[1])
 
         def pullback(cotangent: Tensor) -> dict[int, Tensor]:
@@ -107,6 +111,7 @@ class SiteCotangents:
             pullback_columns=pullback_columns,
             last_pullback=last_pullback,
         )
+        watched_ref = weakref.ref(watched)
         return watched
 
     def check_after_backward(
