@@ -665,7 +665,8 @@ _OBJECT_ATTRIBUTES = 64
 def read_names(function: Any, depth: int = 2) -> frozenset[str]:
     """The attribute and global names a function's code reads.
 
-    Also those of the functions it closes over (``depth`` deep), and of nested functions.
+    Also those of the functions it closes over and, for a method, of the methods of its
+    object that it names (``self._logits(...)``), ``depth`` deep; and of nested functions.
 
     Example:
         >>> sorted(read_names(lambda p, X: trainer.model(X)))
@@ -675,23 +676,62 @@ def read_names(function: Any, depth: int = 2) -> frozenset[str]:
     stack = [(function, depth)]
     while stack:
         current, level = stack.pop()
+        owner = None
         if isinstance(current, types.MethodType):
-            current = current.__func__
+            current, owner = current.__func__, getattr(current, "__self__", None)
         if isinstance(current, functools.partial):
             current = current.func
         code = getattr(current, "__code__", None)
-        codes = [code] if isinstance(code, types.CodeType) else []
-        while codes:
-            found = codes.pop()
-            names.update(found.co_names)
-            codes += [c for c in found.co_consts if isinstance(c, types.CodeType)]
+        read = _code_names(code) if isinstance(code, types.CodeType) else frozenset()
+        names |= read
         if level:
             stack += [
                 (value, level - 1)
                 for _, value in _read_from_outside(current)
                 if isinstance(value, (types.FunctionType, types.MethodType, functools.partial))
             ]
+            stack += [(method, level - 1) for method in _methods_named(owner, read)]
     return frozenset(names)
+
+
+@functools.lru_cache(maxsize=1024)
+def _code_names(code: types.CodeType) -> frozenset[str]:
+    """The attribute and global names ``code`` and the code nested in it read.
+
+    Example:
+        >>> sorted(_code_names((lambda x: x.weight + torch.ones(1)).__code__))
+        ['ones', 'torch', 'weight']
+    """
+    names: set[str] = set()
+    codes = [code]
+    while codes:
+        found = codes.pop()
+        names.update(found.co_names)
+        codes += [c for c in found.co_consts if isinstance(c, types.CodeType)]
+    return frozenset(names)
+
+
+def _methods_named(owner: object, names: frozenset[str]) -> list[types.MethodType]:
+    """The methods of ``owner`` (defined in Python on its class) among ``names``, bound to it.
+
+    Only for an object that is not a module: a module's whole tree is walked anyway.
+
+    Example:
+        >>> class Trainer:
+        ...     def step(self): ...
+        >>> [m.__name__ for m in _methods_named(Trainer(), {"step", "model"})]
+        ['step']
+    """
+    if owner is None or isinstance(owner, (type, nn.Module)):
+        return []
+    found = []
+    for name in sorted(names):
+        # (the class's own attribute, as inspect.getattr_static finds it, at a tenth of its cost)
+        owners = (c.__dict__ for c in type(owner).__mro__)
+        attribute = next((entries[name] for entries in owners if name in entries), None)
+        if isinstance(attribute, types.FunctionType):
+            found.append(types.MethodType(attribute, owner))
+    return found
 
 
 _HOLDER_ENTRIES = 8

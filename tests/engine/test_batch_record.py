@@ -1084,3 +1084,52 @@ def test_a_batch_pass_leaves_no_reference_cycle(quantity):
         gc.set_debug(0)
         gc.garbage.clear()
     assert left == []
+
+
+class _TrainerWithHelper:
+    """A trainer whose model function reads its model and option through helper methods."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.dim = model, 1
+
+    def model_fn(self, p: dict, x: torch.Tensor) -> torch.Tensor:
+        return self._normalized(self._logits(p, x))
+
+    def _logits(self, p: dict, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(self.model, p, (x,))
+
+    def _normalized(self, z: torch.Tensor) -> torch.Tensor:
+        return z.softmax(self.dim)
+
+
+def test_a_trainer_read_through_its_helper_methods():
+    """A module and an option the model function reads through the trainer's own helper
+    methods (``self._logits`` reading ``self.model``) were not in the plan's key: changed
+    to mix samples, they kept the stale plan where a fresh model function is refused."""
+    torch.manual_seed(0)
+    X, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
+    model = _MethodModel()
+    trainer = _TrainerWithHelper(model)
+    model_fn = trainer.model_fn
+    params = {k: t.detach() for k, t in model.named_parameters()}
+    assert_batch_grad_is_a_loop(model_fn, params, X, y)
+    model.act = nn.Softmax(dim=0)  # the model the helper reads, changed
+    with pytest.raises(ValueError, match="must depend on that sample alone"):
+        pf.batch_grad(model_fn, params, X, y)
+    model.act = nn.Softmax(dim=1)
+    assert_batch_grad_is_a_loop(model_fn, params, X, y)
+    trainer.dim = 0  # the option the other helper reads
+    with pytest.raises(ValueError, match="must depend on that sample alone"):
+        pf.batch_grad(model_fn, params, X, y)
+
+
+def test_packfuncs_passes_through_a_helper_method_are_put_back():
+    """A counter read through the trainer's helper method counted packfunc's own passes."""
+    torch.manual_seed(0)
+    counter = _CountingBuffer()
+    model = nn.Sequential(counter, nn.Linear(3, 2).double())
+    model_fn = _TrainerWithHelper(model).model_fn
+    params = {k: t.detach() for k, t in model.named_parameters()}
+    X, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
+    pf.batch_grad(model_fn, params, X, y)
+    assert (counter.calls, float(counter.n)) == (1, 1.0)  # the user's forward, once
