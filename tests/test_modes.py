@@ -62,6 +62,28 @@ def test_functions_work_inside_no_grad_and_inference_mode(mode, call):
         assert_trees_close(found, expected, call)
 
 
+@pytest.mark.parametrize("call", ["batch_grad", "kfac", "compute"])
+@pytest.mark.parametrize("made", ["parameters", "buffers"])
+def test_tensors_made_in_inference_mode_used_outside_it_are_named(call, made):
+    """Parameters or a BatchNorm's statistics made under ``torch.inference_mode()`` and used
+    outside it gave torch's own error ("Setting requires_grad=True on inference tensor..."),
+    which names no fix; the model is left as it was."""
+    torch.manual_seed(0)
+    if made == "parameters":
+        with torch.inference_mode():
+            model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    else:
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+        with torch.inference_mode():
+            model[1].running_mean = torch.zeros(4)
+    X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    model_fn, params = pf.functional(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="torch.inference_mode"):
+        CALLS[call](model_fn, params, X, y)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_a_compiled_module_runs_as_its_original_module():
     model, X, y = _problem()
     model_fn, params = pf.functional(torch.compile(model))

@@ -267,6 +267,8 @@ def public_entry(function: F) -> F:
             symptom = any(word in str(error) for word in _UNSPLITTABLE_SYMPTOMS)
             if unsplittable is not None and symptom:  # (a path that checks no inputs: explain)
                 raise ValueError(_unsplittable_input(unsplittable, "an input")) from error
+            if "inference tensor" in str(error).lower():
+                raise ValueError(_INFERENCE_TENSORS) from error
             if isinstance(error, NotImplementedError) and "'Sparse" in str(error):
                 raise ValueError(_SPARSE_GRADIENTS) from error  # (from the 'SparseCPU' backend)
             if _channels_last_among((args, kwargs)) and any(
@@ -337,6 +339,15 @@ _MUTATES_CAPTURED = (
     "GGN diagonals and Kronecker factors run such a model as your forward does."
 )
 
+
+_INFERENCE_TENSORS = (
+    "the model's parameters, buffers or the batch include tensors made under "
+    "torch.inference_mode() (see the error above), which autograd cannot differentiate or "
+    "update outside it, for packfunc as for a plain backward pass. Make them outside "
+    "inference mode (build the model, load its state_dict there), or pass normal copies "
+    "({k: v.clone() for k, v in params.items()}, cloned outside inference mode); packfunc "
+    "called inside torch.inference_mode() uses such copies of what it is given."
+)
 
 _SPARSE_GRADIENTS = (
     "a layer of model_fn gives sparse gradients (nn.Embedding or nn.EmbeddingBag with "
