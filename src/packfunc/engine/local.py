@@ -132,6 +132,9 @@ class Derivation:
             learned initial state ``h0.expand(L, N, H)[layer]``): its rows are then the same
             where their values are.
         copy_dims: The dims known to be copies of a size-one dim (see :func:`copy_dims`).
+        rows: For a lookup of a leaf's rows by constant indices (``F.embedding(ids, w)``:
+            Hugging Face's ``wpe(arange(T))``), the indices: its pullback adds the
+            cotangent's rows into those rows (:func:`looked_up_rows`); else ``None``.
     """
 
     leaves: frozenset[int]
@@ -139,6 +142,7 @@ class Derivation:
     broadcast: bool = False
     copied: bool = False
     copy_dims: frozenset[int] = frozenset()
+    rows: Tensor | None = None
 
 
 def copies_along_batch(func: Callable[..., Any], arguments: CallArguments, out: Any) -> bool:
@@ -284,7 +288,59 @@ def derive(
         or 0 in copies
         or any(isinstance(s, Derivation) and s.copied for s in sources.values())
     )
-    return Derivation(leaves, compute, broadcast, copied, copies)
+    rows = None if constant or index is not None else looked_up_rows(func, arguments, sources)
+    return Derivation(leaves, compute, broadcast, copied, copies, rows)
+
+
+_SAME_VALUES = CONVERSIONS | {Tensor.clone, torch.clone}
+"""Calls whose output has the values of their input (in another dtype or place)."""
+
+
+_EMBEDDING = inspect.signature(F.embedding)
+
+
+def looked_up_rows(
+    func: Callable[..., Any], arguments: CallArguments, sources: Mapping[int, Source]
+) -> Tensor | None:
+    """The constant indices of a plain lookup of a leaf's rows, ``F.embedding(ids, w)``.
+
+    Plain: no ``padding_idx`` (whose row gets no gradient), ``max_norm`` (which rescales
+    rows in place) or ``scale_grad_by_freq``; the indices take no gradient. A lookup
+    converted (``.to(device)``, ``.float()``, a clone) keeps its indices.
+
+    Args:
+        func: The op.
+        arguments: Its flattened arguments.
+        sources: Flat position -> leaf index or derivation, for every parameter argument.
+
+    Returns:
+        The indices, or ``None`` for any other call.
+
+    Example:
+        >>> w, ids = torch.ones(5, 2), torch.arange(3)
+        >>> looked_up_rows(F.embedding, CallArguments.of((ids, w), {}), {1: 0})
+        tensor([0, 1, 2])
+        >>> looked_up_rows(F.embedding, CallArguments.of((ids, w), {"padding_idx": 0}), {1: 0})
+    """
+    if any(arguments.layout) or len(sources) != 1:
+        return None
+    ((position, source),) = sources.items()
+    if func in _SAME_VALUES:  # (a lookup moved or cast: `wpe(ids).to(device)`)
+        return source.rows if isinstance(source, Derivation) and position == 0 else None
+    if func is not F.embedding:
+        return None
+    args, kwargs = arguments.rebuild(arguments.values)
+    try:
+        options = _EMBEDDING.bind(*args, **kwargs).arguments
+    except TypeError:
+        return None
+    ids = options.get("input")
+    plain = options.get("padding_idx") is None and options.get("max_norm") is None
+    plain = plain and not options.get("scale_grad_by_freq", False)
+    weight_at = arguments.values[position] is options.get("weight")
+    if not (isinstance(source, int) and weight_at and plain and isinstance(ids, Tensor)):
+        return None
+    return ids if not ids.requires_grad and not ids.is_floating_point() else None
 
 
 def _substituted(

@@ -90,6 +90,9 @@ class _Broadcast(_SampleSized):
         shares = self.operand_cotangent(local, g, position)
         if isinstance(source, int):
             return _summed_to(shares, param)
+        if source.rows is not None:  # rows looked up: their cotangents added into those rows
+            summed = _summed_to(shares, local.arguments.values[position])
+            return _added_into_rows(summed, source.rows, param)
         leaf = local.leaf_of(param)
         operand, pullback = vjp(lambda w: source.compute({leaf: w}), param)
         summed = _summed_to(shares, operand).flatten(0, 1)
@@ -293,6 +296,29 @@ def _shared(operand: Any, rank: int) -> bool:
         return False
     leading = rank - operand.dim()
     return leading > 0 or (leading == 0 and operand.shape[0] == 1)
+
+
+def _added_into_rows(g: Tensor, ids: Tensor, param: Tensor) -> Tensor:
+    """Column gradients ``[K, n, *param.shape]`` of ``F.embedding(ids, param)`` from its ``g``.
+
+    Args:
+        g: Cotangents of the lookup ``[K, n, *ids.shape, D]``.
+        ids: The rows looked up.
+        param: The table ``[rows, D]``.
+
+    Example:
+        >>> ids, table = torch.tensor([0, 2, 0]), torch.ones(4, 2)
+        >>> _added_into_rows(torch.ones(1, 1, 3, 2), ids, table)[0, 0]
+        tensor([[2., 2.],
+                [0., 0.],
+                [1., 1.],
+                [0., 0.]])
+    """
+    columns = g.reshape(g.shape[0] * g.shape[1], ids.numel(), param.shape[-1])
+    columns = columns.to(param.device, param.dtype)  # (a lookup moved or cast: back)
+    found = columns.new_zeros(columns.shape[0], *param.shape)
+    found.index_add_(1, ids.reshape(-1).to(param.device), columns)
+    return found.view(*g.shape[:2], *param.shape)
 
 
 def _summed_to(g: Tensor, operand: Tensor) -> Tensor:
