@@ -847,7 +847,7 @@ def autograd_record(
         return found
 
     # (not recursive: a closure that calls itself is a reference cycle, which would keep
-    # the graph's nodes, and the tensors they save, until the garbage collector runs)
+    # the graph's nodes, with any tensors they still save, until the garbage collector runs)
     def gradients(cotangent: Tensor, batched: bool, retain: bool = True) -> dict[int, Tensor]:
         if not edges:
             return dict.fromkeys(direct, cotangent)
