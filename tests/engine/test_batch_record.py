@@ -1032,16 +1032,21 @@ class _SlottedTrainer:
         return torch.func.functional_call(self.model, p, (x,)).softmax(self.dim)
 
 
+def _trainer_problem(kind: type) -> tuple:
+    """A ``_MethodModel`` held by a trainer of ``kind``, its parameters and a float64 batch."""
+    torch.manual_seed(0)
+    X, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
+    model = _MethodModel()
+    params = {k: t.detach() for k, t in model.named_parameters()}
+    return model, kind(model), params, X, y
+
+
 def test_a_slotted_trainer_its_read_attributes_and_not_its_others():
     """A trainer with ``__slots__`` was not looked into (a stale plan 0.51 off); a plain
     attribute its method reads (``self.dim``) was not in the key (0.21 off); a module it
     holds but the method never names (an EMA copy) made a plan per call when it changed."""
-    torch.manual_seed(0)
-    X, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
-    model = _MethodModel()
-    trainer = _SlottedTrainer(model)
+    model, trainer, params, X, y = _trainer_problem(_SlottedTrainer)
     model_fn = trainer.model_fn
-    params = {k: t.detach() for k, t in model.named_parameters()}
     assert_batch_grad_is_a_loop(model_fn, params, X, y)
     plan = discovery._PLANS[model_fn][1]
     trainer.ema.calls += 1  # an unread module changed: the plan stays
@@ -1106,12 +1111,8 @@ def test_a_trainer_read_through_its_helper_methods():
     """A module and an option the model function reads through the trainer's own helper
     methods (``self._logits`` reading ``self.model``) were not in the plan's key: changed
     to mix samples, they kept the stale plan where a fresh model function is refused."""
-    torch.manual_seed(0)
-    X, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
-    model = _MethodModel()
-    trainer = _TrainerWithHelper(model)
+    model, trainer, params, X, y = _trainer_problem(_TrainerWithHelper)
     model_fn = trainer.model_fn
-    params = {k: t.detach() for k, t in model.named_parameters()}
     assert_batch_grad_is_a_loop(model_fn, params, X, y)
     model.act = nn.Softmax(dim=0)  # the model the helper reads, changed
     with pytest.raises(ValueError, match="must depend on that sample alone"):
