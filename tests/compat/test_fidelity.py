@@ -370,6 +370,28 @@ def test_a_hook_on_the_output_is_refused_and_a_retained_output_gradient_kept():
     torch.testing.assert_close(out.grad, plain.grad)
 
 
+@pytest.mark.parametrize("extensions", [("BatchGrad",), ("BatchGrad", "DiagGGNExact"), ("KFAC",)])
+def test_a_retained_gradient_inside_the_model_is_the_plain_backwards(extensions):
+    """``model.hidden.retain_grad()`` inside an extended model: packfunc's pullbacks through
+    the user's graph added to the retained ``.grad`` again (twice, three times the plain
+    backward's). It is put back after them, as the output's is."""
+    X, y = _data()
+    model, lossfunc = extend(_KeepsHidden()), extend(nn.CrossEntropyLoss())
+    lossfunc(model(X), y).backward()
+    plain = model.hidden.grad
+    assert plain is None  # (not retained: no .grad)
+    out = model(X)
+    model.hidden.retain_grad()
+    lossfunc(out, y).backward()
+    expected = model.hidden.grad.clone()
+    model.zero_grad()
+    out = model(X)
+    model.hidden.retain_grad()
+    with backpack(*(getattr(ours, name)() for name in extensions)):
+        lossfunc(out, y).backward()
+    torch.testing.assert_close(model.hidden.grad, expected)
+
+
 def test_terms_beside_the_layers_outputs_are_not_refused():
     """Weight decay in the loss (BackPACK's results leave it out too), a penalty on the output
     (taken, as BackPACK takes it) and a hook that scales a hidden gradient (packfunc's

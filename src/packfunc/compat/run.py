@@ -98,7 +98,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         )
     record.check_output_unchanged()
     _refuse_hooks_on_the_output(record)
-    retained = cast(Tensor, record.output).grad if _retains_gradient(record) else None
+    retained = _retained_gradients(record)
     if any(ext.job().second_order for ext in ctx.extensions):
         _refuse_terms_beside_the_loss(record, route, gradient)
     X = record.args[0] if len(record.args) == 1 else record.args
@@ -154,7 +154,8 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         if pass_cotangents.ours:  # (a pass over the user's forward pulled its gradient back)
             refuse = partial(_refuse_terms_inside_the_model, record.model, savefields)
             pass_cotangents.check_after_backward(_output_node(record), refuse)
-    _restore_retained_gradient(record, retained)
+    for tensor, grad in retained:  # packfunc's own pullbacks added to them (or under vmap)
+        tensor.grad = grad
     if ctx.extension_hook is not None:
         for module in _backward_order(record, route):
             ctx.extension_hook(module)
@@ -375,15 +376,28 @@ def _refuse_hooks_on_the_output(record: ForwardRecord) -> None:
         )
 
 
-def _retains_gradient(record: ForwardRecord) -> bool:
-    """Whether the record's output retains its gradient (``out.retain_grad()``)."""
-    return record.output is not None and record.output.retains_grad
+def _retained_gradients(record: ForwardRecord) -> list[tuple[Tensor, Tensor | None]]:
+    """The forward's tensors that retain their gradient (``t.retain_grad()``), with ``.grad``.
 
+    The output and every tensor of the forward still alive (made from the inputs or the
+    parameters). packfunc's own pullbacks through the user's graph fill retained gradients
+    too: added again, a sampled cotangent's (KFAC), or a batched tensor out of ``vmap``
+    (second-order extensions); they are put back after them.
 
-def _restore_retained_gradient(record: ForwardRecord, grad: Tensor | None) -> None:
-    """Put back the output's retained ``.grad``: packfunc's own pullbacks added to it again."""
-    if _retains_gradient(record):
-        cast(Tensor, record.output).grad = grad
+    Args:
+        record: The forward pass of the extended model.
+
+    Returns:
+        ``[(tensor, its .grad now), ...]``.
+    """
+    recorder = record.recorder
+    candidates = [record.output, *recorder.samples.values()]
+    candidates += recorder.made_of_parameters.values()
+    found: dict[int, tuple[Tensor, Tensor | None]] = {}
+    for tensor in candidates:
+        if isinstance(tensor, Tensor) and tensor.retains_grad:
+            found.setdefault(id(tensor), (tensor, tensor.grad))
+    return list(found.values())
 
 
 def _output_node(record: ForwardRecord) -> object:
