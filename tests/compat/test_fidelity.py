@@ -392,6 +392,41 @@ def test_a_retained_gradient_inside_the_model_is_the_plain_backwards(extensions)
     torch.testing.assert_close(model.hidden.grad, expected)
 
 
+class _RetainsHidden(_KeepsHidden):
+    """Retains its hidden activation's gradient in its own forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        self.hidden.retain_grad()
+        return out
+
+
+@pytest.mark.parametrize("extension", ["BatchGrad", "DiagGGNExact", "KFAC"])
+def test_a_forward_that_retains_a_hidden_gradient(extension):
+    """``self.hidden.retain_grad()`` in the forward raised torch's "can't retain_grad on Tensor
+    that has requires_grad=False" from packfunc's gradient-free passes (discovery, the
+    one-sample check); the shim's and the functional API's results are now as without it."""
+    X, y = _data()
+    model, lossfunc = extend(_RetainsHidden()), extend(nn.CrossEntropyLoss())
+    lossfunc(model(X), y).backward()
+    expected, grads = model.hidden.grad.clone(), [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with backpack(getattr(ours, extension)()):
+        lossfunc(model(X), y).backward()
+    torch.testing.assert_close(model.hidden.grad, expected)
+    for p, grad in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, grad)
+        if extension == "BatchGrad":
+            torch.testing.assert_close(p.grad_batch.sum(0), grad)
+    plain, summed = _RetainsHidden(), nn.CrossEntropyLoss(reduction="sum")
+    found = pf.batch_grad(*pf.functional(plain), X, y, loss=summed)
+    for n in range(len(X)):  # (torch.func.grad refuses retain_grad: a loop of backwards)
+        plain.zero_grad()
+        summed(plain(X[n : n + 1]), y[n : n + 1]).backward()
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(found[name][n], p.grad)
+
+
 def test_terms_beside_the_layers_outputs_are_not_refused():
     """Weight decay in the loss (BackPACK's results leave it out too), a penalty on the output
     (taken, as BackPACK takes it) and a hook that scales a hidden gradient (packfunc's

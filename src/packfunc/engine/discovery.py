@@ -59,6 +59,7 @@ from packfunc.engine.modes import (
     ParameterMode,
     is_metadata_query,
     leaves_of,
+    retains_nothing,
     tensor_outputs,
 )
 from packfunc.engine.ops import (
@@ -1190,11 +1191,16 @@ def last_sample_output(model_fn: ModelFn, params: Any, X: Any, n: int) -> Tensor
 
 
 class _AsIs(TorchFunctionMode):
-    """A torch function mode that runs every call as it is (see :func:`last_sample_output`)."""
+    """A torch function mode that runs every call as it is (see :func:`last_sample_output`).
+
+    But a gradient retained where no graph is (:func:`~packfunc.engine.modes.retains_nothing`).
+    """
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
+        if retains_nothing(func, args):
+            return None
         return func(*args, **(kwargs or {}))
 
 

@@ -158,6 +158,22 @@ REWRITTEN_OPS = (
 """Calls :class:`FunctionalMode` replaces by a decomposition, or refuses, or changes."""
 
 
+def retains_nothing(func: Callable[..., Any], args: tuple[Any, ...]) -> bool:
+    """Whether a call is ``t.retain_grad()`` on a tensor of a pass without a graph there.
+
+    A forward that retains a hidden gradient (``self.hidden.retain_grad()``) run in one of
+    packfunc's passes that take no gradient there (discovery's, a transform's): none is
+    retained, where torch would raise.
+
+    Example:
+        >>> retains_nothing(Tensor.retain_grad, (torch.ones(1),))
+        True
+    """
+    return func is Tensor.retain_grad and (
+        not args[0].requires_grad or is_functorch_wrapped_tensor(args[0])
+    )
+
+
 class FunctionalMode(TorchFunctionMode):
     """Make a model safe for per-sample computations.
 
@@ -190,6 +206,8 @@ class FunctionalMode(TorchFunctionMode):
             # no storage of its own (PyTorch raises): 0, so that nn.RNNBase.flatten_parameters
             # on CUDA sees the weights as aliased and stops before CUDNN_WEIGHT_LAYOUT
             return 0
+        if retains_nothing(func, args):
+            return None
         if func is Tensor.requires_grad_ and is_functorch_wrapped_tensor(args[0]):
             # a flag torch.func transforms track by themselves (and forbid setting): Hugging
             # Face's gradient_checkpointing_enable() sets it on the embeddings' output
