@@ -723,7 +723,9 @@ def _code_names(code: types.CodeType) -> frozenset[str]:
 
 
 def _methods_named(owner: object, names: frozenset[str]) -> list[types.MethodType]:
-    """The methods of ``owner`` (defined in Python on its class) among ``names``, bound to it.
+    """The methods and property getters of ``owner`` (in Python on its class) among ``names``.
+
+    Bound to ``owner``.
 
     Only for an object that is not a module: a module's whole tree is walked anyway.
 
@@ -740,6 +742,8 @@ def _methods_named(owner: object, names: frozenset[str]) -> list[types.MethodTyp
         # (the class's own attribute, as inspect.getattr_static finds it, at a tenth of its cost)
         owners = (c.__dict__ for c in type(owner).__mro__)
         attribute = next((entries[name] for entries in owners if name in entries), None)
+        if isinstance(attribute, property):  # (its getter reads the object too)
+            attribute = attribute.fget
         if isinstance(attribute, types.FunctionType):
             found.append(types.MethodType(attribute, owner))
     return found

@@ -1107,11 +1107,23 @@ class _TrainerWithHelper:
         return z.softmax(self.dim)
 
 
-def test_a_trainer_read_through_its_helper_methods():
+class _TrainerWithProperty(_TrainerWithHelper):
+    """A trainer whose helper reads its model through a property."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model, self.dim = model, 1
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+
+@pytest.mark.parametrize("kind", [_TrainerWithHelper, _TrainerWithProperty])
+def test_a_trainer_read_through_its_helper_methods(kind):
     """A module and an option the model function reads through the trainer's own helper
     methods (``self._logits`` reading ``self.model``) were not in the plan's key: changed
     to mix samples, they kept the stale plan where a fresh model function is refused."""
-    model, trainer, params, X, y = _trainer_problem(_TrainerWithHelper)
+    model, trainer, params, X, y = _trainer_problem(kind)
     model_fn = trainer.model_fn
     assert_batch_grad_is_a_loop(model_fn, params, X, y)
     model.act = nn.Softmax(dim=0)  # the model the helper reads, changed
