@@ -171,6 +171,10 @@ def copies_along_batch(func: Callable[..., Any], arguments: CallArguments, out: 
     return first.dim() < out.dim() or first.shape[:1] == (1,)
 
 
+_SAME_VALUES = CONVERSIONS | {Tensor.clone, torch.clone}
+"""Calls whose output has the values of their input (in another dtype or place)."""
+
+
 def copy_dims(
     func: Callable[..., Any], arguments: CallArguments, sources: Mapping[int, Source], out: Any
 ) -> frozenset[int]:
@@ -214,7 +218,7 @@ def copy_dims(
     dims = source.copy_dims if isinstance(source, Derivation) else frozenset()
     if not dims:
         return frozenset()
-    if func in CONVERSIONS or func in (Tensor.clone, torch.clone, Tensor.detach):
+    if func in _SAME_VALUES or func is Tensor.detach:
         return dims if out.shape == first.shape else frozenset()
     removed = _selected_dim(func, values, first, out)
     if removed is not None:
@@ -290,10 +294,6 @@ def derive(
     )
     rows = None if constant or index is not None else looked_up_rows(func, arguments, sources)
     return Derivation(leaves, compute, broadcast, copied, copies, rows)
-
-
-_SAME_VALUES = CONVERSIONS | {Tensor.clone, torch.clone}
-"""Calls whose output has the values of their input (in another dtype or place)."""
 
 
 _EMBEDDING = inspect.signature(F.embedding)

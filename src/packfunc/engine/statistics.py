@@ -217,12 +217,7 @@ def clipped_sums(
     # smallest first: their calls' records free more than their sums take, before the largest
     for leaf in sorted(rest, key=lambda i: bp.leaves[i].numel()):
         if leaf not in bp.whole_model:
-            value = reweighted.closed_form(leaf, Statistic.SUM, everyone)
-            if value is None:
-                value = _materialized(reweighted, [leaf], {Statistic.SUM}, everyone)[0][
-                    Statistic.SUM
-                ]
-            sums[leaf] = value
+            sums[leaf] = _leaf_sum(reweighted, leaf)
             reweighted.release(leaf)  # the peak: records shrink as the sums grow
     if bp.whole_model:
         whole = _materialized(reweighted, bp.whole_model, {Statistic.SUM}, everyone)
@@ -426,7 +421,7 @@ def _clipped_by_group(
     eps: float,
 ) -> list[Tensor]:
     """Each group's leaves' sums of per-sample gradients clipped by the group's joint norm."""
-    bp, everyone = columns.bp, slice(0, columns.bp.n)
+    bp = columns.bp
     sums: dict[int, Tensor] = {}
     for leaves, bound in groups:
         mine = [leaf for leaf in leaves if leaf in kept]
@@ -437,15 +432,19 @@ def _clipped_by_group(
         if not rest:
             continue
         reweighted = columns.reweighted(factors, rest)  # copies: a site serves several groups
-        for leaf in rest:
-            value = None
-            if leaf not in bp.whole_model:
-                value = reweighted.closed_form(leaf, Statistic.SUM, everyone)
-            if value is None:
-                found = _materialized(reweighted, [leaf], {Statistic.SUM}, everyone)
-                value = found[0][Statistic.SUM]
-            sums[leaf] = value
+        sums |= {leaf: _leaf_sum(reweighted, leaf) for leaf in rest}
     return [sums[leaf] for leaf in range(len(bp.leaves))]
+
+
+def _leaf_sum(columns: ColumnGradients, leaf: int) -> Tensor:
+    """A leaf's sum of (reweighted) column gradients: in closed form, else materialized."""
+    everyone = slice(0, columns.bp.n)
+    value = None
+    if leaf not in columns.bp.whole_model:
+        value = columns.closed_form(leaf, Statistic.SUM, everyone)
+    if value is None:
+        value = _materialized(columns, [leaf], {Statistic.SUM}, everyone)[0][Statistic.SUM]
+    return value
 
 
 def _materialized(
