@@ -401,24 +401,38 @@ class _RetainsHidden(_KeepsHidden):
         return out
 
 
+class _HooksHidden(_KeepsHidden):
+    """Doubles its hidden activation's gradient by a hook registered in its own forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        self.hidden.register_hook(lambda g: 2 * g)
+        return out
+
+
 @pytest.mark.parametrize("extension", ["BatchGrad", "DiagGGNExact", "KFAC"])
-def test_a_forward_that_retains_a_hidden_gradient(extension):
-    """``self.hidden.retain_grad()`` in the forward raised torch's "can't retain_grad on Tensor
-    that has requires_grad=False" from packfunc's gradient-free passes (discovery, the
-    one-sample check); the shim's and the functional API's results are now as without it."""
+@pytest.mark.parametrize("model_class", [_RetainsHidden, _HooksHidden])
+def test_a_forward_that_retains_or_hooks_a_hidden_gradient(extension, model_class):
+    """``self.hidden.retain_grad()`` or ``self.hidden.register_hook(...)`` (Grad-CAM's way) in
+    the forward raised torch's "can't retain_grad on Tensor that has requires_grad=False" /
+    "cannot register a hook on a tensor that doesn't require gradient" from packfunc's
+    gradient-free passes (discovery, the one-sample check); the shim's and the functional
+    API's results are now as without them (the hook's doubling included)."""
     X, y = _data()
-    model, lossfunc = extend(_RetainsHidden()), extend(nn.CrossEntropyLoss())
+    model, lossfunc = extend(model_class()), extend(nn.CrossEntropyLoss())
     lossfunc(model(X), y).backward()
-    expected, grads = model.hidden.grad.clone(), [p.grad.clone() for p in model.parameters()]
+    retained = model.hidden.grad.clone() if model_class is _RetainsHidden else None
+    grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     with backpack(getattr(ours, extension)()):
         lossfunc(model(X), y).backward()
-    torch.testing.assert_close(model.hidden.grad, expected)
+    if retained is not None:
+        torch.testing.assert_close(model.hidden.grad, retained)
     for p, grad in zip(model.parameters(), grads):
         torch.testing.assert_close(p.grad, grad)
         if extension == "BatchGrad":
             torch.testing.assert_close(p.grad_batch.sum(0), grad)
-    plain, summed = _RetainsHidden(), nn.CrossEntropyLoss(reduction="sum")
+    plain, summed = model_class(), nn.CrossEntropyLoss(reduction="sum")
     found = pf.batch_grad(*pf.functional(plain), X, y, loss=summed)
     for n in range(len(X)):  # (torch.func.grad refuses retain_grad: a loop of backwards)
         plain.zero_grad()

@@ -829,6 +829,62 @@ def test_a_backward_that_computes_nothing_leaves_no_stale_results():
     assert model[0].bias.grad_batch == "the user's own"
 
 
+@pytest.mark.parametrize("extended", ["both", "one"])
+@pytest.mark.parametrize("extension", ["BatchGrad", "DiagGGNExact"])
+def test_a_layer_shared_by_two_extended_models_in_one_loss_is_refused(extended, extension):
+    """Two models sharing an encoder, one loss of both: the shared weights' results were one
+    model's part alone (per-sample gradients 0.04 off, not summing to .grad; one head's GGN)
+    where BackPACK raises. Extending one model extends the shared encoder too, whose own
+    record met the same fate. Each loss in a backward pass of its own still runs."""
+    torch.manual_seed(0)
+    encoder = nn.Linear(4, 5)
+    first = nn.Sequential(encoder, nn.Tanh(), nn.Linear(5, 3)).double()
+    second = nn.Sequential(encoder, nn.Sigmoid(), nn.Linear(5, 2)).double()
+    X = torch.randn(6, 4, dtype=torch.float64)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    y1, y2 = torch.randint(0, 3, (6,)), torch.randint(0, 2, (6,))
+    extend(first)
+    if extended == "both":
+        extend(second)
+    # (the encoder's own record, run inside the other model, is not its loss's: refused so)
+    refusal = "through another extended model's output|needs the loss function"
+    with backpack(getattr(ours, extension)()), pytest.raises(ValueError, match=refusal):
+        (lossfunc(first(X), y1) + lossfunc(second(X), y2)).backward()
+    field = getattr(ours, extension)().savefield
+    assert not hasattr(encoder.weight, field)
+    if extended == "one":
+        return
+    with backpack(getattr(ours, extension)()):
+        lossfunc(first(X), y1).backward()
+        lossfunc(second(X), y2).backward()
+    quantity = "batch_grad" if extension == "BatchGrad" else "diag_ggn"
+    expected = pf.compute(*pf.functional(second), X, y2, loss=lossfunc, quantities=(quantity,))
+    torch.testing.assert_close(getattr(encoder.weight, field), expected[quantity]["0.weight"])
+
+
+def test_a_forward_pre_hook_that_raises_leaves_the_shim_as_it_was():
+    """A user's pre-hook (registered before extend) that raises before the shim's own: the
+    shim's forward hook, always called, undid an entry never made, and every extended model
+    after it ran as an inner module: DiagGGNExact on a model with dropout raised that its
+    forward could not be reused, ``input0`` stayed on the model after the backward pass."""
+    torch.manual_seed(0)
+    X, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    checked = nn.Linear(4, 3)
+
+    def reject(module, args):
+        raise ValueError("input rejected")
+
+    checked.register_forward_pre_hook(reject)
+    extend(checked)
+    with backpack(ours.BatchGrad()), pytest.raises(ValueError, match="input rejected"):
+        checked(X)
+    model = extend(nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3)))
+    with backpack(ours.DiagGGNExact()):
+        extend(nn.CrossEntropyLoss())(model(X), y).backward()
+    assert model[0].weight.diag_ggn_exact.shape == (16, 4)
+    assert not hasattr(model, "input0") and not hasattr(model[0], "input0")
+
+
 def test_a_training_loop_on_the_shim_discovers_its_model_once(monkeypatch):
     """Each backward pass discovered the model again (a one-sample forward, and the checks of
     a fresh plan: two more): the shim made a new model function per pass, and packfunc keeps

@@ -42,7 +42,10 @@ from packfunc.compat.watch import ForwardRecorder
 from packfunc.engine.api import FunctionalMode, packfunc_passes
 from packfunc.functionalize import batch_size, is_compiled
 
-_depth: list[int] = [0]
+_entered: list[int] = []
+"""The ids of the extended modules whose forward is running, outermost first (a module's
+forward hook undoes its pre-hook's entry only: a user's pre-hook that raises before the
+shim's runs leaves none to undo)."""
 _recorders: list[ForwardRecorder | None] = []
 _LATEST: weakref.WeakKeyDictionary[nn.Module, weakref.ref[ForwardRecord]] = (
     weakref.WeakKeyDictionary()
@@ -169,8 +172,8 @@ def _refuse_nested_fast_path(module: nn.Module, args: tuple, kwargs: dict) -> No
 
 def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
     _last_of_the_forward_hooks(module)
-    _depth[0] += 1
-    if _depth[0] == 1:  # the outermost extended module: watch the whole pass
+    _entered.append(id(module))
+    if len(_entered) == 1:  # the outermost extended module: watch the whole pass
         recorder = None
         if _recording():
             # leaves in packfunc's own order (optree sorts dict keys), as the plan numbers them:
@@ -187,10 +190,12 @@ def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
 
 
 def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    _depth[0] -= 1
+    if not _entered or _entered[-1] != id(module):  # its forward pre-hooks raised before _enter
+        return None
+    _entered.pop()
     if _recording() and not isinstance(module, NO_OP_MODULES):
         store_io(module, args, output[0] if isinstance(output, tuple) else output)
-    if _depth[0]:
+    if _entered:
         return None
     recorder = _recorders.pop()
     if recorder is None:

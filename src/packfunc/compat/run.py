@@ -98,6 +98,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         )
     record.check_output_unchanged()
     _refuse_hooks_on_the_output(record)
+    _refuse_parameters_of_another_model(record, [ext.savefield for ext in ctx.extensions])
     retained = _retained_gradients(record)
     if any(ext.job().second_order for ext in ctx.extensions):
         _refuse_terms_beside_the_loss(record, route, gradient)
@@ -138,6 +139,8 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
                 own_output = partial(_check_own_output, record, route if job.second_order else None)
                 results[ext.savefield] = _compute(job, record, fn, params, X, y, loss, own_output)
         results[ext.savefield].update(_module_extensions(ext, job, record, route, gradient))
+    for name in names:  # (results from this backward pass and this forward pass)
+        model.get_parameter(name).__dict__[_WRITTEN] = (_graph_task(), record.serial)
     for ext in ctx.extensions:
         for name in names:
             if name in results[ext.savefield]:
@@ -354,6 +357,53 @@ def _refuse_terms_inside_the_model(model: nn.Module, savefields: list[str], _: l
         "add it to the loss there), or backpropagate it in a backward pass of its own "
         "outside `with backpack(...)` (.grad still sums both)."
     )
+
+
+_WRITTEN = "_packfunc_written_by"
+"""Key in a parameter's ``__dict__``: ``(graph task, record serial)`` of the results stored last."""
+
+
+def _graph_task() -> int:
+    """The running backward pass (``-1`` outside one)."""
+    return torch._C._current_graph_task_id()
+
+
+def _refuse_parameters_of_another_model(record: ForwardRecord, savefields: list[str]) -> None:
+    """Refuse a backward pass that reaches a parameter through two extended models' outputs.
+
+    Two models extended apart that share a layer (an encoder beside two heads), both in one
+    loss: each model's results hold its own output's terms, and the second model's results
+    would replace the first's on the shared parameters (per-sample gradients that do not
+    sum to ``.grad``, one head's GGN). BackPACK raises there too (its ``module.output`` is
+    the last model's).
+
+    Args:
+        record: The forward pass about to be pulled back.
+        savefields: The block's extensions' savefields (removed from the model on refusal).
+
+    Raises:
+        ValueError: naming the shared parameters and the fix.
+    """
+    task = _graph_task()
+    shared = [
+        name
+        for name, param in record.model.named_parameters()
+        if param.requires_grad
+        and (written := param.__dict__.get(_WRITTEN)) is not None
+        and written[0] == task
+        and written[1] != record.serial
+    ]
+    if shared:
+        forget_results(record.model, savefields)
+        raise ValueError(
+            f"this backward pass reaches parameters of the extended {type(record.model).__name__} "
+            f"({', '.join(shared[:4])}{', ...' if len(shared) > 4 else ''}) through another "
+            "extended model's output as well (two models that share a layer, in one loss): "
+            "each model's results hold the terms of its own output, so neither would be the "
+            "loss's. Put both models in one extended module whose output the loss takes, or "
+            "backpropagate each model's loss in a backward pass of its own (.grad sums "
+            f"them); this backward pass's results on it were removed ({', '.join(savefields)})."
+        )
 
 
 def _refuse_hooks_on_the_output(record: ForwardRecord) -> None:

@@ -59,6 +59,7 @@ from packfunc.engine.modes import (
     ParameterMode,
     is_metadata_query,
     leaves_of,
+    nothing_retained,
     retains_nothing,
     tensor_outputs,
 )
@@ -1200,7 +1201,7 @@ class _AsIs(TorchFunctionMode):
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         if retains_nothing(func, args):
-            return None
+            return nothing_retained(func)
         return func(*args, **(kwargs or {}))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
@@ -23,6 +24,7 @@ from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from packfunc.engine.attention import ATTENTION_OPS, run_attention, supports_attention
 from packfunc.engine.checkpointing import plain_checkpoints
@@ -159,19 +161,32 @@ REWRITTEN_OPS = (
 
 
 def retains_nothing(func: Callable[..., Any], args: tuple[Any, ...]) -> bool:
-    """Whether a call is ``t.retain_grad()`` on a tensor of a pass without a graph there.
+    """Whether a call is ``t.retain_grad()`` or ``t.register_hook(...)`` where no graph is.
 
-    A forward that retains a hidden gradient (``self.hidden.retain_grad()``) run in one of
-    packfunc's passes that take no gradient there (discovery's, a transform's): none is
-    retained, where torch would raise.
+    A forward that retains a hidden gradient (``self.hidden.retain_grad()``) or hooks one
+    (``h.register_hook(self.saved.append)``, as Grad-CAM does) run in one of packfunc's
+    passes that take no gradient there (discovery's, a transform's): none is retained or
+    hooked (no gradient reaches it there), where torch would raise. A hook on a tensor that
+    takes a gradient in the pass is registered (``torch.func.grad`` runs it).
 
     Example:
         >>> retains_nothing(Tensor.retain_grad, (torch.ones(1),))
         True
     """
+    if func is Tensor.register_hook:
+        return not args[0].requires_grad
     return func is Tensor.retain_grad and (
         not args[0].requires_grad or is_functorch_wrapped_tensor(args[0])
     )
+
+
+def nothing_retained(func: Callable[..., Any]) -> Any:
+    """What a call :func:`retains_nothing` returns: a hook's handle (to nothing), or ``None``.
+
+    Example:
+        >>> nothing_retained(Tensor.register_hook).remove()
+    """
+    return RemovableHandle(OrderedDict()) if func is Tensor.register_hook else None
 
 
 class FunctionalMode(TorchFunctionMode):
@@ -207,7 +222,7 @@ class FunctionalMode(TorchFunctionMode):
             # on CUDA sees the weights as aliased and stops before CUDNN_WEIGHT_LAYOUT
             return 0
         if retains_nothing(func, args):
-            return None
+            return nothing_retained(func)
         if func is Tensor.requires_grad_ and is_functorch_wrapped_tensor(args[0]):
             # a flag torch.func transforms track by themselves (and forbid setting): Hugging
             # Face's gradient_checkpointing_enable() sets it on the embeddings' output
