@@ -302,28 +302,33 @@ class _KeepsHidden(nn.Module):
         return self.head(self.hidden)
 
 
-@pytest.mark.parametrize("extension", [ours.BatchGrad, ours.BatchL2Grad, ours.Variance])
-def test_a_loss_term_on_a_hidden_activation_is_refused_and_leaves_no_results(extension):
+@pytest.mark.parametrize("extension", ["BatchGrad", "BatchL2Grad", "Variance", "SumGradSquared"])
+def test_a_loss_term_on_a_hidden_activation_is_in_first_order_results(extension, backpack_oracle):
     """``(lossfunc(out, y) + 0.5 * model.hidden.pow(2).sum()).backward()``: the term reaches
-    the inner layer's output directly, and ``grad_batch`` held the output's part alone (0.43
-    off, not summing to ``.grad``; BackPACK's include it). Refused after the backward pass,
-    every first-order result removed; the fix the message names works."""
+    the inner layer's output directly. First-order extensions take the layers' cotangents from
+    the user's backward pass, so their results hold it, as BackPACK's do (and as a loop of
+    per-sample gradients of the loss with the term); it was refused."""
     X, y = _data()
-    model, lossfunc = extend(_KeepsHidden()), extend(nn.CrossEntropyLoss())
-    out = model(X)
-    with backpack(extension()), pytest.raises(ValueError, match="activation the forward keeps"):
-        (lossfunc(out, y) + 0.5 * model.hidden.pow(2).sum()).backward()
-    savefield = extension().savefield
-    assert not any(hasattr(p, savefield) for p in model.parameters())
-    assert all(p.grad is not None for p in model.parameters())  # the backward pass ran
-    model.zero_grad()
-    out = model(X)  # the fix: the term in a backward pass of its own
-    with backpack(ours.BatchGrad()):
-        lossfunc(out, y).backward(retain_graph=True)
-    (0.5 * model.hidden.pow(2).sum()).backward()
-    expected = _per_sample_grads(_KeepsHidden(), nn.CrossEntropyLoss(), X, y)
-    for p, g in zip(model.parameters(), expected, strict=True):
-        torch.testing.assert_close(p.grad_batch, g)
+    results = []
+    for extend_, backpack_, extensions in (
+        (extend, backpack, ours),
+        (backpack_oracle.extend, backpack_oracle.backpack, backpack_oracle.extensions),
+    ):
+        model, lossfunc = extend_(_KeepsHidden()), extend_(nn.CrossEntropyLoss())
+        with backpack_(getattr(extensions, extension)()):
+            out = model(X)
+            (lossfunc(out, y) + 0.5 * model.hidden.pow(2).sum()).backward()
+        savefield = getattr(ours, extension)().savefield
+        results.append([getattr(p, savefield) for p in model.parameters()])
+    for ours_, theirs in zip(*results, strict=True):
+        torch.testing.assert_close(ours_, theirs)
+    if extension == "BatchGrad":
+        model = _KeepsHidden()
+        for n in range(len(X)):
+            term = nn.CrossEntropyLoss(reduction="sum")(model(X[n : n + 1]), y[n : n + 1]) / len(X)
+            found = torch.autograd.grad(term + 0.5 * model.hidden.pow(2).sum(), model.parameters())
+            for p, g in zip(results[0], found, strict=True):
+                torch.testing.assert_close(p[n], g)
 
 
 def test_a_small_term_on_a_hidden_activation_and_clipped_sums_are_refused_too():

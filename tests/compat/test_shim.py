@@ -99,6 +99,36 @@ def test_all_extensions_side_by_side_with_backpack(model_name, reduction, backpa
                 assert shapes == ([t.shape for t in b] if isinstance(b, list) else b.shape)
 
 
+FIRST_ORDER = ["BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance"]
+
+
+@pytest.mark.parametrize("subsampling", [None, [3, 1, 1]])
+@pytest.mark.parametrize("model_name", ["mlp", "cnn"])
+def test_first_order_extensions_together_side_by_side_with_backpack(
+    model_name, subsampling, backpack_oracle
+):
+    """First-order extensions alone take the layers' cotangents from the user's backward
+    pass, at its end; several in one block share them (the second one got zeros for every
+    layer but the head, before its cotangents were kept for it)."""
+    theirs = backpack_oracle.extensions
+    torch.manual_seed(0)
+    model = _mlp() if model_name == "mlp" else _cnn()
+    lossfunc = nn.CrossEntropyLoss()
+    X, y = _data(model_name)
+
+    def made(package):
+        first, *rest = (getattr(package, name) for name in FIRST_ORDER)
+        return [first(subsampling=subsampling), *(e() for e in rest)]
+
+    mine = _run(pf.compat, made(ours), model, lossfunc, X, y)
+    ref = _run(backpack_oracle, made(theirs), model, lossfunc, X, y)
+    for (name, p), (_, q) in zip(mine.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+        for ext in FIRST_ORDER:
+            field = getattr(ours, ext)().savefield
+            _assert_same(getattr(p, field), getattr(q, field), f"{ext}/{name}")
+
+
 def test_monte_carlo_extensions_have_the_right_statistics():
     torch.manual_seed(0)
     model, lossfunc = _mlp(), nn.CrossEntropyLoss()

@@ -25,6 +25,8 @@ from packfunc.compat.extensions import (
     BatchL2Grad,
     DiagGGNExact,
     DiagGGNMC,
+    SumGradSquared,
+    Variance,
 )
 from packfunc.engine import batch_pass
 from packfunc.engine.randomness import RandomModelError
@@ -431,6 +433,52 @@ def test_full_backward_hooks_on_the_model_or_the_loss_are_the_users(hooked):
     (expected, _), (found, calls) = run(hook=False), run(hook=True)
     torch.testing.assert_close(found, expected)
     assert calls == 1
+
+
+class _HookedNet(nn.Module):
+    """Sums the squared output gradient its inner layer sees into a buffer, by a full
+    backward hook on the layer (``hook="module"``) or a tensor hook its forward registers."""
+
+    def __init__(self, hook: str) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.hook = hook
+        self.body, self.head = nn.Linear(3, 4).double(), nn.Linear(4, 2).double()
+        self.register_buffer("seen", torch.zeros(4, dtype=torch.float64))
+        if hook == "module":
+            self.body.register_full_backward_hook(self._note)
+
+    def _note(self, module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+        self._seen(grad_output[0])
+
+    def _seen(self, g: Tensor) -> None:
+        self.seen.add_(g.pow(2).sum(0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = self.body(x)
+        if self.hook == "tensor":
+            hidden.register_hook(self._seen)
+        return self.head(torch.tanh(hidden))
+
+
+@pytest.mark.parametrize("extension", [BatchGrad, BatchL2Grad, SumGradSquared, Variance])
+@pytest.mark.parametrize("hook", ["module", "tensor"])
+def test_hooks_inside_the_model_run_once_with_first_order_extensions(extension, hook):
+    """A full backward hook on an inner layer that sums what it sees into a buffer (a
+    gradient statistic), or a tensor hook the forward registers (Grad-CAM's): packfunc's
+    pullback of the output's gradient ran them a second time (the buffer twice a plain
+    step's, BackPACK's once). First-order extensions take the user's backward pass's
+    cotangents instead: once, the buffer as in a plain step, the results a plain loop's."""
+    plain, lossfunc = _HookedNet(hook), nn.CrossEntropyLoss()
+    lossfunc(plain(X3), Y3).backward()
+    model = extend(_HookedNet(hook))
+    with backpack(extension()):
+        extend(nn.CrossEntropyLoss())(model(X3), Y3).backward()
+    torch.testing.assert_close(model.seen, plain.seen)
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+        if extension is BatchGrad:
+            torch.testing.assert_close(p.grad_batch.sum(0), q.grad)
 
 
 def test_an_input_made_in_inference_mode_is_read_without_a_version():

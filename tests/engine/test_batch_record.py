@@ -1088,7 +1088,7 @@ def test_a_batch_pass_leaves_no_reference_cycle(quantity):
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
-    assert left == []
+    assert left == [], [type(o).__name__ + ":" + repr(o)[:80] for o in left][:20]
 
 
 class _TrainerWithHelper:

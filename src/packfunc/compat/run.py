@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils.weak import WeakIdKeyDictionary
 
 import packfunc as pf
 from packfunc.compat import context
@@ -30,7 +32,7 @@ from packfunc.compat.elements import select_element
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
 from packfunc.compat.layout import SampleLayout
 from packfunc.compat.records import ForwardRecord, LossCall, LossRoute
-from packfunc.compat.site_cotangents import SiteCotangents
+from packfunc.compat.site_cotangents import SiteCotangents, UsersCotangents
 from packfunc.engine.api import (
     BatchPass,
     BatchRecord,
@@ -39,6 +41,7 @@ from packfunc.engine.api import (
     cached_discover,
     check_rerun,
     difference_beyond_rounding,
+    packfunc_passes,
 )
 from packfunc.evaluation import evaluate
 from packfunc.functionalize import flatten_params, module_of, weakly_bound, wraps_module_of
@@ -98,36 +101,120 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         )
     record.check_output_unchanged()
     _refuse_hooks_on_the_output(record)
-    _refuse_parameters_of_another_model(record, [ext.savefield for ext in ctx.extensions])
-    retained = _retained_gradients(record)
+    savefields = [ext.savefield for ext in ctx.extensions]
+    _refuse_parameters_of_another_model(record, savefields)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    for name in names:  # (results from this backward pass and this forward pass)
+        _WRITTEN[model.get_parameter(name)] = (_graph_task(), record.serial)
     if any(ext.job().second_order for ext in ctx.extensions):
         _refuse_terms_beside_the_loss(record, route, gradient)
-    X = record.args[0] if len(record.args) == 1 else record.args
     differentiable = torch.is_grad_enabled()
+    users = UsersCotangents() if _from_users_backward(ctx, record, differentiable) else None
+    retained = [] if users is not None else _retained_gradients(record)
+    cotangents = {False: SiteCotangents(), True: SiteCotangents()}  # per pass
+    problems, passes = _batch_passes(ctx, record, route, gradient, differentiable, names, (
+        users or cotangents[False], cotangents[True]))  # fmt: skip
+    finish = partial(_finish, ctx, record, route, gradient, names, problems, passes, cotangents)
+    if users is None or passes[False].reran or not users.capture(_output_edge(record)):
+        finish(retained)
+    else:  # the extensions run when the user's backward pass has brought every cotangent
+        torch.autograd.Variable._execution_engine.queue_callback(
+            partial(_as_own_pass, partial(finish, retained))
+        )
+
+
+def _as_own_pass(run: Callable[[], None]) -> None:
+    """``run()`` as packfunc's own pass (as the backward hook that queued it runs)."""
+    with context.own_pass(), packfunc_passes():
+        run()
+
+
+Problem = tuple[ModelFn, nn.Module, Any]
+"""What a job differentiates: ``(model_fn, loss, y)``."""
+
+
+def _batch_passes(
+    ctx: Context,
+    record: ForwardRecord,
+    route: LossRoute,
+    gradient: Tensor,
+    differentiable: bool,
+    names: list[str],
+    watchers: tuple[SiteCotangents | UsersCotangents, SiteCotangents],
+) -> tuple[list[Problem], dict[bool, BatchPass]]:
+    """Each extension's problem, and the batch passes over the recorded forward they share.
+
+    Args:
+        ctx: The active ``backpack`` context.
+        record: The forward pass of the extended model.
+        route: How its output reaches the extended loss.
+        gradient: ``∂L/∂output`` from the backward pass.
+        differentiable: Whether the results keep their graphs.
+        names: The parameters that require gradients.
+        watchers: What watches the first-order pass's and the second-order pass's pullbacks.
+
+    Returns:
+        ``(problems, passes)``: one problem per extension; the passes by ``second_order``.
+    """
+    model = record.model
+    X = record.args[0] if len(record.args) == 1 else record.args
     model_fn = _model_function(model, record.element)
-    every_param = {name: p.detach() for name, p in model.named_parameters()}
     # as BackPACK: the parameters that require gradients (a frozen one is a constant, and
     # outside the norm ClippedGrad clips)
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
-    params = {name: every_param[name] for name in names}
-    results: dict[str, dict[str, Any]] = {}
+    params = {name: p.detach() for name, p in model.named_parameters() if name in names}
+    problems: list[Problem] = []
     passes: dict[bool, BatchPass] = {}
-    cotangents = {False: SiteCotangents(), True: SiteCotangents()}  # per pass
     for ext in ctx.extensions:
         job = ext.job()
         if ctx.debug:
             print(f"[packfunc.compat] {type(ext).__name__} on {type(model).__name__}: {job.name}")
         if job.second_order:
+            assert isinstance(watchers[1], SiteCotangents)
             fn, loss, y, watched = _second_order_problem(
-                ext, job, record, route, model_fn, differentiable, cotangents[True]
+                ext, job, record, route, model_fn, differentiable, watchers[1]
             )
         else:
             fn, loss, y = model_fn, GivenOutputGradient(gradient), gradient
-            watched = partial(_watched, record, None, differentiable, cotangents[False])
+            watched = partial(_watched, record, None, differentiable, watchers[0])
+        problems.append((fn, loss, y))
         if _uses_forward(job) and job.second_order not in passes:
             bp = passes[job.second_order] = _batch_pass(record, fn, params, X, y, loss, watched)
             if bp.reran:
                 _check_own_output(record, route if job.second_order else None, bp.record.output)
+    return problems, passes
+
+
+def _finish(
+    ctx: Context,
+    record: ForwardRecord,
+    route: LossRoute,
+    gradient: Tensor,
+    names: list[str],
+    problems: list[Problem],
+    passes: dict[bool, BatchPass],
+    cotangents: dict[bool, SiteCotangents],
+    retained: list[tuple[Tensor, Tensor | None]],
+) -> None:
+    """Compute the extensions from their passes, store the results, check, and clean up.
+
+    Args:
+        ctx: The active ``backpack`` context.
+        record: The forward pass of the extended model.
+        route: How its output reaches the extended loss.
+        gradient: ``∂L/∂output`` from the backward pass.
+        names: The parameters that require gradients.
+        problems: Each extension's ``(model_fn, loss, y)``.
+        passes: The batch passes, by ``second_order``.
+        cotangents: The pullbacks' notes of the passes over the user's graph.
+        retained: Retained gradients to put back (see :func:`_retained_gradients`).
+    """
+    model = record.model
+    differentiable = torch.is_grad_enabled()
+    X = record.args[0] if len(record.args) == 1 else record.args
+    params = {name: p.detach() for name, p in model.named_parameters() if name in names}
+    results: dict[str, dict[str, Any]] = {}
+    for ext, (fn, loss, y) in zip(ctx.extensions, problems):
+        job = ext.job()
         with torch.set_grad_enabled(differentiable):
             if _computes_statistic(job):
                 results[ext.savefield] = evaluate(
@@ -139,8 +226,6 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
                 own_output = partial(_check_own_output, record, route if job.second_order else None)
                 results[ext.savefield] = _compute(job, record, fn, params, X, y, loss, own_output)
         results[ext.savefield].update(_module_extensions(ext, job, record, route, gradient))
-    for name in names:  # (results from this backward pass and this forward pass)
-        model.get_parameter(name).__dict__[_WRITTEN] = (_graph_task(), record.serial)
     for ext in ctx.extensions:
         for name in names:
             if name in results[ext.savefield]:
@@ -166,6 +251,32 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         ext.job().quantity.family is Family.PRODUCTS for ext in ctx.extensions
     ):
         forget_inputs_and_outputs(record, route.loss.module if route.loss else None)
+
+
+def _from_users_backward(ctx: Context, record: ForwardRecord, differentiable: bool) -> bool:
+    """Whether the extensions take the layers' cotangents from the user's backward pass.
+
+    Where every extension is a first-order statistic of the loss gradient (``BatchGrad``,
+    ``BatchL2Grad``, ``SumGradSquared``, ``Variance``) without module extensions, of a
+    model returning one tensor, and the results need no graph (see
+    :class:`~packfunc.compat.site_cotangents.UsersCotangents`).
+    """
+    return (
+        not differentiable
+        and record.element is None
+        and record.output is not None
+        and all(
+            not ext.job().second_order
+            and _computes_statistic(ext.job())
+            and not getattr(ext, "module_extensions", None)
+            for ext in ctx.extensions
+        )
+    )
+
+
+def _output_edge(record: ForwardRecord) -> GradientEdge:
+    """The autograd edge of the recorded output."""
+    return get_gradient_edge(cast(Tensor, record.output))
 
 
 def _batch_pass(
@@ -359,8 +470,8 @@ def _refuse_terms_inside_the_model(model: nn.Module, savefields: list[str], _: l
     )
 
 
-_WRITTEN = "_packfunc_written_by"
-"""Key in a parameter's ``__dict__``: ``(graph task, record serial)`` of the results stored last."""
+_WRITTEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Per parameter of an extended model, ``(graph task, record serial)`` of its latest results."""
 
 
 def _graph_task() -> int:
@@ -389,7 +500,7 @@ def _refuse_parameters_of_another_model(record: ForwardRecord, savefields: list[
         name
         for name, param in record.model.named_parameters()
         if param.requires_grad
-        and (written := param.__dict__.get(_WRITTEN)) is not None
+        and (written := _WRITTEN.get(param)) is not None
         and written[0] == task
         and written[1] != record.serial
     ]
@@ -562,7 +673,7 @@ def _watched(
     record: ForwardRecord,
     adapt: Callable | None,
     differentiable: bool,
-    cotangents: SiteCotangents | None,
+    cotangents: SiteCotangents | UsersCotangents | None,
     plan: Plan,
     leaves: list[Tensor],
     loss: nn.Module,

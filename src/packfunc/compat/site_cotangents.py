@@ -23,9 +23,13 @@ from typing import cast
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
+from torch.utils.hooks import RemovableHandle
 
 from packfunc.compat import context
 from packfunc.engine.api import BatchRecord, SiteConsumer
+
+Shapes = dict[int, tuple[int, ...]]
+"""Each site's output shape ``[N, ...]``."""
 
 Fingerprint = Tensor
 """A cotangent's norm (one pass over it: the check costs little beside the backward pass)."""
@@ -60,7 +64,9 @@ class SiteCotangents:
         with torch.no_grad():
             into[k] = torch.zeros(()) if g is None else torch.linalg.vector_norm(g.detach())
 
-    def watching(self, record: BatchRecord, edges: dict[int, GradientEdge]) -> BatchRecord:
+    def watching(
+        self, record: BatchRecord, edges: dict[int, GradientEdge], shapes: Shapes
+    ) -> BatchRecord:
         """``record`` with pullbacks that note each site's cotangent of the loss gradient.
 
         Only pullbacks of the record's own ``∂L/∂output`` are noted (a second-order pass
@@ -69,6 +75,7 @@ class SiteCotangents:
         Args:
             record: A batch record pulling back through the user's graph.
             edges: Its sites' output edges in that graph.
+            shapes: Its sites' output shapes (the pullbacks give them so already).
 
         Returns:
             The record, its pullbacks noting what they give each site.
@@ -76,10 +83,7 @@ class SiteCotangents:
         self.edges = dict(edges)
 
         def of_the_loss_gradient(cotangent: Tensor) -> bool:
-            # (weakly: the record holds these pullbacks, which would otherwise hold it, a
-            # cycle that kept its recorded inputs until the garbage collector ran)
-            found = cast(BatchRecord, watched_ref()).__dict__.get("_loss_and_cotangent")
-            return found is not None and _same_tensor(cotangent, found[1])
+            return _of_the_loss_gradient(watched_ref, cotangent)
 
         def pullback(cotangent: Tensor) -> dict[int, Tensor]:
             found = record.pullback(cotangent)
@@ -169,6 +173,131 @@ def _differ(ours: Fingerprint, users: Fingerprint) -> Tensor:
     tolerance = 1000 * torch.finfo(torch.promote_types(ours.dtype, users.dtype)).eps
     a, b = ours.double().square(), users.double().square().to(ours.device)
     return (a - b).abs() > tolerance * torch.maximum(a, b)
+
+
+@dataclass
+class UsersCotangents:
+    """Each site's output cotangent taken from the user's own backward pass.
+
+    First-order extensions need the cotangents of the loss gradient only, which the user's
+    backward pass computes anyway: hooks on the sites' autograd nodes take them as it goes,
+    and the extensions run at its end (see :func:`~packfunc.compat.run.run_extensions`).
+    Nothing of the user's graph runs twice, so hooks on layers inside the model (a full
+    backward hook, a tensor's hook) run once, and a loss term on an activation inside the
+    model is part of the cotangents, as in BackPACK's first-order results.
+
+    Attributes:
+        edges: The autograd edge of each site's output in the user's graph.
+        shapes: Each site's output shape ``[N, ...]``.
+        taken: The cotangents taken so far (``None``: no gradient reached the site).
+
+    Example:
+        >>> users = UsersCotangents()
+        >>> users.take(0, 1, (None, torch.ones(2)))
+        >>> users.taken[0]
+        tensor([1., 1.])
+    """
+
+    edges: dict[int, GradientEdge] = field(default_factory=dict)
+    shapes: Shapes = field(default_factory=dict)
+    taken: dict[int, Tensor | None] = field(default_factory=dict)
+    _handles: list[RemovableHandle] = field(default_factory=list)
+    _at_output: set[int] = field(default_factory=set)
+
+    def watching(
+        self, record: BatchRecord, edges: dict[int, GradientEdge], shapes: Shapes
+    ) -> BatchRecord:
+        """``record`` whose pullbacks of the loss gradient give the cotangents taken.
+
+        Args:
+            record: A batch record of the user's graph.
+            edges: Its sites' output edges in that graph.
+            shapes: Their output shapes.
+
+        Returns:
+            The record; a pullback of another cotangent is the record's own.
+        """
+        self.edges, self.shapes = dict(edges), dict(shapes)
+
+        def pullback(cotangent: Tensor) -> dict[int, Tensor]:
+            if not _of_the_loss_gradient(watched_ref, cotangent):
+                return record.pullback(cotangent)
+            return self.handed(cotangent, None, last=False)
+
+        def last_pullback(cotangent: Tensor, consume: SiteConsumer | None) -> dict[int, Tensor]:
+            if not _of_the_loss_gradient(watched_ref, cotangent):
+                return record.last_pullback(cotangent, consume)
+            return self.handed(cotangent, consume, last=True)
+
+        watched = dataclasses.replace(record, pullback=pullback, last_pullback=last_pullback)
+        watched_ref = weakref.ref(watched)
+        return watched
+
+    def capture(self, output: GradientEdge) -> bool:
+        """Hook the sites' nodes to take their cotangents in the running backward pass.
+
+        Args:
+            output: The model output's edge (a site there takes the output's gradient).
+
+        Returns:
+            Whether every other site's node will run in it (else nothing is hooked: a
+            backward pass for some inputs only, ``backward(inputs=...)``, leaves them out).
+        """
+        self._at_output = {k for k, edge in self.edges.items() if _same_edge(edge, output)}
+        hooked = [k for k in self.edges if k not in self._at_output]
+        if not all(torch._C._will_engine_execute_node(self.edges[k].node) for k in hooked):
+            return False
+        self._handles = [
+            self.edges[k].node.register_prehook(partial(self.take, k, self.edges[k].output_nr))
+            for k in hooked
+        ]
+        return True
+
+    def take(self, k: int, at: int, grad_outputs: tuple[Tensor | None, ...]) -> None:
+        """A node pre-hook: keep the user's backward pass's cotangent of site ``k``."""
+        if context.in_own_pass():
+            return
+        g = grad_outputs[at]
+        self.taken[k] = None if g is None else g.detach()
+
+    def handed(
+        self, cotangent: Tensor, consume: SiteConsumer | None, last: bool
+    ) -> dict[int, Tensor]:
+        """The cotangents taken, each passed through ``consume``, as a pullback gives them.
+
+        Args:
+            cotangent: The output's gradient (the cotangent of a site at the output's node).
+            consume: What keeps each site's cotangent, or ``None`` (all kept).
+            last: Whether they are let go as they are handed (no pullback follows).
+
+        Returns:
+            Site -> what is kept of its cotangent.
+        """
+        for handle in self._handles:
+            handle.remove()
+        found: dict[int, Tensor] = {}
+        for k in self.edges:
+            held = self.taken.pop(k, None) if last else self.taken.get(k)
+            g = cotangent if k in self._at_output else held
+            g = g.reshape(self.shapes[k]) if g is not None else cotangent.new_zeros(self.shapes[k])
+            kept = g if consume is None else consume(k, g)
+            if kept is not None:
+                found[k] = kept
+        return found
+
+
+def _same_edge(a: GradientEdge, b: GradientEdge) -> bool:
+    return a.node is b.node and a.output_nr == b.output_nr
+
+
+def _of_the_loss_gradient(watched_ref: weakref.ref[BatchRecord], cotangent: Tensor) -> bool:
+    """Whether ``cotangent`` is the watched record's own ``∂L/∂output``.
+
+    (The record is held weakly: it holds the pullbacks that ask, a cycle that would keep its
+    recorded inputs until the garbage collector ran.)
+    """
+    found = cast(BatchRecord, watched_ref()).__dict__.get("_loss_and_cotangent")
+    return found is not None and _same_tensor(cotangent, found[1])
 
 
 def _same_tensor(a: Tensor, b: Tensor) -> bool:

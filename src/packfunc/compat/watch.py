@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
-from packfunc.compat.site_cotangents import SiteCotangents
+from packfunc.compat.site_cotangents import SiteCotangents, UsersCotangents
 from packfunc.engine.api import (
     ATTENTION_OPS,
     LINEAR_CALLS,
@@ -214,7 +214,7 @@ class ForwardRecorder(TorchFunctionMode):
         n: int,
         adapt: Callable[[Tensor], Tensor] | None = None,
         differentiable: bool = False,
-        cotangents: SiteCotangents | None = None,
+        cotangents: SiteCotangents | UsersCotangents | None = None,
     ) -> BatchRecord | None:
         """The batch pass's record, from the watched forward; ``None`` if it does not fit.
 
@@ -228,7 +228,7 @@ class ForwardRecorder(TorchFunctionMode):
             adapt: Maps the output to the loss input (a shape change), if they differ.
             differentiable: Keep the results' graphs (``create_graph=True``).
             cotangents: Notes each site's cotangent in the record's pullbacks, to compare
-                with the user's backward pass.
+                with the user's backward pass, or takes them from it.
 
         Returns:
             A :class:`~packfunc.engine.batch_record.BatchRecord` pulling back through the watched
@@ -244,7 +244,7 @@ class ForwardRecorder(TorchFunctionMode):
             final = output if adapt is None else adapt(output)
         check_loss_inputs(loss, final, y, n)
         found = autograd_record(final, inputs, edges, shapes, failed, loss, y, differentiable)
-        return found if cotangents is None else cotangents.watching(found, edges)
+        return found if cotangents is None else cotangents.watching(found, edges, shapes)
 
 
 _Matched = tuple[dict[int, Recorded], dict[int, GradientEdge], dict[int, tuple[int, ...]], set[int]]
