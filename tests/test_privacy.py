@@ -342,6 +342,38 @@ def test_dp_optimizer_steps_with_the_private_gradient() -> None:
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
 
 
+def test_dp_optimizer_reads_a_list_of_bounds_in_the_models_order() -> None:
+    """A list of per-parameter bounds, as opacus and the shim's ``ClippedGrad`` take it: in
+    ``model.named_parameters()`` order. It was read in sorted-name order (``clipped_grad``'s
+    for a dict of params): another bound for each parameter, silently (found by a probe).
+    A list of the wrong length names the rule."""
+    model, loss, X, y = _problem()
+    names = [name for name, _ in model.named_parameters()]
+    bounds = [0.05 * (i + 1) for i in range(len(names))]
+    model_fn, params = pf.functional(model)
+    by_name = dict(zip(names, bounds))
+    expected = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=by_name)
+    opt = pf.privacy.DPOptimizer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        max_norm=bounds,
+        noise_multiplier=0.0,
+        expected_batch_size=1,
+        loss=loss,
+    )
+    opt.step(batch=(X, y))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name])
+    with pytest.raises(ValueError, match="one bound per trainable parameter"):
+        pf.privacy.DPOptimizer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            max_norm=bounds[:-1],
+            noise_multiplier=0.0,
+            expected_batch_size=1,
+        )
+
+
 def test_dp_optimizer_follows_the_parameters_at_each_step() -> None:
     """New values (``vector_to_parameters`` rebinds ``.data``) and a layer frozen or
     unfrozen after construction are seen: the norm covers what is trained now."""

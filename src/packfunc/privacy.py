@@ -322,7 +322,9 @@ class DPOptimizer:
         optimizer: A ``torch.optim`` optimizer over those parameters.
         max_norm: The clipping bound ``C``; or bounds per parameter or group of parameters
             by name, as :func:`clipped_grad` takes them (the names of
-            ``model.named_parameters()``).
+            ``model.named_parameters()``); or a list, one bound per trainable parameter in
+            ``model.named_parameters()`` order (as opacus and the shim's ``ClippedGrad`` read
+            it; :func:`clipped_grad` reads a list in its ``params``' order, sorted names).
         noise_multiplier: ``σ``.
         expected_batch_size: ``q·n`` for Poisson sampling (the batch size otherwise).
         loss: A loss with ``reduction='sum'`` (default ``CrossEntropyLoss(reduction='sum')``).
@@ -359,7 +361,7 @@ class DPOptimizer:
         model_fn, _ = functional(model)
         self.private = private_gradient(
             model_fn,
-            max_norm=max_norm,
+            max_norm=_bounds_by_name(model, max_norm),
             noise_multiplier=noise_multiplier,
             expected_batch_size=expected_batch_size,
             loss=loss,
@@ -552,6 +554,35 @@ def private_gradient(
         return cast(PyTree, scaled), state
 
     return GradientTransformation(init, update)
+
+
+def _bounds_by_name(model: nn.Module, max_norm: MaxNorm) -> MaxNorm:
+    """A list of bounds as a dict by name, in ``model.named_parameters()`` order.
+
+    Args:
+        model: The model whose trainable parameters the list follows.
+        max_norm: A bound, a list of bounds or bounds by name (the last two as they are).
+
+    Returns:
+        ``max_norm``, a list keyed by the names of the trainable parameters.
+
+    Raises:
+        ValueError: for a list whose length is not the number of trainable parameters.
+
+    Example:
+        >>> _bounds_by_name(torch.nn.Linear(2, 1), [1.0, 2.0])
+        {'weight': 1.0, 'bias': 2.0}
+    """
+    if isinstance(max_norm, Mapping) or not isinstance(max_norm, Sequence):
+        return max_norm
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    if len(max_norm) != len(names):
+        raise ValueError(
+            f"DPOptimizer got {len(max_norm)} bounds for the model's {len(names)} trainable "
+            "parameters: a list gives one bound per trainable parameter, in "
+            "model.named_parameters() order; or pass bounds by name, {name: C}."
+        )
+    return dict(zip(names, max_norm, strict=True))
 
 
 def _sensitivity(max_norm: MaxNorm) -> float:
