@@ -232,6 +232,30 @@ def test_vmap_over_inputs_as_a_model_functions_first_call_equals_a_loop():
             torch.testing.assert_close(found[k][d], expected[k])
 
 
+@pytest.mark.parametrize(
+    "quantity", ["batch_l2_grad", "clipped_grad", "sum_grad_squared", "batch_diag_ggn"]
+)
+def test_vmap_over_batches_of_tokens_equals_a_loop(quantity):
+    """An embedding's closed forms sum each sample's cotangents by distinct token, a number
+    that depends on the values: under vmap over batches of tokens torch raised its own
+    "dynamic shape" error from inside packfunc (a probe); every token's row is summed there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(7, 4), nn.Flatten(), nn.Linear(12, 3)).double()
+    fn, p = pf.functional(model)
+    XS, YS = torch.randint(0, 7, (3, 6, 3)), torch.randint(0, 3, (3, 6))
+    options = {"max_norm": 0.5} if quantity == "clipped_grad" else {}
+    loss = nn.CrossEntropyLoss(reduction="sum")
+
+    def one(X, y):
+        return getattr(pf, quantity)(fn, p, X, y, loss=loss, **options)
+
+    found = vmap(one)(XS, YS)
+    for d in range(3):
+        expected = one(XS[d], YS[d])
+        for k in p:
+            torch.testing.assert_close(found[k][d], expected[k])
+
+
 def test_two_threads_take_hessian_diagonals_of_their_own_models():
     """torch's forward-mode levels are global to the process: two threads' Hessian
     diagonals (forward over reverse) interleaved gave torch's "invalid index" errors in most

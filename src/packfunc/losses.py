@@ -247,7 +247,8 @@ def _check_element_weights(loss: nn.Module, output: Tensor, n: int) -> None:
 PICK_THE_OUTPUT = (
     "Return the output tensor from model_fn: lambda p, X: model_fn(p, X)[0] for a tuple, "
     "model_fn(p, X)['logits'] for a dict, model_fn(p, X).logits for a Hugging Face model's "
-    "output."
+    "output; where a module is given (DPOptimizer, the shim's extend), wrap it in one whose "
+    "forward returns that tensor (self.model(X).logits, as the loss takes it)."
 )
 """How to make a ``model_fn`` that returns a tuple or dict return its output tensor."""
 

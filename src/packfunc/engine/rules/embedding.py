@@ -106,9 +106,23 @@ def _keys(x: Tensor, columns: int, rows: int) -> Tensor:
 
 
 def _key_sums(x: Tensor, g: Tensor, rows: int) -> tuple[Tensor, Tensor]:
-    """Distinct (column, sample, row) keys and the sums of their cotangents."""
-    unique, inverse = torch.unique(_keys(x, g.shape[0], rows), return_inverse=True)
-    sums = g.new_zeros(unique.shape[0], g.shape[-1]).index_add(
-        0, inverse, g.reshape(-1, g.shape[-1])
-    )
-    return unique, sums
+    """Distinct (column, sample, row) keys and the sums of their cotangents.
+
+    Under ``vmap`` over the indices (batches of tokens), where the number of distinct keys
+    would be a shape that depends on the values, every key: the sums of all ``N·V`` rows
+    (the per-sample gradients' size).
+
+    Example:
+        >>> unique, sums = _key_sums(torch.tensor([[[1, 1]]]), torch.ones(1, 1, 2, 3), 4)
+        >>> unique.tolist(), sums.tolist()
+        ([1], [[2.0, 2.0, 2.0]])
+    """
+    keys, flat = _keys(x, g.shape[0], rows), g.reshape(-1, g.shape[-1])
+    try:
+        unique, inverse = torch.unique(keys, return_inverse=True)
+    except RuntimeError as error:
+        if "dynamic shape" not in str(error):
+            raise
+        every = torch.arange(g.shape[0] * x.shape[1] * rows, device=x.device)
+        return every, g.new_zeros(every.shape[0], g.shape[-1]).index_add(0, keys, flat)
+    return unique, g.new_zeros(unique.shape[0], g.shape[-1]).index_add(0, inverse, flat)
