@@ -856,7 +856,10 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
         hint = _python_values_hint(X_first)
         raise ValueError(
             f"model_fn returned {tuple(out.shape)} for a batch of one sample; it must return "
-            f"a tensor whose leading dimension is the batch dimension.{hint}"
+            "a tensor whose leading dimension is the batch dimension, and take the samples "
+            "along dim 0 of its inputs (a sequence-first [T, N, ...] input has them along dim "
+            "1: pass it batch-first; in the shim model_fn is the extended model's forward)."
+            f"{hint}"
         )
     if mode.samples.get(id(out)) is not out:
         raise ValueError(_SAMPLES_OUT_OF_SIGHT)
