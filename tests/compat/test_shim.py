@@ -1035,16 +1035,18 @@ def test_an_extended_model_called_with_keywords_names_the_wrapper():
         lossfunc(model(inputs=torch.randn(4, 3)), torch.tensor([0, 1, 1, 0])).backward()
 
 
+class _LastStep(nn.Module):
+    """The last step of a sequence-first ``[T, N, d]`` input."""
+
+    def forward(self, x):
+        return x[-1]
+
+
 def test_a_sequence_first_input_names_the_layout():
     """An extended model taking ``[T, N, d]`` (its last step the logits): the refusal said
     only that ``model_fn`` returned too many rows, a name shim users never wrote (a probe)."""
-
-    class Last(nn.Module):
-        def forward(self, x):
-            return x[-1]
-
     torch.manual_seed(0)
-    model = extend(nn.Sequential(nn.Linear(2, 4), nn.Tanh(), Last(), nn.Linear(4, 3)))
+    model = extend(nn.Sequential(nn.Linear(2, 4), nn.Tanh(), _LastStep(), nn.Linear(4, 3)))
     X, y = torch.randn(5, 3, 2), torch.randint(0, 3, (3,))
     with backpack(ours.BatchGrad()), pytest.raises(ValueError, match="sequence-first"):
         extend(nn.CrossEntropyLoss())(model(X), y).backward()
