@@ -105,7 +105,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
     _refuse_parameters_of_another_model(record, savefields)
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     for name in names:  # (results from this backward pass and this forward pass)
-        _WRITTEN[model.get_parameter(name)] = (_graph_task(), record.serial)
+        _WRITTEN[model.get_parameter(name)] = (_graph_task(), record.serial, weakref.ref(model))
     if any(ext.job().second_order for ext in ctx.extensions):
         _refuse_terms_beside_the_loss(record, route, gradient)
     differentiable = torch.is_grad_enabled()
@@ -471,7 +471,8 @@ def _refuse_terms_inside_the_model(model: nn.Module, savefields: list[str], _: l
 
 
 _WRITTEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""Per parameter of an extended model, ``(graph task, record serial)`` of its latest results."""
+"""Per parameter of an extended model, ``(graph task, record serial, model)`` of its latest
+results (the model weakly)."""
 
 
 def _graph_task() -> int:
@@ -496,16 +497,18 @@ def _refuse_parameters_of_another_model(record: ForwardRecord, savefields: list[
         ValueError: naming the shared parameters and the fix.
     """
     task = _graph_task()
-    shared = [
-        name
+    found = {
+        name: written[2]()
         for name, param in record.model.named_parameters()
         if param.requires_grad
         and (written := _WRITTEN.get(param)) is not None
         and written[0] == task
         and written[1] != record.serial
-    ]
-    if shared:
-        forget_results(record.model, savefields)
+    }
+    if found:
+        shared = list(found)
+        for model in {id(m): m for m in [record.model, *found.values()] if m is not None}.values():
+            forget_results(model, savefields)  # (the other model's may not have run yet)
         raise ValueError(
             f"this backward pass reaches parameters of the extended {type(record.model).__name__} "
             f"({', '.join(shared[:4])}{', ...' if len(shared) > 4 else ''}) through another "
@@ -513,7 +516,7 @@ def _refuse_parameters_of_another_model(record: ForwardRecord, savefields: list[
             "each model's results hold the terms of its own output, so neither would be the "
             "loss's. Put both models in one extended module whose output the loss takes, or "
             "backpropagate each model's loss in a backward pass of its own (.grad sums "
-            f"them); this backward pass's results on it were removed ({', '.join(savefields)})."
+            f"them); both models' results were removed ({', '.join(savefields)})."
         )
 
 
