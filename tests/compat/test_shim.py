@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import threading
 import weakref
 
 import pytest
@@ -1056,3 +1057,99 @@ def test_a_sequence_first_input_names_the_layout():
     X, y = torch.randn(5, 3, 2), torch.randint(0, 3, (3,))
     with backpack(ours.BatchGrad()), pytest.raises(ValueError, match="sequence-first"):
         extend(nn.CrossEntropyLoss())(model(X), y).backward()
+
+
+class _AuxAfterOutput(nn.Module):
+    """An auxiliary head computed after the output, kept for a second loss term."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.body, self.head, self.aux = nn.Linear(4, 6), nn.Linear(6, 3), nn.Linear(6, 2)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.body(x))
+        out = self.head(hidden)
+        self.kept = self.aux(hidden)  # (its node runs before the output's in the backward)
+        return out
+
+
+def test_a_layer_whose_node_runs_before_the_outputs_gets_its_per_sample_gradients():
+    """First-order extensions take the layers' cotangents from the user's backward pass: a
+    head computed after the output (a second loss term on it) runs before the output's node,
+    where hooks registered at the output missed it: its ``grad_batch`` was zeros, silently
+    (a probe). The hooks are registered when the forward is recorded."""
+    torch.manual_seed(0)
+    X, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    model, lossfunc = (
+        extend(_AuxAfterOutput().double()),
+        extend(nn.CrossEntropyLoss(reduction="sum")),
+    )
+    with backpack(ours.BatchGrad()):
+        out = model(X)
+        (lossfunc(out, y) + model.kept.pow(2).sum()).backward()
+    plain = _AuxAfterOutput().double()
+    for n in range(len(X)):
+        out = plain(X[n : n + 1])
+        term = nn.CrossEntropyLoss(reduction="sum")(out, y[n : n + 1]) + plain.kept.pow(2).sum()
+        for p, g in zip(model.parameters(), torch.autograd.grad(term, plain.parameters())):
+            torch.testing.assert_close(p.grad_batch[n], g)
+
+
+def test_results_read_during_the_backward_pass_are_not_the_last_steps():
+    """First-order results are stored at the end of the backward pass: read during it (a
+    parameter's post-accumulate hook) they were the last step's, silently (a probe); they
+    are removed when the backward pass reaches the model."""
+    torch.manual_seed(0)
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    X, y = _data("mlp")
+    seen = []
+    model[0].weight.register_post_accumulate_grad_hook(
+        lambda p: seen.append(getattr(p, "grad_batch", None))
+    )
+    for _ in range(2):
+        with backpack(ours.BatchGrad()):
+            lossfunc(model(X), y).backward()
+    assert seen == [None, None]
+    assert model[0].weight.grad_batch.shape == (5, 6, 4)
+
+
+class _Paused(nn.Module):
+    """A layer whose forward waits for another thread's (to overlap two forwards)."""
+
+    def __init__(self, arrive: threading.Event, wait: threading.Event) -> None:
+        super().__init__()
+        self.arrive, self.wait, self.layer = arrive, wait, nn.Linear(3, 2)
+
+    def forward(self, x):
+        self.arrive.set()
+        self.wait.wait(timeout=10)
+        return self.layer(x)
+
+
+def test_forwards_overlapping_in_two_threads_leave_the_shim_recording():
+    """Thread A's extended forward starts, B's starts, A's ends, then B's: the shim's count of
+    running forwards was one list for all threads, left holding B's entry for good; every
+    later forward recorded nothing, and a step's ``grad_batch`` was the one before (a probe).
+    The count is per thread, as PyTorch's modes are."""
+    torch.manual_seed(0)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    first, second = extend(_Paused(a_in, b_in)), extend(_Paused(b_in, a_out))
+
+    def run_first():
+        first(torch.randn(5, 3))
+        a_out.set()
+
+    threads = [
+        threading.Thread(target=run_first),
+        threading.Thread(target=lambda: (a_in.wait(timeout=10), second(torch.randn(5, 3)))),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    model, lossfunc = extend(_mlp()), extend(nn.CrossEntropyLoss())
+    X, y = _data("mlp")
+    with backpack(ours.BatchGrad()):
+        lossfunc(model(X), y).backward()
+    torch.testing.assert_close(model[0].weight.grad_batch.sum(0), model[0].weight.grad)

@@ -21,6 +21,7 @@ so second-order extensions use the loss actually being differentiated.
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from collections import OrderedDict
@@ -42,11 +43,28 @@ from packfunc.compat.watch import ForwardRecorder
 from packfunc.engine.api import FunctionalMode, packfunc_passes
 from packfunc.functionalize import batch_size, is_compiled
 
-_entered: list[int] = []
-"""The ids of the extended modules whose forward is running, outermost first (a module's
-forward hook undoes its pre-hook's entry only: a user's pre-hook that raises before the
-shim's runs leaves none to undo)."""
-_recorders: list[ForwardRecorder | None] = []
+_THREAD = threading.local()
+"""Per thread (as PyTorch's modes are), the forward passes of extended modules running."""
+
+
+def _entered() -> list[int]:
+    """The ids of the extended modules whose forward runs in this thread, outermost first.
+
+    A module's forward hook undoes its pre-hook's entry only: a user's pre-hook that raises
+    before the shim's runs leaves none to undo.
+    """
+    if not hasattr(_THREAD, "entered"):
+        _THREAD.entered = []
+    return cast(list[int], _THREAD.entered)
+
+
+def _recorders() -> list[ForwardRecorder | None]:
+    """The recorders of the outermost extended forwards running in this thread (``None``: none)."""
+    if not hasattr(_THREAD, "recorders"):
+        _THREAD.recorders = []
+    return cast(list[ForwardRecorder | None], _THREAD.recorders)
+
+
 _LATEST: weakref.WeakKeyDictionary[nn.Module, weakref.ref[ForwardRecord]] = (
     weakref.WeakKeyDictionary()
 )
@@ -172,8 +190,9 @@ def _refuse_nested_fast_path(module: nn.Module, args: tuple, kwargs: dict) -> No
 
 def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
     _last_of_the_forward_hooks(module)
-    _entered.append(id(module))
-    if len(_entered) == 1:  # the outermost extended module: watch the whole pass
+    entered = _entered()
+    entered.append(id(module))
+    if len(entered) == 1:  # the outermost extended module: watch the whole pass
         recorder = None
         if _recording():
             # leaves in packfunc's own order (optree sorts dict keys), as the plan numbers them:
@@ -184,20 +203,21 @@ def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
             leaves: list[Tensor] = optree.tree_leaves(parameters)  # type: ignore[arg-type]
             recorder = ForwardRecorder(leaves, (args, kwargs), tuple(module.buffers()))
             recorder.__enter__()
-        _recorders.append(recorder)
+        _recorders().append(recorder)
     if _recording():  # (last: the always-called _exit undoes the above on a refusal)
         _refuse_nested_fast_path(module, args, kwargs)
 
 
 def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    if not _entered or _entered[-1] != id(module):  # its forward pre-hooks raised before _enter
+    entered = _entered()
+    if not entered or entered[-1] != id(module):  # its forward pre-hooks raised before _enter
         return None
-    _entered.pop()
+    entered.pop()
     if _recording() and not isinstance(module, NO_OP_MODULES):
         store_io(module, args, output[0] if isinstance(output, tuple) else output)
-    if _entered:
+    if entered:
         return None
-    recorder = _recorders.pop()
+    recorder = _recorders().pop()
     if recorder is None:
         _note_unrecorded(module, output)
         return None
@@ -223,6 +243,7 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     )
     _note_latest(module, record)
     _link_to_producer(record)
+    record.taken.hook([c.edge for c in recorder.calls if c.edge is not None and c.carries_samples])
     node_metadata(output.grad_fn)[RECORD_KEY] = record
     output.grad_fn.register_prehook(partial(_on_backward, record))
     return None

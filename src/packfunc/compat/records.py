@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch._C._functorch import is_functorch_wrapped_tensor
 
 from packfunc.compat.layout import SampleLayout
+from packfunc.compat.site_cotangents import TakenCotangents
 from packfunc.compat.watch import ForwardRecorder
 from packfunc.engine.api import difference_beyond_rounding
 from packfunc.losses import CLASS_LOSSES
@@ -196,6 +197,9 @@ class ForwardRecord:
     graph_task: int | None = None
     """The backward pass (its graph task) that pulled the output back with ``create_graph=True``
     (a gradient penalty's ``autograd.grad``), if one did: its gradient is differentiable."""
+    taken: TakenCotangents = field(default_factory=TakenCotangents, repr=False)
+    """What the user's backward passes bring its calls' outputs (see
+    :class:`~packfunc.compat.site_cotangents.TakenCotangents`)."""
     input_versions: list[tuple[Tensor, int]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -32,7 +32,7 @@ from packfunc.compat.elements import select_element
 from packfunc.compat.extensions.backprop_extension import BackpropExtension, Job
 from packfunc.compat.layout import SampleLayout
 from packfunc.compat.records import ForwardRecord, LossCall, LossRoute
-from packfunc.compat.site_cotangents import SiteCotangents, UsersCotangents
+from packfunc.compat.site_cotangents import SiteCotangents, UsersCotangents, first_order_only
 from packfunc.engine.api import (
     BatchPass,
     BatchRecord,
@@ -109,7 +109,9 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
     if any(ext.job().second_order for ext in ctx.extensions):
         _refuse_terms_beside_the_loss(record, route, gradient)
     differentiable = torch.is_grad_enabled()
-    users = UsersCotangents() if _from_users_backward(ctx, record, differentiable) else None
+    users = (
+        UsersCotangents(record.taken) if _from_users_backward(ctx, record, differentiable) else None
+    )
     retained = [] if users is not None else _retained_gradients(record)
     cotangents = {False: SiteCotangents(), True: SiteCotangents()}  # per pass
     problems, passes = _batch_passes(ctx, record, route, gradient, differentiable, names, (
@@ -118,6 +120,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
     if users is None or passes[False].reran or not users.capture(_output_edge(record)):
         finish(retained)
     else:  # the extensions run when the user's backward pass has brought every cotangent
+        forget_results(record.model, savefields)  # (read during it: none, not the last step's)
         torch.autograd.Variable._execution_engine.queue_callback(
             partial(_as_own_pass, partial(finish, retained))
         )
@@ -256,21 +259,16 @@ def _finish(
 def _from_users_backward(ctx: Context, record: ForwardRecord, differentiable: bool) -> bool:
     """Whether the extensions take the layers' cotangents from the user's backward pass.
 
-    Where every extension is a first-order statistic of the loss gradient (``BatchGrad``,
-    ``BatchL2Grad``, ``SumGradSquared``, ``Variance``) without module extensions, of a
-    model returning one tensor, and the results need no graph (see
+    Where every extension is a first-order statistic of the loss gradient
+    (:func:`~packfunc.compat.site_cotangents.first_order_only`), of a model returning one
+    tensor, and the results need no graph (see
     :class:`~packfunc.compat.site_cotangents.UsersCotangents`).
     """
     return (
         not differentiable
         and record.element is None
         and record.output is not None
-        and all(
-            not ext.job().second_order
-            and _computes_statistic(ext.job())
-            and not getattr(ext, "module_extensions", None)
-            for ext in ctx.extensions
-        )
+        and first_order_only(ctx)
     )
 
 

@@ -18,15 +18,18 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
-from torch.utils.hooks import RemovableHandle
 
 from packfunc.compat import context
 from packfunc.engine.api import BatchRecord, SiteConsumer
+from packfunc.specs import Family
+
+if TYPE_CHECKING:
+    from packfunc.compat.context import Context
 
 Shapes = dict[int, tuple[int, ...]]
 """Each site's output shape ``[N, ...]``."""
@@ -175,33 +178,90 @@ def _differ(ours: Fingerprint, users: Fingerprint) -> Tensor:
     return (a - b).abs() > tolerance * torch.maximum(a, b)
 
 
+def first_order_only(ctx: Context | None) -> bool:
+    """Whether ``ctx``'s extensions are first-order statistics of the loss gradient alone.
+
+    ``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared``, ``Variance``, without module
+    extensions: the layers' cotangents of the user's backward pass are all they need.
+    """
+    return ctx is not None and all(
+        not ext.job().second_order
+        and ext.job().quantity.family is Family.STATISTIC
+        and not getattr(ext, "module_extensions", None)
+        for ext in ctx.extensions
+    )
+
+
+@dataclass
+class TakenCotangents:
+    """The cotangents the user's latest backward pass brought a watched forward's calls.
+
+    Hooks on the calls' autograd nodes, registered when the forward is recorded, keep them
+    in a backward pass that first-order extensions alone take them from (see
+    :func:`first_order_only`): a layer whose node runs before the model output's (one
+    computed after the output, feeding another loss term) is taken too.
+
+    Attributes:
+        task: The backward pass (graph task) they come from.
+        found: ``(id of the node, output index)`` -> cotangent (``None``: no gradient).
+        hooked: Whether the calls' nodes were hooked.
+
+    Example:
+        >>> taken = TakenCotangents()
+        >>> taken.take(7, 0, (torch.ones(2),))  # outside backpack(...): nothing kept
+        >>> taken.found
+        {}
+    """
+
+    task: int = -1
+    found: dict[tuple[int, int], Tensor | None] = field(default_factory=dict)
+    hooked: bool = False
+
+    def hook(self, edges: list[GradientEdge]) -> None:
+        """Hook the nodes of ``edges`` (the watched calls' outputs)."""
+        for edge in edges:
+            edge.node.register_prehook(partial(self.take, id(edge.node), edge.output_nr))
+        self.hooked = True
+
+    def take(self, node: int, at: int, grad_outputs: tuple[Tensor | None, ...]) -> None:
+        """A node pre-hook: keep the cotangent where first-order extensions alone run."""
+        if context.in_own_pass() or torch.is_grad_enabled():  # (create_graph: not taken)
+            return
+        if not first_order_only(context.active()):
+            return
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            self.task, self.found = task, {}
+        g = grad_outputs[at]
+        self.found[node, at] = None if g is None else g.detach()
+
+
 @dataclass
 class UsersCotangents:
     """Each site's output cotangent taken from the user's own backward pass.
 
     First-order extensions need the cotangents of the loss gradient only, which the user's
-    backward pass computes anyway: hooks on the sites' autograd nodes take them as it goes,
-    and the extensions run at its end (see :func:`~packfunc.compat.run.run_extensions`).
-    Nothing of the user's graph runs twice, so hooks on layers inside the model (a full
-    backward hook, a tensor's hook) run once, and a loss term on an activation inside the
-    model is part of the cotangents, as in BackPACK's first-order results.
+    backward pass computes anyway: hooks on the sites' autograd nodes take them as it goes
+    (:class:`TakenCotangents`), and the extensions run at its end (see
+    :func:`~packfunc.compat.run.run_extensions`). Nothing of the user's graph runs twice, so
+    hooks on layers inside the model (a full backward hook, a tensor's hook) run once, and a
+    loss term on an activation inside the model is part of the cotangents, as in BackPACK's
+    first-order results.
 
     Attributes:
+        taken: What the hooks on the forward's calls took.
         edges: The autograd edge of each site's output in the user's graph.
         shapes: Each site's output shape ``[N, ...]``.
-        taken: The cotangents taken so far (``None``: no gradient reached the site).
 
     Example:
-        >>> users = UsersCotangents()
-        >>> users.take(0, 1, (None, torch.ones(2)))
-        >>> users.taken[0]
-        tensor([1., 1.])
+        >>> users = UsersCotangents(TakenCotangents())
+        >>> users.edges
+        {}
     """
 
+    taken: TakenCotangents
     edges: dict[int, GradientEdge] = field(default_factory=dict)
     shapes: Shapes = field(default_factory=dict)
-    taken: dict[int, Tensor | None] = field(default_factory=dict)
-    _handles: list[RemovableHandle] = field(default_factory=list)
     _at_output: set[int] = field(default_factory=set)
 
     def watching(
@@ -234,31 +294,23 @@ class UsersCotangents:
         return watched
 
     def capture(self, output: GradientEdge) -> bool:
-        """Hook the sites' nodes to take their cotangents in the running backward pass.
+        """Whether the running backward pass brings every site's cotangent to the hooks.
 
         Args:
             output: The model output's edge (a site there takes the output's gradient).
 
         Returns:
-            Whether every other site's node will run in it (else nothing is hooked: a
-            backward pass for some inputs only, ``backward(inputs=...)``, leaves them out).
+            ``False`` where the forward's calls were not hooked, or a site's node does not
+            run in this backward pass (``backward(inputs=...)`` leaves it out).
         """
+        task = torch._C._current_graph_task_id()
+        if self.taken.task != task:  # (no site's node has run yet in this backward pass)
+            self.taken.task, self.taken.found = task, {}
         self._at_output = {k for k, edge in self.edges.items() if _same_edge(edge, output)}
         hooked = [k for k in self.edges if k not in self._at_output]
-        if not all(torch._C._will_engine_execute_node(self.edges[k].node) for k in hooked):
-            return False
-        self._handles = [
-            self.edges[k].node.register_prehook(partial(self.take, k, self.edges[k].output_nr))
-            for k in hooked
-        ]
-        return True
-
-    def take(self, k: int, at: int, grad_outputs: tuple[Tensor | None, ...]) -> None:
-        """A node pre-hook: keep the user's backward pass's cotangent of site ``k``."""
-        if context.in_own_pass():
-            return
-        g = grad_outputs[at]
-        self.taken[k] = None if g is None else g.detach()
+        return self.taken.hooked and all(
+            torch._C._will_engine_execute_node(self.edges[k].node) for k in hooked
+        )
 
     def handed(
         self, cotangent: Tensor, consume: SiteConsumer | None, last: bool
@@ -273,11 +325,10 @@ class UsersCotangents:
         Returns:
             Site -> what is kept of its cotangent.
         """
-        for handle in self._handles:
-            handle.remove()
         found: dict[int, Tensor] = {}
-        for k in self.edges:
-            held = self.taken.pop(k, None) if last else self.taken.get(k)
+        for k, edge in self.edges.items():
+            key = (id(edge.node), edge.output_nr)
+            held = self.taken.found.pop(key, None) if last else self.taken.found.get(key)
             g = cotangent if k in self._at_output else held
             g = g.reshape(self.shapes[k]) if g is not None else cotangent.new_zeros(self.shapes[k])
             kept = g if consume is None else consume(k, g)
