@@ -243,7 +243,9 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     )
     _note_latest(module, record)
     _link_to_producer(record)
-    record.taken.hook([c.edge for c in recorder.calls if c.edge is not None and c.carries_samples])
+    if recorder.usable:  # (else packfunc runs its own pass: nothing to take)
+        sampled = [c for c in recorder.calls if c.carries_samples]
+        record.taken.hook([c.edge for c in sampled if c.edge is not None])
     node_metadata(output.grad_fn)[RECORD_KEY] = record
     output.grad_fn.register_prehook(partial(_on_backward, record))
     return None

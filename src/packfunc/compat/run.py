@@ -118,6 +118,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         users or cotangents[False], cotangents[True]))  # fmt: skip
     finish = partial(_finish, ctx, record, route, gradient, names, problems, passes, cotangents)
     if users is None or passes[False].reran or not users.capture(_output_edge(record)):
+        record.taken.found.clear()  # (what the hooks took so far is not used)
         finish(retained)
     else:  # the extensions run when the user's backward pass has brought every cotangent
         forget_results(record.model, savefields)  # (read during it: none, not the last step's)
