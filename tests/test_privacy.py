@@ -312,13 +312,18 @@ def test_clipped_grad_materializes_no_per_sample_gradient(monkeypatch, shape) ->
 
 
 def _noiseless_dp_sgd(
-    model: nn.Module, loss: nn.Module, *, lr: float, expected_batch_size: int
+    model: nn.Module,
+    loss: nn.Module,
+    *,
+    lr: float,
+    expected_batch_size: int,
+    max_norm: pf.types.MaxNorm = 0.3,
 ) -> pf.privacy.DPOptimizer:
-    """DP-SGD on ``model`` with ``C = 0.3`` and no noise."""
+    """DP-SGD on ``model`` with ``C = 0.3`` (or the bounds given) and no noise."""
     return pf.privacy.DPOptimizer(
         model,
         torch.optim.SGD(model.parameters(), lr=lr),
-        max_norm=0.3,
+        max_norm=max_norm,
         noise_multiplier=0.0,
         expected_batch_size=expected_batch_size,
         loss=loss,
@@ -353,25 +358,12 @@ def test_dp_optimizer_reads_a_list_of_bounds_in_the_models_order() -> None:
     model_fn, params = pf.functional(model)
     by_name = dict(zip(names, bounds))
     expected = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=by_name)
-    opt = pf.privacy.DPOptimizer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.0),
-        max_norm=bounds,
-        noise_multiplier=0.0,
-        expected_batch_size=1,
-        loss=loss,
-    )
+    opt = _noiseless_dp_sgd(model, loss, lr=0.0, expected_batch_size=1, max_norm=bounds)
     opt.step(batch=(X, y))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name])
     with pytest.raises(ValueError, match="one bound per trainable parameter"):
-        pf.privacy.DPOptimizer(
-            model,
-            torch.optim.SGD(model.parameters(), lr=0.0),
-            max_norm=bounds[:-1],
-            noise_multiplier=0.0,
-            expected_batch_size=1,
-        )
+        _noiseless_dp_sgd(model, loss, lr=0.0, expected_batch_size=1, max_norm=bounds[:-1])
 
 
 def test_dp_optimizer_follows_the_parameters_at_each_step() -> None:
@@ -1008,14 +1000,7 @@ def test_dp_optimizer_takes_group_bounds() -> None:
     groups = {("0.weight", "0.bias"): 0.3, ("2.weight", "2.bias"): 0.2}
     model_fn, params = pf.functional(model)
     expected = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=groups)
-    opt = pf.privacy.DPOptimizer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.0),
-        max_norm=groups,
-        noise_multiplier=0.0,
-        expected_batch_size=len(X),
-        loss=loss,
-    )
+    opt = _noiseless_dp_sgd(model, loss, lr=0.0, expected_batch_size=len(X), max_norm=groups)
     opt.step(batch=(X, y))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name] / len(X))
