@@ -112,7 +112,7 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
     users = (
         UsersCotangents(record.taken) if _from_users_backward(ctx, record, differentiable) else None
     )
-    retained = [] if users is not None else _retained_gradients(record)
+    retained = _retained_gradients(record)
     cotangents = {False: SiteCotangents(), True: SiteCotangents()}  # per pass
     problems, passes = _batch_passes(ctx, record, route, gradient, differentiable, names, (
         users or cotangents[False], cotangents[True]))  # fmt: skip
@@ -122,8 +122,9 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         finish(retained)
     else:  # the extensions run when the user's backward pass has brought every cotangent
         forget_results(record.model, savefields)  # (read during it: none, not the last step's)
+        # (nothing of packfunc's runs through the user's graph: no retained gradient to put back)
         torch.autograd.Variable._execution_engine.queue_callback(
-            partial(_as_own_pass, partial(finish, retained))
+            partial(_as_own_pass, partial(finish, []))
         )
 
 
@@ -173,7 +174,6 @@ def _batch_passes(
         if ctx.debug:
             print(f"[packfunc.compat] {type(ext).__name__} on {type(model).__name__}: {job.name}")
         if job.second_order:
-            assert isinstance(watchers[1], SiteCotangents)
             fn, loss, y, watched = _second_order_problem(
                 ext, job, record, route, model_fn, differentiable, watchers[1]
             )
