@@ -460,12 +460,14 @@ def _refuse_terms_inside_the_model(model: nn.Module, savefields: list[str], _: l
         f"this backward pass brings a layer inside the extended {type(model).__name__} a "
         "gradient that does not come through the model's output (a loss term on an "
         "activation the forward keeps, such as a penalty on a hidden layer or a router's "
-        "auxiliary loss): packfunc.compat's per-sample gradients would hold the output's "
-        "terms alone, without it (BackPACK's first-order results include it), so this "
-        f"backward pass's results were removed ({', '.join(savefields)}). Make the term "
-        "part of the model's output (return it beside the logits from an outer module, and "
-        "add it to the loss there), or backpropagate it in a backward pass of its own "
-        "outside `with backpack(...)` (.grad still sums both)."
+        "auxiliary loss): where packfunc pulls the output's gradient back itself (a "
+        "second-order extension or ClippedGrad in the block) the per-sample gradients would "
+        "hold the output's terms alone, without it (BackPACK's first-order results include "
+        f"it), so this backward pass's results were removed ({', '.join(savefields)}). "
+        "First-order extensions alone in a block take it. Else make the term part of the "
+        "model's output (return it beside the logits from an outer module, and add it to the "
+        "loss there), or backpropagate it in a backward pass of its own outside `with "
+        "backpack(...)` (.grad still sums both)."
     )
 
 
