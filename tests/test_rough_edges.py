@@ -296,12 +296,15 @@ class _PlainScale:
 def test_a_parameter_inside_a_custom_autograd_function_takes_the_whole_model(function):
     """Its call inside the Function's forward has no graph to tap: the parameter's
     gradients come from the whole model, by vmap or, where torch.func cannot transform
-    the Function (no setup_context, no vmap rule), by plain autograd per sample: exact."""
+    the Function (no setup_context, no vmap rule), by plain autograd per sample: exact.
+    ``explain`` says so (it said "op-local (mul)", its probe forward ran without gradients
+    throughout; a probe)."""
     torch.manual_seed(0)
     model = _CustomScaled(function).double()
     loss = nn.CrossEntropyLoss(reduction="sum")
     model_fn, params = pf.functional(model)
     X64 = X.double()
+    assert pf.explain(model_fn, params, X64)["scale"].startswith("whole model")
     found = pf.batch_grad(model_fn, params, X64, Y, loss=loss)
     for n in range(len(X)):
         model.zero_grad()

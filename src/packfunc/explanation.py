@@ -63,8 +63,10 @@ def explain(model_fn: ModelFn, params: Params, X: Inputs) -> PathTree:
             plan = discover(model_fn, params, leaves, select_samples(X, slice(sample, sample + 1)))
             failed: set[int] = set()
             forward = probed_forward(model_fn, params, leaves, plan, X, failed)
-            try:
-                _, inputs = forward(zero_probes(plan, plan.active(), n))
+            try:  # (with gradients on, as a batch pass: a call that runs without them, in a
+                # custom autograd.Function's forward or under no_grad, takes the whole model)
+                with torch.enable_grad():
+                    _, inputs = forward(zero_probes(plan, plan.active(), n))
                 break
             except PlanMismatch as mismatch:
                 last = mismatch
@@ -95,8 +97,10 @@ def _path(
     broken = [call for k, call, _ in calls if k in failed]
     if broken:
         return (
-            f"whole model: the arguments of {broken[0].name} change shape with the batch "
-            "size in a way that does not keep one row per sample"
+            f"whole model: its call of {broken[0].name} cannot be recorded per sample (its "
+            "arguments change shape with the batch size without keeping one row per sample, "
+            "or it runs without gradients: in a custom autograd.Function's forward, or under "
+            "torch.no_grad())"
         )
     names = sorted({call.name for _, call, _ in calls})
     kinds = {

@@ -253,6 +253,10 @@ class _RecordMode(ParameterMode):
                 return out
             self.outputs[k] = get_gradient_edge(target)  # still right if out is changed in place
             return out
+        if self._constant():  # no gradient reaches it (as a missing graph above): whole model
+            self.failed.add(k)
+            self.inputs.pop(k, None)
+            return out
         return out + self.probes[k]
 
 
