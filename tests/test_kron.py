@@ -145,6 +145,24 @@ def test_pi_damped_factor_powers(curvature, vector, exponent):
         torch.testing.assert_close(product[key], flat)
 
 
+@pytest.mark.parametrize("exponent", [-1.0, -0.5])
+def test_pi_damped_powers_of_rank_deficient_float32_factors_are_finite(exponent):
+    """A float32 factor of rank 4 (64 rows) has eigenvalues around -1e-5 from rounding: with a
+    shift below that, Cholesky raised torch's bare "not positive-definite" (and eigh's
+    clamped eigenvalues plus nothing gave inf); the rounding is clamped at zero first, as
+    ``inverse`` does (a probe)."""
+    torch.manual_seed(0)
+    M, N = torch.randn(64, 4), torch.randn(10, 10)
+    A, B = M @ M.T, N @ N.T * 1e4  # (a large B: π, so A's shift, small)
+    found = kron.factor_damped_power({"w": [A, B]}, 1e-10, exponent)["w"]
+    assert all(bool(torch.isfinite(f).all()) for f in found)
+    # (the null space's values are rounding noise in float32: the same eigh's, clamped)
+    values, vectors = torch.linalg.eigh(A)
+    pi = ((A.trace() / 64) / (B.trace() / 10)).sqrt()
+    expected = (vectors * (values.clamp_min(0) + pi * 1e-5).pow(exponent)) @ vectors.T
+    torch.testing.assert_close(found[0], expected)
+
+
 def test_eigen_entries_from_ekfac_work_everywhere():
     model_fn, params = pf.functional(torch.nn.Sequential(torch.nn.Linear(3, 4)).double())
     X, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 4, (6,))

@@ -242,23 +242,21 @@ def factor_damped_power(curvature: Curvature, damping: float, exponent: float = 
             "factor_damped_power needs Kronecker factors [A, B]; an Eigen entry (ekfac) has "
             "eigenvalues that do not factor. Use inverse(curvature, damping) instead."
         )
-    shifted: list[Tensor] = []
+    factors: list[Tensor] = []
+    shifts: list[Tensor] = []
     for entry in entries:
         if entry is None:
             continue
         if len(entry) == 1:
-            shifted.append(_add_identity(entry[0], torch.tensor(damping, dtype=entry[0].dtype)))
+            factors.append(entry[0])
+            shifts.append(torch.tensor(damping, dtype=entry[0].dtype, device=entry[0].device))
             continue
         A, B = entry
         mean_a, mean_b = A.trace() / A.shape[0], B.trace() / B.shape[0]
         pi = (mean_a / mean_b).sqrt() if bool(mean_a > 0) and bool(mean_b > 0) else A.new_ones(())
-        shifted += [
-            _add_identity(A, pi * math.sqrt(damping)),
-            _add_identity(B, math.sqrt(damping) / pi),
-        ]
-    powered = iter(
-        _batched_inverse(shifted) if exponent == -1 else _batched_power(shifted, exponent)
-    )
+        factors += [A, B]
+        shifts += [pi * math.sqrt(damping), math.sqrt(damping) / pi]
+    powered = iter(_damped_powers(factors, shifts, exponent))
     found = [None if e is None else [next(powered) for _ in e] for e in entries]
     return cast(Curvature, spec.unflatten(found))
 
@@ -384,15 +382,42 @@ def _flatten(curvature: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     return entries, spec
 
 
-def _batched_inverse(matrices: list[Tensor]) -> list[Tensor]:
-    """Inverses of symmetric positive definite matrices by Cholesky, one call per shape."""
+def _damped_powers(factors: list[Tensor], shifts: list[Tensor], exponent: float) -> list[Tensor]:
+    """``(F + s·I)^e`` of each positive semi-definite factor ``F`` and its shift ``s > 0``.
 
-    def invert(stacked: Tensor) -> list[Tensor]:
-        wide = _decomposable(stacked)
-        inverse = torch.cholesky_inverse(torch.linalg.cholesky(wide)).to(stacked.dtype)
-        return list(inverse.unbind(0))
+    Inverses by Cholesky, one call per shape; other powers, and inverses Cholesky refuses
+    (a rank-deficient float32 factor whose rounding exceeds a small shift), from ``F``'s
+    eigenvalues clamped at zero (as :func:`inverse` takes them) plus ``s``.
 
-    return _per_distinct_matrix(matrices, invert)
+    Example:
+        >>> singular = torch.tensor([[1.0, 1.0], [1.0, 1.0 - 1e-6]])  # an eigenvalue < 0
+        >>> bool(torch.isfinite(_damped_powers([singular], [torch.tensor(1e-9)], -1.0)[0]).all())
+        True
+    """
+    if exponent == -1:
+        inverses = _batched_inverse([_add_identity(f, s) for f, s in zip(factors, shifts)])
+        if inverses is not None:
+            return inverses
+    return [
+        (q * (v + s).pow(exponent)) @ q.T
+        for (v, q), s in zip(batched_eigh(factors), shifts, strict=True)
+    ]
+
+
+def _batched_inverse(matrices: list[Tensor]) -> list[Tensor] | None:
+    """Inverses of symmetric positive definite matrices by Cholesky, one call per shape.
+
+    ``None`` if one is not positive definite in its dtype.
+    """
+
+    def invert(stacked: Tensor) -> list[Tensor | None]:
+        factor, info = torch.linalg.cholesky_ex(_decomposable(stacked))
+        if bool(info.any()):
+            return [None] * len(stacked)
+        return list(torch.cholesky_inverse(factor).to(stacked.dtype).unbind(0))
+
+    found = _per_distinct_matrix(matrices, invert)
+    return None if any(f is None for f in found) else found
 
 
 def _per_distinct_matrix(
@@ -427,11 +452,6 @@ def _per_distinct_matrix(
 def _equal(a: Tensor, b: Tensor) -> bool:
     """Whether two matrices are the same tensor or hold equal values."""
     return a is b or torch.equal(a, b)
-
-
-def _batched_power(matrices: list[Tensor], exponent: float) -> list[Tensor]:
-    """Powers of symmetric positive definite matrices via one ``eigh`` per shape."""
-    return [(q * v.pow(exponent)) @ q.T for v, q in batched_eigh(matrices)]
 
 
 def _by_shape(

@@ -45,12 +45,14 @@ class CurvatureOptimizer(torch.optim.Optimizer):
     as ``torch.optim``'s optimizers leave a parameter without gradient; the curvature is
     that of the trainable ones, the frozen ones being constants of the model.
     ``state_dict()`` carries the transformation's state (a pytree of NamedTuples:
-    ``torch.load`` it with ``weights_only=False``).
+    ``torch.load`` it with ``weights_only=False``) and the generator's.
 
     Args:
         model: The module to train (its parameters that require grad).
         transformation: Maps the gradients to the updates (without the learning rate).
         lr: Learning rate.
+        generator: The generator the transformation draws its Monte-Carlo samples from
+            (its state is checkpointed with the optimizer's), if any.
 
     Raises:
         ValueError: for a negative learning rate, or a model without trainable parameters.
@@ -64,7 +66,14 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         >>> opt.step(lambda: F.cross_entropy(model(X), y).backward(), batch=(X, y))
     """
 
-    def __init__(self, model: nn.Module, transformation: GradientTransformation, lr: float = 1e-2):
+    def __init__(
+        self,
+        model: nn.Module,
+        transformation: GradientTransformation,
+        lr: float = 1e-2,
+        *,
+        generator: torch.Generator | None = None,
+    ):
         if not lr >= 0:
             raise ValueError(f"lr must be non-negative; got {lr!r}.")
         self._named = trainable_parameters(model)
@@ -73,7 +82,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 f"{type(model).__name__} has no parameter that requires grad: nothing to train."
             )
         super().__init__(list(self._named.values()), {"lr": lr})
-        self.transformation = transformation
+        self.transformation, self.generator = transformation, generator
         self.transformation_state: Any = transformation.init(
             {name: p.detach() for name, p in self._named.items()}
         )
@@ -156,27 +165,43 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             )
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state: ``torch.optim``'s, and the transformation's state.
+        """The optimizer's state: ``torch.optim``'s, the transformation's, the generator's.
 
         Returns:
-            A dict with ``"state"``, ``"param_groups"`` and ``"transformation_state"``.
+            A dict with ``"state"``, ``"param_groups"``, ``"transformation_state"`` and
+            ``"generator"`` (the Monte-Carlo samples' generator state, ``None`` without one:
+            torch's global generator, which ``torch.get_rng_state`` saves).
         """
         found = super().state_dict()
         found["transformation_state"] = self.transformation_state
+        found["generator"] = None if self.generator is None else self.generator.get_state()
         return found
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (learning rates and the transformation's state).
+        """Restore a :meth:`state_dict`: a resumed run samples as an uninterrupted one.
 
         Args:
             state_dict: As :meth:`state_dict` returned it (without
                 ``"transformation_state"``, the curvature state is left as it is).
+
+        Raises:
+            ValueError: for a generator's state where this optimizer has none (its samples
+                would not continue the checkpoint's).
         """
         state_dict = dict(state_dict)
         transformation_state = state_dict.pop("transformation_state", None)
+        drawn = state_dict.pop("generator", None)
+        if drawn is not None and self.generator is None:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the checkpoint holds a generator's "
+                "state but this optimizer has none; construct it with generator=a "
+                "torch.Generator to continue its Monte-Carlo samples."
+            )
         super().load_state_dict(state_dict)
         if transformation_state is not None:
             self.transformation_state = transformation_state
+        if drawn is not None and self.generator is not None:
+            self.generator.set_state(drawn)
 
 
 class KFAC(CurvatureOptimizer):
@@ -231,7 +256,7 @@ class KFAC(CurvatureOptimizer):
             pi_damping=pi_damping,
             generator=generator,
         )
-        super().__init__(model, transformation, lr)
+        super().__init__(model, transformation, lr, generator=generator)
 
 
 class EKFAC(CurvatureOptimizer):
@@ -280,7 +305,7 @@ class EKFAC(CurvatureOptimizer):
             kfac_approx=kfac_approx,
             generator=generator,
         )
-        super().__init__(model, transformation, lr)
+        super().__init__(model, transformation, lr, generator=generator)
 
 
 class DiagGGN(CurvatureOptimizer):
@@ -324,7 +349,7 @@ class DiagGGN(CurvatureOptimizer):
             mc_samples=mc_samples,
             generator=generator,
         )
-        super().__init__(model, transformation, lr)
+        super().__init__(model, transformation, lr, generator=generator)
 
 
 def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
