@@ -455,3 +455,55 @@ def test_unbatched_loader_and_list_targets_are_named() -> None:
         pf.diag_ggn(model_fn, params, data=[(X, y.tolist())], loss=nn.CrossEntropyLoss())
     with pytest.raises(TypeError, match="targets y must be a tensor; got list"):
         pf.diag_ggn(model_fn, params, X, y.tolist(), loss=nn.CrossEntropyLoss())
+
+
+def test_per_batch_refuses_a_loader_whose_samples_change_between_passes():
+    """``reduction='mean'`` reads the targets in a first pass for the dataset's normalizer:
+    a sampler with replacement gave other samples in the second pass, whose results were
+    scaled by the first pass's normalizer (0.44 off with ignore_index; a probe). The pass
+    that computes checks its targets' normalizer at its end."""
+    torch.manual_seed(0)
+    fn, p = pf.functional(nn.Linear(3, 4).double())
+    X, y = torch.randn(12, 3, dtype=torch.float64), torch.randint(0, 4, (12,))
+    sampler = torch.utils.data.RandomSampler(
+        range(12), replacement=True, generator=torch.Generator().manual_seed(0)
+    )
+    loader = DataLoader(TensorDataset(X, y), batch_size=5, sampler=sampler)
+    loss = nn.CrossEntropyLoss(ignore_index=0)
+    with pytest.raises(ValueError, match="other samples in this pass"):
+        list(pf.per_batch(pf.batch_grad, fn, p, data=loader, loss=loss))
+    fixed = DataLoader(TensorDataset(X, y), batch_size=5)  # the same samples: no refusal
+    parts = pf.per_batch(pf.batch_grad, fn, p, data=fixed, loss=loss)
+    found = torch.cat([g["weight"] for g in parts])
+    torch.testing.assert_close(found, pf.batch_grad(fn, p, X, y, loss=loss)["weight"])
+
+
+@pytest.mark.parametrize("call", ["grad", "ggn_vector_product"])
+def test_batch_statistics_over_data_are_refused_and_the_model_left_as_it_was(call):
+    """BatchNorm in training mode over data=: the gradient alone (``compute(quantities=
+    ("grad",))``) and the products summed each batch's, normalized by its own statistics
+    (0.70 off one batch's; a probe), and the running statistics moved once per batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)).double()
+    fn, p = pf.functional(model)
+    X, y = torch.randn(12, 5, dtype=torch.float64), torch.randint(0, 3, (12,))
+    loader = DataLoader(TensorDataset(X, y), batch_size=4)
+    with pytest.raises(ValueError, match="its own statistics"):
+        if call == "grad":
+            pf.compute(fn, p, data=loader, quantities=("grad",))
+        else:
+            pf.ggn_vector_product(
+                fn, p, v={k: torch.ones_like(t) for k, t in p.items()}, data=loader
+            )
+    assert int(model[1].num_batches_tracked) == 0
+    model.eval()
+    pf.compute(fn, p, data=loader, quantities=("grad",))  # running statistics: it runs
+
+
+def test_a_boolean_mask_as_subsampling_is_refused():
+    """A bool tensor read as indices 0 and 1 (torch would read it as a mask; a probe)."""
+    fn, p = pf.functional(nn.Linear(3, 2))
+    X, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    mask = torch.tensor([False, False, False, True, True, True])
+    with pytest.raises(ValueError, match="not a boolean mask"):
+        pf.batch_l2_grad(fn, p, X, y, subsampling=mask)

@@ -53,7 +53,7 @@ from packfunc.distributed import (
     world_size,
 )
 from packfunc.evaluation import check_per_sample_loss, compute_batch, statistic_quantities
-from packfunc.functionalize import normal_tensors, public_entry
+from packfunc.functionalize import module_of, normal_tensors, public_entry
 from packfunc.losses import GivenOutputGradient, check_loss, default_loss, mean_normalizer
 from packfunc.specs import QUANTITIES, SPECS, Combine, Family, Quantity
 from packfunc.types import BatchT, Inputs, ModelFn, ParamsT
@@ -418,6 +418,8 @@ def _over_dataset(
             "subsample the dataset itself (e.g. a torch.utils.data.Subset)."
         )
     device = _device(params)
+    if source.data is not None:
+        _refuse_batch_statistics(model_fn, name)
     batches = source.batches(device, name)
     if spec is not None and spec.combine is Combine.ONE_BATCH:
         return _one_batch_only(
@@ -432,6 +434,8 @@ def _over_dataset(
     if spec is not None and spec.combine is Combine.PER_SAMPLE:
         normalizer = _dataset_normalizer(loss, source, device)
         scale = _inverse_normalizer(normalizer) ** spec.power(options)
+        if source.data is not None and loss.reduction == "mean":
+            batches = _same_normalizer(batches, loss, normalizer, source.group, device)
         stream = _streamed(spec.name, batches, partials, _sum_reduced(loss), scale)
         return stream if source.data is not None else next(stream)  # X, y: the one result
     kronecker = {s.name for s in specs if s.combine is Combine.KRONECKER}
@@ -644,6 +648,64 @@ def _dataset_normalizer(loss: nn.Module, source: DataSource, device: torch.devic
         return 1.0
     total = sum(float(mean_normalizer(loss, y_b.to(device))) for y_b in source.targets())
     return sum_counts_over_ranks([total], source.group, device)[0]
+
+
+def _same_normalizer(
+    batches: Iterator[tuple[Any, Tensor]],
+    loss: nn.Module,
+    expected: float,
+    group: ProcessGroup | None,
+    device: torch.device,
+) -> Iterator[tuple[Any, Tensor]]:
+    """``batches``, checked at their end to hold the targets the first pass normalized by.
+
+    A loader whose samples change between passes (a sampler with replacement, a shuffled
+    one with ``drop_last``) gave results scaled by another pass's normalizer, silently.
+
+    Raises:
+        ValueError: after the last batch, if the targets' normalizer differs.
+    """
+    total = 0.0
+    for X_b, y_b in batches:
+        total += float(mean_normalizer(loss, y_b))
+        yield X_b, y_b
+    found = sum_counts_over_ranks([total], group, device)[0]
+    if not math.isclose(found, expected, rel_tol=1e-9, abs_tol=1e-12):
+        raise ValueError(
+            "data= gave other samples in this pass than in the first pass over its targets "
+            f"(their mean normalizer {found:g} against {expected:g}: a sampler with "
+            "replacement, a shuffled loader with drop_last): the per-batch results were "
+            "scaled by the first pass's. With reduction='mean' give a loader that yields the "
+            "same samples each pass (a fixed order, or shuffling without drop_last), or use "
+            "reduction='sum'."
+        )
+
+
+def _refuse_batch_statistics(model_fn: ModelFn, name: str) -> None:
+    """Refuse BatchNorm that normalizes by batch statistics, over several batches or ranks.
+
+    Each batch is normalized by its own statistics there (and, in training mode, updates the
+    running ones once per batch): the sum over batches is not what one batch holding every
+    sample gives. (Per-sample quantities refuse it anyway; the gradient alone and the
+    products took it per batch, silently.) A hand-written ``model_fn`` is not inspected.
+
+    Raises:
+        ValueError: naming the fix.
+    """
+    module = module_of(model_fn)
+    if module is None:
+        return
+    for child in module.modules():
+        if isinstance(child, nn.modules.batchnorm._BatchNorm) and (
+            child.training or not child.track_running_stats
+        ):
+            raise ValueError(
+                f"{name}() over data= normalizes each batch by its own statistics where the "
+                f"model's {type(child).__name__} uses batch statistics (training mode, or "
+                "track_running_stats=False): the results would not be those of one batch "
+                "holding every sample. Call model.eval() (running statistics), or pass the "
+                "whole dataset as one batch X, y."
+            )
 
 
 def _streamed(

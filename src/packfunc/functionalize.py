@@ -1047,6 +1047,11 @@ def as_index(subsampling: Any, n: int, device: torch.device) -> slice | Tensor:
     """
     if subsampling is None:
         return slice(0, n)
+    if torch.as_tensor(subsampling).dtype == torch.bool:
+        raise ValueError(
+            "subsampling= takes sample indices, not a boolean mask (it would read as indices "
+            "0 and 1): pass mask.nonzero().flatten()."
+        )
     index = torch.as_tensor(subsampling, dtype=torch.long, device=device).reshape(-1)
     if index.numel() and (int(index.min()) < -n or int(index.max()) >= n):
         raise ValueError(f"subsampling indices must lie in [0, {n}); got {index.tolist()}.")
