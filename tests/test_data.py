@@ -507,3 +507,15 @@ def test_a_boolean_mask_as_subsampling_is_refused():
     mask = torch.tensor([False, False, False, True, True, True])
     with pytest.raises(ValueError, match="not a boolean mask"):
         pf.batch_l2_grad(fn, p, X, y, subsampling=mask)
+
+
+def test_batch_statistics_over_ranks_are_refused(monkeypatch):
+    """Over ranks with ``X, y`` shards, each rank's BatchNorm normalizes by its own shard's
+    statistics as well (the group is stood in for: the refusal comes before any exchange)."""
+    monkeypatch.setattr(pf.data, "world_size", lambda group: 2)
+    monkeypatch.setattr(pf.data, "check_group", lambda group: None)
+    model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    fn, p = pf.functional(model)
+    X, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    with pytest.raises(ValueError, match="over data= or ranks"):
+        pf.compute(fn, p, X, y, quantities=("grad",), process_group=object())

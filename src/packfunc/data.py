@@ -418,7 +418,7 @@ def _over_dataset(
             "subsample the dataset itself (e.g. a torch.utils.data.Subset)."
         )
     device = _device(params)
-    if source.data is not None:
+    if source.data is not None or world_size(source.group) > 1:
         _refuse_batch_statistics(model_fn, name)
     batches = source.batches(device, name)
     if spec is not None and spec.combine is Combine.ONE_BATCH:
@@ -700,9 +700,9 @@ def _refuse_batch_statistics(model_fn: ModelFn, name: str) -> None:
             child.training or not child.track_running_stats
         ):
             raise ValueError(
-                f"{name}() over data= normalizes each batch by its own statistics where the "
-                f"model's {type(child).__name__} uses batch statistics (training mode, or "
-                "track_running_stats=False): the results would not be those of one batch "
+                f"{name}() over data= or ranks normalizes each batch by its own statistics "
+                f"where the model's {type(child).__name__} uses batch statistics (training "
+                "mode, or track_running_stats=False): the results would not be those of one batch "
                 "holding every sample. Call model.eval() (running statistics), or pass the "
                 "whole dataset as one batch X, y."
             )
