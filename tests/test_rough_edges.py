@@ -865,3 +865,30 @@ def test_options_among_the_inputs_reach_the_whole_model_path():
     X = {"x": torch.randn(5, 3, dtype=torch.float64), "double": True}
     assert pf.explain(model_fn, {"W": W}, X)["W"].startswith("whole model")
     assert_batch_grad_is_a_loop(model_fn, {"W": W}, X, torch.tensor([0, 1, 2, 3, 0]))
+
+
+class _InputChangedAfterUse(nn.Module):
+    """A layer's input doubled in place after the layer used it (plain autograd raises)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.third = nn.Linear(4, 5), nn.Linear(5, 3), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x)
+        out = self.second(hidden)
+        hidden.mul_(2)
+        return out + self.third(hidden)
+
+
+@pytest.mark.parametrize("quantity", ["batch_grad", "diag_ggn", "clipped_grad"])
+def test_a_layer_input_changed_in_place_after_its_use_is_refused(quantity):
+    """The closed forms read the recorded input after the change: ``second.weight``'s
+    per-sample gradients came out 2x (norms and GGN diagonal 4x), silently (a probe)."""
+    torch.manual_seed(0)
+    model_fn, params = pf.functional(_InputChangedAfterUse().double())
+    X, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    options = {"max_norm": 1.0} if quantity == "clipped_grad" else {}
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    with pytest.raises(ValueError, match="changed in place after that call used it"):
+        getattr(pf, quantity)(model_fn, params, X, y, loss=loss, **options)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any
@@ -111,6 +111,7 @@ class _RecordMode(ParameterMode):
         self.failed: set[int] = set()
         self.rooted: set[int] = set()  # sites whose output was computed from a fresh leaf
         self.grad_at_start = torch.is_grad_enabled()
+        self.versions: dict[int, list[tuple[Tensor, int]]] = {}  # recorded inputs' versions
 
     def _constant(self) -> bool:
         """A derivation the model makes under ``torch.no_grad()`` inside a differentiated pass."""
@@ -172,9 +173,34 @@ class _RecordMode(ParameterMode):
         return tuple(shape[:-1]) if shape is not None else None
 
     def finish(self) -> None:
-        """Check, after the forward, that every call discovery saw was made."""
+        """Check, after the forward, that every call discovery saw was made.
+
+        Raises:
+            PlanMismatch: if one was not.
+            ValueError: if a recorded input was changed in place after its call used it.
+        """
         if self.uses_seen != len(self.plan.uses):
             raise PlanMismatch()
+        for k, noted in self.versions.items():
+            if k in self.inputs and any(t._version != version for t, version in noted):
+                raise ValueError(
+                    f"an input of the model's {self.plan.sites[k].call.name} was changed in "
+                    "place after that call used it (h = layer(x); x.mul_(2)): its per-sample "
+                    "quantities would be computed from the changed values (plain autograd "
+                    "raises 'modified by an inplace operation' there). Write the change out "
+                    "of place (x = x * 2)."
+                )
+
+    def _note_versions(self, k: int, values: Sequence[Any]) -> None:
+        """Note the version counters of site ``k``'s recorded tensors (see :meth:`finish`)."""
+        noted = []
+        for value in values:
+            if isinstance(value, Tensor) and not value.is_inference():
+                try:
+                    noted.append((value, value._version))
+                except RuntimeError:  # (a functorch wrapper keeps no version of its own)
+                    continue
+        self.versions[k] = noted
 
     def _record_tapped(
         self,
@@ -204,6 +230,7 @@ class _RecordMode(ParameterMode):
             self.failed.add(k)
             return out
         self.inputs[k] = bound["input"]
+        self._note_versions(k, [bound["input"]])
         return self._probed(k, out)
 
     def _record_local(
@@ -234,6 +261,7 @@ class _RecordMode(ParameterMode):
                 values[position] = values[position].as_subclass(Tensor)
         arguments = arguments.with_values(values)
         self.inputs[k] = LocalInputs(func, arguments, sources, batched, narrow, leaves)
+        self._note_versions(k, arguments.values)
         return self._probed(k, out)
 
     def _original(self, leaf: int) -> Tensor:
