@@ -218,3 +218,51 @@ def test_block_products_name_the_leaves_mats_lacks_and_refuse_integer_vectors():
         integer = {"0.weight": torch.ones(1, 2, 3, dtype=torch.long), "0.bias": None}
         with pytest.raises(TypeError, match="dtype torch.int64.*floating-point"):
             product(fn, params, X, y, integer)
+
+
+def _standardized_in_no_grad(p, X):
+    """A parameter statistic under ``torch.no_grad()`` (a constant to autograd)."""
+    hidden = torch.tanh(X @ p["a"])
+    with torch.no_grad():
+        scale = p["b"].sum()
+    return hidden @ p["b"] * scale
+
+
+@pytest.mark.parametrize("product", ["ggn_vector_product", "ggn_block_products"])
+def test_ggn_products_refuse_a_parameter_statistic_under_no_grad(product):
+    """Forward mode (``J t``) does not see ``no_grad``: the products differentiated the
+    constant (0.026 off the dense ``JᵀHJ``, not even symmetric; a probe). ``.detach()``
+    stops both modes: the product then equals the dense one."""
+    torch.manual_seed(0)
+    params = {
+        "a": torch.randn(4, 5, dtype=torch.float64),
+        "b": torch.randn(5, 3, dtype=torch.float64),
+    }
+    X, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    v = {k: torch.randn_like(t) for k, t in params.items()}
+    mats = {k: t[None] for k, t in v.items()}
+    call = (
+        (lambda fn: pf.ggn_vector_product(fn, params, X, y, v))
+        if product == "ggn_vector_product"
+        else (lambda fn: pf.ggn_block_products(fn, params, X, y, mats))
+    )
+    with pytest.raises(ValueError, match="under torch.no_grad"):
+        call(_standardized_in_no_grad)
+
+    def detached(p, X):
+        return torch.tanh(X @ p["a"]) @ p["b"] * p["b"].sum().detach()
+
+    found = pf.ggn_vector_product(detached, params, X, y, v)
+    flat = torch.cat([t.reshape(-1) for t in params.values()])
+    sizes = [t.numel() for t in params.values()]
+
+    def output(w):
+        first, second = w.split(sizes)
+        return detached({"a": first.view(4, 5), "b": second.view(5, 3)}, X)
+
+    J = torch.autograd.functional.jacobian(output, flat).reshape(18, -1)
+    out = output(flat)
+    H = torch.autograd.functional.hessian(lambda o: nn.functional.cross_entropy(o, y), out)
+    G = J.T @ H.reshape(18, 18) @ J
+    expected = G @ torch.cat([t.reshape(-1) for t in v.values()])
+    torch.testing.assert_close(torch.cat([found[k].reshape(-1) for k in params]), expected)

@@ -18,8 +18,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import optree
+import torch
 from torch import Tensor, nn
+from torch._C._functorch import is_functorch_wrapped_tensor
 from torch.func import grad, vmap
+from torch.overrides import TorchFunctionMode
 from typing_extensions import Unpack
 
 from packfunc.data import DataOptions, over_data
@@ -390,13 +393,51 @@ def _checked_mats(params: Any, mats: Any) -> list[Tensor | None]:
     return cast(list[Tensor | None], blocks)
 
 
+class _CallsWithoutGradient(TorchFunctionMode):
+    """Notes a call the model makes under ``torch.no_grad()`` on a value of the parameters.
+
+    Autograd (and a plain GGN) takes such a value as a constant; the GGN products' forward
+    mode (``J t``) does not see ``no_grad`` and would differentiate it: a wrong product.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: str | None = None
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.found is None and not torch.is_grad_enabled():
+            values: list[Any] = optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
+            if any(isinstance(v, Tensor) and is_functorch_wrapped_tensor(v) for v in values):
+                self.found = getattr(func, "__name__", repr(func))
+        return func(*args, **kwargs)
+
+    def refuse(self) -> None:
+        """Raise if such a call was made.
+
+        Raises:
+            ValueError: naming the call and the fix.
+        """
+        if self.found is not None:
+            raise ValueError(
+                f"the model computes {self.found} of its parameters under torch.no_grad(), a "
+                "constant to autograd; GGN products take J t in forward mode, which no_grad "
+                "does not stop, so the product would differentiate it. Use .detach() for such "
+                "a constant (it stops both modes), or diag_ggn / hessian_vector_product."
+            )
+
+
 def _ggn_products(
     forward: Callable[[Any], Tensor], primal: Any, tangents: Any, loss: nn.Module, y: Targets
 ) -> Any:
     """``Jᵀ (∇²_f L) J t`` for a stack of tangents (leading dim ``V``)."""
     targets = given_targets(y, "ggn_vector_product")
     with twice_differentiable():
-        output, pullback = vjp(forward, primal)
+        with _CallsWithoutGradient() as seen:
+            output, pullback = vjp(forward, primal)
+        seen.refuse()
         check_loss_inputs(loss, output, targets, output.shape[0])
         hessian_factors(loss, output.detach(), targets)  # refuses losses without a usable curvature
         loss_hessian = loss_hessian_product(loss, output, targets)
