@@ -148,10 +148,11 @@ def _swaps(
         tied = names_of[id(store[key])]
         if len({id(tensors[t]) for t in tied if t in tensors}) > 1:
             raise ValueError(
-                f"the tensors for {sorted(tied)} differ, but these names are one tensor of the "
-                "module (tied): give one value for all of them, or the same tensor to each. "
-                "packfunc's functions differentiate each entry of params on its own: give a "
-                "tied tensor under one of its names only, as pf.functional's params do."
+                f"params gives {sorted(tied)} as separate entries, but these names are one "
+                "tensor of the module (tied). packfunc's functions differentiate each entry of "
+                "params on its own, so two entries are two tensors even when they are the same "
+                "object: give a tied tensor under one of its names only, as pf.functional's "
+                "params do (in a plain call of model_fn, one value for all of them)."
             )
         for t in tied:
             t_store, t_key = slots[t]
