@@ -892,3 +892,18 @@ def test_a_layer_input_changed_in_place_after_its_use_is_refused(quantity):
     loss = nn.CrossEntropyLoss(reduction="sum")
     with pytest.raises(ValueError, match="changed in place after that call used it"):
         getattr(pf, quantity)(model_fn, params, X, y, loss=loss, **options)
+
+
+def test_a_ggn_product_through_spectral_norm_in_training_mode_names_the_fix():
+    """spectral_norm in training mode runs its power iteration under no_grad with an out= op,
+    which forward mode (the GGN products' J t) does not support: torch's NotImplementedError
+    named no fix (a probe). Refused in packfunc's words; its vectors stay as they were."""
+    torch.manual_seed(0)
+    layer = nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4))
+    model = nn.Sequential(layer, nn.Tanh(), nn.Linear(4, 3)).double().train()
+    model_fn, params = pf.functional(model)
+    before = layer.parametrizations.weight[0]._u.clone()
+    X4, Y4 = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    with pytest.raises(ValueError, match="under torch.no_grad.*model.eval()"):
+        pf.ggn_vector_product(model_fn, params, X4, Y4, params)
+    assert torch.equal(layer.parametrizations.weight[0]._u, before)

@@ -29,7 +29,7 @@ from packfunc.data import DataOptions, over_data
 from packfunc.engine.autodiff import jvp, refuse_differentiation, vjp
 from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.model_state import buffer_restorer
-from packfunc.engine.modes import functional_mode, twice_differentiable
+from packfunc.engine.modes import functional_mode, is_metadata_query, twice_differentiable
 from packfunc.engine.pch import loss_hessian_product, pch_block_product
 from packfunc.engine.precision import full_precision, in_loss_dtype
 from packfunc.engine.randomness import random_model_error
@@ -408,10 +408,11 @@ class _CallsWithoutGradient(TorchFunctionMode):
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if self.found is None and not torch.is_grad_enabled():
+        if self.found is None and not torch.is_grad_enabled() and not is_metadata_query(func):
             values: list[Any] = optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
             if any(isinstance(v, Tensor) and is_functorch_wrapped_tensor(v) for v in values):
-                self.found = getattr(func, "__name__", repr(func))
+                name = getattr(func, "__name__", "")
+                self.found = name if name and name != "__get__" else "a view"
         return func(*args, **kwargs)
 
     def refuse(self) -> None:
@@ -425,7 +426,8 @@ class _CallsWithoutGradient(TorchFunctionMode):
                 f"the model computes {self.found} of its parameters under torch.no_grad(), a "
                 "constant to autograd; GGN products take J t in forward mode, which no_grad "
                 "does not stop, so the product would differentiate it. Use .detach() for such "
-                "a constant (it stops both modes), or diag_ggn / hessian_vector_product."
+                "a constant (it stops both modes; spectral_norm's power iteration in training "
+                "mode is one: call model.eval()), or diag_ggn / hessian_vector_product."
             )
 
 
