@@ -113,10 +113,14 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         UsersCotangents(record.taken) if _from_users_backward(ctx, record, differentiable) else None
     )
     retained = _retained_gradients(record)
+    X = record.args[0] if len(record.args) == 1 else record.args
+    # as BackPACK: the parameters that require gradients (a frozen one is a constant, and
+    # outside the norm ClippedGrad clips)
+    params = {name: p.detach() for name, p in model.named_parameters() if name in names}
     cotangents = {False: SiteCotangents(), True: SiteCotangents()}  # per pass
-    problems, passes = _batch_passes(ctx, record, route, gradient, differentiable, names, (
+    problems, passes = _batch_passes(ctx, record, route, gradient, differentiable, X, params, (
         users or cotangents[False], cotangents[True]))  # fmt: skip
-    finish = partial(_finish, ctx, record, route, gradient, names, problems, passes, cotangents)
+    finish = partial(_finish, ctx, record, route, gradient, X, params, problems, passes, cotangents)
     if users is None or passes[False].reran or not users.capture(_output_edge(record)):
         record.taken.found.clear()  # (what the hooks took so far is not used)
         finish(retained)
@@ -144,7 +148,8 @@ def _batch_passes(
     route: LossRoute,
     gradient: Tensor,
     differentiable: bool,
-    names: list[str],
+    X: Any,
+    params: dict[str, Tensor],
     watchers: tuple[SiteCotangents | UsersCotangents, SiteCotangents],
 ) -> tuple[list[Problem], dict[bool, BatchPass]]:
     """Each extension's problem, and the batch passes over the recorded forward they share.
@@ -155,18 +160,15 @@ def _batch_passes(
         route: How its output reaches the extended loss.
         gradient: ``∂L/∂output`` from the backward pass.
         differentiable: Whether the results keep their graphs.
-        names: The parameters that require gradients.
+        X: The recorded forward's inputs.
+        params: The parameters that require gradients, by name (detached).
         watchers: What watches the first-order pass's and the second-order pass's pullbacks.
 
     Returns:
         ``(problems, passes)``: one problem per extension; the passes by ``second_order``.
     """
     model = record.model
-    X = record.args[0] if len(record.args) == 1 else record.args
     model_fn = _model_function(model, record.element)
-    # as BackPACK: the parameters that require gradients (a frozen one is a constant, and
-    # outside the norm ClippedGrad clips)
-    params = {name: p.detach() for name, p in model.named_parameters() if name in names}
     problems: list[Problem] = []
     passes: dict[bool, BatchPass] = {}
     for ext in ctx.extensions:
@@ -193,7 +195,8 @@ def _finish(
     record: ForwardRecord,
     route: LossRoute,
     gradient: Tensor,
-    names: list[str],
+    X: Any,
+    params: dict[str, Tensor],
     problems: list[Problem],
     passes: dict[bool, BatchPass],
     cotangents: dict[bool, SiteCotangents],
@@ -206,7 +209,8 @@ def _finish(
         record: The forward pass of the extended model.
         route: How its output reaches the extended loss.
         gradient: ``∂L/∂output`` from the backward pass.
-        names: The parameters that require gradients.
+        X: The recorded forward's inputs.
+        params: The parameters that require gradients, by name (detached).
         problems: Each extension's ``(model_fn, loss, y)``.
         passes: The batch passes, by ``second_order``.
         cotangents: The pullbacks' notes of the passes over the user's graph.
@@ -214,8 +218,7 @@ def _finish(
     """
     model = record.model
     differentiable = torch.is_grad_enabled()
-    X = record.args[0] if len(record.args) == 1 else record.args
-    params = {name: p.detach() for name, p in model.named_parameters() if name in names}
+    names = list(params)
     results: dict[str, dict[str, Any]] = {}
     for ext, (fn, loss, y) in zip(ctx.extensions, problems):
         job = ext.job()
