@@ -478,6 +478,30 @@ def test_per_batch_refuses_a_loader_whose_samples_change_between_passes():
     torch.testing.assert_close(found, pf.batch_grad(fn, p, X, y, loss=loss)["weight"])
 
 
+class _CountedLoader:
+    """A re-iterable over batches that counts how often it is iterated."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.batches, self.iterations = batches, 0
+
+    def __iter__(self):
+        self.iterations += 1
+        return iter(self.batches)
+
+
+def test_per_batch_reads_data_twice_for_the_mean_and_once_for_the_sum():
+    """The re-iterability check built a third iterator, which a shuffled DataLoader draws
+    its order for (a seeded loader advanced by one epoch, its workers started); a probe."""
+    torch.manual_seed(0)
+    fn, p = pf.functional(nn.Linear(3, 4))
+    data = _CountedLoader([(torch.randn(4, 3), torch.randint(0, 4, (4,))) for _ in range(2)])
+    list(pf.per_batch(pf.batch_grad, fn, p, data=data, loss=nn.CrossEntropyLoss()))
+    assert data.iterations == 2
+    data.iterations = 0
+    list(pf.per_batch(pf.batch_grad, fn, p, data=data, loss=nn.CrossEntropyLoss(reduction="sum")))
+    assert data.iterations == 1
+
+
 @pytest.mark.parametrize("call", ["grad", "ggn_vector_product"])
 def test_batch_statistics_over_data_are_refused_and_the_model_left_as_it_was(call):
     """BatchNorm in training mode over data=: the gradient alone (``compute(quantities=

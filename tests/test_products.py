@@ -266,3 +266,30 @@ def test_ggn_products_refuse_a_parameter_statistic_under_no_grad(product):
     G = J.T @ H.reshape(18, 18) @ J
     expected = G @ torch.cat([t.reshape(-1) for t in v.values()])
     torch.testing.assert_close(torch.cat([found[k].reshape(-1) for k in params]), expected)
+
+
+class _BranchesOnRequiresGrad(nn.Module):
+    """Doubles its hidden layer where that tensor requires a gradient (every training step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.out = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.hidden(x))
+        return self.out(h * 2 if h.requires_grad else h)
+
+
+def test_a_forward_branching_on_requires_grad_is_refused_by_the_ggn_products():
+    """``J v`` in forward mode saw ``requires_grad`` false and took the other branch than
+    the reverse-mode ``Jᵀ``: the product was 0.4 off the GGN's, silently (a probe)."""
+    torch.manual_seed(0)
+    model = _BranchesOnRequiresGrad().double()
+    fn, p = pf.functional(model)
+    X, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    v = {k: torch.randn_like(t) for k, t in p.items()}
+    with pytest.raises(ValueError, match="requires_grad"):
+        pf.ggn_vector_product(fn, p, X, y, v=v)
+    with pytest.raises(ValueError, match="requires_grad"):
+        pf.ggn_block_products(fn, p, X, y, {k: t[None] for k, t in v.items()})
+    pf.hessian_vector_product(fn, p, X, y, v=v)  # reverse mode only: it runs

@@ -689,6 +689,23 @@ def test_squares_and_curvature_of_complex_parameters_are_refused(quantity):
         torch.testing.assert_close(found[n], one(p, X[n : n + 1], y[n : n + 1])["W"])
 
 
+def _real_parts_layer(p, X):
+    return X @ p["W"].real + (X @ torch.view_as_real(p["W"])[..., 1]) ** 2
+
+
+def test_per_sample_gradients_of_a_complex_parameter_read_through_its_real_parts():
+    """``w.real`` / ``view_as_real(w)``: a real output of a complex parameter got the
+    parameter's complex cotangent, and torch's vjp raised its dtype error (a probe)."""
+    torch.manual_seed(0)
+    p = {"W": torch.randn(3, 2, dtype=torch.complex128)}
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    loss = nn.MSELoss(reduction="sum")
+    found = pf.batch_grad(_real_parts_layer, p, X, y, loss=loss)["W"]
+    for n in range(4):
+        one = torch.func.grad(lambda q, x, t: loss(_real_parts_layer(q, x), t))
+        torch.testing.assert_close(found[n], one(p, X[n : n + 1], y[n : n + 1])["W"])
+
+
 def _written_row(p, X):
     W = p["W"].clone()
     W[0] = 0  # (__setitem__ returns None: its write was not seen as one)

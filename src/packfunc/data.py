@@ -316,7 +316,7 @@ class DataSource:
         if self.data is None:
             assert self.y is not None  # checked by batches()
             return [self.y]
-        if iter(self.data) is self.data:
+        if isinstance(self.data, Iterator):  # (no iter(): a loader would draw a shuffle)
             raise TypeError(
                 "per-sample quantities with reduction='mean' read data= twice (first the "
                 "targets, for the dataset's mean normalizer): pass a re-iterable (a "

@@ -259,25 +259,45 @@ def public_entry(function: F) -> F:
                     args, kwargs = normal_tensors((args, kwargs))
                     return precise(*args, **kwargs)
         except RuntimeError as error:
-            if is_untransformable_function(error):
-                raise ValueError(_UNTRANSFORMABLE) from error
-            if mutates_captured_tensor(error):
-                raise ValueError(_MUTATES_CAPTURED) from error
-            unsplittable = _unsplittable_among((args, kwargs))
-            symptom = any(word in str(error) for word in _UNSPLITTABLE_SYMPTOMS)
-            if unsplittable is not None and symptom:  # (a path that checks no inputs: explain)
-                raise ValueError(_unsplittable_input(unsplittable, "an input")) from error
-            if "inference tensor" in str(error).lower():
-                raise ValueError(_INFERENCE_TENSORS) from error
-            if isinstance(error, NotImplementedError) and "'Sparse" in str(error):
-                raise ValueError(_SPARSE_GRADIENTS) from error  # (from the 'SparseCPU' backend)
-            if _channels_last_among((args, kwargs)) and any(
-                symptom in str(error) for symptom in _CHANNELS_LAST_SYMPTOMS
-            ):
-                raise ValueError(_CHANNELS_LAST) from error
-            raise
+            clearer = clearer_error(error, (args, kwargs))
+            if clearer is None:
+                raise
+            raise clearer from error
 
     return run  # type: ignore[return-value]
+
+
+def clearer_error(error: RuntimeError, values: Any) -> ValueError | None:
+    """The error naming the fix for one of torch's that a model packfunc cannot run gives.
+
+    Args:
+        error: What torch raised inside a packfunc pass.
+        values: The call's arguments (a pytree): its inputs, for the messages on them.
+
+    Returns:
+        The :class:`ValueError` to raise from ``error``, or ``None`` (raise it as it is).
+
+    Example:
+        >>> clearer_error(RuntimeError("an unrelated failure"), ()) is None
+        True
+    """
+    if is_untransformable_function(error):
+        return ValueError(_UNTRANSFORMABLE)
+    if mutates_captured_tensor(error):
+        return ValueError(_MUTATES_CAPTURED)
+    unsplittable = _unsplittable_among(values)
+    symptom = any(word in str(error) for word in _UNSPLITTABLE_SYMPTOMS)
+    if unsplittable is not None and symptom:  # (a path that checks no inputs: explain)
+        return ValueError(_unsplittable_input(unsplittable, "an input"))
+    if "inference tensor" in str(error).lower():
+        return ValueError(_INFERENCE_TENSORS)
+    if isinstance(error, NotImplementedError) and "'Sparse" in str(error):
+        return ValueError(_SPARSE_GRADIENTS)  # (from the 'SparseCPU' backend)
+    if _channels_last_among(values) and any(
+        symptom in str(error) for symptom in _CHANNELS_LAST_SYMPTOMS
+    ):
+        return ValueError(_CHANNELS_LAST)
+    return None
 
 
 def _channels_last_among(values: Any) -> bool:

@@ -31,7 +31,7 @@ from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.model_state import buffer_restorer
 from packfunc.engine.modes import functional_mode, is_metadata_query, twice_differentiable
 from packfunc.engine.pch import loss_hessian_product, pch_block_product
-from packfunc.engine.precision import full_precision, in_loss_dtype
+from packfunc.engine.precision import difference_beyond_rounding, full_precision, in_loss_dtype
 from packfunc.engine.randomness import random_model_error
 from packfunc.functionalize import (
     check_model_arguments,
@@ -444,17 +444,46 @@ def _ggn_products(
         hessian_factors(loss, output.detach(), targets)  # refuses losses without a usable curvature
         loss_hessian = loss_hessian_product(loss, output, targets)
 
-        def one(t: Any) -> Any:
-            jt = jvp(forward, (primal,), (t,))[1]  # J t, forward mode
-            return pullback(loss_hessian(jt))[0]  # Jᵀ (∇²_f L) J t
+        def one(t: Any) -> tuple[Any, Tensor]:
+            out, jt = jvp(forward, (primal,), (t,))  # J t, forward mode
+            return pullback(loss_hessian(jt))[0], out  # Jᵀ (∇²_f L) J t
 
         try:
-            return vmap(one)(tangents)
+            products, outputs = vmap(one)(tangents)
         except RuntimeError as error:
             if "randomness" not in str(error):
                 raise
             rerun = "each Jacobian-vector product"
             raise random_model_error("e.g. dropout in training mode", rerun) from error
+        _refuse_another_forward_mode_output(outputs, output)
+        return products
+
+
+def _refuse_another_forward_mode_output(outputs: Tensor, output: Tensor) -> None:
+    """Refuse a forward-mode pass whose output is not the reverse-mode pass's.
+
+    ``J t`` is taken in forward mode, ``Jᵀ`` from the reverse-mode pass: a model that
+    branches on ``tensor.requires_grad`` (false for forward-mode tensors) runs another
+    function in each, and the product mixed them (0.4 off the GGN's; a probe).
+
+    Args:
+        outputs: The forward-mode passes' outputs ``[V, ...]``.
+        output: The reverse-mode pass's.
+
+    Raises:
+        ValueError: where they differ beyond rounding.
+    """
+    if not len(outputs) or is_functorch_wrapped_tensor(output):
+        return  # (under vmap, values decide nothing)
+    what = difference_beyond_rounding(outputs[0].detach(), output.detach())
+    if what is not None:
+        raise ValueError(
+            f"the model's output in forward mode (for J v) {what} from its output in reverse "
+            "mode (for Jᵀ): the forward takes another path in each, likely a branch on a "
+            "tensor's requires_grad (false for forward-mode tensors) or on "
+            "torch.is_grad_enabled(). Branch on self.training instead, or use "
+            "hessian_vector_product, which runs reverse mode only."
+        )
 
 
 def _hessian_products(

@@ -899,6 +899,36 @@ def test_a_layer_shared_by_two_extended_models_in_one_loss_is_refused(extended, 
     torch.testing.assert_close(getattr(encoder.weight, field), expected[quantity]["0.weight"])
 
 
+class _TwoExtendedLayers(nn.Module):
+    """Two layers extended apart (not the model): each runs its own extensions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = extend(nn.Linear(3, 4)), extend(nn.Linear(4, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+def test_a_refused_backward_pass_leaves_no_last_step_results():
+    """Layers extended apart, BatchGrad with DiagGGNExact: the second-order extension is
+    refused at the last layer (its loss input is no extended loss's), which stops the
+    backward pass; both layers kept the last step's grad_batch (silently stale)."""
+    torch.manual_seed(0)
+    model, lossfunc = _TwoExtendedLayers(), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    with backpack(ours.BatchGrad()):
+        lossfunc(model(X), y).backward()
+    assert hasattr(model.first.weight, "grad_batch") and hasattr(model.second.bias, "grad_batch")
+    with (
+        backpack(ours.BatchGrad(), ours.DiagGGNExact()),
+        pytest.raises(ValueError, match="needs the loss function"),
+    ):
+        lossfunc(model(X), y).backward()
+    for param in model.parameters():
+        assert not hasattr(param, "grad_batch") and not hasattr(param, "diag_ggn_exact")
+
+
 def test_a_forward_pre_hook_that_raises_leaves_the_shim_as_it_was():
     """A user's pre-hook (registered before extend) that raises before the shim's own: the
     shim's forward hook, always called, undid an entry never made, and every extended model

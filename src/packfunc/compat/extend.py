@@ -41,7 +41,7 @@ from packfunc.compat.records import ForwardRecord, LossCall, LossRoute, ModelSta
 from packfunc.compat.run import NO_OP_MODULES, forget_inputs_and_outputs, run_extensions
 from packfunc.compat.watch import ForwardRecorder
 from packfunc.engine.api import FunctionalMode, packfunc_passes
-from packfunc.functionalize import batch_size, is_compiled
+from packfunc.functionalize import batch_size, clearer_error, is_compiled
 
 _THREAD = threading.local()
 """Per thread (as PyTorch's modes are), the forward passes of extended modules running."""
@@ -449,12 +449,42 @@ def _on_backward(record: ForwardRecord, grad_outputs: tuple[Tensor, ...]) -> Non
         forget_inputs_and_outputs(record, None)
         return
     task = torch._C._current_graph_task_id()
-    _refuse_differentiated_gradients(record, task)
-    _refuse_mixed_forwards(record, ctx, task)
-    route = _route_to_loss(record, task)
-    # packfunc's own passes must not record or trigger, and put back what they set on the model
-    with context.own_pass(), packfunc_passes():
-        run_extensions(ctx, record, _output_gradient(record, grad_outputs), route)
+    try:
+        _refuse_differentiated_gradients(record, task)
+        _refuse_mixed_forwards(record, ctx, task)
+        route = _route_to_loss(record, task)
+        # packfunc's own passes must not record or trigger, and put back what they set
+        with context.own_pass(), packfunc_passes():
+            run_extensions(ctx, record, _output_gradient(record, grad_outputs), route)
+    except RuntimeError as error:
+        _forget_results_of_the_pass(ctx, record.model, task)
+        clearer = clearer_error(error, (record.args, record.kwargs))
+        if clearer is None:
+            raise
+        raise clearer from error
+    except BaseException:
+        _forget_results_of_the_pass(ctx, record.model, task)
+        raise
+
+
+def _forget_results_of_the_pass(ctx: context.Context, model: nn.Module, task: int) -> None:
+    """Remove the block's results from every extended model a refused backward pass concerns.
+
+    A refusal stops the backward pass: the models it had not reached yet (whose forward
+    is still pending) would keep the last step's values, and those it had reached hold
+    half a step's; none is left.
+
+    Args:
+        ctx: The active ``backpack`` context.
+        model: The model whose extensions were refused.
+        task: The refused backward pass.
+    """
+    savefields = [ext.savefield for ext in ctx.extensions]
+    forget_results(model, savefields)
+    for other, latest in list(_LATEST.items()):
+        pending, ran = latest(), _RUN.get(other)
+        if (pending is not None and pending.output is not None) or (ran and ran[0] == task):
+            forget_results(other, savefields)
 
 
 def _output_gradient(record: ForwardRecord, grad_outputs: tuple[Tensor | None, ...]) -> Tensor:

@@ -44,7 +44,13 @@ from packfunc.engine.api import (
     packfunc_passes,
 )
 from packfunc.evaluation import evaluate
-from packfunc.functionalize import flatten_params, module_of, weakly_bound, wraps_module_of
+from packfunc.functionalize import (
+    clearer_error,
+    flatten_params,
+    module_of,
+    weakly_bound,
+    wraps_module_of,
+)
 from packfunc.kronecker_factors import factors_from_pass
 from packfunc.losses import CLASS_LOSSES, GivenOutputGradient, hessian_factors
 from packfunc.specs import Family
@@ -128,14 +134,25 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         forget_results(record.model, savefields)  # (read during it: none, not the last step's)
         # (nothing of packfunc's runs through the user's graph: no retained gradient to put back)
         torch.autograd.Variable._execution_engine.queue_callback(
-            partial(_as_own_pass, partial(finish, []))
+            partial(_as_own_pass, partial(finish, []), (record.args, record.kwargs))
         )
 
 
-def _as_own_pass(run: Callable[[], None]) -> None:
-    """``run()`` as packfunc's own pass (as the backward hook that queued it runs)."""
-    with context.own_pass(), packfunc_passes():
-        run()
+def _as_own_pass(run: Callable[[], None], inputs: Any) -> None:
+    """``run()`` as packfunc's own pass (as the backward hook that queued it runs).
+
+    Args:
+        run: What to run.
+        inputs: The recorded forward's inputs, for the message of an error torch raises.
+    """
+    try:
+        with context.own_pass(), packfunc_passes():
+            run()
+    except RuntimeError as error:
+        clearer = clearer_error(error, inputs)
+        if clearer is None:
+            raise
+        raise clearer from error
 
 
 Problem = tuple[ModelFn, nn.Module, Any]

@@ -1086,7 +1086,7 @@ class RowsNotAloneError(ValueError):
 
 
 def check_rows_alone(
-    plan: Plan, batch_output: Tensor, last_alone: Callable[[], Tensor] | None = None
+    plan: Plan, batch_output: Tensor, last_alone: Callable[[], Tensor | None] | None = None
 ) -> bool:
     """Refuse a batch whose first (or last) row is not that sample's output alone.
 
@@ -1107,7 +1107,8 @@ def check_rows_alone(
     Args:
         plan: A plan fresh from :func:`discover` (its ``first_output`` set), or cached.
         batch_output: The batch pass's output of the whole batch.
-        last_alone: Runs the model on the last sample alone (:func:`last_sample_output`).
+        last_alone: Runs the model on the last sample alone (:func:`last_sample_output`;
+            its ``None``: not compared).
 
     Returns:
         Whether the plan may be kept: ``False`` where the check could not run (``vmap``,
@@ -1145,8 +1146,9 @@ def check_rows_alone(
             if index >= len(rows)
             else difference_beyond_rounding(first, rows[index : index + 1])
         )
-        if what is None and last_alone is not None and len(rows) > 1:
-            what, which = difference_beyond_rounding(last_alone(), rows[-1:]), "the last sample"
+        last = last_alone() if what is None and last_alone is not None else None
+        if last is not None:
+            what, which = difference_beyond_rounding(last, rows[-1:]), "the last sample"
     except RuntimeError:  # values under vmap decide nothing
         if is_functorch_wrapped_tensor(first) or is_functorch_wrapped_tensor(rows):
             return False
@@ -1161,15 +1163,18 @@ def check_rows_alone(
         "T = N: expand it to [N, ...] or close over it in model_fn), or a layer mixes "
         "samples (batch statistics), which per-sample quantities cannot follow, or the "
         "forward depends on Python state it updates (a call counter), which makes each of "
-        "packfunc's runs of it another function."
+        "packfunc's runs of it another function, or it branches on torch.is_grad_enabled() "
+        "or a tensor's requires_grad (packfunc's runs of one sample take no gradients)."
     )
     raise RowsNotAloneError(plan.refusal)
 
 
-def last_sample_output(model_fn: ModelFn, params: Any, X: Any, n: int) -> Tensor:
+def last_sample_output(model_fn: ModelFn, params: Any, X: Any, n: int) -> Tensor | None:
     """The model's output for the last of ``n`` samples alone, run as discovery runs the first.
 
-    Without gradients, under the caller's autocast, its buffers put back afterwards; as
+    On a copy of that sample (a model changing its input in place leaves the batch as its
+    own forward did), without gradients, under the caller's autocast, its buffers put
+    back afterwards; as
     the model itself (the modes' rewrites compute the same function, and a recurrent layer
     runs fused), but inside a torch function mode as every pass of packfunc's: code that
     takes another path without one (``nn.TransformerEncoder``'s nested-tensor fast path in
@@ -1182,16 +1187,20 @@ def last_sample_output(model_fn: ModelFn, params: Any, X: Any, n: int) -> Tensor
         n: The batch size.
 
     Returns:
-        The output, batch size one.
+        The output, batch size one; ``None`` where the run changed its input (the model
+        updates its input in place, which the batch's forward did already: a second run
+        of it is another function, and nothing can be compared).
 
     Example:
         >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
         >>> last_sample_output(fn, p, torch.randn(4, 3), 4).shape
         torch.Size([1, 2])
     """
+    row = select_samples(X, slice(n - 1, n))
+    copied = _copied(row)
     with torch.no_grad(), kept_model_state(module_of(model_fn)), forward_autocast(), _AsIs():
-        out: Tensor = model_fn(params, select_samples(X, slice(n - 1, n)))
-    return out
+        out: Tensor = model_fn(params, copied)
+    return out if _equal_trees(copied, row) else None
 
 
 class _AsIs(TorchFunctionMode):

@@ -255,6 +255,8 @@ def difference_beyond_rounding(
     """
     if found.shape != expected.shape:
         return f"has shape {tuple(found.shape)}, the other {tuple(expected.shape)}"
+    if found.is_complex() or expected.is_complex():  # (real and imaginary parts, each)
+        return difference_beyond_rounding(_as_real(found), _as_real(expected), scale)
     dtype = min(found.dtype, expected.dtype, key=lambda d: torch.finfo(d).bits)
     a, b = found.detach().double(), expected.detach().double()
     if not b.numel():
@@ -269,6 +271,13 @@ def difference_beyond_rounding(
     if difference <= tolerance * max(scale, torch.finfo(dtype).tiny):
         return None
     return f"differs by up to {difference:.3g} (its largest entry: {scale:.3g})"
+
+
+def _as_real(t: Tensor) -> Tensor:
+    """``t``'s real and imaginary parts in a last dim of two (a real ``t``'s: zero)."""
+    if t.is_complex():
+        return torch.view_as_real(t.detach().resolve_conj())
+    return torch.stack([t.detach(), torch.zeros_like(t.detach())], -1)
 
 
 __all__ = [

@@ -52,8 +52,8 @@ class LocalRule(Rule):
 
         def one_pair(samples: list[Tensor], cotangent: Tensor) -> Tensor:
             rows = {p: s.unsqueeze(0) for p, s in zip(local.batched, samples)}
-            _, pullback = vjp(lambda value: local.evaluate(leaf, value, rows), param)
-            return cast(Tensor, pullback(cotangent.unsqueeze(0))[0])
+            out, pullback = vjp(lambda value: local.evaluate(leaf, value, rows), param)
+            return cast(Tensor, pullback(_like_output(cotangent.unsqueeze(0), out))[0])
 
         columns, n = g.shape[:2]
         samples = [local.arguments.values[p] for p in local.batched]
@@ -80,8 +80,24 @@ def _batch_vjp(local: LocalInputs, param: Tensor, g: Tensor) -> Tensor:
     so no ``vmap`` runs.
     """
     leaf = local.leaf_of(param)
-    _, pullback = vjp(lambda value: local.evaluate(leaf, value, None), param)
-    return cast(Tensor, pullback(g.sum(0))[0])
+    out, pullback = vjp(lambda value: local.evaluate(leaf, value, None), param)
+    return cast(Tensor, pullback(_like_output(g.sum(0), out))[0])
+
+
+def _like_output(cotangent: Tensor, output: Tensor) -> Tensor:
+    """A cotangent in its output's dtype: a complex parameter's real part gets a real one.
+
+    The terms come in the parameter's dtype (:meth:`BatchPass.site_terms`); a real output
+    of a complex parameter (``w.real``, ``view_as_real(w)``) takes its cotangent real
+    (its imaginary part is zero, made by that cast).
+
+    Example:
+        >>> _like_output(torch.ones(2, dtype=torch.complex64), torch.zeros(2)).dtype
+        torch.float32
+    """
+    if cotangent.is_complex() and not output.is_complex():
+        return cotangent.real.to(output.dtype)
+    return cotangent.to(output.dtype)
 
 
 def _check_adds_up(columns: Tensor, total: Tensor, func: Any) -> None:
