@@ -42,6 +42,7 @@ from packfunc.engine.api import (
     check_rerun,
     difference_beyond_rounding,
     packfunc_passes,
+    refuse_differentiation,
 )
 from packfunc.evaluation import evaluate
 from packfunc.functionalize import (
@@ -71,6 +72,52 @@ NO_OP_MODULES: tuple[type[nn.Module], ...] = (
 def _computes_statistic(job: Job) -> bool:
     """Whether ``job`` is a statistic of column gradients (one batch pass serves them all)."""
     return job.quantity.family is Family.STATISTIC
+
+
+def _differentiable_in_the_shim(job: Job) -> bool:
+    """Whether ``job``'s results under ``backward(create_graph=True)`` have right gradients.
+
+    Those from the user's forward (statistics, KFAC/KFLR factors) keep its graph; the
+    Hessian diagonals leave out their residual terms' dependence on the parameters, and
+    KFRA and the block products run the model again on detached parameters.
+    """
+    return job.quantity.differentiable and not job.quantity.reruns_model
+
+
+def _refusing_gradients(value: Any, live: list[Tensor], name: str) -> Any:
+    """``value`` (a result, or a block product's function) whose gradient raises.
+
+    Args:
+        value: A parameter's result: tensors, or a function of a matrix.
+        live: The model's parameters that require gradients.
+        name: The quantity, for the message.
+
+    Returns:
+        ``value`` connected to ``live`` by a node whose backward raises (a function
+        returning such values).
+    """
+    if callable(value):
+        return partial(_refusing_product_gradients, value, live, name)
+    return refuse_differentiation(value, live, name)
+
+
+_DETACHED_PRODUCT = (
+    "packfunc.compat's block products run the model again on its parameters detached, so "
+    "they hold no graph (a gradient through them would be missing, not refused). Compute the "
+    "product with pf.{name} on pf.functional(model)'s function and parameters, which "
+    "follows their gradients."
+)
+
+
+def _refusing_product_gradients(
+    product: Callable[[Tensor], Tensor], live: list[Tensor], name: str, mat: Tensor
+) -> Tensor:
+    """A block product's value whose gradient raises (see :func:`_refusing_gradients`)."""
+    why = _DETACHED_PRODUCT.format(name=name)
+    if name == "pch_block_products":
+        why = "it is the product of a modified curvature, whose gradient is not defined."
+    found: Tensor = refuse_differentiation(product(mat), live, name, why=why)
+    return found
 
 
 def _uses_forward(job: Job) -> bool:
@@ -250,12 +297,18 @@ def _finish(
                 own_output = partial(_check_own_output, record, route if job.second_order else None)
                 results[ext.savefield] = _compute(job, record, fn, params, X, y, loss, own_output)
         results[ext.savefield].update(_module_extensions(ext, job, record, route, gradient))
+        if differentiable and not _differentiable_in_the_shim(job):
+            live = [model.get_parameter(name) for name in names]
+            results[ext.savefield] = {
+                name: _refusing_gradients(value, live, job.name)
+                for name, value in results[ext.savefield].items()
+            }
     for ext in ctx.extensions:
-        for name in names:
-            if name in results[ext.savefield]:
-                store_result(model.get_parameter(name), ext.savefield, results[ext.savefield][name])
-            else:  # (a parameter without Kronecker factors: no last step's value either)
-                forget_result(model.get_parameter(name), ext.savefield)
+        for name, param in model.named_parameters():
+            if name in names and name in results[ext.savefield]:
+                store_result(param, ext.savefield, results[ext.savefield][name])
+            else:  # (without Kronecker factors, or frozen since: no last step's value either)
+                forget_result(param, ext.savefield)
     # the extended loss's own pass is compared as the backward pass scaled it (s * loss)
     scale = route.loss.output_gradient if route.loss else None
     cotangents[True].scale = scale

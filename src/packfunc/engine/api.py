@@ -7,6 +7,7 @@ of the engine, so what the shim depends on is listed in one place.
 """
 
 from packfunc.engine.attention import ATTENTION_OPS
+from packfunc.engine.autodiff import refuse_differentiation
 from packfunc.engine.batch_pass import BatchPass, check_rerun
 from packfunc.engine.batch_record import (
     BatchRecord,
@@ -50,6 +51,7 @@ from packfunc.engine.randomness import random_call
 from packfunc.engine.recurrent import RECURRENT_OPS
 
 __all__ = [
+    "refuse_differentiation",
     "ATTENTION_OPS",
     "CURVATURES",
     "LINEAR_CALLS",

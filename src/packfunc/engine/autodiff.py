@@ -150,24 +150,36 @@ class _Undifferentiable(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(value: Tensor, name: str, *leaves: Tensor) -> Tensor:
+    def forward(value: Tensor, name: str, why: str, *leaves: Tensor) -> Tensor:
         return value.clone()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        ctx.name = inputs[1]
+        ctx.name, ctx.why = inputs[1], inputs[2]
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> Any:
         raise RuntimeError(
             f"packfunc's {ctx.name} is not differentiable with respect to the parameters or "
-            "inputs: it holds the second derivatives through the layers before each parameter "
-            "constant, so its gradient would be wrong. Differentiate diag_ggn, kflr or a dense "
-            "Hessian (torch.autograd.functional.hessian with create_graph=True) instead."
+            f"inputs: {ctx.why}"
         )
 
 
-def refuse_differentiation(value: Any, leaves: list[Tensor], name: str, inputs: Any = None) -> Any:
+_SECOND_DERIVATIVES_HELD = (
+    "it holds the second derivatives through the layers before each parameter constant, so "
+    "its gradient would be wrong. Differentiate diag_ggn, kflr or a dense Hessian "
+    "(torch.autograd.functional.hessian with create_graph=True) instead."
+)
+"""Why a quantity's gradient is refused, unless another reason is given."""
+
+
+def refuse_differentiation(
+    value: Any,
+    leaves: list[Tensor],
+    name: str,
+    inputs: Any = None,
+    why: str = _SECOND_DERIVATIVES_HELD,
+) -> Any:
     """``value`` (a pytree) whose gradient w.r.t. ``leaves`` or ``inputs`` raises, where one flows.
 
     With no leaf or input requiring grad (and outside ``torch.func.grad``) it is ``value``
@@ -178,6 +190,7 @@ def refuse_differentiation(value: Any, leaves: list[Tensor], name: str, inputs: 
         leaves: The parameter leaves it was computed from.
         name: The quantity, for the message.
         inputs: The inputs ``X`` it was computed from (a pytree; its floating tensors).
+        why: Why its gradient would be wrong, and what to do instead (the message's end).
 
     Returns:
         ``value``, each tensor connected to ``leaves`` by a node whose backward raises.
@@ -199,7 +212,7 @@ def refuse_differentiation(value: Any, leaves: list[Tensor], name: str, inputs: 
     def refused(t: Any) -> Any:
         if not (isinstance(t, Tensor) and t.is_floating_point()):
             return t
-        return _Undifferentiable.apply(t, name, *sources)  # type: ignore[no-untyped-call]
+        return _Undifferentiable.apply(t, name, why, *sources)  # type: ignore[no-untyped-call]
 
     return optree.tree_map(refused, value, none_is_leaf=True)
 
