@@ -298,7 +298,7 @@ def _finish(
                 results[ext.savefield] = _compute(job, record, fn, params, X, y, loss, own_output)
         results[ext.savefield].update(_module_extensions(ext, job, record, route, gradient))
         if differentiable and not _differentiable_in_the_shim(job):
-            live = [model.get_parameter(name) for name in names]
+            live: list[Tensor] = [model.get_parameter(name) for name in names]
             results[ext.savefield] = {
                 name: _refusing_gradients(value, live, job.name)
                 for name, value in results[ext.savefield].items()
