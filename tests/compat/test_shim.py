@@ -206,6 +206,65 @@ class ScaleModuleDiagGGNExact(ModuleExtension):
         return einsum(V_theta, V_theta, "c batch, c batch ->").unsqueeze(0)
 
 
+class ScaleModuleBatchGradFromInputGradient(FirstOrderModuleExtension):
+    """The scale's per-sample gradients from ``g_inp``: ``Σ_i g_inp[n, i] x[n, i] / w``."""
+
+    def __init__(self):
+        super().__init__(params=["weight"])
+
+    def weight(self, ext, module, g_inp, g_out, bpQuantities):
+        return (g_inp[0] * module.input0).sum(1, keepdim=True) / module.weight
+
+
+def test_a_custom_module_extension_gets_the_input_gradient():
+    """``g_inp`` was always ``(None,)``, where BackPACK passes the module's input gradient
+    (a probe); the model's input, which takes none, gets ``None`` as there."""
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(5, 3), ScaleModule(), nn.Linear(3, 3)))
+    lossfunc = extend(nn.CrossEntropyLoss(reduction="sum"))
+    X, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    ext = ours.BatchGrad()
+    ext.set_module_extension(ScaleModule, ScaleModuleBatchGradFromInputGradient())
+    with backpack(ext):
+        lossfunc(model(X), y).backward()
+    found = model[1].weight.grad_batch
+    with backpack(ours.BatchGrad()):
+        lossfunc(model(X), y).backward()
+    torch.testing.assert_close(found, model[1].weight.grad_batch)
+
+
+class ScaleModuleKFLR(ModuleExtension):
+    """The scale's 1×1 factor: ``Σ_{c,n} (Σ_i backproped[c, n, i] x[n, i])²``."""
+
+    def __init__(self):
+        super().__init__(params=["weight"])
+
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        return [torch.einsum("cni,ni->cn", backproped, module.input0).square().sum().view(1, 1)]
+
+
+def test_a_custom_module_extension_of_kflr_is_called_and_of_kfra_refused():
+    """Module extensions of KFAC/KFLR/KFRA were never called, their parameters left out
+    with a warning (BackPACK calls them; a probe). KFLR's is the exact GGN of the scale
+    here (one parameter); KFRA runs the model again, without them: refused."""
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(5, 3), ScaleModule(), nn.Linear(3, 3)).double())
+    lossfunc = extend(nn.CrossEntropyLoss(reduction="sum"))
+    X, y = torch.randn(4, 5, dtype=torch.float64), torch.randint(0, 3, (4,))
+    ext = ours.KFLR()
+    ext.set_module_extension(ScaleModule, ScaleModuleKFLR())
+    with backpack(ext):
+        lossfunc(model(X), y).backward()
+    (factor,) = model[1].weight.kflr
+    expected = pf.diag_ggn(*pf.functional(model), X, y, loss=lossfunc)["1.weight"]
+    torch.testing.assert_close(factor.view(1), expected)
+    assert len(model[0].weight.kflr) == 2  # packfunc's own beside it
+    refused = ours.KFRA()
+    refused.set_module_extension(ScaleModule, ScaleModuleKFLR())
+    with backpack(refused), pytest.raises(ValueError, match="does not call module extensions"):
+        lossfunc(model(X), y).backward()
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_custom_module_tutorial(reduction):
     pytest.importorskip("einops")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import warnings
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
@@ -292,7 +292,8 @@ def _finish(
                     passes[job.second_order], (job.name,), **_options(job, names)
                 )[job.name]
             elif _uses_forward(job):
-                results[ext.savefield] = _factors(job, passes[job.second_order])
+                handled = _handled_by_module_extensions(ext, record.model)
+                results[ext.savefield] = _factors(job, passes[job.second_order], handled)
             else:
                 own_output = partial(_check_own_output, record, route if job.second_order else None)
                 results[ext.savefield] = _compute(job, record, fn, params, X, y, loss, own_output)
@@ -806,14 +807,21 @@ def _not_reusable(record: ForwardRecord, *_: Any) -> BatchRecord | None:
 _OWN_PASS = "packfunc's own pass (the recorded forward pass cannot be reused here)"
 
 
-def _factors(job: Job, bp: BatchPass) -> dict[str, list[Tensor]]:
+def _factors(job: Job, bp: BatchPass, handled: set[str]) -> dict[str, list[Tensor]]:
     """KFAC's or KFLR's factors from the batch pass of the user's forward, by parameter name.
 
-    Parameters without a Kronecker rule are left out, with a warning.
+    Parameters without a Kronecker rule are left out, with a warning, but those a module
+    extension handles (``handled``).
     """
     found = factors_from_pass(bp, job.name, dict(job.options))
-    _warn_about_unsupported(job.name, [bp.names[leaf] for leaf in sorted(found.unsupported)])
+    left = [bp.names[leaf] for leaf in sorted(found.unsupported)]
+    _warn_about_unsupported(job.name, [name for name in left if name not in handled])
     return {bp.names[leaf]: f for leaf, f in enumerate(found.per_leaf) if f is not None}
+
+
+def _handled_by_module_extensions(ext: BackpropExtension, model: nn.Module) -> set[str]:
+    """The names of the parameters whose results ``ext``'s module extensions give."""
+    return {key for _, _, handled in _extended_modules(ext, model) for key, _ in handled}
 
 
 def _compute(
@@ -894,26 +902,74 @@ def _module_extensions(
     ext: BackpropExtension, job: Job, record: ForwardRecord, route: LossRoute, gradient: Tensor
 ) -> dict[str, Any]:
     """Results of the module extensions registered on ``ext``, by parameter name."""
-    if not ext.module_extensions or not _computes_statistic(job):
+    if not ext.module_extensions:
         return {}
+    if not (_computes_statistic(job) or _uses_forward(job)):  # KFRA, block products
+        names = ", ".join(sorted(type_.__name__ for type_ in ext.module_extensions))
+        raise ValueError(
+            f"{type(ext).__name__} runs the model again in packfunc.compat (its own pass), "
+            f"which does not call module extensions (registered for {names}); remove them "
+            "(packfunc differentiates any module itself), or compute this quantity's blocks of "
+            "that module by hand."
+        )
     found: dict[str, Any] = {}
     output = _live_output(record)
     backproped = None
-    for prefix, module in record.model.named_modules():
-        extension = ext.module_extensions.get(type(module))
-        module_output = stored_io(module).get("output")
-        if extension is None or module_output is None:
+    for module, extension, handled in _extended_modules(ext, record.model):
+        io = stored_io(module)
+        module_output = io.get("output")
+        if module_output is None:
             continue
         g_out = torch.autograd.grad(output, module_output, gradient, retain_graph=True)
-        g_inp = (None,)
+        g_inp = _input_gradients(output, gradient, io)
         if job.second_order:
             backproped = _backproped(job, record, route, module_output)
-        for name, _ in module.named_parameters(recurse=False):
-            if extension.handles(name):
-                method = getattr(extension, name)
-                key = f"{prefix}.{name}" if prefix else name
-                found[key] = method(ext, module, g_inp, g_out, backproped)
+        for key, name in handled:
+            found[key] = getattr(extension, name)(ext, module, g_inp, g_out, backproped)
     return found
+
+
+def _extended_modules(
+    ext: BackpropExtension, model: nn.Module
+) -> Iterator[tuple[nn.Module, Any, list[tuple[str, str]]]]:
+    """Each module of ``model`` with a module extension of ``ext``, and what it handles.
+
+    Yields:
+        ``(module, extension, [(name in the model, name in the module), ...])``.
+    """
+    for prefix, module in model.named_modules():
+        extension = ext.module_extensions.get(type(module)) if ext.module_extensions else None
+        if extension is not None:
+            handled = [
+                (f"{prefix}.{name}" if prefix else name, name)
+                for name, _ in module.named_parameters(recurse=False)
+                if extension.handles(name)
+            ]
+            yield module, extension, handled
+
+
+def _input_gradients(
+    output: Tensor, gradient: Tensor, io: dict[str, Any]
+) -> tuple[Tensor | None, ...]:
+    """A module's ``g_inp``: the gradients of its stored inputs, as BackPACK's hooks get them.
+
+    ``None`` for an input that takes none (the model's input, an integer tensor).
+
+    Args:
+        output: The extended model's output, in its graph.
+        gradient: ``∂L/∂output``.
+        io: The module's stored ``input0``, ``input1``, … and ``output``.
+    """
+    inputs = [io[f"input{i}"] for i in range(len(io)) if f"input{i}" in io]
+    wanted = [i for i, x in enumerate(inputs) if isinstance(x, Tensor) and x.requires_grad]
+    found: list[Tensor | None] = [None] * max(len(inputs), 1)
+    if wanted:
+        grads = torch.autograd.grad(
+            output, [inputs[i] for i in wanted], gradient, retain_graph=True, allow_unused=True
+        )
+        for i, g in zip(wanted, grads, strict=True):
+            found[i] = g
+    return tuple(found)
 
 
 def _backproped(job: Job, record: ForwardRecord, route: LossRoute, target: Tensor) -> Tensor:

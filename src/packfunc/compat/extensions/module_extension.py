@@ -5,7 +5,8 @@ rule applies. A module extension registered with ``ext.set_module_extension``
 overrides that for its module class: its method named after each parameter is
 called with ``(ext, module, g_inp, g_out, backproped)`` — ``module.input0`` and
 ``module.output`` hold the forward's input and output, ``g_out[0]`` the gradient
-of the loss w.r.t. the output (per-sample shares) and, for second-order
+of the loss w.r.t. the output (per-sample shares), ``g_inp`` each input's gradient
+(``None`` for one that takes none) and, for second-order
 extensions, ``backproped`` the square-root columns of the GGN w.r.t. the module
 output, ``[K, *module.output.shape]`` — and its result is stored. (A module that
 defines ``output`` or ``input0`` itself keeps its own: the stored values are then
