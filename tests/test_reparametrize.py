@@ -490,3 +490,31 @@ def test_tensors_and_hooks_a_forward_changes_are_those_of_the_users_forward_alon
     pf.batch_grad(model_fn, params, X, y)
     torch.testing.assert_close(model.stats["mean"], users.stats["mean"], rtol=0, atol=0)
     assert len(model.layer._forward_hooks) == 1
+
+
+class _RecurrentHead(nn.Module):
+    """An LSTM and a linear head on its last step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(3, 3, batch_first=True), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+def test_a_recurrent_layer_holds_its_own_weights_after_a_call():
+    """``nn.LSTM._flat_weights`` kept the tensors of packfunc's call (its forward fills
+    it): the model's ``__dict__`` changed and held the caller's params alive (a probe)."""
+    torch.manual_seed(0)
+    model = _RecurrentHead()
+    fn, p = pf.functional(model)
+    other = {k: torch.randn_like(v) for k, v in p.items()}
+    X, y = torch.randn(3, 4, 3), torch.tensor([0, 1, 1])
+    pf.batch_grad(fn, other, X, y)
+    fn(other, X)
+    assert all(
+        w is getattr(model.rnn, n)
+        for w, n in zip(model.rnn._flat_weights, model.rnn._flat_weights_names)
+    )
+    assert all(r() is w for r, w in zip(model.rnn._flat_weight_refs, model.rnn._flat_weights))

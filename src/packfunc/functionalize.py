@@ -1074,5 +1074,8 @@ def as_index(subsampling: Any, n: int, device: torch.device) -> slice | Tensor:
         )
     index = torch.as_tensor(subsampling, dtype=torch.long, device=device).reshape(-1)
     if index.numel() and (int(index.min()) < -n or int(index.max()) >= n):
-        raise ValueError(f"subsampling indices must lie in [0, {n}); got {index.tolist()}.")
+        raise ValueError(
+            f"subsampling indices must lie in [0, {n}) (or [-{n}, 0), counted from the end); "
+            f"got {index.tolist()}."
+        )
     return index % n

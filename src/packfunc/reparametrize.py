@@ -14,6 +14,7 @@ followed, unknown names left to it), with two differences:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -80,6 +81,26 @@ def call_with_tensors(
                 tensors[name] = current
         for store, key, original in originals:
             store[key] = original
+        if any(key.startswith(_RECURRENT_WEIGHTS) for _, key, _ in originals):
+            _refresh_recurrent_weights(module)
+
+
+_RECURRENT_WEIGHTS = ("weight_ih_l", "weight_hh_l", "bias_ih_l", "bias_hh_l", "weight_hr_l")
+"""The names of a recurrent layer's parameters (``nn.LSTM``'s ``weight_ih_l0`` ...)."""
+
+
+def _refresh_recurrent_weights(module: nn.Module) -> None:
+    """Point the recurrent layers' lists of weights at their own parameters again.
+
+    ``nn.RNNBase`` keeps its weights in ``_flat_weights`` (and weak references to them),
+    which its forward fills with the tensors it ran on: the call's, kept alive by the
+    model and shown in its ``__dict__`` until its next forward of its own.
+    """
+    for layer in module.modules():
+        if isinstance(layer, nn.RNNBase):
+            weights = [getattr(layer, name, None) for name in layer._flat_weights_names]
+            layer._flat_weights = weights
+            layer._flat_weight_refs = [None if w is None else weakref.ref(w) for w in weights]
 
 
 def _refuse_parametrized_names(module: nn.Module, names: Iterable[str]) -> None:

@@ -265,6 +265,13 @@ def test_a_custom_module_extension_of_kflr_is_called_and_of_kfra_refused():
         lossfunc(model(X), y).backward()
 
 
+def test_a_module_extension_naming_a_parameter_without_its_method_is_refused():
+    """BackPACK raises NotImplementedError at construction; packfunc accepted it and
+    failed at the backward pass with an AttributeError (a probe)."""
+    with pytest.raises(NotImplementedError, match="defines no method weight"):
+        ModuleExtension(params=["weight"])
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_custom_module_tutorial(reduction):
     pytest.importorskip("einops")

@@ -27,16 +27,27 @@ class ModuleExtension:
         params: Names of the parameters the extension handles (default: all the
             methods named like parameters).
 
+    Raises:
+        NotImplementedError: for a parameter named without its method.
+
     Example:
         >>> class ScaleBatchGrad(ModuleExtension):
         ...     def __init__(self):
         ...         super().__init__(params=["weight"])
+        ...     def weight(self, ext, module, g_inp, g_out, backproped):
+        ...         return g_out[0].sum(1)
         >>> ScaleBatchGrad().params
         ['weight']
     """
 
     def __init__(self, params: Iterable[str] | None = None):
         self.params = list(params) if params is not None else []
+        for name in self.params:  # (as BackPACK: a named parameter needs its method)
+            if not callable(getattr(self, name, None)):
+                raise NotImplementedError(
+                    f"{type(self).__name__} names the parameter {name!r} but defines no "
+                    f"method {name}(self, ext, module, g_inp, g_out, backproped) computing it."
+                )
 
     def handles(self, name: str) -> bool:
         """Whether this extension computes the parameter ``name``."""

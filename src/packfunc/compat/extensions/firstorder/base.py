@@ -9,6 +9,9 @@ class FirstOrderModuleExtension(ModuleExtension):
     """A module extension for a first-order extension (``backproped`` is ``None``).
 
     Example:
-        >>> FirstOrderModuleExtension(params=["weight"]).handles("weight")
+        >>> class ScaleBatchGrad(FirstOrderModuleExtension):
+        ...     def weight(self, ext, module, g_inp, g_out, backproped):
+        ...         return g_out[0].sum(1)
+        >>> ScaleBatchGrad(params=["weight"]).handles("weight")
         True
     """
