@@ -240,7 +240,8 @@ def run_recurrent(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
     finals: list[State] = []
     for layer in range(num_layers):
         if layer > 0 and p > 0 and training:  # dropout on every layer output but the last
-            x = F.dropout(x, p=p, training=training)
+            # (drawn time-major, as torch's own kernels draw it: the same masks)
+            x = F.dropout(x.transpose(0, 1).contiguous(), p=p, training=training).transpose(0, 1)
         outputs = []
         for direction in range(num_dirs):
             k = layer * num_dirs + direction
