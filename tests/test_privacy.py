@@ -1004,3 +1004,33 @@ def test_dp_optimizer_takes_group_bounds() -> None:
     opt.step(batch=(X, y))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name] / len(X))
+
+
+def test_clipping_under_autocast_bounds_each_sample_by_max_norm():
+    """Under bfloat16 autocast, the clipping factors were rounded to the recorded
+    cotangents' bfloat16 before scaling them: a sample's clipped gradient reached 1.004
+    times the bound (DP's sensitivity exceeded) and the sum was 0.3 % off the same call's
+    ``Σ c_n g_n`` (a probe)."""
+    torch.manual_seed(0)
+    fn, p = pf.functional(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 10)))
+    X, y = torch.randn(16, 32) * 5, torch.randint(0, 10, (16,))
+    loss, bound = nn.CrossEntropyLoss(reduction="sum"), 0.05
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = pf.compute(
+            fn,
+            p,
+            X,
+            y,
+            loss=loss,
+            quantities=("clipped_grad", "batch_grad", "batch_l2_grad"),
+            max_norm=bound,
+        )
+    norms = sum(out["batch_l2_grad"][k].double() for k in p).sqrt()
+    factors = (bound / (norms + 1e-6)).clamp(max=1)
+    for k, g in out["batch_grad"].items():
+        expected = (g.double() * factors.view(-1, *[1] * (g.dim() - 1))).sum(0)
+        torch.testing.assert_close(out["clipped_grad"][k].double(), expected, rtol=1e-5, atol=1e-8)
+    for n in range(len(X)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            alone = pf.clipped_grad(fn, p, X[n : n + 1], y[n : n + 1], loss=loss, max_norm=bound)
+        assert sum((t.double() ** 2).sum() for t in alone.values()).sqrt() <= bound * (1 + 1e-6)

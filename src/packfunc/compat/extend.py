@@ -47,6 +47,38 @@ _THREAD = threading.local()
 """Per thread (as PyTorch's modes are), the forward passes of extended modules running."""
 
 
+_COMPILED_FORWARD = (
+    "an extended model runs compiled (torch.compile(model), model.compile()) inside "
+    "backpack(...): its forward is traced, and the shim records nothing there (the last "
+    "step's results would stay). Run the extended model uncompiled in the backpack(...) "
+    "steps, or use packfunc's functional API (pf.functional runs a compiled module's "
+    "original eagerly)."
+)
+
+
+@torch.compiler.disable
+def _refuse_a_compiled_forward(module: nn.Module) -> None:
+    """Refuse an extended forward that runs compiled inside ``backpack(...)``.
+
+    Its hooks are traced with it: they recorded nothing, and the first-order extensions
+    computed nothing and left the last step's results (0.13 off, silently); those of the
+    block's extensions are removed. (Traced, the recorders' torch function modes stayed
+    pushed for the process; the hooks do nothing there now.) Called where
+    ``torch.compiler.is_compiling()``; not traced, so it runs (and raises) each time the
+    compiled code runs.
+
+    Args:
+        module: The extended module whose forward runs.
+
+    Raises:
+        RuntimeError: inside ``backpack(...)``.
+    """
+    ctx = context.active()
+    if ctx is not None and not context.in_own_pass():
+        forget_results(module, [ext.savefield for ext in ctx.extensions])
+        raise RuntimeError(_COMPILED_FORWARD)
+
+
 def _entered() -> list[int]:
     """The ids of the extended modules whose forward runs in this thread, outermost first.
 
@@ -189,6 +221,9 @@ def _refuse_nested_fast_path(module: nn.Module, args: tuple, kwargs: dict) -> No
 
 
 def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    if torch.compiler.is_compiling():  # traced: record nothing (no mode may stay pushed)
+        _refuse_a_compiled_forward(module)  # (runs in the compiled code, each call)
+        return
     _last_of_the_forward_hooks(module)
     entered = _entered()
     entered.append(id(module))

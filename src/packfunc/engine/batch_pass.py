@@ -875,8 +875,12 @@ def _scaled(t: Tensor, weights: Tensor, *, in_place: bool = False) -> Tensor:
     """``t [K, N, ...]`` with sample ``n``'s rows times ``weights[n]``.
 
     A copy is contiguous (a permuted view of the output cotangent is then reshaped to a
-    layer's layout without a second copy).
+    layer's layout without a second copy). A cotangent narrower than the weights (bfloat16
+    under autocast, float32 factors) is scaled in the weights' dtype: rounded to its own,
+    DP-SGD's clipping factors let samples through at up to 1.004 times the bound.
     """
+    if t.is_floating_point() and torch.promote_types(t.dtype, weights.dtype) != t.dtype:
+        t, in_place = t.to(weights.dtype), True  # (a copy of its own)
     w = weights.to(t.dtype).view(1, -1, *[1] * (t.dim() - 2))
     if in_place:
         return t.mul_(w)
