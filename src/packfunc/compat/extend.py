@@ -25,6 +25,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
 
@@ -56,8 +57,7 @@ _COMPILED_FORWARD = (
 )
 
 
-@torch.compiler.disable
-def _refuse_a_compiled_forward(module: nn.Module) -> None:
+def _refusal_of_a_compiled_forward(module: nn.Module) -> None:
     """Refuse an extended forward that runs compiled inside ``backpack(...)``.
 
     Its hooks are traced with it: they recorded nothing, and the first-order extensions
@@ -77,6 +77,12 @@ def _refuse_a_compiled_forward(module: nn.Module) -> None:
     if ctx is not None and not context.in_own_pass():
         forget_results(module, [ext.savefield for ext in ctx.extensions])
         raise RuntimeError(_COMPILED_FORWARD)
+
+
+_refuse_a_compiled_forward = cast(
+    Callable[[nn.Module], None], torch.compiler.disable(_refusal_of_a_compiled_forward)
+)
+""":func:`_refusal_of_a_compiled_forward`, run eagerly from compiled code (not traced)."""
 
 
 def _entered() -> list[int]:
