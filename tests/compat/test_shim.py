@@ -263,6 +263,10 @@ def test_a_custom_module_extension_of_kflr_is_called_and_of_kfra_refused():
     refused.set_module_extension(ScaleModule, ScaleModuleKFLR())
     with backpack(refused), pytest.raises(ValueError, match="does not call module extensions"):
         lossfunc(model(X), y).backward()
+    without_scale = extend(nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 3)).double())
+    with backpack(refused):  # (no module of that type: it runs)
+        lossfunc(without_scale(X), y).backward()
+    assert len(without_scale[0].weight.kfra) == 2
 
 
 def test_a_module_extension_naming_a_parameter_without_its_method_is_refused():

@@ -902,7 +902,7 @@ def _module_extensions(
     ext: BackpropExtension, job: Job, record: ForwardRecord, route: LossRoute, gradient: Tensor
 ) -> dict[str, Any]:
     """Results of the module extensions registered on ``ext``, by parameter name."""
-    if not ext.module_extensions:
+    if not _handled_by_module_extensions(ext, record.model):
         return {}
     if not (_computes_statistic(job) or _uses_forward(job)):  # KFRA, block products
         names = ", ".join(sorted(type_.__name__ for type_ in ext.module_extensions))
