@@ -86,6 +86,7 @@ __all__ = [
     "packfunc_passes",
     "parameter_sources",
     "random_call",
+    "refuse_differentiation",
     "remember_derivations",
     "sample_layout",
     "tensor_outputs",

@@ -879,7 +879,8 @@ def _scaled(t: Tensor, weights: Tensor, *, in_place: bool = False) -> Tensor:
     under autocast, float32 factors) is scaled in the weights' dtype: rounded to its own,
     DP-SGD's clipping factors let samples through at up to 1.004 times the bound.
     """
-    if t.is_floating_point() and torch.promote_types(t.dtype, weights.dtype) != t.dtype:
+    narrow = t.is_floating_point() and torch.finfo(t.dtype).bits < 32
+    if narrow and torch.promote_types(t.dtype, weights.dtype) != t.dtype:
         t, in_place = t.to(weights.dtype), True  # (a copy of its own)
     w = weights.to(t.dtype).view(1, -1, *[1] * (t.dim() - 2))
     if in_place:
