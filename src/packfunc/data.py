@@ -610,7 +610,10 @@ def _summed(
     )
     if empty or totals is None:
         raise ValueError(
-            "data= yielded no non-empty batch (on at least one rank); pass non-empty shards."
+            "data= yielded no non-empty batch (on at least one rank); pass non-empty shards. "
+            "(A Poisson-sampled DP-SGD step that drew no sample has a clipped sum of zero: "
+            "add the noise alone, pf.privacy.add_noise on zeros shaped like params, as "
+            "DPOptimizer does.)"
         )
     return sum_over_ranks(totals, group), samples_all, normalizer_all
 
