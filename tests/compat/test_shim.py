@@ -1336,3 +1336,22 @@ def test_an_extended_model_compiled_after_extend_is_refused_in_backpack():
     with backpack(ours.BatchGrad()), pytest.raises(RuntimeError, match="runs compiled"):
         lossfunc(model(X), y).backward()
     assert not hasattr(model[0].weight, "grad_batch")
+
+
+def test_a_compiled_loss_keeps_first_order_results_and_second_order_names_the_compile():
+    """A loss called in compiled code: its traced hook stored IO as a side effect that
+    dynamo replayed or not, and second-order extensions were refused with "extend the
+    loss" where it was extended (a probe). Traced, the hook records nothing; the refusal
+    names the compile."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    compiled = torch.compile(lambda out, target: lossfunc(out, target))
+    X, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    with backpack(ours.BatchGrad()):
+        compiled(model(X), y).backward()
+    expected = pf.batch_grad(*pf.functional(model), X, y)["0.weight"]
+    torch.testing.assert_close(model[0].weight.grad_batch, expected)
+    with backpack(ours.DiagGGNExact()), pytest.raises(ValueError, match="torch.compile"):
+        compiled(model(X), y).backward()

@@ -413,8 +413,8 @@ def _layout_of(tensor: Tensor) -> tuple[ForwardRecord, SampleLayout] | None:
 
 
 def _loss_forward(module: nn.Module, args: tuple, output: Tensor) -> None:
-    if not _recording() or len(args) < 2:
-        return
+    if torch.compiler.is_compiling() or not _recording() or len(args) < 2:
+        return  # (traced: nothing is recorded, as for a model's forward)
     store_io(module, args[:2], output)
     if not isinstance(args[0], Tensor) or output.grad_fn is None:
         return

@@ -425,7 +425,8 @@ def _second_order_problem(
             "it (lossfunc = extend(lossfunc)), apply it to the model's output (or a reshape "
             "of it, or the output of further extended modules) and call backward on the loss "
             "itself. Other code between the model and the loss (a slice out[:, -1], out / T, "
-            "a mean) is not followed: move it into the extended model's forward."
+            "a mean) is not followed: move it into the extended model's forward. A loss "
+            "called inside torch.compile'd code is not seen either: call it uncompiled."
         )
     ends_at_loss = _ending_at_loss(model_fn, route.stages, call)
     watched = partial(_not_reusable, record)
