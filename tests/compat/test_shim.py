@@ -1355,3 +1355,54 @@ def test_a_compiled_loss_keeps_first_order_results_and_second_order_names_the_co
     torch.testing.assert_close(model[0].weight.grad_batch, expected)
     with backpack(ours.DiagGGNExact()), pytest.raises(ValueError, match="torch.compile"):
         compiled(model(X), y).backward()
+
+
+@pytest.mark.parametrize("extension", ["SumGradSquared", "Variance", "DiagGGNExact", "KFLR"])
+def test_a_backward_inside_autocast_computes_the_extensions_in_float32(extension):
+    """``with torch.autocast(...), backpack(...): loss.backward()``: the extensions' own
+    arithmetic ran under the caller's autocast: float16 results, inf where the per-sample
+    squares overflow it (13 of 40 entries; a probe). It runs in float32 now, autocast kept
+    for packfunc's own forwards."""
+    torch.manual_seed(0)
+    model = extend(nn.Linear(8, 5))
+    lossfunc = extend(nn.CrossEntropyLoss(reduction="sum"))
+    X, y = torch.randn(16, 8) * 100, torch.randint(0, 5, (16,))
+    made = getattr(ours, extension)()
+    with torch.autocast("cpu", dtype=torch.float16), backpack(made):
+        lossfunc(model(X), y).backward()
+    found = getattr(model.weight, made.savefield)
+    for tensor in found if isinstance(found, list) else [found]:
+        assert tensor.dtype == torch.float32 and bool(tensor.isfinite().all())
+
+
+class _TinyGPT2(nn.Module):
+    """A one-layer GPT-2 from a config, logits as ``[N, V, T]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        config = transformers.GPT2Config(
+            n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=8,
+            resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+        )  # fmt: skip
+        self.model = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=x).logits.permute(0, 2, 1)
+
+
+def test_clipped_grad_of_gpt2_under_autocast_is_not_refused_for_rounding():
+    """GPT-2's attention takes packfunc's own pass, whose float32 cotangents of bfloat16 ops
+    differed from the user's by 5e-4 of the squared norm, beyond float32's rounding: the
+    check for extra loss terms refused ClippedGrad in 5 of 5 batches (a probe). The
+    forward's autocast dtype sets the rounding now."""
+    for seed in range(3):
+        torch.manual_seed(seed)
+        model = extend(_TinyGPT2().eval())
+        lossfunc = extend(nn.CrossEntropyLoss(reduction="sum"))
+        X, y = torch.randint(0, 32, (16, 4)), torch.randint(0, 32, (16, 4))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            value = lossfunc(model(X), y)
+        with backpack(ours.ClippedGrad(max_norm=0.1)):
+            value.backward()
+        assert all(hasattr(p, "grad_clipped") for p in model.parameters())

@@ -152,6 +152,22 @@ def _memory(tensor: Tensor) -> int:
     return 0 if is_functorch_wrapped_tensor(tensor) else tensor.data_ptr()
 
 
+def autocast_dtype() -> torch.dtype | None:
+    """The narrowest dtype of the autocast in force on any device (``None``: none).
+
+    Example:
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     autocast_dtype()
+        torch.bfloat16
+    """
+    dtypes = [
+        torch.get_autocast_dtype(device)
+        for device in ("cpu", "cuda")
+        if torch.is_autocast_enabled(device)
+    ]
+    return min(dtypes, key=lambda d: torch.finfo(d).bits) if dtypes else None
+
+
 @dataclass(eq=False)
 class ForwardRecord:
     """One forward pass of an extended model.
@@ -197,6 +213,9 @@ class ForwardRecord:
     graph_task: int | None = None
     """The backward pass (its graph task) that pulled the output back with ``create_graph=True``
     (a gradient penalty's ``autograd.grad``), if one did: its gradient is differentiable."""
+    rounding: torch.dtype | None = field(default_factory=lambda: autocast_dtype())
+    """The narrowest dtype autocast computed the forward in (``None``: none in force): its
+    cotangents agree to that dtype's rounding only."""
     taken: TakenCotangents = field(default_factory=TakenCotangents, repr=False)
     """What the user's backward passes bring its calls' outputs (see
     :class:`~packfunc.compat.site_cotangents.TakenCotangents`)."""

@@ -41,6 +41,7 @@ from packfunc.engine.api import (
     cached_discover,
     check_rerun,
     difference_beyond_rounding,
+    forward_precision_only,
     packfunc_passes,
     refuse_differentiation,
 )
@@ -170,7 +171,9 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
     # as BackPACK: the parameters that require gradients (a frozen one is a constant, and
     # outside the norm ClippedGrad clips)
     params = {name: p.detach() for name, p in model.named_parameters() if name in names}
-    cotangents = {False: SiteCotangents(), True: SiteCotangents()}  # per pass
+    cotangents = {  # per pass
+        second: SiteCotangents(rounding=record.rounding) for second in (False, True)
+    }
     problems, passes = _batch_passes(ctx, record, route, gradient, differentiable, X, params, (
         users or cotangents[False], cotangents[True]))  # fmt: skip
     finish = partial(_finish, ctx, record, route, gradient, X, params, problems, passes, cotangents)
@@ -194,7 +197,7 @@ def _as_own_pass(run: Callable[[], None], inputs: Any) -> None:
     """
     try:
         with context.own_pass(), packfunc_passes():
-            run()
+            forward_precision_only(run)()  # (a backward inside autocast: float32 arithmetic)
     except RuntimeError as error:
         clearer = clearer_error(error, inputs)
         if clearer is None:

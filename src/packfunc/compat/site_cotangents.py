@@ -60,6 +60,8 @@ class SiteCotangents:
     scale: Tensor | None = None
     """What the user's backward pass multiplies packfunc's pullback by (a scaled loss, in a
     pass of the extended loss's own gradient); ``None``: one."""
+    rounding: torch.dtype | None = None
+    """The narrowest dtype the forward computed in (autocast's), if narrower than theirs."""
 
     @staticmethod
     def note(into: dict[int, Fingerprint], k: int, g: Tensor | None) -> None:
@@ -147,7 +149,9 @@ class SiteCotangents:
                 handle.remove()
             scale = 1.0 if self.scale is None else self.scale.abs().reshape(())
             differing = [
-                k for k in self.users if bool(_differ(self.ours[k] * scale, self.users[k]))
+                k
+                for k in self.users
+                if bool(_differ(self.ours[k] * scale, self.users[k], self.rounding))
             ]
             if differing:
                 refuse(differing)
@@ -160,7 +164,7 @@ class SiteCotangents:
             self.note(self.users, k, grad_outputs[at])
 
 
-def _differ(ours: Fingerprint, users: Fingerprint) -> Tensor:
+def _differ(ours: Fingerprint, users: Fingerprint, rounding: torch.dtype | None = None) -> Tensor:
     """Whether two cotangents' norms differ beyond rounding (a boolean tensor).
 
     The same nodes compute both from the same gradient: they agree to rounding unless a
@@ -168,14 +172,17 @@ def _differ(ours: Fingerprint, users: Fingerprint) -> Tensor:
     norm by ``2⟨g, p⟩ + ‖p‖²``). Rounding is a thousand of the dtype's epsilon (float32:
     1.2e-4 of the squared norm, float64: 2.2e-13), and at least eight of the narrower one's
     (a bfloat16 cotangent of the user's autocast backward against packfunc's float32:
-    6 %; they differed by 0.9 %, and ClippedGrad was refused at random).
+    6 %; they differed by 0.9 %, and ClippedGrad was refused at random), or of
+    ``rounding``, the dtype autocast computed the forward in (float32 cotangents of
+    bfloat16 ops: GPT-2's differed by 5e-4).
 
     Example:
         >>> bool(_differ(torch.tensor(2.0), torch.tensor(2.0))), bool(
         ...     _differ(torch.tensor(2.0), torch.tensor(2.1)))
         (False, True)
     """
-    narrower = min(ours.dtype, users.dtype, key=lambda d: torch.finfo(d).bits)
+    dtypes = [ours.dtype, users.dtype, *([rounding] if rounding is not None else [])]
+    narrower = min(dtypes, key=lambda d: torch.finfo(d).bits)
     tolerance = max(
         1000 * torch.finfo(torch.promote_types(ours.dtype, users.dtype)).eps,
         8 * torch.finfo(narrower).eps,

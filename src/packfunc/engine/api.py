@@ -46,7 +46,7 @@ from packfunc.engine.ops import (
     linear_in_out,
     make_call,
 )
-from packfunc.engine.precision import difference_beyond_rounding
+from packfunc.engine.precision import difference_beyond_rounding, forward_precision_only
 from packfunc.engine.randomness import random_call
 from packfunc.engine.recurrent import RECURRENT_OPS
 
@@ -79,6 +79,7 @@ __all__ = [
     "cached_discover",
     "check_rerun",
     "difference_beyond_rounding",
+    "forward_precision_only",
     "is_metadata_query",
     "leaves_of",
     "linear_in_out",
