@@ -668,11 +668,11 @@ def _same_normalizer(
     Raises:
         ValueError: after the last batch, if the targets' normalizer differs.
     """
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for X_b, y_b in batches:
-        total += float(mean_normalizer(loss, y_b))
+        total += mean_normalizer(loss, y_b)  # on the device: no sync per batch
         yield X_b, y_b
-    found = sum_counts_over_ranks([total], group, device)[0]
+    found = sum_counts_over_ranks([float(total)], group, device)[0]
     if not math.isclose(found, expected, rel_tol=1e-9, abs_tol=1e-12):
         raise ValueError(
             "data= gave other samples in this pass than in the first pass over its targets "

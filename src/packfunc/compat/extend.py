@@ -561,7 +561,7 @@ def _refuse_mixed_forwards(record: ForwardRecord, ctx: context.Context, task: in
     extensions would show them the later pass's ``input0``/``output``: both refused.
 
     A refusal removes the results this backward pass stored on the model (the other
-    forward's, half of its loss).
+    forward's, half of its loss): :func:`_on_backward` does, for every refusal.
 
     Raises:
         ValueError: naming what to do instead.
@@ -571,7 +571,6 @@ def _refuse_mixed_forwards(record: ForwardRecord, ctx: context.Context, task: in
     _RUN[model] = (task, record.serial)
     name = type(model).__name__
     if ran is not None and ran[0] == task and ran[1] != record.serial:
-        forget_results(model, [ext.savefield for ext in ctx.extensions])
         raise ValueError(
             f"this backward pass goes through two forward passes of the same extended {name}; "
             "BackPACK's extensions keep one forward pass per module, so per-sample results of "

@@ -15,7 +15,7 @@ from torch._C._functorch import is_functorch_wrapped_tensor
 from packfunc.compat.layout import SampleLayout
 from packfunc.compat.site_cotangents import TakenCotangents
 from packfunc.compat.watch import ForwardRecorder
-from packfunc.engine.api import difference_beyond_rounding
+from packfunc.engine.api import autocast_in_force, difference_beyond_rounding
 from packfunc.losses import CLASS_LOSSES
 
 _serials = itertools.count()
@@ -153,18 +153,14 @@ def _memory(tensor: Tensor) -> int:
 
 
 def autocast_dtype() -> torch.dtype | None:
-    """The narrowest dtype of the autocast in force on any device (``None``: none).
+    """The narrowest dtype of the autocast forwards run under now (``None``: none).
 
     Example:
         >>> with torch.autocast("cpu", dtype=torch.bfloat16):
         ...     autocast_dtype()
         torch.bfloat16
     """
-    dtypes = [
-        torch.get_autocast_dtype(device)
-        for device in ("cpu", "cuda")
-        if torch.is_autocast_enabled(device)
-    ]
+    dtypes = [dtype for _, dtype in autocast_in_force()]
     return min(dtypes, key=lambda d: torch.finfo(d).bits) if dtypes else None
 
 

@@ -941,8 +941,10 @@ def _extended_modules(
     Yields:
         ``(module, extension, [(name in the model, name in the module), ...])``.
     """
+    if not ext.module_extensions:  # (the common case: no walk of the model)
+        return
     for prefix, module in model.named_modules():
-        extension = ext.module_extensions.get(type(module)) if ext.module_extensions else None
+        extension = ext.module_extensions.get(type(module))
         if extension is not None:
             handled = [
                 (f"{prefix}.{name}" if prefix else name, name)

@@ -46,12 +46,15 @@ from packfunc.engine.ops import (
     linear_in_out,
     make_call,
 )
-from packfunc.engine.precision import difference_beyond_rounding, forward_precision_only
+from packfunc.engine.precision import (
+    autocast_in_force,
+    difference_beyond_rounding,
+    forward_precision_only,
+)
 from packfunc.engine.randomness import random_call
 from packfunc.engine.recurrent import RECURRENT_OPS
 
 __all__ = [
-    "refuse_differentiation",
     "ATTENTION_OPS",
     "CURVATURES",
     "LINEAR_CALLS",
@@ -74,6 +77,7 @@ __all__ = [
     "Source",
     "Use",
     "UseKind",
+    "autocast_in_force",
     "autograd_record",
     "graph_owner",
     "cached_discover",
