@@ -24,7 +24,6 @@ from typing import Any
 
 import optree
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._functorch.autograd_function import custom_function_call
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -41,7 +40,6 @@ from packfunc.engine.modes import (
     LeafIndex,
     ParameterMode,
     call_replacing,
-    contiguous_gradient,
     is_metadata_query,
     leaves_of,
 )
@@ -686,10 +684,7 @@ class _TappedLeaf(Tensor):
                 if layer is not None:  # as the mode: a linear layer on the rows' source
                     out = recorder._dispatch(linear_in_out, layer, {}, touches=True)
                     return out.reshape(-1, out.shape[-1]) if func is torch.addmm else out
-            out = recorder._dispatch(func, args, kwargs, touches=True)
-            if func is F.batch_norm:  # (in evaluation mode: in training, the mode runs it)
-                contiguous_gradient(out)
-            return out
+            return recorder._dispatch(func, args, kwargs, touches=True)
 
 
 def _as_tapped(out: Any) -> Any:

@@ -54,13 +54,13 @@ from packfunc.engine.model_state import (
     kept_model_state,
 )
 from packfunc.engine.modes import (
+    REWRITTEN_OPS,
     LeafIndex,
     ParameterMode,
     is_metadata_query,
     leaves_of,
     nothing_retained,
     retains_nothing,
-    rewrites,
     tensor_outputs,
 )
 from packfunc.engine.ops import (
@@ -179,7 +179,7 @@ class Plan:
     """Whether the forward changes its input in place: a re-run would see another input."""
     rewritten_ops: set[Callable[..., Any]] = field(default_factory=set)
     """The functions of the calls on parameters that were decomposed or changed (an RNN,
-    attention, BatchNorm in training mode; see :func:`~packfunc.engine.modes.rewrites`)."""
+    attention, BatchNorm; see :data:`~packfunc.engine.modes.REWRITTEN_OPS`)."""
     first_output: Tensor | None = None
     """The model's output for the sample discovery ran on alone, until a batch pass compared
     it with that sample's row (:func:`check_rows_alone`)."""
@@ -322,7 +322,7 @@ class _DiscoveryMode(ParameterMode):
         generator = (kwargs or {}).get("generator")
         if isinstance(generator, torch.Generator) and id(generator) not in self.generators:
             self.generators[id(generator)] = (generator, generator.get_state())
-        if rewrites(func, args, kwargs or {}) and self._touches_parameters(args, kwargs or {}):
+        if func in REWRITTEN_OPS and self._touches_parameters(args, kwargs or {}):
             self.plan.rewritten_ops.add(func)
         out = super().__torch_function__(func, types, args, kwargs)
         if changed is not None:

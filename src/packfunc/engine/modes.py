@@ -160,28 +160,6 @@ REWRITTEN_OPS = (
 """Calls :class:`FunctionalMode` replaces by a decomposition, or refuses, or changes."""
 
 
-def rewrites(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether :class:`FunctionalMode` replaces, refuses or changes this call.
-
-    One of :data:`REWRITTEN_OPS`, but ``F.batch_norm`` only in training mode: in evaluation
-    mode it normalizes with its running statistics, and runs as it is (its output's gradient
-    made contiguous, :func:`contiguous_gradient`).
-
-    Example:
-        >>> x, mean, var = torch.ones(2, 3), torch.zeros(3), torch.ones(3)
-        >>> rewrites(F.batch_norm, (x, mean, var), {})
-        False
-        >>> rewrites(F.batch_norm, (x, None, None), {"training": True})
-        True
-    """
-    if func is F.batch_norm:
-        return bool((dict(zip(_BATCH_NORM_ARGUMENTS, args)) | kwargs).get("training", False))
-    return func in REWRITTEN_OPS
-
-
-_BATCH_NORM_ARGUMENTS = ("input", "running_mean", "running_var", "weight", "bias", "training")
-
-
 def retains_nothing(func: Callable[..., Any], args: tuple[Any, ...]) -> bool:
     """Whether a call is ``t.retain_grad()`` or ``t.register_hook(...)`` where no graph is.
 
@@ -292,7 +270,7 @@ class FunctionalMode(TorchFunctionMode):
                 return func(counter + skipped)
         out = self._dispatch(func, args, kwargs)
         if func is F.batch_norm:
-            contiguous_gradient(out)
+            _contiguous_gradient(out)
         if func in RESHAPES:
             self.rows.remember(func, args, out)
         elif func in ELEMENTWISE:
@@ -364,7 +342,8 @@ def _batch_norm_arguments(
     Without running statistics, training-mode BatchNorm normalizes with the batch's
     mean and variance and updates nothing: a pure function of its input.
     """
-    bound = dict(zip(_BATCH_NORM_ARGUMENTS, args)) | kwargs
+    names = ("input", "running_mean", "running_var", "weight", "bias", "training")
+    bound = dict(zip(names, args)) | kwargs
     if not bound.get("training", False):
         return args, kwargs
     if not batch_statistics:
@@ -397,7 +376,7 @@ def _counts_batches(func: Callable[..., Any], args: tuple[Any, ...]) -> bool:
     )
 
 
-def contiguous_gradient(out: Any) -> None:
+def _contiguous_gradient(out: Any) -> None:
     """Hand a batch norm's backward a contiguous gradient of its output.
 
     torch 2.13's CPU kernel reads a one-sample gradient laid out otherwise (a transposed
