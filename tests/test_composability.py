@@ -170,6 +170,10 @@ def test_a_gradient_through_the_hessian_diagonals_and_kfra_is_refused(quantity):
         total(leaves).backward()
     with pytest.raises(RuntimeError, match=f"packfunc's {quantity} is not differentiable"):
         grad(total)(params)
+    # forward mode too: its tangents were NaN or wrong (a probe), unrefused
+    tangents = {k: torch.ones_like(v) for k, v in params.items()}
+    with pytest.raises(RuntimeError, match=f"packfunc's {quantity} is not differentiable"):
+        torch.func.jvp(total, (params,), (tangents,))
     with torch.no_grad():
         assert not any(
             t.requires_grad
@@ -287,3 +291,49 @@ def test_two_threads_take_hessian_diagonals_of_their_own_models():
     for thread in threads:
         thread.join()
     assert not failures, failures[:3]
+
+
+class _AttentionHead(torch.nn.Module):
+    """Self-attention (``nn.MultiheadAttention``, fused kernels on CPU) and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = torch.nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        found, _ = self.attention(x, x, x, need_weights=False)
+        return self.head(found.mean(1))
+
+
+def test_a_gradient_through_first_order_results_of_attention():
+    """``torch.func.grad`` of a penalty ``Σ_n ‖g_n‖²`` through ``nn.MultiheadAttention``
+    raised torch's "derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward
+    is not implemented" (a probe): packfunc's pass under transforms takes the math kernel,
+    whose backward has a derivative. Equal to a per-sample loop's."""
+    torch.manual_seed(0)
+    model = _AttentionHead().double().eval()
+    model_fn, params = pf.functional(model)
+    params = {k: v.detach().clone() for k, v in params.items()}
+    X, y = torch.randn(5, 2, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    loss = torch.nn.CrossEntropyLoss(reduction="sum")
+
+    def penalty(p: dict) -> Tensor:
+        return sum(v.sum() for v in pf.batch_l2_grad(model_fn, p, X, y, loss=loss).values())
+
+    found = grad(penalty)(params)
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        total = sum(
+            sum(
+                g.square().sum()
+                for g in torch.autograd.grad(
+                    loss(torch.func.functional_call(model, leaves, (X[n : n + 1],)), y[n : n + 1]),
+                    list(leaves.values()),
+                    create_graph=True,
+                )
+            )
+            for n in range(5)
+        )
+        expected = dict(zip(leaves, torch.autograd.grad(total, list(leaves.values()))))
+    assert_trees_close(found, expected)

@@ -856,3 +856,24 @@ def test_an_element_weight_of_another_batch_is_named_with_data():
     split = pf.diag_ggn(fn, params, data=batches, loss=per_entry)
     for name in whole:
         torch.testing.assert_close(split[name], whole[name])
+
+
+def _forces(params: dict, X: torch.Tensor) -> torch.Tensor:
+    """Forces ``-∂E/∂x`` of an energy network, by ``torch.autograd.grad`` in the forward."""
+    x = X if X.requires_grad else X.detach().requires_grad_()
+    with torch.enable_grad():
+        energy = (torch.tanh(x @ params["W1"] + params["b1"]) @ params["W2"]).sum()
+        return -torch.autograd.grad(energy, x, create_graph=True)[0]
+
+
+def test_a_forward_that_differentiates_inside_is_refused():
+    """A force field's forward takes ``torch.autograd.grad`` of its energy: the weights' uses
+    in that inner backward pass were not seen, and ``W2``'s per-sample gradients came out
+    zero (errors up to 2.2; ``batch_grad.sum(0)`` not the batch gradient; a probe). It is
+    refused, naming the inner backward pass."""
+    torch.manual_seed(0)
+    params = {"W1": torch.randn(3, 6), "b1": torch.randn(6), "W2": torch.randn(6, 1)}
+    X, y = torch.randn(5, 3), torch.randn(5, 3)
+    for quantity in (pf.batch_grad, pf.diag_ggn):
+        with pytest.raises(ValueError, match="differentiates inside its forward"):
+            quantity(_forces, params, X, y, loss=nn.MSELoss(reduction="sum"))

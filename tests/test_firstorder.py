@@ -300,42 +300,83 @@ def test_an_eval_batch_norm_of_one_channel_gives_each_sample_its_own_gradient():
     assert_batch_grad_is_a_loop(*pf.functional(model), X, y)
 
 
-def test_batch_norms_before_a_transpose_take_their_gradients_in_a_contiguous_layout():
+def _central_differences(model: nn.Module, X, y, loss, param: torch.Tensor) -> torch.Tensor:
+    """The loss's gradient in ``param`` by central differences (float64 models)."""
+    found, step = torch.zeros_like(param), 1e-6
+    for j in range(param.numel()):
+        with torch.no_grad():
+            param.view(-1)[j] += step
+            up = loss(model(X), y)
+            param.view(-1)[j] -= 2 * step
+            down = loss(model(X), y)
+            param.view(-1)[j] += step
+        found.view(-1)[j] = (up - down) / (2 * step)
+    return found
+
+
+class _TransposedNorms(nn.Module):
+    """A 1×1 conv, two eval BatchNorm2d, then ``reshape`` and ``transpose``: for one sample
+    the norms' backward receives a gradient in channels-last strides."""
+
+    def __init__(self, first: nn.Module, second: nn.Module) -> None:
+        super().__init__()
+        self.conv, self.first, self.second = nn.Conv2d(2, 2, 1), first, second
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.second(self.first(self.conv(x)))
+        return h.reshape(h.shape[0], 2, 6).transpose(1, 2).mean(1)
+
+
+@pytest.mark.parametrize("affine", [(True, True), (True, False), (False, False)])
+def test_batch_norms_before_a_transpose_take_their_gradients_in_a_contiguous_layout(affine):
     """Two eval BatchNorm2d, then ``reshape`` and ``transpose``, one sample: torch's kernel
     reads a gradient in channels-last strides wrongly (plain autograd and torch.func give
     the wrong value here); packfunc's pass handed it such a gradient (0.0099 against 0.0023
-    by central differences). It hands it a contiguous one."""
+    by central differences). It hands it a contiguous one, also where a BatchNorm has no
+    parameters (``affine=False``: its call was not seen, and the conv's gradients came out
+    as zeros against 0.33 and -0.43)."""
     torch.manual_seed(0)
-    norms = nn.Sequential(nn.BatchNorm2d(2), nn.BatchNorm2d(2)).double()
-    for norm in norms:
+    model = _TransposedNorms(*(nn.BatchNorm2d(2, affine=a) for a in affine)).double()
+    for norm in (model.first, model.second):
         norm.running_mean.normal_()
         norm.running_var.uniform_(0.5, 2)
-        with torch.no_grad():
-            norm.weight.normal_()
-            norm.bias.normal_()
-    norms.eval()
-
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norms = norms
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.norms(x)
-            return h.reshape(h.shape[0], 2, 6).transpose(1, 2).mean(1)
-
-    model = Model()
+        if norm.affine:
+            with torch.no_grad():
+                norm.weight.normal_()
+                norm.bias.normal_()
+    model.eval()
     X, y = torch.randn(1, 2, 2, 3, dtype=torch.float64), torch.tensor([1])
     loss = nn.CrossEntropyLoss(reduction="sum")
-    found = pf.batch_grad(*pf.functional(model), X, y, loss=loss)["norms.0.weight"][0]
-    weight, step = norms[0].weight, 1e-6
-    central = []
-    for j in range(2):
-        with torch.no_grad():
-            weight[j] += step
-            up = loss(model(X), y)
-            weight[j] -= 2 * step
-            down = loss(model(X), y)
-            weight[j] += step
-        central.append((up - down) / (2 * step))
-    torch.testing.assert_close(found, torch.stack(central), rtol=1e-6, atol=1e-8)
+    found = pf.batch_grad(*pf.functional(model), X, y, loss=loss)
+    for name, param in model.named_parameters():
+        central = _central_differences(model, X, y, loss, param)
+        torch.testing.assert_close(found[name][0], central, rtol=1e-6, atol=1e-8)
+
+
+class _OneSampleRunningStatistics(nn.BatchNorm1d):
+    """In training mode, normalizes one sample alone with the running statistics (a common
+    guard: a batch of one has no variance), a larger batch with its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and x.shape[0] == 1:
+            return nn.functional.batch_norm(
+                x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
+            )
+        return super().forward(x)
+
+
+def test_a_refused_training_batch_norm_leaves_the_running_statistics_as_they_were():
+    """Discovery (on one sample) sees the running statistics, the batch its own statistics:
+    the refusal comes before the batch's BatchNorm updates a running statistic."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), _OneSampleRunningStatistics(3), nn.Linear(3, 3))
+    model = model.double().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(5, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1])
+    with pytest.raises(ValueError, match="BatchNorm in training mode"):
+        pf.clipped_grad(
+            model_fn, params, X, y, loss=nn.CrossEntropyLoss(reduction="sum"), max_norm=1.0
+        )
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key

@@ -1034,3 +1034,38 @@ def test_clipping_under_autocast_bounds_each_sample_by_max_norm():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             alone = pf.clipped_grad(fn, p, X[n : n + 1], y[n : n + 1], loss=loss, max_norm=bound)
         assert sum((t.double() ** 2).sum() for t in alone.values()).sqrt() <= bound * (1 + 1e-6)
+
+
+def test_the_gradient_through_clipped_sums_is_finite_where_a_sample_has_no_gradient():
+    """A fully padded sequence (``ignore_index``) has a zero gradient: ``sqrt``'s infinite
+    derivative at its zero norm made a gradient through ``clipped_grad`` and
+    ``clip_per_sample`` NaN (a probe). It equals that of the batch without the sample."""
+    torch.manual_seed(0)
+    params = {
+        "W1": torch.randn(3, 4, dtype=torch.float64),
+        "W2": torch.randn(4, 3, dtype=torch.float64),
+    }
+
+    def model_fn(p, X):
+        return (torch.tanh(X @ p["W1"]) @ p["W2"]).transpose(1, 2)  # [N, C, T]
+
+    X = torch.randn(4, 5, 3, dtype=torch.float64)
+    y = torch.randint(0, 3, (4, 5))
+    y[1] = -100  # sample 1 is all padding
+    loss = nn.CrossEntropyLoss(reduction="sum", ignore_index=-100)
+    weights = {k: torch.randn_like(v) for k, v in params.items()}
+
+    def through_clipped_grad(p, X, y):
+        clipped = pf.clipped_grad(model_fn, p, X, y, loss=loss, max_norm=0.5)
+        return sum((clipped[k] * weights[k]).sum() for k in p)
+
+    def through_clip_per_sample(p, X, y):
+        clipped = pf.clip_per_sample(pf.batch_grad(model_fn, p, X, y, loss=loss), 0.5)
+        return sum((clipped[k].sum(0) * weights[k]).sum() for k in p)
+
+    kept = torch.tensor([0, 2, 3])
+    for objective in (through_clipped_grad, through_clip_per_sample):
+        found = torch.func.grad(objective)(params, X, y)
+        expected = torch.func.grad(objective)(params, X[kept], y[kept])
+        for k in params:
+            torch.testing.assert_close(found[k], expected[k])

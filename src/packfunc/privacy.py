@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from typing_extensions import Unpack
 
 from packfunc.data import DataOptions, over_data
-from packfunc.engine.statistics import clipping_factors
+from packfunc.engine.statistics import clipping_factors, norms_from_squares
 from packfunc.evaluation import CLIPPING_EPS, clipping_bounds, one_quantity
 from packfunc.functionalize import flatten_params, functional
 from packfunc.losses import check_loss, default_loss
@@ -769,7 +769,7 @@ def clip_per_sample(batch_grads: ParamsT, max_norm: float, *, batch_l2: PyTree =
                 f"({len(leaves)} leaves, N={num_samples}); got shapes "
                 f"{[tuple(s.shape) for s in squared_norms]}."
             )
-    norms = torch.stack(squared_norms).sum(0).sqrt()
+    norms = norms_from_squares(torch.stack(squared_norms).sum(0))
     factors = clipping_factors(norms, max_norm, CLIPPING_EPS)
     clipped = [g * factors.view(-1, *[1] * (g.dim() - 1)).to(g.dtype) for g in leaves]
     return cast(ParamsT, optree.tree_unflatten(treespec, clipped))

@@ -70,35 +70,62 @@ NO_OP_MODULES: tuple[type[nn.Module], ...] = (
 """Containers that compute nothing themselves: no stored IO, no ``extension_hook`` call."""
 
 
-def _computes_statistic(job: Job) -> bool:
-    """Whether ``job`` is a statistic of column gradients (one batch pass serves them all)."""
-    return job.quantity.family is Family.STATISTIC
+_RERUN = (
+    "packfunc.compat computed it in a pass of its own (the forward this backward pass goes "
+    "through could not be reused: another forward of the model since, a second backward "
+    "pass of it, extended models chained, or a recurrent layer), on the parameters "
+    "detached: a gradient through it would be missing, not refused. Differentiate the "
+    "results of a backward pass that follows its forward directly, or compute it with "
+    "pf.{name} on pf.functional(model)'s function and parameters, which follows their "
+    "gradients."
+)
+_MODULE_EXTENSION = (
+    "a module extension computed it, from gradients that hold no graph (g_inp, g_out and "
+    "backproped are taken without create_graph): a gradient through it would be missing, "
+    "not refused. Remove the module extension (packfunc differentiates the module itself) "
+    "to differentiate this result."
+)
 
 
-def _differentiable_in_the_shim(job: Job) -> bool:
-    """Whether ``job``'s results under ``backward(create_graph=True)`` have right gradients.
+def _why_not_differentiable(job: Job, passes: dict[bool, BatchPass]) -> str | None:
+    """Why ``job``'s results under ``backward(create_graph=True)`` have no right gradient.
 
-    Those from the user's forward (statistics, KFAC/KFLR factors) keep its graph; the
-    Hessian diagonals leave out their residual terms' dependence on the parameters, and
-    KFRA and the block products run the model again on detached parameters.
+    Those from the user's forward (statistics, KFAC/KFLR factors) keep its graph, unless
+    packfunc ran a pass of its own for them (on detached parameters); the Hessian diagonals
+    leave out their residual terms' dependence on the parameters, and KFRA and the block
+    products run the model again on detached parameters.
+
+    Returns:
+        The refusal's reason, ``""`` for the quantity's own (see
+        :func:`_refusing_gradients`), or ``None``: their gradients are right.
     """
-    return job.quantity.differentiable and not job.quantity.reruns_model
+    if not job.quantity.differentiable or job.quantity.reruns_model:
+        return ""
+    if passes[job.second_order].reran:
+        return _RERUN.format(name=job.name)
+    return None
 
 
-def _refusing_gradients(value: Any, live: list[Tensor], name: str) -> Any:
+def _refusing_gradients(value: Any, live: list[Tensor], name: str, why: str | None) -> Any:
     """``value`` (a result, or a block product's function) whose gradient raises.
 
     Args:
         value: A parameter's result: tensors, or a function of a matrix.
         live: The model's parameters that require gradients.
         name: The quantity, for the message.
+        why: Why its gradient would be wrong (``""``: the quantity's own reason; ``None``:
+            it is right, and ``value`` is returned as it is).
 
     Returns:
         ``value`` connected to ``live`` by a node whose backward raises (a function
         returning such values).
     """
+    if why is None:
+        return value
     if callable(value):
         return partial(_refusing_product_gradients, value, live, name)
+    if why:
+        return refuse_differentiation(value, live, name, why=why)
     return refuse_differentiation(value, live, name)
 
 
@@ -179,6 +206,8 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
     finish = partial(_finish, ctx, record, route, gradient, X, params, problems, passes, cotangents)
     if users is None or passes[False].reran or not users.capture(_output_edge(record)):
         record.taken.found.clear()  # (what the hooks took so far is not used)
+        if users is not None:
+            users.stop_capturing()
         finish(retained)
     else:  # the extensions run when the user's backward pass has brought every cotangent
         forget_results(record.model, savefields)  # (read during it: none, not the last step's)
@@ -290,7 +319,7 @@ def _finish(
     for ext, (fn, loss, y) in zip(ctx.extensions, problems):
         job = ext.job()
         with torch.set_grad_enabled(differentiable):
-            if _computes_statistic(job):
+            if job.computes_statistic:
                 results[ext.savefield] = evaluate(
                     passes[job.second_order], (job.name,), **_options(job, names)
                 )[job.name]
@@ -300,11 +329,15 @@ def _finish(
             else:
                 own_output = partial(_check_own_output, record, route if job.second_order else None)
                 results[ext.savefield] = _compute(job, record, fn, params, X, y, loss, own_output)
-        results[ext.savefield].update(_module_extensions(ext, job, record, route, gradient))
-        if differentiable and not _differentiable_in_the_shim(job):
+        by_extensions = _module_extensions(ext, job, record, route, gradient)
+        results[ext.savefield].update(by_extensions)
+        if differentiable:
             live: list[Tensor] = [model.get_parameter(name) for name in names]
+            why = _why_not_differentiable(job, passes)
             results[ext.savefield] = {
-                name: _refusing_gradients(value, live, job.name)
+                name: _refusing_gradients(
+                    value, live, job.name, _MODULE_EXTENSION if name in by_extensions else why
+                )
                 for name, value in results[ext.savefield].items()
             }
     for ext in ctx.extensions:
@@ -908,7 +941,7 @@ def _module_extensions(
     """Results of the module extensions registered on ``ext``, by parameter name."""
     if not _handled_by_module_extensions(ext, record.model):
         return {}
-    if not (_computes_statistic(job) or _uses_forward(job)):  # KFRA, block products
+    if not (job.computes_statistic or _uses_forward(job)):  # KFRA, block products
         names = ", ".join(sorted(type_.__name__ for type_ in ext.module_extensions))
         raise ValueError(
             f"{type(ext).__name__} runs the model again in packfunc.compat (its own pass), "
@@ -919,6 +952,7 @@ def _module_extensions(
     found: dict[str, Any] = {}
     output = _live_output(record)
     backproped = None
+    _refuse_shared_parameters(ext, record.model)
     for module, extension, handled in _extended_modules(ext, record.model):
         io = stored_io(module)
         module_output = io.get("output")
@@ -931,6 +965,31 @@ def _module_extensions(
         for key, name in handled:
             found[key] = getattr(extension, name)(ext, module, g_inp, g_out, backproped)
     return found
+
+
+def _refuse_shared_parameters(ext: BackpropExtension, model: nn.Module) -> None:
+    """Refuse a module extension's parameter that another module holds too (tied).
+
+    The extension's result covers its own module's use of it; it replaced the whole
+    parameter's (a per-sample gradient not summing to ``.grad``; BackPACK's is wrong too).
+
+    Raises:
+        ValueError: if a parameter a module extension handles is held at two paths.
+    """
+    paths: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        paths.setdefault(id(param), []).append(name)
+    for _, _, handled in _extended_modules(ext, model):
+        for key, _ in handled:
+            held = paths[id(model.get_parameter(key))]
+            if len(held) > 1:
+                raise ValueError(
+                    f"the parameter {key} that a module extension of {type(ext).__name__} "
+                    f"computes is shared with {', '.join(h for h in held if h != key)}: the "
+                    "extension's result covers its own module's use of it only. Untie the "
+                    "parameter, or remove the module extension (packfunc differentiates any "
+                    "module itself, tied parameters too)."
+                )
 
 
 def _extended_modules(

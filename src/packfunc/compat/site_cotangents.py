@@ -26,7 +26,6 @@ from torch.autograd.graph import GradientEdge
 
 from packfunc.compat import context
 from packfunc.engine.api import BatchRecord, SiteConsumer
-from packfunc.specs import Family
 
 if TYPE_CHECKING:
     from packfunc.compat.context import Context
@@ -199,7 +198,7 @@ def first_order_only(ctx: Context | None) -> bool:
     """
     return ctx is not None and all(
         not ext.job().second_order
-        and ext.job().quantity.family is Family.STATISTIC
+        and ext.job().computes_statistic
         and not getattr(ext, "module_extensions", None)
         for ext in ctx.extensions
     )
@@ -276,6 +275,7 @@ class UsersCotangents:
     edges: dict[int, GradientEdge] = field(default_factory=dict)
     shapes: Shapes = field(default_factory=dict)
     _at_output: set[int] = field(default_factory=set)
+    _capturing: bool = True
 
     def watching(
         self, record: BatchRecord, edges: dict[int, GradientEdge], shapes: Shapes
@@ -293,12 +293,12 @@ class UsersCotangents:
         self.edges, self.shapes = dict(edges), dict(shapes)
 
         def pullback(cotangent: Tensor) -> dict[int, Tensor]:
-            if not _of_the_loss_gradient(watched_ref, cotangent):
+            if not (self._capturing and _of_the_loss_gradient(watched_ref, cotangent)):
                 return record.pullback(cotangent)
             return self.handed(cotangent, None, last=False)
 
         def last_pullback(cotangent: Tensor, consume: SiteConsumer | None) -> dict[int, Tensor]:
-            if not _of_the_loss_gradient(watched_ref, cotangent):
+            if not (self._capturing and _of_the_loss_gradient(watched_ref, cotangent)):
                 return record.last_pullback(cotangent, consume)
             return self.handed(cotangent, consume, last=True)
 
@@ -321,9 +321,18 @@ class UsersCotangents:
             self.taken.task, self.taken.found = task, {}
         self._at_output = {k for k, edge in self.edges.items() if _same_edge(edge, output)}
         hooked = [k for k in self.edges if k not in self._at_output]
-        return self.taken.hooked and all(
+        self._capturing = self.taken.hooked and all(
             torch._C._will_engine_execute_node(self.edges[k].node) for k in hooked
         )
+        return self._capturing
+
+    def stop_capturing(self) -> None:
+        """Let the pullbacks of the loss gradient run through the user's graph themselves.
+
+        For a backward pass that does not bring every site's cotangent (see :meth:`capture`)
+        or is not used: the sites it leaves out got zeros from :meth:`handed`.
+        """
+        self._capturing = False
 
     def handed(
         self, cotangent: Tensor, consume: SiteConsumer | None, last: bool

@@ -13,6 +13,7 @@ from typing import Any, cast
 import optree
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 
 def vjp(func: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[..., tuple[Any, ...]]]:
@@ -164,6 +165,14 @@ class _Undifferentiable(torch.autograd.Function):
             f"inputs: {ctx.why}"
         )
 
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        """Forward mode (``torch.func.jvp``, ``jacfwd``) refuses as reverse mode does."""
+        raise RuntimeError(
+            f"packfunc's {ctx.name} is not differentiable with respect to the parameters or "
+            f"inputs (forward mode either): {ctx.why}"
+        )
+
 
 _SECOND_DERIVATIVES_HELD = (
     "it holds the second derivatives through the layers before each parameter constant, so "
@@ -206,7 +215,8 @@ def refuse_differentiation(
     """
     tensors = [t for t in optree.tree_leaves(inputs) if isinstance(t, Tensor)]
     sources = [*leaves, *(t for t in tensors if t.is_floating_point())]
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in sources)):
+    reverse = torch.is_grad_enabled() and any(t.requires_grad for t in sources)
+    if not (reverse or any(_has_tangent(t) for t in sources)):
         return value
 
     def refused(t: Any) -> Any:
@@ -215,6 +225,11 @@ def refuse_differentiation(
         return _Undifferentiable.apply(t, name, why, *sources)  # type: ignore[no-untyped-call]
 
     return optree.tree_map(refused, value, none_is_leaf=True)
+
+
+def _has_tangent(t: Tensor) -> bool:
+    """Whether ``t`` carries a forward-mode tangent (``torch.func.jvp``, ``jacfwd``, dual)."""
+    return forward_ad.unpack_dual(t).tangent is not None
 
 
 def under_vmap() -> bool:

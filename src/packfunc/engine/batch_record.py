@@ -42,6 +42,7 @@ from packfunc.engine.modes import (
     call_replacing,
     is_metadata_query,
     leaves_of,
+    twice_differentiable,
 )
 from packfunc.engine.ops import (
     LINEAR_CALLS,
@@ -611,9 +612,12 @@ def record(
         return output, inputs
 
     probes = zero_probes(plan, plan.active(), n)
-    output, probe_pullback, inputs = vjp_with_aux(output_of_probes, probes)
-    value, loss_pullback = vjp(lambda out: loss(out, y), output)
-    (output_cotangent,) = loss_pullback(torch.ones_like(value))
+    # (under torch.func or with leaves that take gradients, the results may be differentiated
+    # again: attention's fused kernels have no derivative of their backward)
+    with twice_differentiable():
+        output, probe_pullback, inputs = vjp_with_aux(output_of_probes, probes)
+        value, loss_pullback = vjp(lambda out: loss(out, y), output)
+        (output_cotangent,) = loss_pullback(torch.ones_like(value))
 
     def pullback(cotangent: Tensor) -> dict[int, Tensor]:
         (found,) = probe_pullback(cotangent)

@@ -179,7 +179,9 @@ class Plan:
     """Whether the forward changes its input in place: a re-run would see another input."""
     rewritten_ops: set[Callable[..., Any]] = field(default_factory=set)
     """The functions of the calls on parameters that were decomposed or changed (an RNN,
-    attention, BatchNorm; see :data:`~packfunc.engine.modes.REWRITTEN_OPS`)."""
+    attention; see :data:`~packfunc.engine.modes.REWRITTEN_OPS`), and ``F.batch_norm`` if
+    any BatchNorm was called, with parameters or not (the mode hands its backward a
+    contiguous gradient, refuses training mode and keeps the running statistics)."""
     first_output: Tensor | None = None
     """The model's output for the sample discovery ran on alone, until a batch pass compared
     it with that sample's row (:func:`check_rows_alone`)."""
@@ -322,7 +324,10 @@ class _DiscoveryMode(ParameterMode):
         generator = (kwargs or {}).get("generator")
         if isinstance(generator, torch.Generator) and id(generator) not in self.generators:
             self.generators[id(generator)] = (generator, generator.get_state())
-        if func in REWRITTEN_OPS and self._touches_parameters(args, kwargs or {}):
+        # (any BatchNorm: the mode hands its backward a contiguous gradient, parameters or not)
+        if func in REWRITTEN_OPS and (
+            func is F.batch_norm or self._touches_parameters(args, kwargs or {})
+        ):
             self.plan.rewritten_ops.add(func)
         out = super().__torch_function__(func, types, args, kwargs)
         if changed is not None:
@@ -844,6 +849,8 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
                 generator.set_state(state)
         if drew():
             mode.plan.note_random(DEFAULT_GENERATOR_DRAW)
+    if operators.backward:
+        raise ValueError(_BACKWARD_IN_THE_FORWARD)
     mode.plan.rewritten_ops |= mode.rows.rewritten  # (the tapped path sees no flat rows' source)
     mode.plan.updated_buffer = changed[0] if changed else None
     mode.plan.updated_input = not _equal_trees(sample, X_first)  # (the batch is untouched)
@@ -877,6 +884,17 @@ _SAMPLES_OUT_OF_SIGHT = (
 """Discovery's refusal of a model whose output it did not see depend on the samples."""
 
 
+_BACKWARD_IN_THE_FORWARD = (
+    "model_fn differentiates inside its forward (torch.autograd.grad or .backward(), e.g. "
+    "forces as -dE/dx of an energy, an input gradient): the parameters' uses in that inner "
+    "backward pass are out of packfunc's sight, and its per-sample quantities and curvature "
+    "would be wrong. packfunc does not support such models; compute these quantities with "
+    "per-sample autograd (torch.autograd.grad on each sample's loss, create_graph=True "
+    "inside)."
+)
+"""Discovery's refusal of a forward that runs a backward pass of its own."""
+
+
 class _OperatorsInSight(TorchDispatchMode):
     """Calls every operator from Python, so that a function mode sees code that bypasses it.
 
@@ -896,10 +914,15 @@ class _OperatorsInSight(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.calling = False
+        # whether an operator ran in a backward pass inside the forward: another than the one
+        # discovery may run in (the shim's, inside the user's backward pass)
+        self.task, self.backward = torch._C._current_graph_task_id(), False
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
+        if torch._C._current_graph_task_id() != self.task:
+            self.backward = True
         calling, self.calling = self.calling, True
         try:
             return func(*args, **(kwargs or {}))

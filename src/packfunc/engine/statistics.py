@@ -345,7 +345,29 @@ def _joint_norms(squares: list[Tensor], kept: SampleRows) -> Tensor:
         tensor([5.])
     """
     parts = squares + ([kept.squared_norms()] if kept.rows else [])
-    return torch.stack(parts).sum(0).sqrt()
+    return norms_from_squares(torch.stack(parts).sum(0))
+
+
+def norms_from_squares(squares: Tensor) -> Tensor:
+    """The square roots of squared norms, with a zero gradient where one is zero.
+
+    ``sqrt``'s derivative is infinite at zero: a sample whose gradient is zero (a padded
+    sequence, a target met exactly) made a gradient through the clipped sum NaN. At zero
+    the norm's subgradient zero is taken (the clipping factor there is one, flat in it).
+
+    Args:
+        squares: Squared norms, ``>= 0``.
+
+    Returns:
+        Their square roots (NaN and inf as they are).
+
+    Example:
+        >>> s = torch.tensor([0.0, 4.0], requires_grad=True)
+        >>> norms_from_squares(s).sum().backward(); s.grad
+        tensor([0.0000, 0.2500])
+    """
+    zero = squares == 0  # (a NaN or inf stays one: the clipping refuses it)
+    return torch.where(zero, 0, torch.where(zero, 1, squares).sqrt())
 
 
 def _squared_norms(

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from packfunc.specs import Quantity
+from packfunc.specs import Family, Quantity
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,11 @@ class Job:
     def name(self) -> str:
         """The quantity's name (that of its public function)."""
         return self.quantity.name
+
+    @property
+    def computes_statistic(self) -> bool:
+        """Whether it is a statistic of column gradients (one batch pass serves them all)."""
+        return self.quantity.family is Family.STATISTIC
 
 
 @dataclass
