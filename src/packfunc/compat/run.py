@@ -73,7 +73,8 @@ NO_OP_MODULES: tuple[type[nn.Module], ...] = (
 _RERUN = (
     "packfunc.compat computed it in a pass of its own (the forward this backward pass goes "
     "through could not be reused: another forward of the model since, a second backward "
-    "pass of it, extended models chained, or a recurrent layer), on the parameters "
+    "pass of it, extended models chained, a recurrent or attention layer, or other calls "
+    "packfunc runs differently), on the parameters "
     "detached: a gradient through it would be missing, not refused. Differentiate the "
     "results of a backward pass that follows its forward directly, or compute it with "
     "pf.{name} on pf.functional(model)'s function and parameters, which follows their "
@@ -968,10 +969,12 @@ def _module_extensions(
 
 
 def _refuse_shared_parameters(ext: BackpropExtension, model: nn.Module) -> None:
-    """Refuse a module extension's parameter that another module holds too (tied).
+    """Refuse a module extension's parameter registered at two paths (tied, or one module twice).
 
-    The extension's result covers its own module's use of it; it replaced the whole
-    parameter's (a per-sample gradient not summing to ``.grad``; BackPACK's is wrong too).
+    The extension's result covers one call's use of it; it replaced the whole parameter's
+    (a per-sample gradient not summing to ``.grad``; BackPACK's is wrong too). A module
+    registered twice but called once (a second handle) is refused too: the paths do not
+    tell it from one called at both places.
 
     Raises:
         ValueError: if a parameter a module extension handles is held at two paths.
@@ -985,10 +988,12 @@ def _refuse_shared_parameters(ext: BackpropExtension, model: nn.Module) -> None:
             if len(held) > 1:
                 raise ValueError(
                     f"the parameter {key} that a module extension of {type(ext).__name__} "
-                    f"computes is shared with {', '.join(h for h in held if h != key)}: the "
-                    "extension's result covers its own module's use of it only. Untie the "
-                    "parameter, or remove the module extension (packfunc differentiates any "
-                    "module itself, tied parameters too)."
+                    f"computes is also registered as {', '.join(h for h in held if h != key)} "
+                    "(a tied parameter, or one module at two places): the extension's result "
+                    "covers one module call's use of it only (BackPACK's stores the last "
+                    "call's input). Untie the parameter or call the module once (a second "
+                    "handle to a submodule counts too: keep it out of the module tree), or "
+                    "remove the module extension (packfunc differentiates any module itself)."
                 )
 
 
