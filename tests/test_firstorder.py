@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import packfunc as pf
@@ -380,3 +381,32 @@ def test_a_refused_training_batch_norm_leaves_the_running_statistics_as_they_wer
         )
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+class _StandardizedConv(nn.Conv2d):
+    """timm's ``StdConv2d``: the weight standardized by a training-mode ``F.batch_norm`` of
+    the weight itself (BiT's ResNetV2, NFNets' scaled form)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = F.batch_norm(
+            self.weight.reshape(1, self.out_channels, -1),
+            None,
+            None,
+            training=True,
+            momentum=0.0,
+            eps=1e-6,
+        ).reshape_as(self.weight)
+        return F.conv2d(x, weight, self.bias, self.stride, self.padding)
+
+
+def test_weight_standardization_by_a_batch_norm_of_the_weight():
+    """A training-mode BatchNorm of a parameter normalizes no samples: it was refused as
+    BatchNorm in training mode (a probe). Per-sample gradients equal a loop's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        _StandardizedConv(2, 3, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(48, 2)
+    ).double()
+    X, y = torch.randn(3, 2, 4, 4, dtype=torch.float64), torch.tensor([0, 1, 1])
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    found = pf.batch_grad(*pf.functional(model), X, y, loss=loss)
+    assert_trees_close(found, autograd_batch_grad(model, loss, X, y))

@@ -251,8 +251,9 @@ class FunctionalMode(TorchFunctionMode):
             flat = self._flat_rows(out)
             self.rows.of[id(flat)] = (flat, out)
             return flat
-        if func is F.batch_norm:
-            args, kwargs = _batch_norm_arguments(args, kwargs, self.batch_statistics)
+        if func is F.batch_norm:  # (of parameters alone: weight standardization, no samples)
+            alone = self._made_of_parameters(args[0] if args else kwargs.get("input"))
+            args, kwargs = _batch_norm_arguments(args, kwargs, self.batch_statistics or alone)
         elif func is F.instance_norm and self.batch_statistics:  # (as BatchNorm: untouched)
             args, kwargs = without_running_updates(func, args, kwargs)
         if _counts_batches(func, args):
@@ -307,6 +308,10 @@ class FunctionalMode(TorchFunctionMode):
 
     def _is_parameter(self, value: Any) -> bool:
         return self.leaf_of is not None and self.leaf_of(value) is not None
+
+    def _made_of_parameters(self, value: Any) -> bool:
+        """Whether ``value`` is a parameter or made of parameters alone (no sample in it)."""
+        return False
 
     def _dispatch(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -515,6 +520,10 @@ class ParameterMode(FunctionalMode):
         handle the fused op; only ``vmap`` over samples needs the decomposition.)
         """
         return self._touches_parameters(args, kwargs)
+
+    def _made_of_parameters(self, value: Any) -> bool:
+        found = self.derived.get(id(value))
+        return self.leaf_of(value) is not None or (found is not None and found[0] is value)
 
     def _touches_parameters(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """A cheap test whether any argument (or list item) is a parameter or derived from one."""
