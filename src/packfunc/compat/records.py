@@ -15,7 +15,7 @@ from torch._C._functorch import is_functorch_wrapped_tensor
 from packfunc.compat.layout import SampleLayout
 from packfunc.compat.site_cotangents import TakenCotangents
 from packfunc.compat.watch import ForwardRecorder
-from packfunc.engine.api import autocast_in_force, difference_beyond_rounding
+from packfunc.engine.api import autocast_in_force, difference_beyond_rounding, narrowest
 from packfunc.losses import CLASS_LOSSES
 
 _serials = itertools.count()
@@ -161,7 +161,7 @@ def autocast_dtype() -> torch.dtype | None:
         torch.bfloat16
     """
     dtypes = [dtype for _, dtype in autocast_in_force()]
-    return min(dtypes, key=lambda d: torch.finfo(d).bits) if dtypes else None
+    return narrowest(*dtypes) if dtypes else None
 
 
 @dataclass(eq=False)

@@ -940,7 +940,8 @@ def _module_extensions(
     ext: BackpropExtension, job: Job, record: ForwardRecord, route: LossRoute, gradient: Tensor
 ) -> dict[str, Any]:
     """Results of the module extensions registered on ``ext``, by parameter name."""
-    if not _handled_by_module_extensions(ext, record.model):
+    extended = list(_extended_modules(ext, record.model))
+    if not any(handled for _, _, handled in extended):
         return {}
     if not (job.computes_statistic or _uses_forward(job)):  # KFRA, block products
         names = ", ".join(sorted(type_.__name__ for type_ in ext.module_extensions))
@@ -953,8 +954,8 @@ def _module_extensions(
     found: dict[str, Any] = {}
     output = _live_output(record)
     backproped = None
-    _refuse_shared_parameters(ext, record.model)
-    for module, extension, handled in _extended_modules(ext, record.model):
+    _refuse_shared_parameters(ext, record.model, extended)
+    for module, extension, handled in extended:
         io = stored_io(module)
         module_output = io.get("output")
         if module_output is None:
@@ -968,7 +969,11 @@ def _module_extensions(
     return found
 
 
-def _refuse_shared_parameters(ext: BackpropExtension, model: nn.Module) -> None:
+def _refuse_shared_parameters(
+    ext: BackpropExtension,
+    model: nn.Module,
+    extended: list[tuple[nn.Module, Any, list[tuple[str, str]]]],
+) -> None:
     """Refuse a module extension's parameter registered at two paths (tied, or one module twice).
 
     The extension's result covers one call's use of it; it replaced the whole parameter's
@@ -976,13 +981,18 @@ def _refuse_shared_parameters(ext: BackpropExtension, model: nn.Module) -> None:
     registered twice but called once (a second handle) is refused too: the paths do not
     tell it from one called at both places.
 
+    Args:
+        ext: The extension whose module extensions run.
+        model: The extended model.
+        extended: Its modules with a module extension (:func:`_extended_modules`).
+
     Raises:
         ValueError: if a parameter a module extension handles is held at two paths.
     """
     paths: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         paths.setdefault(id(param), []).append(name)
-    for _, _, handled in _extended_modules(ext, model):
+    for _, _, handled in extended:
         for key, _ in handled:
             held = paths[id(model.get_parameter(key))]
             if len(held) > 1:

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
 from packfunc.compat import context
-from packfunc.engine.api import BatchRecord, SiteConsumer
+from packfunc.engine.api import BatchRecord, SiteConsumer, narrowest
 
 if TYPE_CHECKING:
     from packfunc.compat.context import Context
@@ -181,7 +181,7 @@ def _differ(ours: Fingerprint, users: Fingerprint, rounding: torch.dtype | None 
         (False, True)
     """
     dtypes = [ours.dtype, users.dtype, *([rounding] if rounding is not None else [])]
-    narrower = min(dtypes, key=lambda d: torch.finfo(d).bits)
+    narrower = narrowest(*dtypes)
     tolerance = max(
         1000 * torch.finfo(torch.promote_types(ours.dtype, users.dtype)).eps,
         8 * torch.finfo(narrower).eps,

@@ -50,6 +50,7 @@ from packfunc.engine.precision import (
     autocast_in_force,
     difference_beyond_rounding,
     forward_precision_only,
+    narrowest,
 )
 from packfunc.engine.randomness import random_call
 from packfunc.engine.recurrent import RECURRENT_OPS
@@ -88,6 +89,7 @@ __all__ = [
     "leaves_of",
     "linear_in_out",
     "make_call",
+    "narrowest",
     "packfunc_passes",
     "parameter_sources",
     "random_call",

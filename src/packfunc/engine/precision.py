@@ -175,6 +175,16 @@ def widest(leaves: list[Tensor]) -> Tensor:
     )
 
 
+def narrowest(*dtypes: torch.dtype) -> torch.dtype:
+    """The floating dtype of fewest bits among ``dtypes`` (the first of those tied).
+
+    Example:
+        >>> narrowest(torch.float32, torch.bfloat16, torch.float16)
+        torch.bfloat16
+    """
+    return min(dtypes, key=lambda d: torch.finfo(d).bits)
+
+
 def in_loss_dtype(output: Tensor, leaves: list[Tensor]) -> Tensor:
     """The model's real output in the dtype the loss is formed in: the widest leaf's.
 
@@ -257,7 +267,7 @@ def difference_beyond_rounding(
         return f"has shape {tuple(found.shape)}, the other {tuple(expected.shape)}"
     if found.is_complex() or expected.is_complex():  # (real and imaginary parts, each)
         return difference_beyond_rounding(_as_real(found), _as_real(expected), scale)
-    dtype = min(found.dtype, expected.dtype, key=lambda d: torch.finfo(d).bits)
+    dtype = narrowest(found.dtype, expected.dtype)
     a, b = found.detach().double(), expected.detach().double()
     if not b.numel():
         return None
