@@ -68,6 +68,70 @@ def test_vmap_over_an_ensemble_equals_each_member(case):
         )
 
 
+class _MixesByCoefficient(nn.Module):
+    """``h - c·mean_n h``: mixes the samples unless its buffer-free coefficient ``c`` is 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.c = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inner(x))
+        return self.outer(h - self.c * h.mean(0))
+
+
+@pytest.mark.parametrize(
+    "quantity", ["batch_grad", "batch_l2_grad", "diag_ggn", "kflr", "clipped_grad"]
+)
+def test_a_model_mixing_samples_only_under_vmap_gives_nan_for_its_members_alone(quantity):
+    """Under vmap the rows check cannot raise: the mixing members' results are NaN, not wrong.
+
+    Member 0 (``c = 0``) is per-sample and equals its loop; member 1 mixes the samples,
+    which outside vmap is refused (every entry of its result is NaN, never a number).
+    """
+    torch.manual_seed(0)
+    model = _MixesByCoefficient().double()
+    members = [model, copy.deepcopy(model)]
+    with torch.no_grad():
+        members[1].c.fill_(1.0)
+    stacked, _ = stack_module_state(members)
+    base = copy.deepcopy(model).to("meta")
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    options = {"clipped_grad": {"max_norm": 0.1}, "kflr": {"on_unsupported": "skip"}}
+    options = options.get(quantity, {})
+
+    def model_fn(params, X):
+        return functional_call(base, params, (X,))
+
+    def result(params):
+        found = getattr(pf, quantity)(model_fn, params, X, y, loss=loss, **options)
+        return [t for t in torch.utils._pytree.tree_leaves(found) if t is not None]
+
+    found = vmap(result)(stacked)
+    assert all(bool(t[1].isnan().all()) for t in found)
+    assert all(bool(t[0].isfinite().all()) for t in found)
+    expected = result(dict(model.named_parameters()))  # member 0 alone, checked outside vmap
+    assert_trees_close([t[0] for t in found], expected, quantity)
+    mixing_fn, mixing_params = pf.functional(members[1])  # (a plan of its own)
+    with pytest.raises(ValueError, match="mixes samples"):
+        getattr(pf, quantity)(mixing_fn, mixing_params, X, y, loss=loss, **options)
+
+
+def test_vmap_over_batches_of_a_mixing_model_gives_nan():
+    """vmap over several batches (the inputs batched, not the parameters) poisons them all."""
+    torch.manual_seed(0)
+    model = _MixesByCoefficient()
+    with torch.no_grad():
+        model.c.fill_(0.5)
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(3, 4, 3), torch.randint(0, 2, (3, 4))
+    loss = nn.CrossEntropyLoss()
+    found = vmap(lambda X, y: pf.batch_grad(model_fn, params, X, y, loss=loss))(X, y)
+    assert all(bool(v.isnan().all()) for v in found.values())
+
+
 @pytest.mark.parametrize("case", COMPOSED_CASES, indirect=True)
 def test_grad_of_mean_batch_l2_matches_double_backward(case):
     problem = make_problem(case, n=3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -221,6 +222,31 @@ def test_a_parameter_inside_a_transform_of_the_forward_is_refused(transform):
         pf.batch_grad(model_fn, params, torch.randn(3, 3), torch.tensor([0, 1, 0]))
 
 
+def test_a_maml_step_in_the_forward_names_the_transform():
+    """A torch.func.grad of the forward's own, with the parameters themselves wrapped by it
+    (a MAML inner step on a fixed support set): the refusal said the rows mix samples."""
+
+    class InnerStep(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(3, 2)
+            self.register_buffer("support", torch.randn(5, 3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            params = dict(self.body.named_parameters())
+
+            def support_loss(q: dict[str, torch.Tensor]) -> torch.Tensor:
+                return torch.func.functional_call(self.body, q, (self.support,)).square().sum()
+
+            step = torch.func.grad(support_loss)(params)
+            adapted = {k: params[k] - 0.1 * step[k] for k in params}
+            return torch.func.functional_call(self.body, adapted, (x,))
+
+    model_fn, params = pf.functional(InnerStep())
+    with pytest.raises(ValueError, match="inside a torch.func transform of its own forward"):
+        pf.batch_grad(model_fn, params, torch.randn(4, 3), torch.tensor([0, 1, 0, 1]))
+
+
 class _Cube(torch.autograd.Function):
     """``x · w³`` with its own backward, batched by torch's generated vmap rule."""
 
@@ -268,6 +294,29 @@ def test_a_parameter_inside_a_custom_function_names_it_for_hessians(quantity):
         torch.testing.assert_close(found[n], expected)
     with pytest.raises(ValueError, match="custom torch.autograd.Function _Cube"):
         getattr(pf, quantity)(model_fn, params, X, y, loss=loss)
+
+
+def test_a_custom_function_under_the_callers_vmap_is_refused_naming_the_vmap():
+    """An ensemble's vmap around batch_grad: the refusal spoke of second derivatives alone."""
+
+    class WithCustomFunction(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.w = nn.Linear(3, 2), nn.Parameter(torch.rand(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _Cube.apply(self.inner(x), self.w)
+
+    members = [WithCustomFunction(), WithCustomFunction()]
+    stacked, _ = torch.func.stack_module_state(members)
+    base = copy.deepcopy(members[0]).to("meta")
+
+    def model_fn(params, X):
+        return torch.func.functional_call(base, params, (X,))
+
+    X, y = torch.randn(3, 3), torch.tensor([0, 1, 0])
+    with pytest.raises(ValueError, match="vmap/grad around the packfunc call"):
+        torch.func.vmap(lambda p: pf.batch_grad(model_fn, p, X, y))(stacked)
 
 
 def test_the_last_sample_alone_is_compared_too():

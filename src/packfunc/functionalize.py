@@ -22,6 +22,7 @@ from packfunc.engine.model_state import (
     submodules,
 )
 from packfunc.engine.precision import forward_precision_only
+from packfunc.engine.vmap_checks import poisoned, poisoning_results
 from packfunc.reparametrize import call_with_tensors
 from packfunc.types import ModelFn
 
@@ -230,8 +231,9 @@ def public_entry(function: F) -> F:
     model's forward passes autocast; statistics are formed in the parameters' dtype
     (see :mod:`packfunc.engine.precision`). Inside a function compiled with
     ``torch.compile``, the call runs eagerly (``torch.compiler.disable``): the compiled
-    code breaks its graph around it. Gradient mode is handled by the functions
-    themselves.
+    code breaks its graph around it. Under ``torch.func.vmap``, a check of values that
+    fails makes the result NaN (:mod:`packfunc.engine.vmap_checks`). Gradient mode is
+    handled by the functions themselves.
 
     Args:
         function: A public function.
@@ -252,12 +254,14 @@ def public_entry(function: F) -> F:
         if torch.compiler.is_compiling():  # traced by torch.compile: run eagerly, around it
             return torch.compiler.disable(run)(*args, **kwargs)
         try:
-            with packfunc_passes():
+            with packfunc_passes(), poisoning_results() as failed_checks:
                 if not torch.is_inference_mode_enabled():
-                    return precise(*args, **kwargs)
-                with torch.inference_mode(False):
-                    args, kwargs = normal_tensors((args, kwargs))
-                    return precise(*args, **kwargs)
+                    result = precise(*args, **kwargs)
+                else:
+                    with torch.inference_mode(False):
+                        args, kwargs = normal_tensors((args, kwargs))
+                        result = precise(*args, **kwargs)
+            return poisoned(result, failed_checks)
         except RuntimeError as error:
             clearer = clearer_error(error, (args, kwargs))
             if clearer is None:

@@ -78,10 +78,11 @@ class PlanMismatch(RuntimeError):
 
 _CUSTOM_FUNCTION = (
     "model_fn passes a parameter to the custom torch.autograd.Function {name}: under torch.func "
-    "transforms its calls are hidden behind its own backward, so packfunc cannot take this "
-    "quantity's second derivatives through it (its first-order quantities and GGN take the "
-    "whole-model path). Use a GGN quantity (diag_ggn, batch_diag_ggn) instead of the Hessian "
-    "one, or write the function with differentiable torch ops."
+    "transforms (the second derivatives of a Hessian quantity, or torch.func.vmap/grad around "
+    "the packfunc call) its calls are hidden behind its own backward, so packfunc cannot "
+    "follow them. Called outside transforms, its first-order quantities and GGN take the "
+    "whole-model path; for a Hessian quantity use a GGN one (diag_ggn, batch_diag_ggn), or "
+    "write the function with differentiable torch ops."
 )
 
 

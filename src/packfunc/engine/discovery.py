@@ -40,7 +40,12 @@ import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._C._functorch import is_functorch_wrapped_tensor, maybe_current_level
+from torch._C._functorch import (
+    get_unwrapped,
+    is_functorch_wrapped_tensor,
+    maybe_current_level,
+    maybe_get_level,
+)
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -82,9 +87,11 @@ from packfunc.engine.ops import (
 from packfunc.engine.precision import (
     autocast_in_force,
     difference_beyond_rounding,
+    differs_beyond_rounding,
     forward_autocast,
 )
 from packfunc.engine.randomness import DEFAULT_GENERATOR_DRAW, private_generators, random_call
+from packfunc.engine.vmap_checks import poison_where
 from packfunc.functionalize import (
     check_no_cached_parametrizations,
     closed_over,
@@ -311,7 +318,9 @@ class _DiscoveryMode(ParameterMode):
         if func is F.embedding_bag:
             frequencies = bag_option(args, kwargs or {}, "scale_grad_by_freq")
             refuse_frequency_scaling("EmbeddingBag", frequencies)
-        if maybe_current_level() != self.level and self._touches_parameters(args, kwargs or {}):
+        if maybe_current_level() != self.level and self._touches_parameters(
+            *self._at_callers_level((args, kwargs or {}))
+        ):
             raise ValueError(
                 f"the model uses a parameter inside a torch.func transform of its own forward "
                 f"(torch.vmap, torch.func.grad, jacrev ...: {getattr(func, '__name__', func)}), "
@@ -333,6 +342,28 @@ class _DiscoveryMode(ParameterMode):
         if changed is not None:
             self._note_written(changed, args, kwargs or {})
         return out
+
+    def _at_callers_level(self, arguments: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments as the caller's transforms see them: wrappers of the forward's own off.
+
+        Inside a ``torch.func.grad`` of the forward's own the parameters arrive wrapped
+        (``functional_call(layer, dict(layer.named_parameters()), ...)`` in a MAML step).
+        """
+        callers = -1 if self.level is None else self.level
+
+        def unwrapped(value: Any) -> Any:
+            while (
+                isinstance(value, Tensor)
+                and is_functorch_wrapped_tensor(value)
+                and maybe_get_level(value) > callers
+            ):
+                value = get_unwrapped(value)
+            return value
+
+        return cast(
+            tuple[tuple[Any, ...], dict[str, Any]],
+            optree.tree_map(unwrapped, arguments, none_is_leaf=True),
+        )
 
     def _note_written(self, changed: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A tensor written in place with samples (``buf[idx] = h``) carries them from then on.
@@ -1124,8 +1155,10 @@ def check_rows_alone(
     plan is not checked again); a refused plan keeps it, so that every later pass with it
     is refused too. Skipped for a model that draws random numbers or changes a buffer or
     its input (a run differs from the next). Under ``vmap``, whose values cannot decide,
-    and with one sample, whose row is trivially its own, it cannot run: the caller must
-    not keep the plan (see the return).
+    the comparisons make the public call's results NaN where they fail
+    (:func:`~packfunc.engine.vmap_checks.poison_where`); there, and with one sample,
+    whose row is trivially its own, the plan is not checked: the caller must not keep it
+    (see the return).
 
     Args:
         plan: A plan fresh from :func:`discover` (its ``first_output`` set), or cached.
@@ -1172,8 +1205,9 @@ def check_rows_alone(
         last = last_alone() if what is None and last_alone is not None else None
         if last is not None:
             what, which = difference_beyond_rounding(last, rows[-1:]), "the last sample"
-    except RuntimeError:  # values under vmap decide nothing
+    except RuntimeError:  # values under vmap decide nothing: the results become NaN instead
         if is_functorch_wrapped_tensor(first) or is_functorch_wrapped_tensor(rows):
+            poison_where(_rows_differ(first, rows, index, last_alone))
             return False
         raise
     if what is None:
@@ -1190,6 +1224,26 @@ def check_rows_alone(
         "or a tensor's requires_grad (packfunc's runs of one sample take no gradients)."
     )
     raise RowsNotAloneError(plan.refusal)
+
+
+def _rows_differ(
+    first: Tensor, rows: Tensor, index: int, last_alone: Callable[[], Tensor | None] | None
+) -> Tensor:
+    """:func:`check_rows_alone`'s comparisons as a boolean tensor, for ``vmap``'s values.
+
+    Sample ``index``'s output alone against its row, and the last sample's (where
+    ``last_alone`` runs it) against the last row; each vmapped instance decides alone.
+    """
+    if index >= len(rows):  # (a plan found on a larger batch: the row is not there)
+        return torch.ones((), dtype=torch.bool, device=rows.device)
+    failed = differs_beyond_rounding(first, rows[index : index + 1])
+    try:
+        last = last_alone() if last_alone is not None else None
+    except RuntimeError:  # a fused layer without a batching rule (LSTM) runs alone unvmapped
+        last = None  # only: the first sample's comparison decides alone
+    if last is not None:
+        failed = failed | differs_beyond_rounding(last, rows[-1:])
+    return failed
 
 
 def last_sample_output(model_fn: ModelFn, params: Any, X: Any, n: int) -> Tensor | None:

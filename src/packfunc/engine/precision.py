@@ -267,20 +267,63 @@ def difference_beyond_rounding(
         return f"has shape {tuple(found.shape)}, the other {tuple(expected.shape)}"
     if found.is_complex() or expected.is_complex():  # (real and imaginary parts, each)
         return difference_beyond_rounding(_as_real(found), _as_real(expected), scale)
-    dtype = narrowest(found.dtype, expected.dtype)
-    a, b = found.detach().double(), expected.detach().double()
-    if not b.numel():
+    if not expected.numel():
         return None
-    same = (a == b) | (a.isnan() & b.isnan())
-    difference = float((a - b).abs().nan_to_num(nan=math.inf).masked_fill(same, 0.0).max())
-    if scale is None:
-        scale = float(b.abs().masked_fill(~b.isfinite(), 0.0).max())
-    tolerance = ROUNDING_TOLERANCE.get(dtype, 0.1)
-    if dtype == torch.float32 and reduced_float32(found.device):
-        tolerance = 5e-2
-    if difference <= tolerance * max(scale, torch.finfo(dtype).tiny):
+    found_difference, largest = _difference_and_largest(found, expected)
+    difference = float(found_difference)
+    scale = float(largest) if scale is None else scale
+    tiny = torch.finfo(narrowest(found.dtype, expected.dtype)).tiny
+    if difference <= _tolerance(found, expected) * max(scale, tiny):
         return None
     return f"differs by up to {difference:.3g} (its largest entry: {scale:.3g})"
+
+
+def differs_beyond_rounding(found: Tensor, expected: Tensor) -> Tensor:
+    """Whether ``found`` differs from ``expected`` beyond rounding, as a boolean tensor.
+
+    :func:`difference_beyond_rounding` without reading a value, so that it runs under
+    ``torch.func.vmap`` (each vmapped instance decides on its own).
+
+    Args:
+        found: One computation.
+        expected: Another, of the same value.
+
+    Returns:
+        A 0-dim boolean tensor (batched under ``vmap``).
+
+    Example:
+        >>> differs_beyond_rounding(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
+        tensor(True)
+    """
+    if found.shape != expected.shape:
+        return torch.ones((), dtype=torch.bool, device=found.device)
+    if found.is_complex() or expected.is_complex():
+        return differs_beyond_rounding(_as_real(found), _as_real(expected))
+    if not expected.numel():
+        return torch.zeros((), dtype=torch.bool, device=found.device)
+    difference, largest = _difference_and_largest(found, expected)
+    tiny = torch.finfo(narrowest(found.dtype, expected.dtype)).tiny
+    return difference > _tolerance(found, expected) * largest.clamp(min=tiny)
+
+
+def _difference_and_largest(found: Tensor, expected: Tensor) -> tuple[Tensor, Tensor]:
+    """The largest difference (entries equal in both: none) and ``expected``'s largest entry.
+
+    Both 0-dim float64 tensors; NaNs and infinities in one only differ infinitely.
+    """
+    a, b = found.detach().double(), expected.detach().double()
+    same = (a == b) | (a.isnan() & b.isnan())
+    difference = (a - b).abs().nan_to_num(nan=math.inf).masked_fill(same, 0.0).amax()
+    largest = b.abs().masked_fill(~b.isfinite(), 0.0).amax()
+    return difference, largest
+
+
+def _tolerance(found: Tensor, expected: Tensor) -> float:
+    """:data:`ROUNDING_TOLERANCE` of the narrower dtype of the two, on their device."""
+    dtype = narrowest(found.dtype, expected.dtype)
+    if dtype == torch.float32 and reduced_float32(found.device):
+        return 5e-2
+    return ROUNDING_TOLERANCE.get(dtype, 0.1)
 
 
 def _as_real(t: Tensor) -> Tensor:
@@ -293,6 +336,7 @@ def _as_real(t: Tensor) -> Tensor:
 __all__ = [
     "ROUNDING_TOLERANCE",
     "difference_beyond_rounding",
+    "differs_beyond_rounding",
     "forward_autocast",
     "forward_precision_only",
     "reduced_float32",
