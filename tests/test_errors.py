@@ -247,6 +247,25 @@ def test_a_maml_step_in_the_forward_names_the_transform():
         pf.batch_grad(model_fn, params, torch.randn(4, 3), torch.tensor([0, 1, 0, 1]))
 
 
+def test_a_contrastive_similarity_of_the_batch_is_refused_as_such():
+    """CLIP's ``logits_per_image``: ``x @ z.T`` scaled by a parameter; the refusal blamed
+    layers called in another order (a Python loop, a mixture of experts)."""
+
+    class Contrastive(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(5, 4), nn.Linear(6, 4)
+            self.scale = nn.Parameter(torch.tensor(0.5))
+
+        def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+            return self.a(x) @ self.b(z).T * self.scale.exp()
+
+    model_fn, params = pf.functional(Contrastive())
+    X = (torch.randn(4, 5), torch.randn(4, 6))
+    with pytest.raises(RuntimeError, match="grows with the batch size"):
+        pf.batch_grad(model_fn, params, X, torch.arange(4))
+
+
 class _Cube(torch.autograd.Function):
     """``x · w³`` with its own backward, batched by torch's generated vmap rule."""
 

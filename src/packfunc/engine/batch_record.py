@@ -65,9 +65,10 @@ SiteConsumer = Callable[[int, Tensor], Tensor | None]
 class PlanMismatch(RuntimeError):
     """The batch pass called parameter-consuming ops other than discovery saw."""
 
-    def __init__(self) -> None:
+    def __init__(self, message: str | None = None) -> None:
         super().__init__(
-            "model_fn called its layers in a different order or number for one sample than "
+            message
+            or "model_fn called its layers in a different order or number for one sample than "
             "for the batch (a Python loop over the samples, a branch on the batch size, or a "
             "branch on values: a mixture of experts that runs only the experts a batch "
             "routes to, 'if mask.any():'); packfunc needs the same sequence of layer calls "
@@ -644,11 +645,31 @@ def _refuse_other_layer_shape(out: Tensor, shape: tuple[int, ...], rows: int) ->
     would take a shape it was not planned for, so the pass starts over from discovery.
     Rows that are not the batch's (a mixture of experts' tokens) take the whole-model path.
 
+    A dim that has one entry for one sample and ``rows`` for the batch grows with the
+    batch: each row depends on the other samples (a contrastive similarity ``x @ z.T``),
+    and the refusal says so.
+
     Raises:
         PlanMismatch: if ``out`` has the plan's rows but another shape.
     """
-    if out.dim() and out.shape[0] == shape[0] == rows:
+    if not (out.dim() and out.shape[0] == shape[0] == rows):
+        return
+    grows = [
+        d
+        for d in range(1, min(out.dim(), len(shape)))
+        if rows > 1 and shape[d] == 1 and out.shape[d] == rows
+    ]
+    if not grows or out.dim() != len(shape):
         raise PlanMismatch()
+    raise PlanMismatch(
+        f"a layer's output has shape {tuple(out.shape)} for a batch of {rows}, where one "
+        f"sample gives {(1, *shape[1:])}: its dim {grows[0]} grows with the batch size, so "
+        "each row depends on the other samples (a contrastive similarity x @ z.T of "
+        "[N, N], attention across the batch). Per-sample quantities need row n of the "
+        "output to depend on sample n alone: give packfunc the per-sample part of the "
+        "model (e.g. the embeddings) with a per-sample loss, or compute these quantities "
+        "without packfunc."
+    )
 
 
 def _consumed(found: dict[int, Tensor], consume: SiteConsumer | None) -> dict[int, Tensor]:
