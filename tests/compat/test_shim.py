@@ -1542,3 +1542,17 @@ def test_clipped_grad_of_gpt2_under_autocast_is_not_refused_for_rounding():
         with backpack(ours.ClippedGrad(max_norm=0.1)):
             value.backward()
         assert all(hasattr(p, "grad_clipped") for p in model.parameters())
+
+
+def test_a_penalty_on_a_layers_own_call_is_named_in_the_refusal():
+    """``loss + model[0](X).square().mean()`` with DiagGGNExact: the refusal said to extend
+    the loss (it was) without naming the layer's call or the penalty."""
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    loss = lossfunc(model(X), y) + model[0](X).square().mean()
+    with (
+        backpack(ours.DiagGGNExact()),
+        pytest.raises(ValueError, match="extended Linear this backward.*a penalty"),
+    ):
+        loss.backward()

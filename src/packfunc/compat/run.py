@@ -458,12 +458,15 @@ def _second_order_problem(
     call = route.loss
     if call is None:
         raise ValueError(
-            f"{type(ext).__name__} needs the loss function, one of torch.nn's losses: extend "
-            "it (lossfunc = extend(lossfunc)), apply it to the model's output (or a reshape "
-            "of it, or the output of further extended modules) and call backward on the loss "
-            "itself. Other code between the model and the loss (a slice out[:, -1], out / T, "
-            "a mean) is not followed: move it into the extended model's forward. A loss "
-            "called inside torch.compile'd code is not seen either: call it uncompiled."
+            f"{type(ext).__name__} needs the loss function, one of torch.nn's losses, taking "
+            f"the output of the extended {type(record.model).__name__} this backward pass "
+            "goes through: extend it (lossfunc = extend(lossfunc)), apply it to the model's "
+            "output (or a reshape of it, or the output of further extended modules) and call "
+            "backward on the loss itself. Other code between the model and the loss (a slice "
+            "out[:, -1], out / T, a mean) is not followed: move it into the extended model's "
+            "forward; a penalty on a layer's own call (+ model[0](X).square().mean()) "
+            "needs a backward pass of its own. A loss called inside torch.compile'd code is "
+            "not seen either: call it uncompiled."
         )
     ends_at_loss = _ending_at_loss(model_fn, route.stages, call)
     watched = partial(_not_reusable, record)
