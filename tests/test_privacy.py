@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import pathlib
 import sys
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -347,23 +349,53 @@ def test_dp_optimizer_steps_with_the_private_gradient() -> None:
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
 
 
-def test_dp_optimizer_reads_a_list_of_bounds_in_the_models_order() -> None:
-    """A list of per-parameter bounds, as opacus and the shim's ``ClippedGrad`` take it: in
-    ``model.named_parameters()`` order. It was read in sorted-name order (``clipped_grad``'s
-    for a dict of params): another bound for each parameter, silently (found by a probe).
-    A list of the wrong length names the rule."""
+def test_dp_optimizer_reads_a_list_of_bounds_in_the_optimizers_order() -> None:
+    """A list of per-parameter bounds, as opacus' ``DPPerLayerOptimizer`` takes it: in the
+    optimizer's ``param_groups`` order (here the head's group first). It was read in
+    ``model.named_parameters()`` order, which gave every parameter another bound than
+    opacus, silently (found by a probe); an optimizer over some parameters could take no
+    list. A list of the wrong length names the rule."""
     model, loss, X, y = _problem()
-    names = [name for name, _ in model.named_parameters()]
-    bounds = [0.05 * (i + 1) for i in range(len(names))]
+    order = ["2.weight", "2.bias", "0.weight", "0.bias"]
+    bounds = [0.05, 0.1, 0.15, 0.2]
     model_fn, params = pf.functional(model)
-    by_name = dict(zip(names, bounds))
-    expected = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=by_name)
-    opt = _noiseless_dp_sgd(model, loss, lr=0.0, expected_batch_size=1, max_norm=bounds)
+    expected = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=dict(zip(order, bounds)))
+    groups = [{"params": list(model[2].parameters())}, {"params": list(model[0].parameters())}]
+    options = {"noise_multiplier": 0.0, "expected_batch_size": 1, "loss": loss}
+    opt = pf.privacy.DPOptimizer(model, torch.optim.SGD(groups, lr=0.0), max_norm=bounds, **options)
     opt.step(batch=(X, y))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name])
-    with pytest.raises(ValueError, match="one bound per trainable parameter"):
+    head = pf.privacy.DPOptimizer(
+        model, torch.optim.SGD(model[2].parameters(), lr=0.0), max_norm=[0.1, 0.2], **options
+    )
+    head.step(batch=(X, y))
+    trained = {k: params[k] for k in ("2.weight", "2.bias")}
+    found = pf.clipped_grad(
+        model_fn, trained, X, y, loss=loss, max_norm={"2.weight": 0.1, "2.bias": 0.2}
+    )
+    torch.testing.assert_close(model[2].weight.grad, found["2.weight"])
+    with pytest.raises(ValueError, match="one bound per such parameter, in the optimizer's"):
         _noiseless_dp_sgd(model, loss, lr=0.0, expected_batch_size=1, max_norm=bounds[:-1])
+
+
+def test_dp_arguments_of_other_number_types_or_out_of_range() -> None:
+    """numpy and torch integers count steps; fractional sizes and steps, an infinite expected
+    batch size (every gradient 0) and a batch that is not a pair are refused by name."""
+    pytest.importorskip("opacus")
+    spent = partial(pf.privacy.epsilon, noise_multiplier=1.0, sample_rate=0.01, delta=1e-5)
+    for steps in (np.int64(100), torch.tensor(100)):
+        assert spent(steps=steps) == spent(steps=100)
+    assert len(pf.privacy.PoissonBatches(10, 0.15)) == 6  # int(1 / q), as opacus
+    for size, steps in ((10, 2.5), (10.5, None)):
+        with pytest.raises(ValueError, match="whole"):
+            pf.privacy.PoissonBatches(size, 0.1, steps=steps)
+    model, loss, X, y = _problem()
+    with pytest.raises(ValueError, match="positive and finite"):
+        _noiseless_dp_sgd(model, loss, lr=0.0, expected_batch_size=math.inf)
+    opt = _noiseless_dp_sgd(model, loss, lr=0.0, expected_batch_size=1)
+    with pytest.raises(TypeError, match=r"batch=\(X, y\)"):
+        opt.step(batch=X)
 
 
 def test_dp_optimizer_follows_the_parameters_at_each_step() -> None:

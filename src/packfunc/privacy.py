@@ -16,6 +16,7 @@ attacker who could predict it, draw it from a cryptographically secure source in
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal, cast
 
@@ -269,7 +270,8 @@ class PoissonBatches:
     Args:
         size: Number of examples ``n``.
         sample_rate: ``q`` in ``(0, 1]``; the expected batch size is ``q·n``.
-        steps: Batches per pass (default ``round(1 / q)``: one epoch in expectation).
+        steps: Batches per pass (default ``int(1 / q)``, as opacus' sampler: about one
+            epoch in expectation).
         generator: Random generator for the draws.
 
     Example:
@@ -285,13 +287,19 @@ class PoissonBatches:
         steps: int | None = None,
         generator: torch.Generator | None = None,
     ):
-        if size < 1 or not 0 < sample_rate <= 1 or (steps is not None and steps < 1):
+        whole = _whole_number(size), None if steps is None else _whole_number(steps)
+        if (
+            whole[0] is None
+            or whole[0] < 1
+            or not 0 < sample_rate <= 1
+            or (steps is not None and (whole[1] is None or whole[1] < 1))
+        ):
             raise ValueError(
-                f"PoissonBatches needs size >= 1, 0 < sample_rate <= 1 and steps >= 1; got "
-                f"{size!r}, {sample_rate!r} and {steps!r}."
+                f"PoissonBatches needs a whole size >= 1, 0 < sample_rate <= 1 and a whole "
+                f"number of steps >= 1; got {size!r}, {sample_rate!r} and {steps!r}."
             )
-        self.size, self.sample_rate, self.generator = size, sample_rate, generator
-        self.steps = steps if steps is not None else max(1, round(1 / sample_rate))
+        self.size, self.sample_rate, self.generator = whole[0], sample_rate, generator
+        self.steps = whole[1] or max(1, int(1 / sample_rate))
 
     def __len__(self) -> int:
         return self.steps
@@ -322,9 +330,10 @@ class DPOptimizer:
         optimizer: A ``torch.optim`` optimizer over those parameters.
         max_norm: The clipping bound ``C``; or bounds per parameter or group of parameters
             by name, as :func:`clipped_grad` takes them (the names of
-            ``model.named_parameters()``); or a list, one bound per trainable parameter in
-            ``model.named_parameters()`` order (as opacus and the shim's ``ClippedGrad`` read
-            it; :func:`clipped_grad` reads a list in its ``params``' order, sorted names).
+            ``model.named_parameters()``); or a list, one bound per trainable parameter the
+            optimizer steps, in its ``param_groups`` order (as opacus' ``DPPerLayerOptimizer``
+            reads it; :func:`clipped_grad` reads a list in its ``params``' order, sorted
+            names, and the shim's ``ClippedGrad`` in ``model.parameters()`` order).
         noise_multiplier: ``σ``.
         expected_batch_size: ``q·n`` for Poisson sampling (the batch size otherwise).
         loss: A loss with ``reduction='sum'`` (default ``CrossEntropyLoss(reduction='sum')``).
@@ -361,7 +370,7 @@ class DPOptimizer:
         model_fn, _ = functional(model)
         self.private = private_gradient(
             model_fn,
-            max_norm=_bounds_by_name(model, max_norm),
+            max_norm=_bounds_by_name(model, optimizer, max_norm),
             noise_multiplier=noise_multiplier,
             expected_batch_size=expected_batch_size,
             loss=loss,
@@ -440,6 +449,10 @@ class DPOptimizer:
         Args:
             batch: ``(X, y)``, possibly empty.
         """
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise TypeError(
+                f"DPOptimizer.step takes batch=(X, y), a pair; got {type(batch).__name__}."
+            )
         trainable = self._trainable()
         params = {name: p.detach() for name, p in trainable.items()}  # their memory now
         grads, _ = self.private.update(None, EmptyState(), params, batch)
@@ -520,8 +533,10 @@ def private_gradient(
         >>> apply_updates(params, updates)["weight"].shape
         torch.Size([2, 3])
     """
-    if not expected_batch_size > 0:
-        raise ValueError(f"expected_batch_size must be positive; got {expected_batch_size!r}.")
+    if not 0 < expected_batch_size < math.inf:
+        raise ValueError(
+            f"expected_batch_size must be positive and finite; got {expected_batch_size!r}."
+        )
     _check_noise_multiplier(noise_multiplier, "private_gradient")
     summed = loss or default_loss("sum")
     _check_summed_loss(summed, "private_gradient")
@@ -556,33 +571,65 @@ def private_gradient(
     return GradientTransformation(init, update)
 
 
-def _bounds_by_name(model: nn.Module, max_norm: MaxNorm) -> MaxNorm:
-    """A list of bounds as a dict by name, in ``model.named_parameters()`` order.
+def _bounds_by_name(
+    model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: MaxNorm
+) -> MaxNorm:
+    """A list of bounds as a dict by name, in the optimizer's order of the parameters.
+
+    As opacus' ``DPPerLayerOptimizer``: the list follows the trainable parameters the
+    optimizer steps, group after group (those of the model; a foreign one is refused at
+    the step). A one-dimensional array or tensor of bounds is read as a list.
 
     Args:
-        model: The model whose trainable parameters the list follows.
+        model: The model the parameters are named in.
+        optimizer: The wrapped optimizer, whose ``param_groups`` order the list follows.
         max_norm: A bound, a list of bounds or bounds by name (the last two as they are).
 
     Returns:
-        ``max_norm``, a list keyed by the names of the trainable parameters.
+        ``max_norm``, a list keyed by the names of the parameters it follows.
 
     Raises:
-        ValueError: for a list whose length is not the number of trainable parameters.
+        ValueError: for a list whose length is not the number of those parameters.
 
     Example:
-        >>> _bounds_by_name(torch.nn.Linear(2, 1), [1.0, 2.0])
-        {'weight': 1.0, 'bias': 2.0}
+        >>> layer = torch.nn.Linear(2, 1)
+        >>> _bounds_by_name(layer, torch.optim.SGD([layer.bias, layer.weight]), [1.0, 2.0])
+        {'bias': 1.0, 'weight': 2.0}
     """
+    if hasattr(max_norm, "tolist") and not isinstance(max_norm, (int, float)):
+        max_norm = cast(Any, max_norm).tolist()  # numpy or torch bounds
     if isinstance(max_norm, Mapping) or not isinstance(max_norm, Sequence):
         return max_norm
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    names = [
+        name_of[id(p)]
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.requires_grad and id(p) in name_of
+    ]
     if len(max_norm) != len(names):
         raise ValueError(
-            f"DPOptimizer got {len(max_norm)} bounds for the model's {len(names)} trainable "
-            "parameters: a list gives one bound per trainable parameter, in "
-            "model.named_parameters() order; or pass bounds by name, {name: C}."
+            f"DPOptimizer got {len(max_norm)} bounds for the {len(names)} trainable "
+            "parameters of the model its optimizer steps: a list gives one bound per such "
+            "parameter, in the optimizer's param_groups order (as opacus' "
+            "DPPerLayerOptimizer); or pass bounds by name, {name: C}."
         )
     return dict(zip(names, max_norm, strict=True))
+
+
+def _whole_number(value: object) -> int | None:
+    """``value`` as an ``int`` if it is a whole number (a numpy or 0-dim torch integer too).
+
+    Example:
+        >>> _whole_number(torch.tensor(3)), _whole_number(2.5), _whole_number(True)
+        (3, None, None)
+    """
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def _sensitivity(max_norm: MaxNorm) -> float:
@@ -636,8 +683,14 @@ def epsilon(
     """
     _check_accounting(sample_rate, steps, delta, noise_multiplier=noise_multiplier)
     accounting = _opacus_accountant(accountant)
-    accounting.history = [(noise_multiplier, sample_rate, steps)]
-    return float(accounting.get_epsilon(delta=delta))
+    accounting.history = [(noise_multiplier, sample_rate, operator.index(steps))]
+    try:
+        return float(accounting.get_epsilon(delta=delta))
+    except MemoryError:  # opacus' PRV grid for a tiny noise multiplier
+        raise ValueError(
+            f"the {accountant!r} accountant cannot represent noise_multiplier="
+            f"{noise_multiplier!r} (its grid would not fit in memory): use accountant='rdp'."
+        ) from None
 
 
 def noise_multiplier(
@@ -677,7 +730,7 @@ def noise_multiplier(
             target_epsilon=epsilon,
             target_delta=delta,
             sample_rate=sample_rate,
-            steps=steps,
+            steps=operator.index(steps),
             accountant=accountant,
         )
     )
@@ -699,7 +752,8 @@ def _check_accounting(
     problems = []
     if not 0 < sample_rate <= 1:
         problems.append(f"0 < sample_rate <= 1 (got {sample_rate!r})")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    whole = _whole_number(steps)
+    if whole is None or whole < 1:
         problems.append(f"a whole number of steps >= 1 (got {steps!r})")
     if not 0 < delta < 1:
         problems.append(f"0 < delta < 1 (got {delta!r})")

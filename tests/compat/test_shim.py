@@ -1556,3 +1556,19 @@ def test_a_penalty_on_a_layers_own_call_is_named_in_the_refusal():
         pytest.raises(ValueError, match="extended Linear this backward.*a penalty"),
     ):
         loss.backward()
+
+
+def test_clipped_grad_takes_bounds_by_name_and_group():
+    """As ``pf.clipped_grad`` and ``DPOptimizer`` do; it raised float()'s TypeError."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    lossfunc = extend(nn.CrossEntropyLoss(reduction="sum"))
+    X, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    bounds = {("0.weight", "0.bias"): 0.3, "2.weight": 0.1, "2.bias": 0.05}
+    model_fn, params = pf.functional(model)
+    expected = pf.clipped_grad(model_fn, params, X, y, loss=lossfunc, max_norm=bounds)
+    extended = extend(model)
+    with backpack(ours.ClippedGrad(bounds)):
+        lossfunc(extended(X), y).backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad_clipped, expected[name])
