@@ -293,3 +293,25 @@ def test_a_forward_branching_on_requires_grad_is_refused_by_the_ggn_products():
     with pytest.raises(ValueError, match="requires_grad"):
         pf.ggn_block_products(fn, p, X, y, {k: t[None] for k, t in v.items()})
     pf.hessian_vector_product(fn, p, X, y, v=v)  # reverse mode only: it runs
+
+
+@pytest.mark.parametrize("product", ["ggn_vector_product", "hessian_vector_product"])
+def test_a_vector_in_another_key_order_or_shaped_otherwise(product):
+    """``v`` with ``params``' keys in another order (sorted) is the same vector; one with a
+    key missing or a leaf transposed is refused by name (torch.func's pytree errors before)."""
+    torch.manual_seed(0)
+    model_fn, params = pf.functional(
+        torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    )
+    X, y = torch.randn(4, 3), torch.randint(0, 3, (4,))
+    v = {k: torch.randn_like(t) for k, t in params.items()}
+    function = getattr(pf, product)
+    expected = function(model_fn, params, X, y, v=v)
+    found = function(model_fn, params, X, y, v={k: v[k] for k in sorted(v)})
+    assert list(found) == list(params)
+    for name in params:
+        torch.testing.assert_close(found[name], expected[name])
+    with pytest.raises(ValueError, match=r"missing \['0.bias'"):
+        function(model_fn, params, X, y, v={"0.weight": v["0.weight"]})
+    with pytest.raises(ValueError, match="at 0.weight it has"):
+        function(model_fn, params, X, y, v=v | {"0.weight": v["0.weight"].T})

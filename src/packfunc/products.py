@@ -14,7 +14,7 @@ BackPACK's, it is defined for sequential models.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
 import optree
@@ -131,7 +131,9 @@ def ggn_vector_product(
     """
     loss = _checked(loss, model_fn, params, X, y)
     forward = _model(model_fn, X, params, [])
-    return cast(ParamsT, _first_column(_ggn_products(forward, params, _stacked(v), loss, y)))
+    return cast(
+        ParamsT, _first_column(_ggn_products(forward, params, _stacked(_like(v, params)), loss, y))
+    )
 
 
 @over_data(SPECS["hessian_vector_product"], required=("v",))
@@ -165,7 +167,10 @@ def hessian_vector_product(
     """
     loss = _checked(loss, model_fn, params, X, y)
     forward = _model(model_fn, X, params, [])
-    return cast(ParamsT, _first_column(_hessian_products(forward, params, _stacked(v), loss, y)))
+    return cast(
+        ParamsT,
+        _first_column(_hessian_products(forward, params, _stacked(_like(v, params)), loss, y)),
+    )
 
 
 @over_data(SPECS["ggn_block_products"], required=("mats",))
@@ -506,6 +511,48 @@ def _hessian_products(
     with twice_differentiable():
         _, pullback = vjp(grad(total), primal)
         return vmap(lambda t: pullback(t)[0])(tangents)
+
+
+def _like(v: Any, params: Any) -> Any:
+    """``v`` in the structure of ``params``: a dict's keys put in their order, shapes checked.
+
+    Args:
+        v: The vector, a pytree like ``params``.
+        params: The parameters.
+
+    Returns:
+        ``v`` with ``params``' structure.
+
+    Raises:
+        ValueError: naming the keys or leaves where ``v`` is not shaped like ``params``.
+
+    Example:
+        >>> params = {"w": torch.zeros(2), "b": torch.zeros(1)}
+        >>> list(_like({"b": torch.ones(1), "w": torch.ones(2)}, params))
+        ['w', 'b']
+    """
+    if isinstance(v, Mapping) and isinstance(params, Mapping):
+        missing, unknown = set(params) - set(v), set(v) - set(params)
+        if missing or unknown:
+            raise ValueError(
+                f"v must be shaped like params: missing {sorted(missing, key=str)}, unknown "
+                f"{sorted(unknown, key=str)}."
+            )
+        v = {k: v[k] for k in params}
+    leaves, spec = optree.tree_flatten(v)
+    expected, expected_spec = optree.tree_flatten(params)
+    if spec != expected_spec:
+        raise ValueError(
+            f"v must be shaped like params: its structure is {spec}, not {expected_spec}."
+        )
+    for path, leaf, param in zip(optree.tree_paths(params), leaves, expected, strict=True):
+        if not isinstance(leaf, Tensor) or leaf.shape != param.shape:
+            shape = tuple(leaf.shape) if isinstance(leaf, Tensor) else type(leaf).__name__
+            raise ValueError(
+                f"v must be shaped like params: at {'.'.join(map(str, path))} it has "
+                f"{shape}, the parameter {tuple(param.shape)}."
+            )
+    return v
 
 
 def _stacked(v: Any) -> Any:
