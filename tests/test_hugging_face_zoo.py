@@ -5,7 +5,9 @@ what those do not: ALiBi (BLOOM), parallel attention (Falcon), learned positions
 offset (OPT), disentangled relative attention (DeBERTa-v2), an encoder-decoder classifier
 pooling at the EOS token (BART), a mixture of experts with top-2 routing (Mixtral), a
 selective state-space scan (Mamba), shifted-window attention (Swin), depthwise
-convolutions with layer scale (ConvNeXt) and eval-mode batch norm (ResNet). Each is checked
+convolutions with layer scale (ConvNeXt), eval-mode batch norm (ResNet), a convolutional
+speech front end with group norm, a weight-normed positional convolution and padded frames
+zeroed by mask (Wav2Vec2) and one layer's weights shared by every depth (ALBERT). Each is checked
 in float64 against a per-sample autograd loop: per-sample gradients, their squared norms
 and the clipped sum of DP-SGD.
 """
@@ -69,6 +71,43 @@ def _resnet() -> nn.Module:
                 module.running_mean.uniform_(-0.5, 0.5)
                 module.running_var.uniform_(0.5, 1.5)
     return Logits(model, last=False)
+
+
+class AudioLogits(nn.Module):
+    """A speech classifier's logits on raw audio ``[N, T]``, its padding (zeros) masked."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(input_values=x, attention_mask=(x != 0).long()).logits
+
+
+def _audio(n: int) -> Tensor:
+    """Raw audio ``[n, 120]``; every other sample padded with zeros after 70 steps."""
+    audio = torch.randn(n, 120)
+    audio[::2, 70:] = 0.0
+    return audio
+
+
+def _wav2vec2() -> nn.Module:
+    config = hf.Wav2Vec2Config(
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=16,
+        conv_dim=(4, 4),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2,
+        feat_extract_norm="group",
+        num_labels=3,
+        classifier_proj_size=8,
+        mask_time_prob=0.0,
+    )
+    return AudioLogits(hf.Wav2Vec2ForSequenceClassification(config))
 
 
 SMALL = {"vocab_size": VOCAB, "hidden_size": 8, "num_hidden_layers": 1}
@@ -227,6 +266,25 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Tensor]]] = {
         lambda n: torch.randn(n, 2, 8, 8),
     ),
     "resnet": (_resnet, lambda n: torch.randn(n, 2, 16, 16)),
+    "wav2vec2": (_wav2vec2, _audio),
+    "albert": (
+        lambda: Logits(
+            hf.AlbertForSequenceClassification(
+                hf.AlbertConfig(
+                    vocab_size=VOCAB,
+                    embedding_size=4,
+                    hidden_size=8,
+                    num_hidden_layers=3,  # one layer's weights at every depth
+                    **HEADS,
+                    max_position_embeddings=8,
+                    num_labels=3,
+                    pad_token_id=0,
+                )
+            ),
+            last=False,
+        ),
+        _tokens,
+    ),
 }
 """Name -> (build the model, a batch of ``n`` inputs)."""
 
@@ -296,3 +354,11 @@ def test_opt_feed_forward_on_flat_rows_takes_the_closed_forms() -> None:
         for (name, p), g in zip(model.named_parameters(), rows):
             expected = torch.zeros_like(p) if g is None else g
             torch.testing.assert_close(found[name][n], expected, **TOLERANCES)
+
+
+def test_wav2vec2s_zeroed_padding_keeps_the_layers_after_it_on_their_closed_forms() -> None:
+    """``hidden_states[~mask] = 0`` is a masked fill: no layer runs each sample alone."""
+    model, X, _ = _problem("wav2vec2")
+    model_fn, params = pf.functional(model)
+    paths = pf.explain(model_fn, params, X)
+    assert not [name for name, path in paths.items() if path.startswith("whole model")], paths

@@ -152,6 +152,41 @@ def test_the_samples_own_rows_picked_by_arange_keep_the_closed_forms():
     assert_batch_grad_is_a_loop(model_fn, params, X, y)
 
 
+@pytest.mark.parametrize("write", ["setitem", "index_put_", "setitem of another sample"])
+def test_a_write_by_boolean_mask_of_a_constant_keeps_the_closed_forms(write):
+    """``h[~mask] = 0`` (Wav2Vec2, HuBERT: the padded frames zeroed) is a masked fill: no
+    entry moves to another row. The layers after it took the whole-model path (41 of
+    Wav2Vec2's 49 parameters ran each sample alone). A value that carries samples
+    (``h[mask] = other[mask]``) may still move them: it keeps the whole-model path."""
+
+    class MaskedWrite(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+            h = self.embed(x)
+            if write == "setitem":
+                h[~mask] = 0.0
+            elif write == "index_put_":
+                h.index_put_((~mask,), torch.tensor(0.0, dtype=h.dtype))
+            else:
+                h[~mask] = h.flip(0)[~mask]
+            return self.head(torch.tanh(h)).sum(1)
+
+    torch.manual_seed(0)
+    model = MaskedWrite().double()
+    model_fn, params = pf.functional(model)
+    X = torch.randn(4, 5, 3, dtype=torch.float64)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    mask[1, 3:], mask[3, 2:] = False, False
+    paths = pf.explain(model_fn, params, (X, mask))
+    closed = all(path.startswith("closed form") for path in paths.values())
+    assert closed == (write != "setitem of another sample"), paths
+    if closed:
+        assert_batch_grad_is_a_loop(model_fn, params, (X, mask), torch.tensor([0, 1, 1, 0]))
+
+
 def test_a_mixture_of_experts_on_its_tokens_runs_each_sample_alone():
     """Each expert on the rows routed to it (``torch.where(idx == e)[0]``, possibly none) and
     added back by ``index_add``: vmap cannot batch ``nonzero`` (torch's raw error before);

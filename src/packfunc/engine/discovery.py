@@ -80,6 +80,7 @@ from packfunc.engine.ops import (
     bag_option,
     is_integer_index,
     make_call,
+    masked_write_value,
     moved_dims,
     refuse_frequency_scaling,
     writes_rows,
@@ -583,6 +584,9 @@ class _DiscoveryMode(ParameterMode):
         if not isinstance(first, Tensor):
             first = None
         carried = first is not None and any(first is t for t in carriers)
+        masked, value = masked_write_value(func, args, kwargs)
+        if masked and not any(value is t for t in carriers):  # h[~mask] = 0: a masked_fill
+            return False
         writes = writes_rows(func)
         if first is not None and (carried or writes):
             # a fresh tensor written by index (zeros(N, T).scatter_(1, ids, 1)) is laid out

@@ -928,6 +928,42 @@ def _dims_taken(entry: Any) -> int:
     return 1
 
 
+def masked_write_value(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[bool, Any]:
+    """Whether a call writes by one boolean mask (``h[mask] = v``), and the value ``v``.
+
+    Such a write puts ``v`` at the positions ``mask`` picks, each where it is: with a
+    value that carries no samples it is ``masked_fill`` (no entry moves to another row).
+
+    Args:
+        func: The function called.
+        args: Its positional arguments (``self`` first).
+        kwargs: Its keyword arguments.
+
+    Returns:
+        ``(True, v)`` for ``__setitem__``/``index_put`` with one boolean index tensor,
+        else ``(False, None)``.
+
+    Example:
+        >>> h, mask = torch.ones(2, 3), torch.tensor([[True, False, True], [False] * 3])
+        >>> masked_write_value(Tensor.__setitem__, (h, mask, 0.0), {})
+        (True, 0.0)
+    """
+    name = out_of_place_name(func)
+    if name == "__setitem__" and len(args) > 2:
+        index, value = args[1], args[2]
+    elif name == "index_put" and len(args) > 2:
+        indices, value = args[1], args[2]
+        index = indices[0] if isinstance(indices, (tuple, list)) and len(indices) == 1 else None
+    else:
+        return False, None
+    if isinstance(index, tuple) and len(index) == 1:
+        index = index[0]
+    masked = isinstance(index, Tensor) and index.dtype in (torch.bool, torch.uint8)
+    return (True, value) if masked else (False, None)
+
+
 def is_integer_index(entry: Any) -> bool:
     """Whether an index entry is one integer (a Python int or a 0-d integer tensor).
 
