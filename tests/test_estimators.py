@@ -175,3 +175,15 @@ def test_mixed_dtypes_are_refused_with_the_fix():
     params = {k: p.float() if k.endswith("bias") else p for k, p in params.items()}
     with pytest.raises(ValueError, match="one device with one dtype"):
         pf.hutchinson_trace(model_fn, params, problem.X, problem.y)
+
+
+@pytest.mark.parametrize("estimator", ["hutchinson_trace", "hutchinson_diagonal", "hutchpp_trace"])
+def test_a_model_with_dropout_is_refused_as_the_products_refuse_it(estimator):
+    """The products refuse a random model naming the fix; the estimators, which vmap them,
+    raised torch's "vmap: called random operation" instead (a probe)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 3))
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(7, 3), torch.randint(0, 3, (7,))
+    with pytest.raises(pf.RandomModelError, match=r"model\.eval\(\)"):
+        getattr(pf, estimator)(model_fn, params, X, y)

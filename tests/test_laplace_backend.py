@@ -466,6 +466,22 @@ def test_kron_fit_does_not_depend_on_how_the_data_is_split_into_batches(kind: st
     _assert_same_fit(*fits, X[:4])
 
 
+@pytest.mark.parametrize("kind", ["linear", "x @ W", "conv1d"])
+def test_kron_fits_accumulated_with_override_false_equal_one_fit_of_the_union(kind: str):
+    """``fit(first); fit(second, override=False)`` reweighs the second factor of each pair as
+    the data set's mean. For ``[in, out]`` weights that was the output (sum) factor: the
+    precision 2 % off the union's fit, the log marginal likelihood 0.18 (a probe)."""
+    model, X = _layered(kind)
+    y = torch.randint(0, 3, (N,))
+    options = {"subset_of_weights": "all", "hessian_structure": "kron"}
+    union = _fit(model, DataLoader(TensorDataset(X, y), batch_size=N), "classification",
+                 PackfuncGGN, **options)  # fmt: skip
+    accumulated = _fit(model, DataLoader(TensorDataset(X[:8], y[:8]), batch_size=8),
+                       "classification", PackfuncGGN, **options)  # fmt: skip
+    accumulated.fit(DataLoader(TensorDataset(X[8:], y[8:]), batch_size=12), override=False)
+    _assert_same_fit(accumulated, union, X[:4])
+
+
 def test_kron_fit_of_in_out_weights_equals_the_backpack_fit_of_their_linear_layers(
     backpack_oracle: types.ModuleType,
 ):

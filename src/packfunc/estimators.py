@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import vmap
 
+from packfunc.engine.randomness import random_model_error
 from packfunc.functionalize import public_entry
 from packfunc.products import ggn_vector_product, hessian_vector_product
 from packfunc.types import Inputs, ModelFn, Params, ParamsT, shares_arguments
@@ -199,7 +200,13 @@ def _flat_products(
         return _flatten(result)
 
     def stacked(vectors: Tensor) -> Tensor:
-        return torch.cat([vmap(one)(chunk) for chunk in torch.split(vectors, chunk_size)])
+        try:
+            return torch.cat([vmap(one)(chunk) for chunk in torch.split(vectors, chunk_size)])
+        except RuntimeError as error:  # (torch's vmap refuses the draws of a random model)
+            if "randomness" not in str(error):
+                raise
+            rerun = "each of the estimator's curvature products"
+            raise random_model_error("e.g. dropout in training mode", rerun) from error
 
     return stacked
 

@@ -1511,6 +1511,42 @@ def test_a_backward_inside_autocast_computes_the_extensions_in_float32(extension
         assert tensor.dtype == torch.float32 and bool(tensor.isfinite().all())
 
 
+@pytest.mark.parametrize("backward_inside", [True, False])
+def test_packfuncs_own_pass_runs_under_the_forwards_autocast(backward_inside):
+    """An attention layer makes the shim run a pass of its own: under a bfloat16 forward
+    whose backward ran after the autocast block, that pass ran in float32 (grad_batch 3.7 %
+    off the bfloat16 rows, its sum 2 % off .grad, within the check's bfloat16 tolerance;
+    a probe). It runs under the forward's autocast, wherever the backward runs."""
+    torch.manual_seed(0)
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(20, 16)
+            self.layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+            self.head = nn.Linear(16, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.layer(self.embed(x)).mean(1))
+
+    model = extend(Encoder().eval())
+    lossfunc = extend(nn.CrossEntropyLoss(reduction="sum"))
+    X, y = torch.randint(0, 20, (4, 7)), torch.randint(0, 5, (4,))
+    weight = model.layer.linear1.weight
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rows = F.cross_entropy(model(X).float(), y, reduction="none")
+    expected = torch.stack([torch.autograd.grad(row, weight, retain_graph=True)[0] for row in rows])
+    with backpack(ours.BatchGrad()):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = lossfunc(model(X), y)
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+    for found, wanted in ((weight.grad_batch, expected), (weight.grad_batch.sum(0), weight.grad)):
+        assert (found - wanted).abs().max() < 1e-2 * wanted.abs().max()  # bfloat16's rounding
+
+
 class _TinyGPT2(nn.Module):
     """A one-layer GPT-2 from a config, logits as ``[N, V, T]``."""
 
@@ -1572,3 +1608,28 @@ def test_clipped_grad_takes_bounds_by_name_and_group():
         lossfunc(extended(X), y).backward()
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad_clipped, expected[name])
+
+
+def test_a_random_model_under_reentrant_checkpointing_is_refused_naming_the_fix():
+    """Dropout inside ``checkpoint(..., use_reentrant=True)``: the refusal named recurrent
+    and attention layers only; ``use_reentrant=False`` keeps the forward (a probe)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second, self.drop = nn.Linear(8, 16), nn.Linear(16, 3), nn.Dropout(0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            def block(h: torch.Tensor) -> torch.Tensor:
+                return self.drop(torch.tanh(self.first(h)))
+
+            return self.second(checkpoint(block, x, use_reentrant=True))
+
+    model = extend(Checkpointed().train())
+    X, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    with (
+        backpack(ours.BatchGrad()),
+        pytest.raises(pf.RandomModelError, match="use_reentrant=False"),
+    ):
+        extend(nn.CrossEntropyLoss())(model(X), y).backward()

@@ -41,7 +41,7 @@ from packfunc.compat.layout import RECORD_KEY, SampleLayout, find_layout, node_m
 from packfunc.compat.records import ForwardRecord, LossCall, LossRoute, ModelState
 from packfunc.compat.run import NO_OP_MODULES, forget_inputs_and_outputs, run_extensions
 from packfunc.compat.watch import ForwardRecorder
-from packfunc.engine.api import FunctionalMode, forward_precision_only, packfunc_passes
+from packfunc.engine.api import FunctionalMode, packfunc_passes, serving_autocast
 from packfunc.functionalize import batch_size, clearer_error, is_compiled
 
 _THREAD = threading.local()
@@ -495,10 +495,9 @@ def _on_backward(record: ForwardRecord, grad_outputs: tuple[Tensor, ...]) -> Non
         _refuse_mixed_forwards(record, ctx, task)
         route = _route_to_loss(record, task)
         # packfunc's own passes must not record or trigger, and put back what they set
-        with context.own_pass(), packfunc_passes():  # (autocast: for its forwards only)
-            forward_precision_only(run_extensions)(
-                ctx, record, _output_gradient(record, grad_outputs), route
-            )
+        # (the forward's autocast, for packfunc's own forwards only: not the backward's)
+        with context.own_pass(), packfunc_passes(), serving_autocast(record.autocast):
+            run_extensions(ctx, record, _output_gradient(record, grad_outputs), route)
     except RuntimeError as error:
         _forget_results_of_the_pass(ctx, record.model, task)
         clearer = clearer_error(error, (record.args, record.kwargs))

@@ -212,6 +212,11 @@ class ForwardRecord:
     rounding: torch.dtype | None = field(default_factory=lambda: autocast_dtype())
     """The narrowest dtype autocast computed the forward in (``None``: none in force): its
     cotangents agree to that dtype's rounding only."""
+    autocast: tuple[tuple[str, torch.dtype], ...] = field(
+        default_factory=lambda: autocast_in_force()
+    )
+    """The autocast the forward ran under: packfunc's own passes for it run under it too,
+    wherever the backward pass runs."""
     taken: TakenCotangents = field(default_factory=TakenCotangents, repr=False)
     """What the user's backward passes bring its calls' outputs (see
     :class:`~packfunc.compat.site_cotangents.TakenCotangents`)."""

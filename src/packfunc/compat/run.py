@@ -41,9 +41,9 @@ from packfunc.engine.api import (
     cached_discover,
     check_rerun,
     difference_beyond_rounding,
-    forward_precision_only,
     packfunc_passes,
     refuse_differentiation,
+    serving_autocast,
 )
 from packfunc.evaluation import evaluate
 from packfunc.functionalize import (
@@ -214,22 +214,23 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
         forget_results(record.model, savefields)  # (read during it: none, not the last step's)
         # (nothing of packfunc's runs through the user's graph: no retained gradient to put back)
         torch.autograd.Variable._execution_engine.queue_callback(
-            partial(_as_own_pass, partial(finish, []), (record.args, record.kwargs))
+            partial(_as_own_pass, partial(finish, []), record)
         )
 
 
-def _as_own_pass(run: Callable[[], None], inputs: Any) -> None:
+def _as_own_pass(run: Callable[[], None], record: ForwardRecord) -> None:
     """``run()`` as packfunc's own pass (as the backward hook that queued it runs).
 
     Args:
         run: What to run.
-        inputs: The recorded forward's inputs, for the message of an error torch raises.
+        record: The recorded forward: its autocast (the own forwards run under it, not
+            under the backward's), its inputs for the message of an error torch raises.
     """
     try:
-        with context.own_pass(), packfunc_passes():
-            forward_precision_only(run)()  # (a backward inside autocast: float32 arithmetic)
+        with context.own_pass(), packfunc_passes(), serving_autocast(record.autocast):
+            run()
     except RuntimeError as error:
-        clearer = clearer_error(error, inputs)
+        clearer = clearer_error(error, (record.args, record.kwargs))
         if clearer is None:
             raise
         raise clearer from error

@@ -51,6 +51,7 @@ from packfunc.engine.precision import (
     difference_beyond_rounding,
     forward_precision_only,
     narrowest,
+    serving_autocast,
 )
 from packfunc.engine.randomness import random_call
 from packfunc.engine.recurrent import RECURRENT_OPS
@@ -85,6 +86,7 @@ __all__ = [
     "check_rerun",
     "difference_beyond_rounding",
     "forward_precision_only",
+    "serving_autocast",
     "is_metadata_query",
     "leaves_of",
     "linear_in_out",

@@ -402,7 +402,8 @@ class BatchPass:
         if reuse is not None:
             self.check_rerun(
                 "packfunc's own pass (the recorded forward pass cannot be reused: a "
-                "recurrent or attention layer, or calls packfunc runs differently)"
+                "recurrent or attention layer, reentrant activation checkpointing, whose "
+                "use_reentrant=False keeps the forward, or calls packfunc runs differently)"
             )
             self.reran = True
         with contextlib.nullcontext() if reuse is not None else users_forward(self._put_back):

@@ -57,23 +57,55 @@ def forward_precision_only(function: F) -> F:
 
     @functools.wraps(function)
     def run(*args: Any, **kwargs: Any) -> Any:
-        settings = [
-            (device, torch.get_autocast_dtype(device))
-            for device in _DEVICE_TYPES
-            if torch.is_autocast_enabled(device)
-        ]
+        settings = autocast_enabled()
         if not settings:
             return function(*args, **kwargs)
-        with contextlib.ExitStack() as stack:
-            for device, _ in settings:
-                stack.enter_context(torch.autocast(device, enabled=False))
-            _captured().append(settings)
-            try:
-                return function(*args, **kwargs)
-            finally:
-                _captured().pop()
+        with serving_autocast(settings):
+            return function(*args, **kwargs)
 
     return run  # type: ignore[return-value]
+
+
+def autocast_enabled() -> tuple[tuple[str, torch.dtype], ...]:
+    """The ``torch.autocast`` in force now: ``(device type, dtype)`` of each enabled one.
+
+    Example:
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     autocast_enabled()
+        (('cpu', torch.bfloat16),)
+    """
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in _DEVICE_TYPES
+        if torch.is_autocast_enabled(device)
+    )
+
+
+@contextlib.contextmanager
+def serving_autocast(settings: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
+    """Within the block autocast is off, and packfunc's model forwards run under ``settings``.
+
+    :func:`forward_precision_only` serves a public call with the caller's autocast; the
+    shim serves a backward pass with the autocast its recorded forward ran under (which
+    need not be the one in force at the backward).
+
+    Args:
+        settings: ``(device type, dtype)`` pairs, as :func:`autocast_enabled` gives them
+            (empty: the forwards run without autocast).
+
+    Example:
+        >>> with serving_autocast((("cpu", torch.bfloat16),)):
+        ...     torch.is_autocast_enabled("cpu"), autocast_in_force()
+        (False, (('cpu', torch.bfloat16),))
+    """
+    with contextlib.ExitStack() as stack:
+        for device, _ in autocast_enabled():
+            stack.enter_context(torch.autocast(device, enabled=False))
+        _captured().append(list(settings))
+        try:
+            yield
+        finally:
+            _captured().pop()
 
 
 def autocast_in_force() -> tuple[tuple[str, torch.dtype], ...]:
@@ -90,11 +122,7 @@ def autocast_in_force() -> tuple[tuple[str, torch.dtype], ...]:
     stack = _captured()
     if stack:
         return tuple(stack[-1])
-    return tuple(
-        (device, torch.get_autocast_dtype(device))
-        for device in _DEVICE_TYPES
-        if torch.is_autocast_enabled(device)
-    )
+    return autocast_enabled()
 
 
 @contextlib.contextmanager
@@ -335,11 +363,13 @@ def _as_real(t: Tensor) -> Tensor:
 
 __all__ = [
     "ROUNDING_TOLERANCE",
+    "autocast_enabled",
     "difference_beyond_rounding",
     "differs_beyond_rounding",
     "forward_autocast",
     "forward_precision_only",
     "reduced_float32",
+    "serving_autocast",
     "full_precision",
     "to_dtype_of",
 ]

@@ -222,7 +222,7 @@ class PackfuncInterface(CurvatureInterface):
             if found is None:
                 kfacs.append([blocks[name]])
             elif len(found) == 2:
-                kfacs.append(batch_mean_rescaled(found, len(y) / N, in_out=name in in_out))
+                kfacs.append(batch_mean_rescaled(found, len(y), N, in_out=name in in_out))
             else:
                 kfacs.append(list(found))
         return self.factor * loss, Kron(kfacs) * self.factor
@@ -460,16 +460,23 @@ def in_out_weights(model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs)
     }
 
 
-def batch_mean_rescaled(factors: list[Tensor], scale: float, *, in_out: bool) -> list[Tensor]:
-    """A weight's two Kronecker factors with the batch-mean (input) factor times ``scale``.
+def batch_mean_rescaled(
+    factors: list[Tensor], batch_size: int, data_size: int, *, in_out: bool
+) -> list[Tensor]:
+    """A weight's two Kronecker factors with the batch-mean factor second, in laplace's scale.
 
-    packfunc's input factor is a mean over the batch, its output factor a sum; laplace
-    adds the factors of all batches, so the mean is rescaled by ``len(y) / N`` to make
-    batches of unequal sizes add up to the data set.
+    packfunc's input factor is a mean over the batch, its output factor a sum. laplace adds
+    the factors of all batches, and ``KronLaplace.fit(..., override=False)`` reweighs the
+    second factor of each pair as the data set's mean: that factor must be the mean one.
+    A weight stored ``[out, in]`` (``[out×out, in×in]``) gets its input factor times the
+    batch's share ``batch_size / data_size``; one stored ``[in, out]`` (``[in×in,
+    out×out]``, input factor first) gets its input factor as the batch's sum and its output
+    factor over ``data_size``: the same product, the mean factor second.
 
     Args:
         factors: ``[out×out, in×in]``, or ``[in×in, out×out]`` when ``in_out``.
-        scale: The batch's share of the data set, ``len(y) / N``.
+        batch_size: The batch's samples.
+        data_size: The data set's samples ``N``.
         in_out: Whether the weight is stored ``[in, out]`` (its input factor first).
 
     Returns:
@@ -477,13 +484,15 @@ def batch_mean_rescaled(factors: list[Tensor], scale: float, *, in_out: bool) ->
 
     Example:
         >>> A, B = torch.eye(2), torch.eye(3)
-        >>> [f.trace().item() for f in batch_mean_rescaled([A, B], 0.5, in_out=False)]
+        >>> [f.trace().item() for f in batch_mean_rescaled([A, B], 2, 4, in_out=False)]
         [2.0, 1.5]
-        >>> [f.trace().item() for f in batch_mean_rescaled([B, A], 0.5, in_out=True)]
-        [1.5, 2.0]
+        >>> [f.trace().item() for f in batch_mean_rescaled([B, A], 2, 4, in_out=True)]
+        [6.0, 0.5]
     """
     first, second = factors
-    return [first * scale, second] if in_out else [first, second * scale]
+    if in_out:
+        return [first * batch_size, second / data_size]
+    return [first, second * (batch_size / data_size)]
 
 
 __all__ = ["PackfuncEF", "PackfuncGGN", "PackfuncInterface"]
