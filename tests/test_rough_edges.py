@@ -12,7 +12,7 @@ from torch import nn
 import packfunc as pf
 from packfunc.compat import backpack, extend
 from packfunc.compat.extensions import BatchGrad, DiagGGNExact
-from tests.cases import assert_batch_grad_is_a_loop, autograd_batch_grad
+from tests.cases import assert_batch_grad_is_a_loop, assert_trees_close, autograd_batch_grad
 
 
 def _model() -> nn.Module:
@@ -478,6 +478,40 @@ def test_a_bias_torch_broadcasts_over_the_outputs_is_not_taken_for_one_per_outpu
     for name in expected:
         weighted = expected[name] * factors.view(-1, *[1] * params[name].dim())
         torch.testing.assert_close(clipped[name], weighted.sum(0))
+
+
+@pytest.mark.parametrize("bias_shape", [(4,), (1,)])
+def test_a_plain_addmm_of_the_batch_is_a_linear_layer(bias_shape):
+    """``torch.addmm(b, x, W)`` of a batch ``[N, in]``: only Conv1D's ``addmm`` of a flat view
+    was taken for a layer; this one ran op-local and had no Kronecker factors (a probe)."""
+
+    class Addmm(nn.Module):
+        def __init__(self, view: bool) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(3, 4, dtype=torch.float64))
+            self.bias = nn.Parameter(torch.randn(bias_shape, dtype=torch.float64))
+            self.view = view
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            rows = x.view(-1, 3) if self.view else x
+            return torch.tanh(torch.addmm(self.bias, rows, self.weight))
+
+    torch.manual_seed(0)
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    loss = nn.MSELoss(reduction="sum")
+    model = Addmm(view=False)
+    model_fn, params = pf.functional(model)
+    paths = pf.explain(model_fn, params, X)
+    path = "closed form" if bias_shape == (4,) else "op-local (linear_in_out)"  # (broadcast)
+    assert all(found.startswith(path) for found in paths.values()), paths
+    found = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    assert_trees_close(found, autograd_batch_grad(model, loss, X, y), "addmm")
+    if bias_shape != (4,):
+        return
+    viewed = Addmm(view=True)
+    viewed.load_state_dict(model.state_dict())
+    factors = pf.kflr(model_fn, params, X, y, loss=loss)
+    assert_trees_close(factors, pf.kflr(*pf.functional(viewed), X, y, loss=loss), "kflr")
 
 
 def test_a_float64_parameter_beside_a_float32_one_keeps_float64_precision():

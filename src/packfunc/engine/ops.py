@@ -267,7 +267,8 @@ class FlatRows:
 
         Returns:
             The layer's arguments, or ``None``: another call, ``x @ W`` whose ``W`` is no
-            matrix parameter, or an ``addmm`` not on remembered rows, not a plain product
+            matrix parameter, or an ``addmm`` (of remembered rows, or of its matrix as it
+            is, as ``x @ W`` takes it) not a plain product
             (``beta = alpha = 1``), with no parameter as weight or bias, or no vector bias.
         """
         if func in MATMULS:
@@ -276,9 +277,10 @@ class FlatRows:
             return None
         bound = dict(zip(("input", "mat1", "mat2", "beta", "alpha"), args)) | kwargs
         rows, weight, bias = bound.get("mat1"), bound.get("mat2"), bound.get("input")
-        x = self.source(rows) if isinstance(rows, torch.Tensor) else None
-        if x is None:
+        if not isinstance(rows, torch.Tensor):
             return None
+        source = self.source(rows)  # else addmm(b, x, W) of a batch [N, in] as it is
+        x = rows if source is None else source
         if bound.get("beta", 1) != 1 or bound.get("alpha", 1) != 1:
             return None
         if not (is_parameter(weight) or is_parameter(bias)):
