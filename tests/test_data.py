@@ -11,6 +11,7 @@ import functools
 import gc
 import sys
 import weakref
+from functools import partial
 
 import pytest
 import torch
@@ -201,6 +202,19 @@ def test_kronecker_over_data_with_positions(approx: str) -> None:
     kw = {"loss": problem.loss, "kfac_approx": approx}
     found = pf.kflr(model_fn, params, data=loader(problem, batch_size=3), **kw)
     assert_trees_close(found, pf.kflr(model_fn, params, problem.X, problem.y, **kw))
+
+
+@pytest.mark.parametrize("quantity", ["kflr", "kfac_empirical"])
+def test_kronecker_over_data_of_a_weight_stored_in_out(quantity: str) -> None:
+    """``x @ W`` has its factors ``[in×in, out×out]``: the combiner weighted the output
+    factor by the batch sizes and summed the input one (each factor 0.65-1.13 off, their
+    product 31 % with batches of 4 and 3; a probe). Both factors equal one batch's."""
+    problem = make_problem("raw_parameter", "cross_entropy", "mean", n=7)
+    model_fn, params = problem.functional()
+    function = pf.kflr if quantity == "kflr" else partial(pf.kfac, fisher_type="empirical")
+    kw = {"loss": problem.loss}
+    found = function(model_fn, params, data=loader(problem, batch_size=4), **kw)
+    assert_trees_close(found, function(model_fn, params, problem.X, problem.y, **kw))
 
 
 def test_monte_carlo_over_data() -> None:
@@ -543,3 +557,23 @@ def test_batch_statistics_over_ranks_are_refused(monkeypatch):
     X, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
     with pytest.raises(ValueError, match="over data= or ranks"):
         pf.compute(fn, p, X, y, quantities=("grad",), process_group=object())
+
+
+def test_batches_made_in_inference_mode_serve_every_quantity() -> None:
+    """A dataset preprocessed under ``torch.inference_mode()``: the Kronecker factors and
+    the products took its batches, the statistics and ``per_batch`` raised torch's error."""
+    problem = dataset("cross_entropy", "mean")
+    model_fn, params = problem.functional()
+    with torch.inference_mode():
+        X, y = problem.X.clone(), problem.y.clone()
+    data = [(X[:5], y[:5]), (X[5:], y[5:])]
+    normal = [(problem.X[:5], problem.y[:5]), (problem.X[5:], problem.y[5:])]
+    kw = {"loss": problem.loss}
+    assert_trees_close(
+        pf.diag_ggn(model_fn, params, data=data, **kw),
+        pf.diag_ggn(model_fn, params, data=normal, **kw),
+    )
+    found = list(pf.per_batch(pf.batch_grad, model_fn, params, data=data, **kw))
+    expected = list(pf.per_batch(pf.batch_grad, model_fn, params, data=normal, **kw))
+    for one, other in zip(found, expected, strict=True):
+        assert_trees_close(one, other)

@@ -52,8 +52,9 @@ from packfunc.distributed import (
     sum_over_ranks,
     world_size,
 )
+from packfunc.engine.discovery import in_out_weights
 from packfunc.evaluation import check_per_sample_loss, compute_batch, statistic_quantities
-from packfunc.functionalize import module_of, normal_tensors, public_entry
+from packfunc.functionalize import flatten_params, module_of, normal_tensors, public_entry
 from packfunc.losses import GivenOutputGradient, check_loss, default_loss, mean_normalizer
 from packfunc.specs import QUANTITIES, SPECS, Combine, Family, Quantity
 from packfunc.types import BatchT, Inputs, ModelFn, ParamsT
@@ -257,8 +258,7 @@ def _one_batch(
     y_b: Tensor,
     **options: Any,
 ) -> Any:
-    """``function`` on one batch of a dataset (tensors made in inference mode made normal)."""
-    X_b, y_b = normal_tensors((X_b, y_b))
+    """``function`` on one batch of a dataset (made normal by :meth:`DataSource.batches`)."""
     return function(model_fn, params, X_b, y_b, *args, **options)
 
 
@@ -293,8 +293,8 @@ class DataSource:
             if self.X is None or self.y is None:
                 raise TypeError("pass the batch X, y (this rank's shard) or data=.")
             batches: Iterator[tuple[Any, Tensor]] = iter([(self.X, self.y)])
-        else:
-            batches = (_to_device(pair, device) for pair in self.pairs())
+        else:  # (tensors made in inference mode made normal: packfunc differentiates them)
+            batches = (normal_tensors(_to_device(pair, device)) for pair in self.pairs())
         return self._with_progress(batches, name) if self.progress else batches
 
     def pairs(self) -> Iterator[tuple[Any, Tensor]]:
@@ -439,10 +439,14 @@ def _over_dataset(
         stream = _streamed(spec.name, batches, partials, _sum_reduced(loss), scale)
         return stream if source.data is not None else next(stream)  # X, y: the one result
     kronecker = {s.name for s in specs if s.combine is Combine.KRONECKER}
+    layout = _FactorLayout(model_fn, params)
+    if kronecker:
+        partials = layout.canonical(partials, kronecker)
     batches = (batch for batch in batches if len(batch[1]))  # an empty one adds nothing
     totals, samples, normalizer = _summed(batches, partials, loss, source.group, device, kronecker)
     scale = _inverse_normalizer(normalizer) if loss.reduction == "mean" else 1.0
     result = {s.name: _finish(s, totals, scale, samples, options) for s in specs}
+    result = {k: layout.own(v) if k in kronecker else v for k, v in result.items()}
     if spec is not None:
         return result[spec.name]
     # the loss itself is PyTorch's: 0/0 = NaN where every target is ignored
@@ -567,6 +571,45 @@ def _per_batch(
     return lambda X_b, y_b, loss: compute_batch(
         model_fn, params, X_b, y_b, tuple(parts), loss, **options
     )
+
+
+class _FactorLayout:
+    """Kronecker factor pairs in the combiner's order, ``[output, input]``, and back.
+
+    A weight stored ``[in, out]`` (``x @ W``, GPT-2's ``Conv1D``) has its factors
+    ``[in×in, out×out]``: the batches' input factors are weighted by their sizes and the
+    output factors summed, so its pair is swapped for the combining and swapped back after.
+    Which weights those are is read from the plan the first batch's pass cached.
+    """
+
+    def __init__(self, model_fn: ModelFn, params: Any) -> None:
+        self.model_fn, self.params = model_fn, params
+        self.flags: Any = None
+
+    def canonical(self, per_batch: PerBatch, kronecker: set[str]) -> PerBatch:
+        """``per_batch`` with the ``kronecker`` quantities' pairs in the combiner's order."""
+
+        def run(X_b: Any, y_b: Tensor, loss: nn.Module) -> dict[str, Any]:
+            found = per_batch(X_b, y_b, loss)
+            if self.flags is None:  # (right after the pass that cached the plan)
+                _, treespec, names = flatten_params(self.params)
+                in_out = in_out_weights(self.model_fn, self.params, X_b)
+                self.flags = optree.tree_unflatten(treespec, [name in in_out for name in names])
+            return {k: self.own(v) if k in kronecker else v for k, v in found.items()}
+
+        return run
+
+    def own(self, factors: Any) -> Any:
+        """Each pair of a weight stored ``[in, out]`` swapped (its own order <-> the combiner's)."""
+        if self.flags is None:
+            return factors
+        return optree.tree_map(
+            lambda f, swap: [f[1], f[0]] if swap and f is not None and len(f) == 2 else f,
+            factors,
+            self.flags,
+            is_leaf=lambda x: x is None or isinstance(x, list),
+            none_is_leaf=True,
+        )
 
 
 def _input_factors_times(factors: Any, weight: float) -> Any:

@@ -96,6 +96,7 @@ from packfunc.engine.vmap_checks import poison_where
 from packfunc.functionalize import (
     check_no_cached_parametrizations,
     closed_over,
+    flatten_params,
     input_name,
     is_own_model_function,
     leading_sizes,
@@ -105,7 +106,7 @@ from packfunc.functionalize import (
     select_samples,
 )
 from packfunc.losses import PICK_THE_OUTPUT
-from packfunc.types import ModelFn
+from packfunc.types import Inputs, ModelFn
 
 Recorded = Tensor | LocalInputs
 """What the batch pass keeps of a site: a tapped op's input, or a local call's arguments."""
@@ -1248,6 +1249,42 @@ def _rows_differ(
     if last is not None:
         failed = failed | differs_beyond_rounding(last, rows[-1:])
     return failed
+
+
+def in_out_weights(model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs) -> set[str]:
+    """Names of the parameters of linear layers whose weight is stored ``[in, out]``.
+
+    Those are the weights of ``x @ W`` and GPT-2's ``Conv1D``; their Kronecker factors
+    come as ``[in×in, out×out]`` (see ``docs/conventions.md``). Read from packfunc's
+    discovery plan, cached for ``model_fn`` by the batch pass that made the factors (call
+    this right after it). A plan discovered here instead is not left in the cache: its
+    rows were not checked against a batch, which the next batch pass would take as done.
+
+    Args:
+        model_fn: The model function the factors were computed with.
+        params: Its parameters.
+        inputs: The batch of inputs.
+
+    Returns:
+        The parameter names (the biases of such layers included).
+
+    Example:
+        >>> model_fn, params = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> in_out_weights(model_fn, params, torch.randn(4, 3))
+        set()
+        >>> in_out_weights(lambda p, x: x @ p["W"], {"W": torch.randn(3, 2)}, torch.randn(4, 3))
+        {'W'}
+    """
+    leaves, _, names = flatten_params(params)
+    plan, cached = cached_discover(model_fn, params, leaves, inputs)
+    if not cached:
+        forget_plan(model_fn)
+    return {
+        names[leaf]
+        for site in plan.sites
+        if site.call.stores_weight_in_out
+        for _, leaf in site.call.leaves
+    }
 
 
 def last_sample_output(model_fn: ModelFn, params: Any, X: Any, n: int) -> Tensor | None:

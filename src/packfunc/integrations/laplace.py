@@ -44,9 +44,8 @@ except ImportError as error:  # pragma: no cover - exercised without laplace ins
     ) from error
 
 import packfunc as pf
-from packfunc.engine.discovery import cached_discover, forget_plan
+from packfunc.engine.discovery import in_out_weights
 from packfunc.engine.randomness import GeneratorMark, RandomModelError
-from packfunc.functionalize import flatten_params
 from packfunc.kronecker_factors import sqrt_factors_and_loss
 from packfunc.types import Inputs, ModelFn
 
@@ -422,42 +421,6 @@ def _random_jacobians_error() -> RandomModelError:
         "Call model.eval() first (laplace's fit does), or use laplace's own "
         "CurvatureInterface.jacobians, which runs the model once."
     )
-
-
-def in_out_weights(model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs) -> set[str]:
-    """Names of the parameters of linear layers whose weight is stored ``[in, out]``.
-
-    Those are the weights of ``x @ W`` and GPT-2's ``Conv1D``; their Kronecker factors
-    come as ``[in×in, out×out]`` (see ``docs/conventions.md``). Read from packfunc's
-    discovery plan, cached for ``model_fn`` by the batch pass that made the factors (call
-    this right after it). A plan discovered here instead is not left in the cache: its
-    rows were not checked against a batch, which the next batch pass would take as done.
-
-    Args:
-        model_fn: The model function the factors were computed with.
-        params: Its parameters.
-        inputs: The batch of inputs.
-
-    Returns:
-        The parameter names (the biases of such layers included).
-
-    Example:
-        >>> model_fn, params = pf.functional(torch.nn.Linear(3, 2))
-        >>> in_out_weights(model_fn, params, torch.randn(4, 3))
-        set()
-        >>> in_out_weights(lambda p, x: x @ p["W"], {"W": torch.randn(3, 2)}, torch.randn(4, 3))
-        {'W'}
-    """
-    leaves, _, names = flatten_params(params)
-    plan, cached = cached_discover(model_fn, params, leaves, inputs)
-    if not cached:
-        forget_plan(model_fn)
-    return {
-        names[leaf]
-        for site in plan.sites
-        if site.call.stores_weight_in_out
-        for _, leaf in site.call.leaves
-    }
 
 
 def batch_mean_rescaled(
