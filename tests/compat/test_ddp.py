@@ -36,10 +36,27 @@ def extensions() -> list:
     return [BatchGrad(), DiagGGNExact(), DiagHessian(), SumGradSquared(), KFLR()]
 
 
+class InOutLinear(nn.Module):
+    """GPT-2's ``Conv1D`` on rows: ``addmm(b, x, W)`` with ``W`` stored ``[in, out]`` (its
+    Kronecker factors come input first: ``[in×in, out×out]``)."""
+
+    def __init__(self, inputs: int, outputs: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(inputs, outputs) / inputs**0.5)
+        self.bias = nn.Parameter(torch.zeros(outputs))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x, self.weight)
+
+
 def problem() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    """A float64 Tanh MLP and 10 samples: rank ``r`` holds samples ``5r … 5r+4``."""
+    """A float64 Tanh MLP and 10 samples: rank ``r`` holds samples ``5r … 5r+4``.
+
+    Its first layer stores its weight ``[in, out]``: all_reduce_extensions scaled its input
+    factor as the output one with ``reduction='sum'`` (each factor off by the rank count).
+    """
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    model = nn.Sequential(InOutLinear(3, 4), nn.Tanh(), nn.Linear(4, 3)).double()
     return model, torch.randn(10, 3, dtype=torch.float64), torch.randint(0, 3, (10,))
 
 

@@ -26,6 +26,8 @@ the user's: a hook or the forward that keeps ``self.output``, even holding the s
 _RESULTS = "_packfunc_results"
 """Key of the record in a parameter's ``__dict__``: result name -> identity of the value
 the shim set (not the value: ``del param.grad_batch`` frees it)."""
+_INPUT_FIRST = "_packfunc_input_factor_first"
+"""A parameter's savefields whose Kronecker factors come input first (see :func:`store_result`)."""
 
 
 def store_io(module: nn.Module, inputs: tuple, output: Any) -> None:
@@ -106,13 +108,18 @@ def memory_cleanup(module: nn.Module) -> None:
             del module.__dict__[name]
 
 
-def store_result(param: nn.Parameter, name: str, value: Any) -> None:
+def store_result(
+    param: nn.Parameter, name: str, value: Any, *, input_factor_first: bool = False
+) -> None:
     """Set ``param.<name>`` to an extension's result, noted as the shim's.
 
     Args:
         param: A parameter of an extended model.
         name: The extension's savefield (``"grad_batch"``, …).
         value: The result.
+        input_factor_first: Kronecker factors ``[A, G]`` of a weight stored ``[in, out]``
+            (``x @ W``, GPT-2's ``Conv1D``), where others have ``[G, A]``: noted for
+            :func:`input_factor_first`.
 
     Example:
         >>> import torch
@@ -123,6 +130,26 @@ def store_result(param: nn.Parameter, name: str, value: Any) -> None:
     """
     setattr(param, name, value)
     param.__dict__.setdefault(_RESULTS, {})[name] = (type(value), id(value))
+    first = param.__dict__.setdefault(_INPUT_FIRST, set())
+    if input_factor_first:
+        first.add(name)
+    else:
+        first.discard(name)
+
+
+def input_factor_first(param: nn.Parameter, name: str) -> bool:
+    """Whether ``param.<name>`` holds the shim's Kronecker factors with the input factor first.
+
+    Example:
+        >>> import torch
+        >>> weight = nn.Parameter(torch.zeros(3, 2))
+        >>> store_result(weight, "kflr", [torch.eye(3), torch.eye(2)], input_factor_first=True)
+        >>> input_factor_first(weight, "kflr")
+        True
+    """
+    stored = param.__dict__.get(_RESULTS, {}).get(name)
+    ours = stored is not None and stored[1] == id(getattr(param, name, None))
+    return ours and name in param.__dict__.get(_INPUT_FIRST, set())
 
 
 def forget_results(module: nn.Module, names: list[str]) -> None:

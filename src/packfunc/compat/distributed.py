@@ -15,6 +15,7 @@ from typing import Literal, cast
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from packfunc.compat._stored_io import input_factor_first, store_result
 from packfunc.compat.extensions.backprop_extension import BackpropExtension
 from packfunc.distributed import ProcessGroup, sum_over_ranks
 from packfunc.specs import Combine, Family
@@ -84,16 +85,30 @@ def all_reduce_extensions(
         for p in parameters:
             value = getattr(p, extension.savefield, None)
             if value is not None:
-                setattr(p, extension.savefield, _combined(value, scale, ranks, group))
+                first = input_factor_first(p, extension.savefield)
+                combined = _combined(value, scale, ranks, group, input_first=first)
+                store_result(p, extension.savefield, combined, input_factor_first=first)
 
 
 def _combined(
-    value: Tensor | list[Tensor], scale: float, ranks: int, group: ProcessGroup
+    value: Tensor | list[Tensor],
+    scale: float,
+    ranks: int,
+    group: ProcessGroup,
+    *,
+    input_first: bool = False,
 ) -> Tensor | list[Tensor]:
-    """One field summed over ranks: ``scale ×`` a tensor, or ``[scale × A, B / ranks]``."""
+    """One field summed over ranks: ``scale ×`` a tensor, or ``[scale × G, A / ranks]``.
+
+    The output factor ``G`` is a sum over samples (scaled as the loss), the input factor
+    ``A`` a mean; a weight stored ``[in, out]`` has them the other way round
+    (``input_first``, :func:`~packfunc.compat._stored_io.input_factor_first`).
+    """
     summed = sum_over_ranks(value, group)
     if isinstance(summed, Tensor):
         return summed * scale
+    if input_first and len(summed) == 2:
+        return [summed[0] / ranks, summed[1] * scale]
     return [summed[0] * scale, *(factor / ranks for factor in summed[1:])]
 
 

@@ -318,6 +318,7 @@ def _finish(
     differentiable = torch.is_grad_enabled()
     names = list(params)
     results: dict[str, dict[str, Any]] = {}
+    input_first: dict[str, set[str]] = {}  # by savefield (see store_result)
     for ext, (fn, loss, y) in zip(ctx.extensions, problems):
         job = ext.job()
         with torch.set_grad_enabled(differentiable):
@@ -328,6 +329,7 @@ def _finish(
             elif _uses_forward(job):
                 handled = _handled_by_module_extensions(ext, record.model)
                 results[ext.savefield] = _factors(job, passes[job.second_order], handled)
+                input_first[ext.savefield] = _input_factor_first(passes[job.second_order])
             else:
                 own_output = partial(_check_own_output, record, route if job.second_order else None)
                 results[ext.savefield] = _compute(job, record, fn, params, X, y, loss, own_output)
@@ -345,7 +347,9 @@ def _finish(
     for ext in ctx.extensions:
         for name, param in model.named_parameters():
             if name in names and name in results[ext.savefield]:
-                store_result(param, ext.savefield, results[ext.savefield][name])
+                value = results[ext.savefield][name]
+                first = name in input_first.get(ext.savefield, set()) and len(value) == 2
+                store_result(param, ext.savefield, value, input_factor_first=first)
             else:  # (without Kronecker factors, or frozen since: no last step's value either)
                 forget_result(param, ext.savefield)
     # the extended loss's own pass is compared as the backward pass scaled it (s * loss)
@@ -859,6 +863,12 @@ def _factors(job: Job, bp: BatchPass, handled: set[str]) -> dict[str, list[Tenso
     left = [bp.names[leaf] for leaf in sorted(found.unsupported)]
     _warn_about_unsupported(job.name, [name for name in left if name not in handled])
     return {bp.names[leaf]: f for leaf, f in enumerate(found.per_leaf) if f is not None}
+
+
+def _input_factor_first(bp: BatchPass) -> set[str]:
+    """The parameters whose Kronecker factors come input first: weights stored ``[in, out]``."""
+    sites = [site for site in bp.plan.sites if site.call.stores_weight_in_out]
+    return {bp.names[leaf] for site in sites for _, leaf in site.call.leaves}
 
 
 def _handled_by_module_extensions(ext: BackpropExtension, model: nn.Module) -> set[str]:
