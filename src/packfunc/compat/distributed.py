@@ -107,7 +107,7 @@ def _combined(
     summed = sum_over_ranks(value, group)
     if isinstance(summed, Tensor):
         return summed * scale
-    if input_first and len(summed) == 2:
+    if input_first:
         return [summed[0] / ranks, summed[1] * scale]
     return [summed[0] * scale, *(factor / ranks for factor in summed[1:])]
 

@@ -152,18 +152,6 @@ def _memory(tensor: Tensor) -> int:
     return 0 if is_functorch_wrapped_tensor(tensor) else tensor.data_ptr()
 
 
-def autocast_dtype() -> torch.dtype | None:
-    """The narrowest dtype of the autocast forwards run under now (``None``: none).
-
-    Example:
-        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
-        ...     autocast_dtype()
-        torch.bfloat16
-    """
-    dtypes = [dtype for _, dtype in autocast_in_force()]
-    return narrowest(*dtypes) if dtypes else None
-
-
 @dataclass(eq=False)
 class ForwardRecord:
     """One forward pass of an extended model.
@@ -209,9 +197,6 @@ class ForwardRecord:
     graph_task: int | None = None
     """The backward pass (its graph task) that pulled the output back with ``create_graph=True``
     (a gradient penalty's ``autograd.grad``), if one did: its gradient is differentiable."""
-    rounding: torch.dtype | None = field(default_factory=lambda: autocast_dtype())
-    """The narrowest dtype autocast computed the forward in (``None``: none in force): its
-    cotangents agree to that dtype's rounding only."""
     autocast: tuple[tuple[str, torch.dtype], ...] = field(
         default_factory=lambda: autocast_in_force()
     )
@@ -228,6 +213,15 @@ class ForwardRecord:
         self.input_versions = [
             (t, t._version) for t in inputs if isinstance(t, Tensor) and not t.is_inference()
         ]  # (an inference tensor keeps no version, and cannot be changed in place outside)
+
+    @property
+    def rounding(self) -> torch.dtype | None:
+        """The narrowest dtype autocast computed the forward in (``None``: none in force).
+
+        Its cotangents agree to that dtype's rounding only.
+        """
+        dtypes = [dtype for _, dtype in self.autocast]
+        return narrowest(*dtypes) if dtypes else None
 
     @staticmethod
     def next_serial() -> int:

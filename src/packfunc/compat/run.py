@@ -41,6 +41,7 @@ from packfunc.engine.api import (
     cached_discover,
     check_rerun,
     difference_beyond_rounding,
+    in_out_weights_of,
     packfunc_passes,
     refuse_differentiation,
     serving_autocast,
@@ -329,7 +330,8 @@ def _finish(
             elif _uses_forward(job):
                 handled = _handled_by_module_extensions(ext, record.model)
                 results[ext.savefield] = _factors(job, passes[job.second_order], handled)
-                input_first[ext.savefield] = _input_factor_first(passes[job.second_order])
+                bp = passes[job.second_order]  # (factors of [in, out] weights: input first)
+                input_first[ext.savefield] = in_out_weights_of(bp.plan, bp.names)
             else:
                 own_output = partial(_check_own_output, record, route if job.second_order else None)
                 results[ext.savefield] = _compute(job, record, fn, params, X, y, loss, own_output)
@@ -863,12 +865,6 @@ def _factors(job: Job, bp: BatchPass, handled: set[str]) -> dict[str, list[Tenso
     left = [bp.names[leaf] for leaf in sorted(found.unsupported)]
     _warn_about_unsupported(job.name, [name for name in left if name not in handled])
     return {bp.names[leaf]: f for leaf, f in enumerate(found.per_leaf) if f is not None}
-
-
-def _input_factor_first(bp: BatchPass) -> set[str]:
-    """The parameters whose Kronecker factors come input first: weights stored ``[in, out]``."""
-    sites = [site for site in bp.plan.sites if site.call.stores_weight_in_out]
-    return {bp.names[leaf] for site in sites for _, leaf in site.call.leaves}
 
 
 def _handled_by_module_extensions(ext: BackpropExtension, model: nn.Module) -> set[str]:

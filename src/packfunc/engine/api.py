@@ -24,6 +24,7 @@ from packfunc.engine.discovery import (
     Use,
     UseKind,
     cached_discover,
+    in_out_weights_of,
 )
 from packfunc.engine.layer_factors import CURVATURES
 from packfunc.engine.local import CallArguments, LocalInputs, Source
@@ -83,6 +84,7 @@ __all__ = [
     "autograd_record",
     "graph_owner",
     "cached_discover",
+    "in_out_weights_of",
     "check_rerun",
     "difference_beyond_rounding",
     "forward_precision_only",

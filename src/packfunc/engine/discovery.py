@@ -1279,12 +1279,20 @@ def in_out_weights(model_fn: ModelFn, params: dict[str, Tensor], inputs: Inputs)
     plan, cached = cached_discover(model_fn, params, leaves, inputs)
     if not cached:
         forget_plan(model_fn)
-    return {
-        names[leaf]
-        for site in plan.sites
-        if site.call.stores_weight_in_out
-        for _, leaf in site.call.leaves
-    }
+    return in_out_weights_of(plan, names)
+
+
+def in_out_weights_of(plan: Plan, names: list[str]) -> set[str]:
+    """:func:`in_out_weights` read from a plan, its leaves named by ``names``.
+
+    Example:
+        >>> p = {"W": torch.randn(3, 2)}
+        >>> plan = discover(lambda p, x: x @ p["W"], p, list(p.values()), torch.randn(1, 3))
+        >>> in_out_weights_of(plan, ["W"])
+        {'W'}
+    """
+    sites = [site for site in plan.sites if site.call.stores_weight_in_out]
+    return {names[leaf] for site in sites for _, leaf in site.call.leaves}
 
 
 def last_sample_output(model_fn: ModelFn, params: Any, X: Any, n: int) -> Tensor | None:
