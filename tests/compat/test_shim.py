@@ -952,7 +952,7 @@ def test_a_layer_shared_by_two_extended_models_in_one_loss_is_refused(extended, 
             lossfunc(first(X), y1).backward()
             lossfunc(second(X), y2).backward()
     # (the encoder's own record, run inside the other model, is not its loss's: refused so)
-    refusal = "through another extended model's output|needs the loss function"
+    refusal = "through another extended model's output|needs the loss function|outside the model"
     with backpack(getattr(ours, extension)()), pytest.raises(ValueError, match=refusal):
         (lossfunc(first(X), y1) + lossfunc(second(X), y2)).backward()
     field = getattr(ours, extension)().savefield
@@ -1580,18 +1580,24 @@ def test_clipped_grad_of_gpt2_under_autocast_is_not_refused_for_rounding():
         assert all(hasattr(p, "grad_clipped") for p in model.parameters())
 
 
-def test_a_penalty_on_a_layers_own_call_is_named_in_the_refusal():
-    """``loss + model[0](X).square().mean()`` with DiagGGNExact: the refusal said to extend
-    the loss (it was) without naming the layer's call or the penalty."""
+@pytest.mark.parametrize(
+    ("extension", "message"),
+    [
+        (ours.DiagGGNExact, "extended Linear this backward.*a penalty"),
+        (ours.BatchGrad, r"extended Linear \(0\) called outside.*a penalty"),
+    ],
+)
+def test_a_penalty_on_a_layers_own_call_is_named_in_the_refusal(extension, message):
+    """``loss + model[0](X).square().mean()``: with DiagGGNExact the refusal said to extend
+    the loss (it was), with BatchGrad that two extended models shared a layer; neither named
+    the layer's call or the penalty. The results are removed."""
     model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
     lossfunc = extend(nn.CrossEntropyLoss())
     X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
     loss = lossfunc(model(X), y) + model[0](X).square().mean()
-    with (
-        backpack(ours.DiagGGNExact()),
-        pytest.raises(ValueError, match="extended Linear this backward.*a penalty"),
-    ):
+    with backpack(extension()), pytest.raises(ValueError, match=message):
         loss.backward()
+    assert not any(hasattr(p, extension().savefield) for p in model.parameters())
 
 
 def test_clipped_grad_takes_bounds_by_name_and_group():

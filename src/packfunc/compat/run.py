@@ -630,8 +630,20 @@ def _refuse_parameters_of_another_model(record: ForwardRecord, savefields: list[
     }
     if found:
         shared = list(found)
-        for model in {id(m): m for m in [record.model, *found.values()] if m is not None}.values():
+        models = {id(m): m for m in [record.model, *found.values()] if m is not None}
+        for model in models.values():
             forget_results(model, savefields)  # (the other model's may not have run yet)
+        layer = _layer_called_apart(record.model, list(found.values()))
+        if layer is not None:
+            raise ValueError(
+                f"this backward pass reaches {', '.join(shared[:4])}"
+                f"{', ...' if len(shared) > 4 else ''} through the extended {layer} called "
+                "outside the model around it as well as inside (a penalty on a layer's own "
+                "call, + model[0](X).square().mean(), or another model sharing the layer): "
+                "the results would hold one call's terms only. Backpropagate that term in a "
+                "backward pass of its own (.grad sums them), or put both calls in one extended "
+                f"module; the results were removed ({', '.join(savefields)})."
+            )
         raise ValueError(
             f"this backward pass reaches parameters of the extended {type(record.model).__name__} "
             f"({', '.join(shared[:4])}{', ...' if len(shared) > 4 else ''}) through another "
@@ -641,6 +653,31 @@ def _refuse_parameters_of_another_model(record: ForwardRecord, savefields: list[
             "backpropagate each model's loss in a backward pass of its own (.grad sums "
             f"them); both models' results were removed ({', '.join(savefields)})."
         )
+
+
+def _layer_called_apart(model: nn.Module, others: list[nn.Module | None]) -> str | None:
+    """``"Linear (0)"`` where one of ``others`` is a layer of ``model`` or ``model`` one of theirs.
+
+    Args:
+        model: The extended model whose forward is being pulled back.
+        others: The models whose results this backward pass wrote on the same parameters.
+
+    Returns:
+        The layer's type and name within the larger model, or ``None`` for unrelated models.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2))
+        >>> _layer_called_apart(net, [net[0]])
+        'Linear (0)'
+    """
+    for other in others:
+        if other is None:
+            continue
+        for outer, inner in ((model, other), (other, model)):
+            name = next((n for n, m in outer.named_modules() if m is inner and n), None)
+            if name is not None:
+                return f"{type(inner).__name__} ({name})"
+    return None
 
 
 def _refuse_hooks_on_the_output(record: ForwardRecord) -> None:
