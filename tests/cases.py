@@ -135,6 +135,35 @@ class RecurrentHead(nn.Module):
         return self.head(out[:, -1])
 
 
+class PackedTagger(nn.Module):
+    """Embedded tokens packed by their lengths (token 0 pads the end) for a bidirectional LSTM.
+
+    ``pack_padded_sequence`` in the forward, as RNN code for ragged batches does: the
+    packed data has no sample dim and each sample's length is its own.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(6, 3, padding_idx=0)
+        self.rnn = nn.LSTM(3, 4, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        lengths = (tokens != 0).sum(1).cpu()
+        packed = nn.utils.rnn.pack_padded_sequence(
+            self.embed(tokens), lengths, batch_first=True, enforce_sorted=False
+        )
+        _, (h, _) = self.rnn(packed)
+        return self.head(torch.cat([h[-2], h[-1]], 1))
+
+
+def ragged_tokens(n: int) -> Tensor:
+    tokens = torch.randint(1, 6, (n, 5))
+    lengths = 1 + (3 * torch.arange(n)) % 5  # 1, 4, 2, 5, 3, ...
+    tokens[torch.arange(5) >= lengths[:, None]] = 0
+    return tokens
+
+
 class LearnedInitialState(nn.Module):
     """A GRU whose initial state is a parameter copied over the batch.
 
@@ -404,6 +433,7 @@ CASES: dict[str, Case] = {
         Case("gru", lambda: RecurrentHead(nn.GRU, bidirectional=True), _randn(4, 3), slow=True),
         Case("lstm", lambda: RecurrentHead(nn.LSTM), _randn(4, 3)),
         Case("recurrent_cells", UnrolledCells, _randn(3, 3)),
+        Case("packed_sequences", PackedTagger, ragged_tokens, classes=3, slow=True),
         Case("learned_initial_state", LearnedInitialState, _randn(3, 3)),
         Case(
             "learned_initial_state_deep",

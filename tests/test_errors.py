@@ -624,17 +624,18 @@ def test_subsampling_out_of_range():
         pf.batch_grad(model_fn, params, X, Y, subsampling=[0, 5])
 
 
-def test_packed_sequences_are_refused_with_the_fix():
+def test_a_packed_sequence_made_outside_the_model_is_refused_with_the_fix():
+    """Packing inside the model computes (``packed_sequences`` in tests/cases.py); a
+    ``PackedSequence`` as the input has no batch along dim 0."""
     rnn = nn.GRU(3, 4, batch_first=True)
     params = {k: v.detach() for k, v in rnn.named_parameters()}
 
     def model_fn(p, X):
-        packed = nn.utils.rnn.pack_padded_sequence(X, [X.shape[1]] * X.shape[0], batch_first=True)
-        _, h = torch.func.functional_call(rnn, p, (packed,))
-        return h[0]
+        return torch.func.functional_call(rnn, p, (X,))[1][0]
 
-    with pytest.raises(NotImplementedError, match="padded"):
-        pf.batch_grad(model_fn, params, torch.randn(2, 5, 3), torch.tensor([0, 1]))
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(2, 5, 3), [5, 3], batch_first=True)
+    with pytest.raises(ValueError, match="PackedSequence is made inside the model"):
+        pf.batch_grad(model_fn, params, packed, torch.tensor([0, 1]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

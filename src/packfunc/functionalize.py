@@ -1020,7 +1020,8 @@ def batch_size(X: Any) -> int:
             f"found leading sizes {sorted(sizes)} ({listed}). An input the samples share "
             "(position ids [1, T] or [T], a mask for every sample) is closed over in model_fn "
             "(lambda p, X: model_fn(p, {**X, 'position_ids': ids})) or expanded to [N, ...] "
-            "(ids.expand(N, -1)); a PackedSequence is passed padded."
+            "(ids.expand(N, -1)); a PackedSequence is made inside the model (pass the padded "
+            "batch and its lengths; pack_padded_sequence in forward)."
         )
     size = sizes.pop()
     if size == 0:

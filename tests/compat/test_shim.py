@@ -26,7 +26,13 @@ from packfunc.compat.extensions.module_extension import ModuleExtension
 from packfunc.compat.extensions.secondorder.diag_ggn import DiagGGNExact
 from packfunc.compat.hessianfree.ggnvp import ggn_vector_product
 from packfunc.compat.utils.convert_parameters import vector_to_parameter_list
-from tests.cases import make_problem, pooled_convolution, run_backward_with
+from tests.cases import (
+    PackedTagger,
+    make_problem,
+    pooled_convolution,
+    ragged_tokens,
+    run_backward_with,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 
@@ -1639,3 +1645,23 @@ def test_a_random_model_under_reentrant_checkpointing_is_refused_naming_the_fix(
         pytest.raises(pf.RandomModelError, match="use_reentrant=False"),
     ):
         extend(nn.CrossEntropyLoss())(model(X), y).backward()
+
+
+def test_a_model_that_packs_its_batch_gets_each_samples_gradient():
+    """``pack_padded_sequence`` in the forward, an LSTM on the packed data (it was refused
+    in packfunc's passes): per-sample gradients equal a loop over samples, norms theirs."""
+    torch.manual_seed(0)
+    model = extend(PackedTagger().double())
+    lossfunc = extend(nn.CrossEntropyLoss())
+    tokens, y = ragged_tokens(5), torch.tensor([0, 1, 2, 0, 1])
+    with backpack(ours.BatchGrad(), ours.BatchL2Grad()):
+        lossfunc(model(tokens), y).backward()
+    params = list(model.parameters())
+    rows = [
+        torch.autograd.grad(lossfunc(model(tokens[n : n + 1]), y[n : n + 1]) / 5, params)
+        for n in range(5)
+    ]
+    for i, param in enumerate(params):
+        expected = torch.stack([row[i] for row in rows])
+        torch.testing.assert_close(param.grad_batch, expected)
+        torch.testing.assert_close(param.batch_l2, expected.flatten(1).square().sum(1))

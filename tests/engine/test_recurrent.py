@@ -225,13 +225,28 @@ def test_training_dropout_one_is_deterministic_and_exact():
     torch.testing.assert_close(actual, expected)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_packed_sequence_raises(kind):
-    module = make_module(kind, 3, 4)
-    x = torch.randn(5, 2, 3, dtype=torch.float64)
-    packed = pack_padded_sequence(x, torch.tensor([5, 3]))
-    with RecurrentMode(), pytest.raises(NotImplementedError, match="PackedSequence"):
-        module(packed)
+@settings(max_examples=25, deadline=None)
+@given(
+    kind=st.sampled_from(KINDS),
+    lengths=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    layers=st.integers(1, 2),
+    bidirectional=st.booleans(),
+    proj=st.sampled_from([0, 2]),
+)
+def test_packed_sequences_match_the_fused_kernels(kind, lengths, layers, bidirectional, proj):
+    """The packed overload ``(data, batch_sizes, ...)``: outputs and final states, the
+    initial state given, as torch's own kernel computes them (it was refused)."""
+    proj = proj if kind == "lstm" else 0
+    module = make_module(kind, 3, 4, proj, num_layers=layers, bidirectional=bidirectional)
+    x = torch.randn(len(lengths), 5, 3, dtype=torch.float64)
+    packed = pack_padded_sequence(x, torch.tensor(lengths), True, enforce_sorted=False)
+    hx = initial_state(kind, module, len(lengths), proj)
+    expected = module(packed, hx)
+    with RecurrentMode() as mode:
+        actual = module(packed, hx)
+    assert mode.calls == 1
+    torch.testing.assert_close(actual[0].data, expected[0].data)
+    torch.testing.assert_close(tree_leaves(actual[1]), tree_leaves(expected[1]))
 
 
 def test_rejects_unknown_op_and_bad_weights():

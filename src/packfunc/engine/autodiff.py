@@ -94,6 +94,8 @@ _VMAP_CANNOT = (
     "operators that can output dynamic shape",
     # h.masked_select(mask) with a mask per sample
     "Attempted to vmap over `mask` in torch.masked_select",
+    # pack_padded_sequence: the packed data's length is the sum of the samples' lengths
+    "a PackedSequence cannot be formed under vmap",
 )
 """What ``vmap`` says of models it cannot run but a loop over samples can."""
 
@@ -103,6 +105,13 @@ _UNTRANSFORMABLE_FUNCTION = (
     "but it does not have vmap support",
 )
 """What ``torch.func`` says of a custom ``autograd.Function`` it cannot transform."""
+
+
+PACKED_UNDER_VMAP = (
+    "a PackedSequence cannot be formed under vmap (pack_padded_sequence: the packed data's "
+    "length is the sum of the samples' lengths): the samples run one by one"
+)
+"""Raised where ``vmap`` meets ``pack_padded_sequence``; :func:`over_samples` then loops."""
 
 
 def is_untransformable_function(error: Exception) -> bool:

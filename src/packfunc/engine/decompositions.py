@@ -48,6 +48,8 @@ __all__ = [
     "hardsigmoid",
     "linalg_solve",
     "linalg_solve_ex",
+    "pack_padded_sequence",
+    "pad_packed_sequence",
     "prelu",
     "run_decomposed",
     "weight_norm",
@@ -426,6 +428,8 @@ def hardsigmoid(input: Tensor, inplace: bool = False) -> Any:
 
 ONLY_UNDER_TRANSFORMS = frozenset(
     {
+        torch._pack_padded_sequence,
+        torch._pad_packed_sequence,
         torch.nn.functional.embedding,
         torch.nn.functional.embedding_bag,
         torch.nn.functional.hardsigmoid,
@@ -435,7 +439,69 @@ ONLY_UNDER_TRANSFORMS = frozenset(
 what discovery refuses too): a batch pass with them need not run in a mode."""
 
 
+def pack_padded_sequence(input: Tensor, lengths: Tensor, batch_first: bool) -> Any:
+    """``torch._pack_padded_sequence`` under ``torch.func`` transforms, written with slices.
+
+    torch's kernel reads its input's data pointer, which a transform's tensors have not.
+
+    Args:
+        input: ``[T, B, *]`` (``[B, T, *]`` if ``batch_first``), samples sorted by length.
+        lengths: The samples' lengths, decreasing (int64, on the CPU).
+        batch_first: Whether ``input`` has the samples first.
+
+    Returns:
+        ``(data, batch_sizes)`` as torch's (``data``: time-major rows of the running
+        samples), or ``NotImplemented`` (the op itself) outside transforms.
+
+    Example:
+        >>> pack_padded_sequence(torch.ones(2, 3), torch.tensor([3, 1]), True)
+        NotImplemented
+    """
+    if not is_functorch_wrapped_tensor(input):
+        return NotImplemented
+    steps = input.unbind(1 if batch_first else 0)
+    sizes = [int((lengths > t).sum()) for t in range(int(lengths[0]))]
+    data = torch.cat([step[:size] for step, size in zip(steps, sizes)])
+    return data, torch.tensor(sizes, dtype=torch.int64)
+
+
+def pad_packed_sequence(
+    data: Tensor, batch_sizes: Tensor, batch_first: bool, padding_value: float, total_length: int
+) -> Any:
+    """``torch._pad_packed_sequence`` under ``torch.func`` transforms, written with ``cat``.
+
+    Args:
+        data: Packed rows ``[S, *]``.
+        batch_sizes: Running samples per step (int64, on the CPU).
+        batch_first: Whether to return the samples first.
+        padding_value: The value of the positions past a sample's length.
+        total_length: Steps to pad to (at least ``len(batch_sizes)``).
+
+    Returns:
+        ``(padded, lengths)`` as torch's, or ``NotImplemented`` (the op itself) outside
+        transforms.
+
+    Example:
+        >>> pad_packed_sequence(torch.ones(3), torch.tensor([2, 1]), True, 0.0, 2)
+        NotImplemented
+    """
+    if not is_functorch_wrapped_tensor(data):
+        return NotImplemented
+    sizes = [int(size) for size in batch_sizes.tolist()]
+    batch, steps = sizes[0], max(total_length, len(sizes))
+    rows = list(data.split(sizes))
+    filler = data.new_full((batch, *data.shape[1:]), padding_value)
+    padded = torch.stack(
+        [torch.cat([r, filler[len(r) :]]) for r in rows] + [filler] * (steps - len(rows)),
+        dim=1 if batch_first else 0,
+    )
+    lengths = torch.tensor([sum(size > n for size in sizes) for n in range(batch)])
+    return padded, lengths
+
+
 DECOMPOSED_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
+    torch._pack_padded_sequence: pack_padded_sequence,
+    torch._pad_packed_sequence: pad_packed_sequence,
     torch.prelu: prelu,
     torch.linalg.solve: linalg_solve,
     torch.linalg.solve_ex: linalg_solve_ex,

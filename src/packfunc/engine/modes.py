@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from packfunc.engine.attention import ATTENTION_OPS, run_attention, supports_attention
+from packfunc.engine.autodiff import PACKED_UNDER_VMAP, under_vmap
 from packfunc.engine.checkpointing import plain_checkpoints
 from packfunc.engine.decompositions import DECOMPOSED_OPS, ONLY_UNDER_TRANSFORMS
 from packfunc.engine.local import (
@@ -49,7 +50,12 @@ from packfunc.engine.ops import (
     linear_in_out,
 )
 from packfunc.engine.precision import forward_autocast
-from packfunc.engine.recurrent import CUDNN_WEIGHT_LAYOUT, RECURRENT_OPS, run_recurrent
+from packfunc.engine.recurrent import (
+    CUDNN_WEIGHT_LAYOUT,
+    PACK_PADDED_SEQUENCE,
+    RECURRENT_OPS,
+    run_recurrent,
+)
 
 _METADATA_METHODS = frozenset(
     {
@@ -227,6 +233,8 @@ class FunctionalMode(TorchFunctionMode):
             # a flag torch.func transforms track by themselves (and forbid setting): Hugging
             # Face's gradient_checkpointing_enable() sets it on the embeddings' output
             return args[0]
+        if func is PACK_PADDED_SEQUENCE and under_vmap():
+            raise RuntimeError(PACKED_UNDER_VMAP)
         if func in RECURRENT_OPS and self._decomposes_recurrent(args, kwargs):
             with self:
                 return run_recurrent(func, args, kwargs)

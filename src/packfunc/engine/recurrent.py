@@ -21,11 +21,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["CELL_OPS", "CUDNN_WEIGHT_LAYOUT", "RECURRENT_OPS", "run_cell", "run_recurrent"]
+__all__ = [
+    "CELL_OPS",
+    "CUDNN_WEIGHT_LAYOUT",
+    "PACK_PADDED_SEQUENCE",
+    "RECURRENT_OPS",
+    "is_packed",
+    "run_cell",
+    "run_recurrent",
+]
 
 RECURRENT_OPS: frozenset[Callable[..., Any]] = frozenset(
     {torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu}
 )
+
+PACK_PADDED_SEQUENCE: Callable[..., Any] = torch._pack_padded_sequence
+"""The op of ``torch.nn.utils.rnn.pack_padded_sequence`` (and ``pack_sequence``).
+
+A recurrent op on its packed data runs fused, differentiated by autograd: the packed data
+has no sample dim, and under ``vmap`` (a sample at a time) its length would depend on the
+sample's. Models that pack run their samples one by one where packfunc maps over them."""
 
 CUDNN_WEIGHT_LAYOUT: Callable[..., Any] = torch._cudnn_rnn_flatten_weight
 """cuDNN's re-layout of an RNN's weights into one buffer (``nn.RNNBase.flatten_parameters``).
@@ -46,6 +61,18 @@ _ARG_NAMES = (
     "train",
     "bidirectional",
     "batch_first",
+)
+
+_PACKED_ARG_NAMES = (
+    "data",
+    "batch_sizes",
+    "hx",
+    "params",
+    "has_biases",
+    "num_layers",
+    "dropout",
+    "train",
+    "bidirectional",
 )
 
 State = tuple[Tensor, ...]  # (h,) for RNN/GRU, (h, c) for LSTM; each [N, H]
@@ -184,20 +211,49 @@ def _split_weights(params: Sequence[Tensor], has_biases: bool, groups: int) -> l
     return weights
 
 
+def is_packed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a recurrent op call is the packed overload ``(data, batch_sizes, ...)``."""
+    return "batch_sizes" in kwargs or (len(args) > 3 and isinstance(args[3], (list, tuple)))
+
+
 def _bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Map positional and keyword arguments onto the names of the padded-input overload."""
-    is_packed = "batch_sizes" in kwargs or (len(args) > 3 and isinstance(args[3], (list, tuple)))
-    if is_packed:
-        raise NotImplementedError(
-            "packfunc does not support PackedSequence inputs to nn.RNN/nn.GRU/nn.LSTM; pass a "
-            "padded tensor (e.g. torch.nn.utils.rnn.pad_packed_sequence) instead"
-        )
-    bound = dict(zip(_ARG_NAMES, args, strict=False))
+    """Map positional and keyword arguments onto the names of the overload called."""
+    names = _PACKED_ARG_NAMES if is_packed(args, kwargs) else _ARG_NAMES
+    bound = dict(zip(names, args, strict=False))
     bound.update(kwargs)
-    missing = [name for name in _ARG_NAMES if name not in bound]
+    missing = [name for name in names if name not in bound]
     if missing:
         raise TypeError(f"recurrent op is missing arguments {missing}")
     return bound
+
+
+def _scan_packed(
+    cell: Cell, data: Tensor, sizes: list[int], state: State, w: _Weights, reverse: bool
+) -> tuple[Tensor, State]:
+    """Run one layer-direction over packed ``data`` ``[S, in]`` (time-major, ``sizes[t]`` rows).
+
+    Step ``t`` updates the states of the first ``sizes[t]`` samples (those still running;
+    packing sorts them by length); the others keep theirs. Backwards, a sample's state
+    starts from its initial one at its last step.
+
+    Returns the outputs ``[S, H_out]`` (in the data's order) and the final state.
+    """
+    x_gates = F.linear(data, w.w_ih, w.b_ih).split(sizes)
+    initial, active = state, sizes[-1] if reverse else sizes[0]
+    state = tuple(s[:active] for s in initial)
+    outputs: list[Tensor] = []
+    for t in reversed(range(len(sizes))) if reverse else range(len(sizes)):
+        size = sizes[t]
+        if size > active:  # (backwards only: samples whose last step this is join)
+            state = tuple(torch.cat([s, s0[active:size]]) for s, s0 in zip(state, initial))
+        stepped = cell(x_gates[t], tuple(s[:size] for s in state), w)
+        if size < len(state[0]):  # (forwards: the samples that ended keep their state)
+            stepped = tuple(torch.cat([a, s[size:]]) for a, s in zip(stepped, state))
+        state, active = stepped, max(active, size)
+        outputs.append(state[0][:size])
+    if reverse:
+        outputs.reverse()
+    return torch.cat(outputs), state
 
 
 def run_recurrent(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Tensor, ...]:
@@ -208,15 +264,18 @@ def run_recurrent(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
             ``torch.rnn_relu``), as intercepted by a ``TorchFunctionMode``.
         args: Positional arguments ``(input, hx, flat_weights, has_biases, num_layers, dropout,
             training, bidirectional, batch_first)``; for ``torch.lstm``, ``hx`` is ``(h0, c0)``.
+            The packed overload (``nn.LSTM`` on a ``PackedSequence``) takes ``(data,
+            batch_sizes, hx, flat_weights, has_biases, num_layers, dropout, training,
+            bidirectional)``.
         kwargs: Keyword arguments of the same call (may supply any of the above by name).
 
     Returns:
         ``(output, h_n, c_n)`` for ``torch.lstm``, ``(output, h_n)`` otherwise, with PyTorch's
-        shapes: ``output`` is ``[T, N, D * H_out]`` (``[N, T, ...]`` if ``batch_first``) and the
-        states are ``[num_layers * D, N, H]``.
+        shapes: ``output`` is ``[T, N, D * H_out]`` (``[N, T, ...]`` if ``batch_first``; the
+        packed rows ``[S, D * H_out]`` for packed data) and the states are
+        ``[num_layers * D, N, H]``.
 
     Raises:
-        NotImplementedError: For the packed-sequence overload ``(data, batch_sizes, ...)``.
         ValueError: If ``func`` is not a recurrent op or the flat weights do not fit.
 
     Example:
@@ -230,6 +289,8 @@ def run_recurrent(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
     if func not in _CELLS:
         raise ValueError(f"{func} is not one of the recurrent ops {sorted(map(str, _CELLS))}")
     a = _bind(tuple(args), dict(kwargs))
+    if "data" in a:
+        return _run_packed(func, a)
     num_layers, batch_first = int(a["num_layers"]), bool(a["batch_first"])
     num_dirs = 2 if a["bidirectional"] else 1
     initial = tuple(a["hx"]) if func is torch.lstm else (a["hx"],)  # each [L * D, N, H]
@@ -253,3 +314,32 @@ def run_recurrent(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
 
     output = x if batch_first else x.transpose(0, 1).contiguous()
     return (output, *(torch.stack(parts) for parts in zip(*finals, strict=True)))
+
+
+def _run_packed(func: Any, a: dict[str, Any]) -> tuple[Tensor, ...]:
+    """:func:`run_recurrent` of the packed overload ``(data, batch_sizes, hx, ...)``.
+
+    Returns ``(data, h_n[, c_n])``: the packed outputs ``[S, D * H_out]`` and the final
+    states ``[num_layers * D, N, H]``, in the packed (length-sorted) sample order.
+    """
+    num_layers, num_dirs = int(a["num_layers"]), 2 if a["bidirectional"] else 1
+    sizes = [int(size) for size in a["batch_sizes"].tolist()]
+    initial = tuple(a["hx"]) if func is torch.lstm else (a["hx"],)
+    weights = _split_weights(a["params"], bool(a["has_biases"]), num_layers * num_dirs)
+    p, training = float(a["dropout"]), bool(a["train"])
+    x: Tensor = a["data"]
+    finals: list[State] = []
+    for layer in range(num_layers):
+        if layer > 0 and p > 0 and training:
+            x = F.dropout(x, p=p, training=training)
+        outputs = []
+        for direction in range(num_dirs):
+            k = layer * num_dirs + direction
+            state = tuple(s[k] for s in initial)
+            out, state = _scan_packed(
+                _CELLS[func], x, sizes, state, weights[k], reverse=direction == 1
+            )
+            outputs.append(out)
+            finals.append(state)
+        x = outputs[0] if num_dirs == 1 else torch.cat(outputs, dim=-1)
+    return (x, *(torch.stack(parts) for parts in zip(*finals, strict=True)))
