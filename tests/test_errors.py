@@ -638,6 +638,17 @@ def test_a_packed_sequence_made_outside_the_model_is_refused_with_the_fix():
         pf.batch_grad(model_fn, params, packed, torch.tensor([0, 1]))
 
 
+def test_a_model_that_packs_its_batch_under_the_callers_vmap_is_refused_with_the_fix():
+    """An ensemble's stacked parameters: the message said the samples would run one by one."""
+    from tests.cases import PackedTagger, ragged_tokens
+
+    model_fn, params = pf.functional(PackedTagger())
+    stacked = {k: torch.stack([v, 2 * v]) for k, v in params.items()}
+    tokens, y = ragged_tokens(3), torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="once per ensemble member"):
+        torch.func.vmap(lambda p: pf.batch_l2_grad(model_fn, p, tokens, y)["head.bias"])(stacked)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_reduced_precision_works(dtype):
     """Half types work on CPU (torch 2.13): same dtype, float64 values to their precision."""

@@ -14,7 +14,11 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from packfunc.engine.autodiff import is_untransformable_function, mutates_captured_tensor
+from packfunc.engine.autodiff import (
+    PACKED_UNDER_VMAP,
+    is_untransformable_function,
+    mutates_captured_tensor,
+)
 from packfunc.engine.model_state import (
     attribute_restorer,
     packfunc_passes,
@@ -287,6 +291,8 @@ def clearer_error(error: RuntimeError, values: Any) -> ValueError | None:
     """
     if is_untransformable_function(error):
         return ValueError(_UNTRANSFORMABLE)
+    if PACKED_UNDER_VMAP in str(error):  # (packfunc's own vmap loops instead: the caller's)
+        return ValueError(_PACKED_UNDER_YOUR_VMAP)
     if mutates_captured_tensor(error):
         return ValueError(_MUTATES_CAPTURED)
     unsplittable = _unsplittable_among(values)
@@ -342,6 +348,13 @@ _CHANNELS_LAST = (
     "channels-last as it is."
 )
 
+
+_PACKED_UNDER_YOUR_VMAP = (
+    "the model packs its batch (pack_padded_sequence) inside torch.func.vmap (over an "
+    "ensemble's stacked parameters or stacked batches): a packed batch's length depends on "
+    "the samples' lengths, which vmap cannot batch. Call packfunc once per ensemble member or "
+    "batch (a Python loop)."
+)
 
 _UNTRANSFORMABLE = (
     "model_fn calls a custom torch.autograd.Function that torch.func cannot transform (see "

@@ -327,3 +327,28 @@ def test_run_cell_is_the_fused_cell_out_of_place(func, bias):
     whole = func(rows, states if func is torch.lstm_cell else states[0], *weights)
     for a, b in zip(tree_leaves(batched), tree_leaves(whole), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_a_packed_batch_longer_than_the_samples_discovery_tries_computes():
+    """Only sample 5 has the batch's length: the batch steps five times, the samples
+    discovery ran on (0, then 11, 1, 3, ...) fewer, and the calls of the packed scan did not
+    follow their plans (refused); they are out of the plan now."""
+    from tests.cases import PackedTagger
+
+    import packfunc as pf
+
+    torch.manual_seed(0)
+    model = PackedTagger().double()
+    tokens = torch.randint(1, 6, (12, 5))
+    lengths = torch.tensor([2, 1, 3, 2, 1, 5, 3, 1, 2, 3, 1, 2])
+    tokens[torch.arange(5) >= lengths[:, None]] = 0
+    y = torch.randint(0, 3, (12,))
+    model_fn, params = pf.functional(model)
+    found = pf.batch_grad(model_fn, params, tokens, y)
+    loss = nn.CrossEntropyLoss()
+    for name, param in model.named_parameters():
+        rows = [
+            torch.autograd.grad(loss(model(tokens[n : n + 1]), y[n : n + 1]), param)[0]
+            for n in range(12)
+        ]
+        torch.testing.assert_close(found[name], torch.stack(rows) / 12)

@@ -381,24 +381,34 @@ class _DiscoveryMode(ParameterMode):
         self._mark_samples(written)
 
     def _out_of_sight(
-        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any = None,
+        why: str = "in code packfunc cannot follow (a TorchScript function)",
     ) -> Any:
         """An operator called by code that reaches no function mode (a TorchScript function).
 
         The batch pass will not see the call: its outputs carry samples if an input does,
         and parameters it uses take the whole-model path (no use is planned for it).
+        ``out``: the call's output where it has run already; ``why``: the reason given.
         """
-        out = func(*args, **kwargs)
+        out = func(*args, **kwargs) if out is None else out
         values = CallArguments.of(args, kwargs).values
         if self._any_marked(values):
             self._mark_samples(out)
         used = self.leaf_of.used_in(values)
         if used:
-            name = getattr(func, "__name__", repr(func))
-            self.plan.uncover(
-                used, f"used by {name} in code packfunc cannot follow (a TorchScript function)"
-            )
+            self.plan.uncover(used, f"used by {getattr(func, '__name__', repr(func))} {why}")
         return out
+
+    def _packed_recurrent(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        out = super()._packed_recurrent(func, args, kwargs)
+        why = "on a PackedSequence (packed rows have no sample dim)"
+        return self._out_of_sight(func, args, kwargs, out, why)
 
     def _lies_in_a_parameter(self, tensor: Tensor) -> bool:
         """Whether ``tensor`` is a parameter, a view of one, or shares its memory (``w.data``)."""

@@ -54,6 +54,7 @@ from packfunc.engine.recurrent import (
     CUDNN_WEIGHT_LAYOUT,
     PACK_PADDED_SEQUENCE,
     RECURRENT_OPS,
+    is_packed,
     run_recurrent,
 )
 
@@ -235,6 +236,8 @@ class FunctionalMode(TorchFunctionMode):
             return args[0]
         if func is PACK_PADDED_SEQUENCE and under_vmap():
             raise RuntimeError(PACKED_UNDER_VMAP)
+        if func in RECURRENT_OPS and is_packed(args, kwargs):
+            return self._packed_recurrent(func, args, kwargs)
         if func in RECURRENT_OPS and self._decomposes_recurrent(args, kwargs):
             with self:
                 return run_recurrent(func, args, kwargs)
@@ -313,6 +316,17 @@ class FunctionalMode(TorchFunctionMode):
     def _decomposes_recurrent(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether a recurrent op runs decomposed (always: ``vmap`` cannot batch the fused op)."""
         return True
+
+    def _packed_recurrent(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A recurrent op on packed data, decomposed out of this mode's sight.
+
+        The packed rows have no sample dim, and a sample steps as often as its length (the
+        batch as often as its longest): the calls of the decomposition are no layer calls
+        of the plan. Discovery sends the weights to the whole-model path.
+        """
+        return run_recurrent(func, args, kwargs)
 
     def _is_parameter(self, value: Any) -> bool:
         return self.leaf_of is not None and self.leaf_of(value) is not None
