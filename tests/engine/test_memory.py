@@ -8,7 +8,7 @@ from tests.cases import make_problem
 from torch import nn
 
 import packfunc as pf
-from packfunc.engine import memory, whole_model
+from packfunc.engine import memory, statistics, whole_model
 from packfunc.engine.batch_pass import ColumnGradients
 from packfunc.engine.memory import (
     chunk_length,
@@ -103,3 +103,27 @@ def test_moments_of_closed_form_layers_never_materialize(monkeypatch, case):
     )
     for (name, _), g in zip(problem.model.named_parameters(), grads):
         torch.testing.assert_close(result["grad"][name], g)
+
+
+def test_clipped_sums_form_whole_model_gradients_once_within_the_budget(monkeypatch):
+    """Per-sample gradients of the whole-model path were formed twice by ``clipped_grad``
+    (for the norms, then again for the reweighted sum: 2× a ``batch_grad``); within the
+    budget they are kept and summed with the factors. Beyond it, formed again: equal sums."""
+    model_fn, params = _raw_parameter_model()
+    X, y = torch.randn(10, 6, dtype=torch.float64), torch.randint(0, 3, (10,))
+    passes: list[int] = []
+    original = whole_model.column_grads
+
+    def spy(*args):
+        passes.append(index_length(args[-1]))
+        return original(*args)
+
+    monkeypatch.setattr(whole_model, "column_grads", spy)
+    kept = pf.clipped_grad(model_fn, params, X, y, max_norm=0.1)
+    assert passes == [10]
+    passes.clear()
+    monkeypatch.setattr(statistics, "DEFAULT_BUDGET", 48)  # one sample of 0.weight
+    again = pf.clipped_grad(model_fn, params, X, y, max_norm=0.1)
+    assert passes == [10, 10]
+    for name in params:
+        torch.testing.assert_close(kept[name], again[name])

@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.cases import PackedTagger, ragged_tokens
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.utils.rnn import pack_padded_sequence
@@ -10,6 +11,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import packfunc as pf
+from packfunc.engine import whole_model
 from packfunc.engine.recurrent import CELL_OPS, RECURRENT_OPS, run_cell, run_recurrent
 
 KINDS = ["tanh", "relu", "gru", "lstm"]
@@ -352,3 +355,22 @@ def test_a_packed_batch_longer_than_the_samples_discovery_tries_computes():
             for n in range(12)
         ]
         torch.testing.assert_close(found[name], torch.stack(rows) / 12)
+
+
+def test_a_packed_batch_runs_torchs_kernels_a_sample_at_a_time(monkeypatch):
+    """Where packfunc would vmap over samples, a packed batch ran each sample through the
+    decomposed scan under torch.func (2.5× a per-sample loop of plain autograd): it runs
+    torch's fused kernel with plain autograd now; its gradients stay the loop's."""
+    looped = []
+    original = whole_model._looped_with_autograd
+    monkeypatch.setattr(
+        whole_model, "_looped_with_autograd", lambda *a: looped.append(1) or original(*a)
+    )
+    decomposed = []
+    monkeypatch.setattr(
+        "packfunc.engine.modes.run_recurrent", lambda *a: decomposed.append(1) or run_recurrent(*a)
+    )
+    torch.manual_seed(0)
+    model_fn, params = pf.functional(PackedTagger().double())
+    pf.batch_grad(model_fn, params, ragged_tokens(4), torch.tensor([0, 1, 2, 0]))
+    assert looped and not decomposed

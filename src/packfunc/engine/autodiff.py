@@ -253,7 +253,9 @@ def under_vmap() -> bool:
     return any(level.key() == torch._C._functorch.TransformType.Vmap for level in stack)
 
 
-def over_samples(func: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+def over_samples(
+    func: Callable[..., Any], escape: tuple[str, ...] = (), **options: Any
+) -> Callable[..., Any]:
     """``torch.func.vmap(func, **options)`` over samples, or a loop where vmap cannot go.
 
     A model that branches on tensor values (Hugging Face's mask code calls ``.all()``
@@ -263,6 +265,8 @@ def over_samples(func: Callable[..., Any], **options: Any) -> Callable[..., Any]
 
     Args:
         func: The per-sample function.
+        escape: Messages holding one of the reasons above for which the error is raised
+            (the caller has a loop of its own for them).
         **options: ``vmap``'s options (``in_dims``; ``randomness`` applies to vmap only:
             models that draw random numbers are refused before a re-run).
 
@@ -279,7 +283,8 @@ def over_samples(func: Callable[..., Any], **options: Any) -> Callable[..., Any]
         try:
             return mapped(*args)
         except RuntimeError as error:
-            if not any(reason in str(error) for reason in _VMAP_CANNOT):
+            reasons = [r for r in _VMAP_CANNOT if not any(r in message for message in escape)]
+            if not any(reason in str(error) for reason in reasons):
                 raise
         dims = options.get("in_dims", 0)
         dims = dims if isinstance(dims, tuple) else (dims,) * len(args)

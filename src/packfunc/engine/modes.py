@@ -324,8 +324,12 @@ class FunctionalMode(TorchFunctionMode):
 
         The packed rows have no sample dim, and a sample steps as often as its length (the
         batch as often as its longest): the calls of the decomposition are no layer calls
-        of the plan. Discovery sends the weights to the whole-model path.
+        of the plan. Discovery sends the weights to the whole-model path. Outside
+        ``torch.func`` transforms the fused kernel runs (its values are the user's forward's).
         """
+        leaves: list[Any] = optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
+        if not any(isinstance(t, Tensor) and is_functorch_wrapped_tensor(t) for t in leaves):
+            return func(*args, **kwargs)
         return run_recurrent(func, args, kwargs)
 
     def _is_parameter(self, value: Any) -> bool:

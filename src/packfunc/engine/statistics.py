@@ -158,10 +158,10 @@ def clipped_sums(
     form (a linear layer's rank-one or Gram form) gets its sum as one contraction of the
     recorded input with the reweighted cotangents (:meth:`ColumnGradients.reweighted`,
     in place where they own their memory); a leaf whose per-sample gradients are smaller
-    than its calls' cotangents, or whose norms need them anyway, keeps them within the
-    memory budget and sums them with the factors (else they are formed again,
-    reweighted). With ``last``, norms are taken during the backward pass as each site's
-    cotangent arrives (:class:`_NormsDuringBackward`: a site whose leaves all keep
+    than its calls' cotangents, or whose norms need them anyway (the whole-model path's),
+    keeps them within the memory budget and sums them with the factors (else they are
+    formed again, reweighted). With ``last``, norms are taken during the backward pass
+    as each site's cotangent arrives (:class:`_NormsDuringBackward`: a site whose leaves all keep
     per-sample gradients drops its cotangent and recorded input there), and each site is
     released as soon as its leaves' sums are taken.
 
@@ -197,7 +197,12 @@ def clipped_sums(
                 squares[leaf] = cast(Tensor, value)
             else:
                 kept[leaf], room = found, room - found.numel()
-    if bp.whole_model:
+    whole_size = bp.n * sum(bp.leaves[leaf].numel() for leaf in bp.whole_model)
+    if bp.whole_model and whole_size <= room:  # formed once and kept: one whole-model pass
+        whole = _materialized(columns, bp.whole_model, {Statistic.COLUMNS}, everyone)
+        kept |= {leaf: f[Statistic.COLUMNS][0] for leaf, f in zip(bp.whole_model, whole)}
+        room -= whole_size
+    elif bp.whole_model:
         whole = _materialized(columns, bp.whole_model, {Statistic.SQUARED_NORMS}, everyone)
         squares |= {leaf: f[Statistic.SQUARED_NORMS] for leaf, f in zip(bp.whole_model, whole)}
     if isinstance(max_norm, list):
@@ -219,9 +224,10 @@ def clipped_sums(
         if leaf not in bp.whole_model:
             sums[leaf] = _leaf_sum(reweighted, leaf)
             reweighted.release(leaf)  # the peak: records shrink as the sums grow
-    if bp.whole_model:
-        whole = _materialized(reweighted, bp.whole_model, {Statistic.SUM}, everyone)
-        sums |= {leaf: f[Statistic.SUM] for leaf, f in zip(bp.whole_model, whole)}
+    formed_again = [leaf for leaf in bp.whole_model if leaf not in kept]
+    if formed_again:
+        whole = _materialized(reweighted, formed_again, {Statistic.SUM}, everyone)
+        sums |= {leaf: f[Statistic.SUM] for leaf, f in zip(formed_again, whole)}
     return [sums[leaf] for leaf in range(len(bp.leaves))]
 
 

@@ -8,8 +8,9 @@ loss, keeps every loss option (class weights, ``ignore_index``, label
 smoothing, ``pos_weight``) exact by construction.
 
 A custom ``torch.autograd.Function`` that ``torch.func`` cannot transform (written
-without ``setup_context``, or without a vmap rule) runs in a loop over samples with
-plain autograd instead: the same products, one backward pass per sample and column.
+without ``setup_context``, or without a vmap rule), and a model that packs its batch
+(``pack_padded_sequence``), run in a loop over samples with plain autograd instead: the
+same products, one backward pass per sample and column.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ import torch
 from torch import Tensor
 from torch.func import vmap
 
-from packfunc.engine.autodiff import is_untransformable_function, over_samples, vjp
+from packfunc.engine.autodiff import (
+    PACKED_UNDER_VMAP,
+    is_untransformable_function,
+    over_samples,
+    vjp,
+)
 from packfunc.engine.modes import functional_mode, twice_differentiable
 from packfunc.engine.precision import to_dtype_of
 from packfunc.functionalize import batch_size, run_model, select_samples
@@ -80,11 +86,11 @@ def column_grads(
     # loop over samples (and PyTorch warns about it on every call)
     try:
         with twice_differentiable():
-            per_sample = over_samples(one_sample, in_dims=(0, 1), randomness="different")(
-                [flat[i] for i in batched], cotangents[:, index]
-            )
-    except RuntimeError as error:
-        if not is_untransformable_function(error):
+            per_sample = over_samples(
+                one_sample, (PACKED_UNDER_VMAP,), in_dims=(0, 1), randomness="different"
+            )([flat[i] for i in batched], cotangents[:, index])
+    except RuntimeError as error:  # (a packed batch: torch's fused kernels, with autograd)
+        if not is_untransformable_function(error) and PACKED_UNDER_VMAP not in str(error):
             raise
         return _looped_with_autograd(model_fn, leaves, treespec, wanted, xs, cotangents[:, index])
     return [g.transpose(0, 1) for g in per_sample]
