@@ -32,18 +32,23 @@ def _raw_parameter_model():
     return time_major, params
 
 
-def test_automatic_chunks_respect_the_budget(monkeypatch):
+@pytest.fixture
+def whole_model_passes(monkeypatch):
+    """The samples of each call of the whole-model path, in order."""
+    seen: list[int] = []
+    original = whole_model.column_grads
+    monkeypatch.setattr(
+        whole_model, "column_grads", lambda *a: seen.append(index_length(a[-1])) or original(*a)
+    )
+    return seen
+
+
+def test_automatic_chunks_respect_the_budget(monkeypatch, whole_model_passes):
     model_fn, params = _raw_parameter_model()
     X, y = torch.randn(10, 6, dtype=torch.float64), torch.randint(0, 3, (10,))
     unbounded = pf.compute(model_fn, params, X, y, quantities=pf.FIRST_ORDER)
-    seen: list[int] = []
-    original = whole_model.column_grads
-
-    def spy(*args):
-        seen.append(index_length(args[-1]))
-        return original(*args)
-
-    monkeypatch.setattr(whole_model, "column_grads", spy)
+    seen = whole_model_passes
+    seen.clear()
     monkeypatch.setattr(memory, "DEFAULT_BUDGET", 2 * 48)  # two samples' worth of 0.weight
     bounded = pf.compute(model_fn, params, X, y, quantities=("sum_grad_squared", "variance"))
     assert max(seen) == 2 and sum(seen) == 10
@@ -52,14 +57,10 @@ def test_automatic_chunks_respect_the_budget(monkeypatch):
             torch.testing.assert_close(bounded[quantity][name], unbounded[quantity][name])
 
 
-def test_explicit_chunk_size_is_used(monkeypatch):
+def test_explicit_chunk_size_is_used(whole_model_passes):
     model_fn, params = _raw_parameter_model()
     X, y = torch.randn(7, 6, dtype=torch.float64), torch.randint(0, 3, (7,))
-    seen: list[int] = []
-    original = whole_model.column_grads
-    monkeypatch.setattr(
-        whole_model, "column_grads", lambda *a: seen.append(index_length(a[-1])) or original(*a)
-    )
+    seen = whole_model_passes
     pf.batch_grad(model_fn, params, X, y, chunk_size=3)
     assert seen == [3, 3, 1]
 
@@ -105,20 +106,15 @@ def test_moments_of_closed_form_layers_never_materialize(monkeypatch, case):
         torch.testing.assert_close(result["grad"][name], g)
 
 
-def test_clipped_sums_form_whole_model_gradients_once_within_the_budget(monkeypatch):
+def test_clipped_sums_form_whole_model_gradients_once_within_the_budget(
+    monkeypatch, whole_model_passes
+):
     """Per-sample gradients of the whole-model path were formed twice by ``clipped_grad``
     (for the norms, then again for the reweighted sum: 2× a ``batch_grad``); within the
     budget they are kept and summed with the factors. Beyond it, formed again: equal sums."""
     model_fn, params = _raw_parameter_model()
     X, y = torch.randn(10, 6, dtype=torch.float64), torch.randint(0, 3, (10,))
-    passes: list[int] = []
-    original = whole_model.column_grads
-
-    def spy(*args):
-        passes.append(index_length(args[-1]))
-        return original(*args)
-
-    monkeypatch.setattr(whole_model, "column_grads", spy)
+    passes = whole_model_passes
     kept = pf.clipped_grad(model_fn, params, X, y, max_norm=0.1)
     assert passes == [10]
     passes.clear()

@@ -51,29 +51,11 @@ RNN does not use that layout, the user's parameters keep their storage, and a fo
 the same calls whether or not the weights were swapped since the last one."""
 
 # Names of the padded-input overload, e.g. ``lstm(input, hx, params, has_biases, ...)``.
-_ARG_NAMES = (
-    "input",
-    "hx",
-    "params",
-    "has_biases",
-    "num_layers",
-    "dropout",
-    "train",
-    "bidirectional",
-    "batch_first",
-)
+_ARG_NAMES: tuple[str, ...] = ("input", "hx", "params", "has_biases", "num_layers")
+_ARG_NAMES += ("dropout", "train", "bidirectional", "batch_first")
 
-_PACKED_ARG_NAMES = (
-    "data",
-    "batch_sizes",
-    "hx",
-    "params",
-    "has_biases",
-    "num_layers",
-    "dropout",
-    "train",
-    "bidirectional",
-)
+# Names of the packed overload: ``lstm(data, batch_sizes, hx, params, ...)``, no batch_first.
+_PACKED_ARG_NAMES = ("data", "batch_sizes", *_ARG_NAMES[1:-1])
 
 State = tuple[Tensor, ...]  # (h,) for RNN/GRU, (h, c) for LSTM; each [N, H]
 
