@@ -111,7 +111,8 @@ PACKED_UNDER_VMAP = (
     "a PackedSequence cannot be formed under vmap (pack_padded_sequence: the packed data's "
     "length is the sum of the samples' lengths): the samples run one by one"
 )
-"""Raised where ``vmap`` meets ``pack_padded_sequence``; :func:`over_samples` then loops."""
+"""Raised where ``vmap`` meets ``pack_padded_sequence``: :func:`over_samples` then loops, and
+the whole-model path (which escapes it) runs torch's kernels a sample at a time."""
 
 
 def is_untransformable_function(error: Exception) -> bool:
