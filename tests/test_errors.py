@@ -624,20 +624,6 @@ def test_subsampling_out_of_range():
         pf.batch_grad(model_fn, params, X, Y, subsampling=[0, 5])
 
 
-def test_a_packed_sequence_made_outside_the_model_is_refused_with_the_fix():
-    """Packing inside the model computes (``packed_sequences`` in tests/cases.py); a
-    ``PackedSequence`` as the input has no batch along dim 0."""
-    rnn = nn.GRU(3, 4, batch_first=True)
-    params = {k: v.detach() for k, v in rnn.named_parameters()}
-
-    def model_fn(p, X):
-        return torch.func.functional_call(rnn, p, (X,))[1][0]
-
-    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(2, 5, 3), [5, 3], batch_first=True)
-    with pytest.raises(ValueError, match="PackedSequence is made inside the model"):
-        pf.batch_grad(model_fn, params, packed, torch.tensor([0, 1]))
-
-
 def test_a_model_that_packs_its_batch_under_the_callers_vmap_is_refused_with_the_fix():
     """An ensemble's stacked parameters: the message said the samples would run one by one."""
     from tests.cases import PackedTagger, ragged_tokens

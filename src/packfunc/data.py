@@ -54,7 +54,15 @@ from packfunc.distributed import (
 )
 from packfunc.engine.discovery import in_out_weights
 from packfunc.evaluation import check_per_sample_loss, compute_batch, statistic_quantities
-from packfunc.functionalize import flatten_params, module_of, normal_tensors, public_entry
+from packfunc.functionalize import (
+    flatten_params,
+    has_packed_sequences,
+    module_of,
+    normal_tensors,
+    packing,
+    padded_sequences,
+    public_entry,
+)
 from packfunc.losses import GivenOutputGradient, check_loss, default_loss, mean_normalizer
 from packfunc.specs import QUANTITIES, SPECS, Combine, Family, Quantity
 from packfunc.types import BatchT, Inputs, ModelFn, ParamsT
@@ -138,6 +146,8 @@ def over_data(spec: Quantity | None, required: tuple[str, ...] = ()) -> Callable
                         f"{function.__name__}() needs the batch X, y, or data= (an iterable "
                         "of (X, y) batches such as a DataLoader)."
                     )
+                if has_packed_sequences(X):
+                    model_fn, X = packing(model_fn), padded_sequences(X)
                 return function(model_fn, params, X, y, *args, **options)
             if spec is not None and spec.combine is Combine.PER_SAMPLE and data is not None:
                 name = function.__name__
@@ -147,6 +157,7 @@ def over_data(spec: Quantity | None, required: tuple[str, ...] = ()) -> Callable
                     "data=...) instead."
                 )
             source = DataSource(X, y, data, batch_to_xy, progress, process_group)
+            model_fn = packing(model_fn)  # (the batches' PackedSequences come padded)
             call = partial(_one_batch, function, model_fn, params, args)
             return _over_dataset(spec, function.__name__, call, model_fn, params, source, options)
 
@@ -242,6 +253,7 @@ def per_batch(
             f"got {quantity!r}. Aggregate quantities take data= themselves."
         )
     source = DataSource(None, None, data, batch_to_xy, progress, process_group)
+    model_fn = packing(model_fn)  # (the batches' PackedSequences come padded)
     call = partial(_one_batch, one_batch, model_fn, params, ())
     stream: Iterator[ParamsT] = _over_dataset(
         spec, spec.name, call, model_fn, params, source, options
@@ -276,6 +288,9 @@ class DataSource:
     def batches(self, device: torch.device, name: str) -> Iterator[tuple[Any, Tensor]]:
         """The ``(X, y)`` batches on ``device`` (with a progress bar if asked for).
 
+        A ``PackedSequence`` among the inputs comes padded (:func:`padded_sequences`), for
+        the model function :func:`packing` wraps.
+
         Args:
             device: Where the parameters live.
             name: The public function's name, for the progress bar.
@@ -292,9 +307,12 @@ class DataSource:
         if self.data is None:
             if self.X is None or self.y is None:
                 raise TypeError("pass the batch X, y (this rank's shard) or data=.")
-            batches: Iterator[tuple[Any, Tensor]] = iter([(self.X, self.y)])
+            batches: Iterator[tuple[Any, Tensor]] = iter([(padded_sequences(self.X), self.y)])
         else:  # (tensors made in inference mode made normal: packfunc differentiates them)
-            batches = (normal_tensors(_to_device(pair, device)) for pair in self.pairs())
+            batches = (
+                normal_tensors(_to_device((padded_sequences(X), y), device))
+                for X, y in self.pairs()
+            )
         return self._with_progress(batches, name) if self.progress else batches
 
     def pairs(self) -> Iterator[tuple[Any, Tensor]]:

@@ -19,7 +19,10 @@ from packfunc.functionalize import (
     batch_size,
     check_model_arguments,
     flatten_params,
+    has_packed_sequences,
     module_of,
+    packing,
+    padded_sequences,
     public_entry,
     refuse_unsplittable_inputs,
     select_samples,
@@ -54,6 +57,8 @@ def explain(model_fn: ModelFn, params: Params, X: Inputs) -> PathTree:
     """
     check_model_arguments(model_fn, params)
     leaves, treespec, _ = flatten_params(params)
+    if has_packed_sequences(X):
+        model_fn, X = packing(model_fn), padded_sequences(X)
     refuse_unsplittable_inputs(X)
     n = batch_size(X)
     # a probe, not a forward of the user's: what it sets on the model (a running statistic,

@@ -7,12 +7,13 @@ import functools
 import types
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import optree
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from packfunc.engine.autodiff import (
     PACKED_UNDER_VMAP,
@@ -129,7 +130,7 @@ def _call_module(module: nn.Module, params: dict[str, Tensor], X: Any) -> Tensor
     In one of packfunc's own passes (see :mod:`packfunc.engine.model_state`), the
     attributes the call sets on the model are put back afterwards.
     """
-    if isinstance(X, tuple):
+    if isinstance(X, tuple) and not isinstance(X, PackedSequence):  # (a PackedSequence: one)
         args, kwargs = X, {}
     else:
         args, kwargs = ((), X) if isinstance(X, dict) else ((X,), {})
@@ -1003,6 +1004,117 @@ def leading_sizes(X: Any) -> set[int]:
     }
 
 
+class PaddedSequence(NamedTuple):
+    """A ``PackedSequence`` of the inputs, as packfunc passes it: padded, in the batch's order.
+
+    Attributes:
+        padded: ``[N, T, *]`` (``pad_packed_sequence(..., batch_first=True)``).
+        lengths: ``[N]``, on the CPU.
+    """
+
+    padded: Tensor
+    lengths: Tensor
+
+
+_PACKING_WRAPPERS: weakref.WeakKeyDictionary[Any, ModelFn] = weakref.WeakKeyDictionary()
+"""Per model function, its :func:`packing` wrapper (one function: packfunc's plans are cached
+per model function)."""
+
+
+def has_packed_sequences(X: Any) -> bool:
+    """Whether the inputs ``X`` hold a ``PackedSequence``.
+
+    Example:
+        >>> from torch.nn.utils.rnn import pack_sequence
+        >>> has_packed_sequences((pack_sequence([torch.ones(2, 1)]), torch.ones(1)))
+        True
+    """
+    return isinstance(X, PackedSequence) or any(
+        isinstance(leaf, PackedSequence) for leaf in optree.tree_leaves(X, is_leaf=_is_packed)
+    )
+
+
+def padded_sequences(X: Any) -> Any:
+    """``X`` with each ``PackedSequence`` as a :class:`PaddedSequence`: the batch along dim 0.
+
+    A ``PackedSequence`` (a ``collate_fn``'s ``pack_sequence``) has no batch along dim 0: its
+    rows are time-major and its samples sorted by length. Padded in the batch's order, sample
+    ``n`` alone is row ``n`` of both tensors; :func:`packing` packs them again for the model.
+
+    Args:
+        X: The inputs.
+
+    Returns:
+        ``X`` with its ``PackedSequence``s replaced (``X`` itself where it holds none).
+
+    Example:
+        >>> from torch.nn.utils.rnn import pack_sequence
+        >>> found = padded_sequences(pack_sequence([torch.ones(3, 2), torch.ones(1, 2)]))
+        >>> tuple(found.padded.shape), found.lengths.tolist()
+        ((2, 3, 2), [3, 1])
+    """
+    if not has_packed_sequences(X):
+        return X
+    return optree.tree_map(
+        lambda x: (
+            PaddedSequence(*pad_packed_sequence(x, batch_first=True))
+            if isinstance(x, PackedSequence)
+            else x
+        ),
+        X,
+        is_leaf=_is_packed,
+        none_is_leaf=True,
+    )
+
+
+def packing(model_fn: ModelFn) -> ModelFn:
+    """``model_fn`` on inputs whose :class:`PaddedSequence` entries it packs again first.
+
+    The model sees the sequences it was given (``enforce_sorted=False``: its outputs come in
+    the batch's order); inputs without a :class:`PaddedSequence` go through as they are.
+
+    Args:
+        model_fn: ``model_fn(params, X)``.
+
+    Returns:
+        The wrapped model function (the same one for every call with ``model_fn``).
+
+    Example:
+        >>> from torch.nn.utils.rnn import pack_sequence
+        >>> fn = packing(lambda p, X: X.data.sum(0))
+        >>> fn(None, padded_sequences(pack_sequence([torch.ones(3, 2), torch.ones(1, 2)])))
+        tensor([4., 4.])
+    """
+    found = _PACKING_WRAPPERS.get(model_fn)
+    if found is not None:
+        return found
+
+    def packed(x: Any) -> Any:
+        if not isinstance(x, PaddedSequence):
+            return x
+        lengths = x.lengths.cpu()  # (data= moved it with the batch)
+        return pack_padded_sequence(x.padded, lengths, batch_first=True, enforce_sorted=False)
+
+    def packing_model_fn(params: Any, X: Any) -> Tensor:
+        if isinstance(X, PaddedSequence) or any(
+            isinstance(leaf, PaddedSequence)
+            for leaf in optree.tree_leaves(X, is_leaf=_is_padded, none_is_leaf=True)
+        ):
+            X = optree.tree_map(packed, X, is_leaf=_is_padded, none_is_leaf=True)
+        return model_fn(params, X)
+
+    _PACKING_WRAPPERS[model_fn] = packing_model_fn
+    return packing_model_fn
+
+
+def _is_packed(x: Any) -> bool:
+    return isinstance(x, PackedSequence)
+
+
+def _is_padded(x: Any) -> bool:
+    return isinstance(x, PaddedSequence)
+
+
 def batch_size(X: Any) -> int:
     """Return the common leading dimension of all tensors in the input pytree.
 
@@ -1033,8 +1145,7 @@ def batch_size(X: Any) -> int:
             f"found leading sizes {sorted(sizes)} ({listed}). An input the samples share "
             "(position ids [1, T] or [T], a mask for every sample) is closed over in model_fn "
             "(lambda p, X: model_fn(p, {**X, 'position_ids': ids})) or expanded to [N, ...] "
-            "(ids.expand(N, -1)); a PackedSequence is made inside the model (pass the padded "
-            "batch and its lengths; pack_padded_sequence in forward)."
+            "(ids.expand(N, -1))."
         )
     size = sizes.pop()
     if size == 0:

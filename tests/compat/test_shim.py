@@ -1665,3 +1665,33 @@ def test_a_model_that_packs_its_batch_gets_each_samples_gradient():
         expected = torch.stack([row[i] for row in rows])
         torch.testing.assert_close(param.grad_batch, expected)
         torch.testing.assert_close(param.batch_l2, expected.flatten(1).square().sum(1))
+
+
+def test_a_packed_sequence_given_to_the_model_gets_each_samples_gradient():
+    """``model(pack_sequence(...))``: the shim's pass refused the input (no batch along
+    dim 0); it is passed padded and packed again, per-sample gradients equal a loop."""
+    torch.manual_seed(0)
+
+    class OnPacked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.head = nn.GRU(3, 4, batch_first=True), nn.Linear(4, 2)
+
+        def forward(self, packed):
+            return self.head(self.rnn(packed)[1][-1])
+
+    model, lossfunc = extend(OnPacked().double()), extend(nn.CrossEntropyLoss())
+    sequences = [torch.randn(length, 3, dtype=torch.float64) for length in (3, 5, 1, 4)]
+    y = torch.tensor([0, 1, 1, 0])
+    with backpack(ours.BatchGrad()):
+        packed = nn.utils.rnn.pack_sequence(sequences, enforce_sorted=False)
+        lossfunc(model(packed), y).backward()
+    params = list(model.parameters())
+    rows = [
+        torch.autograd.grad(
+            lossfunc(model(nn.utils.rnn.pack_sequence([s])), y[n : n + 1]) / 4, params
+        )
+        for n, s in enumerate(sequences)
+    ]
+    for i, param in enumerate(params):
+        torch.testing.assert_close(param.grad_batch, torch.stack([row[i] for row in rows]))

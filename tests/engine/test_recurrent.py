@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from tests.cases import PackedTagger, ragged_tokens
 from torch import nn
 from torch.func import functional_call, grad, vmap
-from torch.nn.utils.rnn import pack_padded_sequence
+from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -374,3 +374,70 @@ def test_a_packed_batch_runs_torchs_kernels_a_sample_at_a_time(monkeypatch):
     model_fn, params = pf.functional(PackedTagger().double())
     pf.batch_grad(model_fn, params, ragged_tokens(4), torch.tensor([0, 1, 2, 0]))
     assert looped and not decomposed
+
+
+class _OnPackedInput(nn.Module):
+    """A GRU on the ``PackedSequence`` it is given (``collate_fn`` packs), and a side input."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(3, 4, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(8 + 2, 2)
+
+    def forward(self, packed, side):
+        _, h = self.rnn(packed)
+        return self.head(torch.cat([h[-2], h[-1], side], 1))
+
+
+def _sequences_and_loop(model, n=5):
+    torch.manual_seed(0)
+    sequences = [torch.randn(length, 3, dtype=torch.float64) for length in (3, 5, 1, 4, 2)[:n]]
+    side, y = torch.randn(n, 2, dtype=torch.float64), torch.randint(0, 2, (n,))
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    params = list(model.parameters())
+    rows = [
+        torch.autograd.grad(loss(model(pack_sequence([s]), side[i : i + 1]), y[i : i + 1]), params)
+        for i, s in enumerate(sequences)
+    ]
+    expected = {
+        name: torch.stack([row[k] for row in rows])
+        for k, (name, _) in enumerate(model.named_parameters())
+    }
+    return sequences, side, y, loss, expected
+
+
+def test_a_packed_sequence_among_the_inputs_is_passed_padded():
+    """``X = (pack_sequence(..., enforce_sorted=False), side)``: refused before (no batch
+    along dim 0); padded in the batch's order and packed again for the model, each sample's
+    gradient is its loop's, and ``explain`` runs."""
+    model = _OnPackedInput().double()
+    sequences, side, y, loss, expected = _sequences_and_loop(model)
+    model_fn, params = pf.functional(model)
+    X = (pack_sequence(sequences, enforce_sorted=False), side)
+    found = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    for name in params:
+        torch.testing.assert_close(found[name], expected[name])
+    assert set(pf.explain(model_fn, params, X)) == set(params)
+
+
+def test_a_data_loader_that_packs_its_batches_computes():
+    """``collate_fn`` packing each batch: the dataset's statistics and per-batch results are
+    the loop's."""
+    model = _OnPackedInput().double()
+    sequences, side, y, loss, expected = _sequences_and_loop(model)
+    items = list(zip(sequences, side, y))
+
+    def collate(batch):
+        seqs, sides, ys = zip(*batch)
+        return (pack_sequence(list(seqs), enforce_sorted=False), torch.stack(sides)), torch.stack(
+            ys
+        )
+
+    loader = torch.utils.data.DataLoader(items, batch_size=2, collate_fn=collate)
+    model_fn, params = pf.functional(model)
+    found = pf.sum_grad_squared(model_fn, params, loss=loss, data=loader)
+    batches = list(pf.per_batch(pf.batch_grad, model_fn, params, loss=loss, data=loader))
+    per_sample = {name: torch.cat([g[name] for g in batches]) for name in params}
+    for name in params:
+        torch.testing.assert_close(found[name], expected[name].square().sum(0))
+        torch.testing.assert_close(per_sample[name], expected[name])

@@ -50,7 +50,10 @@ from packfunc.evaluation import evaluate
 from packfunc.functionalize import (
     clearer_error,
     flatten_params,
+    has_packed_sequences,
     module_of,
+    packing,
+    padded_sequences,
     weakly_bound,
     wraps_module_of,
 )
@@ -411,6 +414,8 @@ def _batch_pass(
     since the forward (``w.data = ...``, an optimizer step) fails it with a message about
     mixing samples, which the change explains better.
     """
+    if has_packed_sequences(X):  # (passed padded, packed again for the model)
+        fn, X = packing(fn), padded_sequences(X)
     try:
         return BatchPass(fn, params, X, y, loss, reuse=watched)
     except RowsNotAloneError as error:
