@@ -624,15 +624,24 @@ def test_subsampling_out_of_range():
         pf.batch_grad(model_fn, params, X, Y, subsampling=[0, 5])
 
 
-def test_a_model_that_packs_its_batch_under_the_callers_vmap_is_refused_with_the_fix():
-    """An ensemble's stacked parameters: the message said the samples would run one by one."""
+def test_a_model_that_packs_its_batch_under_the_callers_vmap():
+    """Over an ensemble's stacked parameters each member's results are its own; over stacked
+    batches (each its own lengths) it is refused naming the fix (the message said the
+    samples would run one by one)."""
     from tests.cases import PackedTagger, ragged_tokens
 
-    model_fn, params = pf.functional(PackedTagger())
+    model_fn, params = pf.functional(PackedTagger().double())
     stacked = {k: torch.stack([v, 2 * v]) for k, v in params.items()}
     tokens, y = ragged_tokens(3), torch.tensor([0, 1, 2])
-    with pytest.raises(ValueError, match="once per ensemble member"):
-        torch.func.vmap(lambda p: pf.batch_l2_grad(model_fn, p, tokens, y)["head.bias"])(stacked)
+    norms = torch.func.vmap(lambda p: pf.batch_l2_grad(model_fn, p, tokens, y)["head.bias"])
+    for member, found in enumerate(norms(stacked)):
+        alone = {k: v[member] for k, v in stacked.items()}
+        torch.testing.assert_close(found, pf.batch_l2_grad(model_fn, alone, tokens, y)["head.bias"])
+    batches, targets = torch.stack([tokens, tokens.flip(0)]), torch.stack([y, y.flip(0)])
+    with pytest.raises(ValueError, match="once per batch"):
+        torch.func.vmap(lambda X, t: pf.batch_l2_grad(model_fn, params, X, t)["head.bias"])(
+            batches, targets
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -351,10 +351,10 @@ _CHANNELS_LAST = (
 
 
 _PACKED_UNDER_YOUR_VMAP = (
-    "the model packs its batch (pack_padded_sequence) inside torch.func.vmap (over an "
-    "ensemble's stacked parameters or stacked batches): a packed batch's length depends on "
-    "the samples' lengths, which vmap cannot batch. Call packfunc once per ensemble member or "
-    "batch (a Python loop)."
+    "the model packs its batch (pack_padded_sequence) inside torch.func.vmap over stacked "
+    "batches: a packed batch's length depends on its samples' lengths, which vmap cannot "
+    "batch. Call packfunc once per batch (a Python loop); vmap over an ensemble's stacked "
+    "parameters works."
 )
 
 _UNTRANSFORMABLE = (

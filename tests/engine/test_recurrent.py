@@ -441,3 +441,37 @@ def test_a_data_loader_that_packs_its_batches_computes():
     for name in params:
         torch.testing.assert_close(found[name], expected[name].square().sum(0))
         torch.testing.assert_close(per_sample[name], expected[name])
+
+
+def test_curvature_products_of_a_model_that_packs_its_batch_are_the_dense_ones():
+    """``ggn_vector_product`` and ``hessian_vector_product`` map over vectors, not samples:
+    packing ran under that vmap and was refused as if the samples were mapped."""
+    torch.manual_seed(0)
+    model = PackedTagger().double()
+    tokens, y = ragged_tokens(4), torch.tensor([0, 1, 2, 0])
+    model_fn, params = pf.functional(model)
+    names, flat = list(params), torch.cat([p.flatten() for p in params.values()])
+
+    def unflat(vector):
+        sizes = [p.numel() for p in params.values()]
+        parts = vector.split(sizes)
+        return {k: part.view_as(params[k]) for k, part in zip(names, parts)}
+
+    def output(vector):
+        return functional_call(model, unflat(vector), (tokens,))
+
+    loss = nn.CrossEntropyLoss()
+    J = torch.autograd.functional.jacobian(output, flat)
+    probs = output(flat).softmax(1)
+    ggn = sum(
+        J[n].T @ ((torch.diag(probs[n]) - torch.outer(probs[n], probs[n])) / 4) @ J[n]
+        for n in range(4)
+    )
+    hessian = torch.autograd.functional.hessian(lambda w: loss(output(w), y), flat)
+    v = {k: torch.randn_like(p) for k, p in params.items()}
+    vector = torch.cat([v[k].flatten() for k in names])
+    for found, dense in (
+        (pf.ggn_vector_product(model_fn, params, tokens, y, v=v), ggn),
+        (pf.hessian_vector_product(model_fn, params, tokens, y, v=v), hessian),
+    ):
+        torch.testing.assert_close(torch.cat([found[k].flatten() for k in names]), dense @ vector)

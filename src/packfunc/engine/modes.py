@@ -157,6 +157,20 @@ class LeafIndex:
         return found
 
 
+def _lengths_vary(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a ``pack_padded_sequence`` call under ``vmap`` maps over its lengths.
+
+    Mapped over samples, each instance has lengths of its own (a packed length of its own);
+    mapped over vectors (a product's), the lengths are the batch's, and packing decomposes.
+    """
+    lengths = args[1] if len(args) > 1 else kwargs.get("lengths")
+    while isinstance(lengths, Tensor) and is_functorch_wrapped_tensor(lengths):
+        if torch._C._functorch.is_batchedtensor(lengths):
+            return True
+        lengths = torch._C._functorch.get_unwrapped(lengths)  # (a transform's level below)
+    return False
+
+
 REWRITTEN_OPS = (
     RECURRENT_OPS
     | ATTENTION_OPS
@@ -234,7 +248,7 @@ class FunctionalMode(TorchFunctionMode):
             # a flag torch.func transforms track by themselves (and forbid setting): Hugging
             # Face's gradient_checkpointing_enable() sets it on the embeddings' output
             return args[0]
-        if func is PACK_PADDED_SEQUENCE and under_vmap():
+        if func is PACK_PADDED_SEQUENCE and under_vmap() and _lengths_vary(args, kwargs):
             raise RuntimeError(PACKED_UNDER_VMAP)
         if func in RECURRENT_OPS and is_packed(args, kwargs):
             return self._packed_recurrent(func, args, kwargs)

@@ -20,6 +20,7 @@ from typing import Any, cast
 import optree
 import torch
 from torch import Tensor
+from torch._C._functorch import maybe_current_level
 from torch.func import vmap
 
 from packfunc.engine.autodiff import (
@@ -84,12 +85,14 @@ def column_grads(
 
     # attention's math kernel has batching rules; the fused CPU kernels would run in a
     # loop over samples (and PyTorch warns about it on every call)
+    # a packed batch: torch's kernels with plain autograd, unless inside the caller's transform
+    escape = () if maybe_current_level() is not None else (PACKED_UNDER_VMAP,)
     try:
         with twice_differentiable():
-            per_sample = over_samples(
-                one_sample, (PACKED_UNDER_VMAP,), in_dims=(0, 1), randomness="different"
-            )([flat[i] for i in batched], cotangents[:, index])
-    except RuntimeError as error:  # (a packed batch: torch's fused kernels, with autograd)
+            per_sample = over_samples(one_sample, escape, in_dims=(0, 1), randomness="different")(
+                [flat[i] for i in batched], cotangents[:, index]
+            )
+    except RuntimeError as error:
         if not is_untransformable_function(error) and PACKED_UNDER_VMAP not in str(error):
             raise
         return _looped_with_autograd(model_fn, leaves, treespec, wanted, xs, cotangents[:, index])
