@@ -577,3 +577,21 @@ def test_batches_made_in_inference_mode_serve_every_quantity() -> None:
     expected = list(pf.per_batch(pf.batch_grad, model_fn, params, data=normal, **kw))
     for one, other in zip(found, expected, strict=True):
         assert_trees_close(one, other)
+
+
+def test_a_model_used_over_data_is_not_kept_alive():
+    """The model function over ``data=`` runs wrapped (a ``PackedSequence`` in a batch comes
+    padded and is packed again); a cache of those wrappers kept every model alive."""
+    import gc
+    import weakref
+
+    def use():
+        model = nn.Sequential(nn.Linear(3, 2))
+        model_fn, params = pf.functional(model)
+        data = [(torch.randn(4, 3), torch.randint(0, 2, (4,)))]
+        pf.sum_grad_squared(model_fn, params, data=data)
+        return weakref.ref(model)
+
+    model = use()
+    gc.collect()
+    assert model() is None
