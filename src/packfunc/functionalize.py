@@ -1016,11 +1016,6 @@ class PaddedSequence(NamedTuple):
     lengths: Tensor
 
 
-_PACKING_WRAPPERS: weakref.WeakKeyDictionary[Any, ModelFn] = weakref.WeakKeyDictionary()
-"""Per model function, its :func:`packing` wrapper (one function: packfunc's plans are cached
-per model function)."""
-
-
 def has_packed_sequences(X: Any) -> bool:
     """Whether the inputs ``X`` hold a ``PackedSequence``.
 
@@ -1072,34 +1067,22 @@ def packing(model_fn: ModelFn) -> ModelFn:
 
     The model sees the sequences it was given (``enforce_sorted=False``: its outputs come in
     the batch's order); inputs without a :class:`PaddedSequence` go through as they are.
-    The wrapper runs the same module (:func:`module_of`) and holds ``model_fn`` weakly: it
-    is cached for ``model_fn`` without keeping it, or its model, alive.
+    A new function each call (a cache of them would keep ``model_fn`` alive): packfunc's
+    plan, cached per model function, is found again once per call; what ``model_fn``
+    closes over (its module, its settings) is read through it.
 
     Args:
         model_fn: ``model_fn(params, X)``.
 
     Returns:
-        The wrapped model function (the same one for every call with ``model_fn``).
+        The wrapped model function.
 
     Example:
         >>> from torch.nn.utils.rnn import pack_sequence
-        >>> summed = lambda p, X: X.data.sum(0)
-        >>> fn = packing(summed)
+        >>> fn = packing(lambda p, X: X.data.sum(0))
         >>> fn(None, padded_sequences(pack_sequence([torch.ones(3, 2), torch.ones(1, 2)])))
         tensor([4., 4.])
     """
-    try:
-        found = _PACKING_WRAPPERS.get(model_fn)
-    except TypeError:  # (not weakly referenceable: a wrapper of its own each time)
-        return _packing_wrapper(lambda: model_fn, module_of(model_fn))
-    if found is None:
-        found = _packing_wrapper(weakref.ref(model_fn), module_of(model_fn))
-        _PACKING_WRAPPERS[model_fn] = found
-    return found
-
-
-def _packing_wrapper(get: Callable[[], Any], module: nn.Module | None) -> ModelFn:
-    """:func:`packing`'s wrapper of the model function ``get()`` (of ``module``)."""
 
     def packed(x: Any) -> Any:
         if not isinstance(x, PaddedSequence):
@@ -1108,19 +1091,13 @@ def _packing_wrapper(get: Callable[[], Any], module: nn.Module | None) -> ModelF
         return pack_padded_sequence(x.padded, lengths, batch_first=True, enforce_sorted=False)
 
     def packing_model_fn(params: Any, X: Any) -> Tensor:
-        model_fn = get()
-        if model_fn is None:
-            raise ReferenceError("the model function packfunc was given was deleted")
         if isinstance(X, PaddedSequence) or any(
             isinstance(leaf, PaddedSequence)
             for leaf in optree.tree_leaves(X, is_leaf=_is_padded, none_is_leaf=True)
         ):
             X = optree.tree_map(packed, X, is_leaf=_is_padded, none_is_leaf=True)
-        return cast(Tensor, model_fn(params, X))
+        return model_fn(params, X)
 
-    if module is not None:  # (held here: a holder of several modules lives as long)
-        packing_model_fn.__dict__["module"] = module
-        _MODULES[packing_model_fn] = weakref.ref(module)
     return packing_model_fn
 
 
