@@ -952,3 +952,22 @@ def test_a_forward_that_differentiates_inside_is_refused():
     for quantity in (pf.batch_grad, pf.diag_ggn):
         with pytest.raises(ValueError, match="differentiates inside its forward"):
             quantity(_forces, params, X, y, loss=nn.MSELoss(reduction="sum"))
+
+
+def test_a_params_name_the_model_does_not_read_is_refused():
+    """A misspelled key, or the plain ``weight`` that ``prune`` computes in a forward
+    pre-hook after ``pf.functional`` ran: every quantity of it was zero, silently (a probe)."""
+    import torch.nn.utils.prune as prune
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    X, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    model_fn, params = pf.functional(model)
+    misspelled = {("0.wieght" if k == "0.weight" else k): v for k, v in params.items()}
+    with pytest.raises(ValueError, match="'0.wieght', which is no parameter"):
+        pf.batch_grad(model_fn, misspelled, X, y)
+    prune.l1_unstructured(model[0], "weight", 0.3)
+    with pytest.raises(ValueError, match="'0.weight', an attribute the model's forward overwrites"):
+        pf.clipped_grad(model_fn, params, X, y, max_norm=1.0)
+    model_fn, params = pf.functional(model)  # weight_orig: computed
+    assert pf.batch_grad(model_fn, params, X, y)["0.weight_orig"].abs().sum() > 0

@@ -126,7 +126,6 @@ class _Tied(nn.Module):
         ("a.weight", "b.weight"),  # one tensor given for both
         ("shift",),  # a buffer
         ("scale",),  # a plain attribute: set for the call, as torch does
-        ("missing",),  # a name the module lacks
         (),
     ],
 )
@@ -139,7 +138,15 @@ def test_values_equal_functional_call(names):
     before = _slots_of(model)
     torch.testing.assert_close(call_with_tensors(model, given, (X,), {}), expected, rtol=0, atol=0)
     _assert_slots_kept(before)
-    assert torch.equal(model.scale, torch.tensor(2.0)) and not hasattr(model, "missing")
+    assert torch.equal(model.scale, torch.tensor(2.0))
+
+
+def test_a_name_the_module_lacks_is_refused():
+    """torch sets it as an attribute nothing reads (its quantities would be zero)."""
+    model = _Tied()
+    with pytest.raises(ValueError, match="'missing', which is no parameter"):
+        call_with_tensors(model, {"missing": torch.ones(())}, (torch.randn(2, 3),), {})
+    assert not hasattr(model, "missing")
 
 
 def test_tied_names_given_different_tensors_are_refused():

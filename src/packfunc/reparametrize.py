@@ -66,12 +66,16 @@ def call_with_tensors(
     swaps = _swaps(slots, tensors)
     others = {name: value for name, value in tensors.items() if name not in slots}
     _refuse_parametrized_names(module, others)
+    _refuse_unknown_names(module, others)
     originals = [(store, key, store[key]) for store, key, _ in swaps]
+    given = dict(others)
     for store, key, value in swaps:
         store[key] = value
     try:
-        if others:  # attributes, and names the module lacks: torch's own handling
-            return functional_call(module, others, args, kwargs)
+        if others:  # attributes: torch's own handling
+            out = functional_call(module, others, args, kwargs)
+            _refuse_overwritten(given, others)
+            return out
         return module(*args, **kwargs)
     finally:
         for name, value in tensors.items():
@@ -119,6 +123,45 @@ def _refuse_parametrized_names(module: nn.Module, names: Iterable[str]) -> None:
                 "registered after pf.functional ran?): its tensors are the parametrization's "
                 f"({owner_name + '.' if owner_name else ''}parametrizations.{attribute}."
                 "original). Call pf.functional(model) again and pass the params it returns."
+            )
+
+
+def _refuse_unknown_names(module: nn.Module, names: Iterable[str]) -> None:
+    """Refuse a tensor given under a name the model does not have (``"0.wieght"``).
+
+    torch would set it as a new attribute that nothing reads: every quantity of it zero.
+    A name the model had before it changed (``prune``, the old ``weight_norm``: the plain
+    ``weight`` their forward pre-hook computes) is refused once the forward overwrote it.
+    """
+    for name in names:
+        owner_name, _, attribute = name.rpartition(".")
+        try:
+            owner = module.get_submodule(owner_name) if owner_name else module
+        except AttributeError:
+            owner = None
+        if owner is None or not hasattr(owner, attribute):
+            raise ValueError(
+                f"params has {name!r}, which is no parameter, buffer or attribute of the "
+                "model (a misspelled name, or one from before the model changed): it would "
+                "be set for the call and never read, and its quantities would be zero. Call "
+                "pf.functional(model) again and pass the params it returns."
+            )
+
+
+def _refuse_overwritten(given: dict[str, Tensor], after: dict[str, Tensor]) -> None:
+    """Refuse an attribute given in ``params`` that the forward replaced before using it.
+
+    ``prune`` and the old ``weight_norm`` compute a plain ``weight`` in a forward pre-hook
+    (``weight_orig * weight_mask``): a tensor given under that name is never read.
+    """
+    for name, value in given.items():
+        if after.get(name, value) is not value:
+            raise ValueError(
+                f"params has {name!r}, an attribute the model's forward overwrites (a forward "
+                "pre-hook of torch.nn.utils.prune or the old weight_norm computes it from "
+                "weight_orig / weight_g and weight_v): the tensor given is never read, and its "
+                "quantities would be zero. Call pf.functional(model) again and pass the "
+                "params it returns."
             )
 
 

@@ -954,11 +954,12 @@ def _compute(
 
 
 def _warn_about_unsupported(quantity: str, names: list[str]) -> None:
-    """Warn, as BackPACK does for modules without an extension, about parameters left out."""
+    """Warn about parameters left out (BackPACK raises ``NotImplementedError`` there)."""
     if names:
         warnings.warn(
             f"{quantity} has no Kronecker rule for {names} (not the weight or bias of a "
-            "linear, convolution or embedding layer, or used several ways, or called where "
+            "linear or convolution layer — embeddings and norm layers have none — or used "
+            "several ways, or called where "
             "your forward pass records no graph: under no_grad, or in a reentrant "
             "checkpoint, for which checkpoint(..., use_reentrant=False) is the fix): they "
             f"get no {quantity} attribute.",
