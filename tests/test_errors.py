@@ -624,6 +624,27 @@ def test_subsampling_out_of_range():
         pf.batch_grad(model_fn, params, X, Y, subsampling=[0, 5])
 
 
+def test_subsampling_takes_a_slice_of_the_batch():
+    """``subsampling=slice(1, 3)`` raised torch's 'Could not infer dtype of slice'."""
+    model_fn, params = _mlp()
+    found = pf.batch_grad(model_fn, params, X, Y, subsampling=slice(1, 3))
+    expected = pf.batch_grad(model_fn, params, X, Y, subsampling=[1, 2])
+    for name in params:
+        torch.testing.assert_close(found[name], expected[name])
+
+
+@pytest.mark.parametrize("extension", ["DiagGGNExact", "KFAC", "DiagHessian", "BatchGrad"])
+def test_the_shim_refuses_an_empty_batch_by_name(extension):
+    """The second-order extensions raised torch's 'cannot reshape tensor of 0 elements'."""
+    from packfunc.compat import backpack, extend
+    from packfunc.compat import extensions as ours
+
+    model = extend(nn.Sequential(nn.Linear(3, 2)))
+    lossfunc = extend(nn.CrossEntropyLoss(reduction="sum"))
+    with backpack(getattr(ours, extension)()), pytest.raises(ValueError, match="empty batch"):
+        lossfunc(model(torch.randn(0, 3)), torch.zeros(0, dtype=torch.long)).backward()
+
+
 def test_a_model_that_packs_its_batch_under_the_callers_vmap():
     """Over an ensemble's stacked parameters each member's results are its own; over stacked
     batches (each its own lengths) it is refused naming the fix (the message said the

@@ -263,6 +263,30 @@ def test_refusal_names_the_random_call_and_the_fix():
     pf.batch_grad(model_fn, params, torch.randn(3, 4), torch.randint(0, 3, (3,)))
 
 
+def test_a_weight_dropped_by_a_parametrization_is_refused_not_drawn_again():
+    """DropConnect (dropout of the weight in a parametrization, training mode): a call on
+    parameters alone, which the closed forms recompute from the parameters, drawing
+    another mask (torch's raw 'called random operation while in randomness error mode'
+    under vmap). Refused by name; in evaluation mode the closed forms are exact."""
+    import torch.nn.utils.parametrize as parametrize
+
+    class DropConnect(nn.Module):
+        def forward(self, weight: Tensor) -> Tensor:
+            return nn.functional.dropout(weight, 0.5, training=self.training)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    parametrize.register_parametrization(model[0], "weight", DropConnect())
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    with pytest.raises(RandomModelError, match=r"dropout\(p=0\.5\).*eval"):
+        pf.batch_grad(model_fn, params, X, y)
+    model.eval()
+    from tests.cases import assert_batch_grad_is_a_loop
+
+    assert_batch_grad_is_a_loop(model_fn, params, X, y)
+
+
 def test_shim_refuses_a_random_model_it_must_run_again():
     model = extend(RecurrentDropout().train())
     lossfunc = extend(nn.CrossEntropyLoss())

@@ -1143,11 +1143,15 @@ def batch_size(X: Any) -> int:
         )
     size = sizes.pop()
     if size == 0:
-        raise ValueError(
-            "X is an empty batch (N=0): per-sample quantities need at least one "
-            "sample; skip empty batches before calling packfunc."
-        )
+        raise ValueError(EMPTY_BATCH)
     return size
+
+
+EMPTY_BATCH = (
+    "X is an empty batch (N=0): per-sample quantities need at least one sample; skip empty "
+    "batches before calling packfunc."
+)
+"""The refusal of a batch without samples (a Poisson-sampled batch may be empty)."""
 
 
 def select_samples(X: Any, index: slice | Tensor) -> Any:
@@ -1174,7 +1178,8 @@ def as_index(subsampling: Any, n: int, device: torch.device) -> slice | Tensor:
     """Turn a ``subsampling`` argument into an index over the batch.
 
     Args:
-        subsampling: ``None`` (all samples) or a sequence/tensor of sample indices.
+        subsampling: ``None`` (all samples), a sequence/tensor of sample indices, or a
+            ``slice`` of the batch (``range(n)[subsampling]``).
         n: Batch size.
         device: Device of the data.
 
@@ -1187,9 +1192,13 @@ def as_index(subsampling: Any, n: int, device: torch.device) -> slice | Tensor:
     Example:
         >>> as_index([0, 2], 3, torch.device("cpu"))
         tensor([0, 2])
+        >>> as_index(slice(1, None), 3, torch.device("cpu"))
+        tensor([1, 2])
     """
     if subsampling is None:
         return slice(0, n)
+    if isinstance(subsampling, slice):
+        subsampling = list(range(n)[subsampling])
     if torch.as_tensor(subsampling).dtype == torch.bool:
         raise ValueError(
             "subsampling= takes sample indices, not a boolean mask (it would read as indices "

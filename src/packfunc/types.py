@@ -56,8 +56,8 @@ or by name), or one per group of parameters clipped by their joint norm (a tuple
 ClippingGroups = list[tuple[list[int], float]]
 """Leaves clipped together by their joint per-sample norm (leaf indices), each group's bound."""
 
-Samples = Sequence[int] | Tensor | None
-"""Sample indices (``None``: every sample)."""
+Samples = Sequence[int] | Tensor | slice | None
+"""Sample indices, or a slice of the batch (``None``: every sample)."""
 
 KfacApprox = Literal["sum", "expand", "reduce"]
 """How positions (sequence entries, pixels, repeated calls) enter Kronecker factors:

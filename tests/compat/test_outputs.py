@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import types
 from typing import NamedTuple
 
 import pytest
@@ -20,6 +22,13 @@ class _Outputs(NamedTuple):
     aux: torch.Tensor
 
 
+@dataclasses.dataclass(frozen=True)
+class _FrozenOutputs:
+    logits: torch.Tensor
+    rest: tuple[torch.Tensor, torch.Tensor]  # (features, aux): a pytree inside the object
+    note: str = "kept"
+
+
 class _SeveralOutputs(nn.Module):
     """Logits, the features they are computed from, and a second head's logits."""
 
@@ -33,11 +42,20 @@ class _SeveralOutputs(nn.Module):
         found = (self.head(features), features, self.aux(features))
         if self.container == "dict":
             return dict(zip(_Outputs._fields, found))
+        if self.container == "namespace":
+            return types.SimpleNamespace(**dict(zip(_Outputs._fields, found)))
+        if self.container == "frozen dataclass":
+            return _FrozenOutputs(found[0], found[1:])
         return _Outputs(*found) if self.container == "namedtuple" else found
 
 
 def _take(out, name: str) -> torch.Tensor:
     index = _Outputs._fields.index(name)
+    if isinstance(out, _FrozenOutputs):
+        assert out.note == "kept"
+        return out.logits if name == "logits" else out.rest[index - 1]
+    if isinstance(out, types.SimpleNamespace):
+        return getattr(out, name)
     return out[name] if isinstance(out, dict) else out[index]
 
 
@@ -45,11 +63,15 @@ def _batch(n: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1][:n])
 
 
-@pytest.mark.parametrize("container", ["tuple", "dict", "namedtuple"])
+@pytest.mark.parametrize(
+    "container", ["tuple", "dict", "namedtuple", "namespace", "frozen dataclass"]
+)
 @pytest.mark.parametrize("taken", ["logits", "aux"])
 def test_the_quantities_are_those_of_the_output_the_loss_takes(container, taken):
-    """Before: a warning, and nothing computed. Per-sample gradients against a loop of
-    autograd, the GGN diagonal against packfunc's functional API on that output alone."""
+    """Before: a warning, and nothing computed (an object the pytree does not know, a
+    dataclass or a ``SimpleNamespace``: not even a warning, and the last step's
+    ``grad_batch`` stayed). Per-sample gradients against a loop of autograd, the GGN
+    diagonal against packfunc's functional API on that output alone."""
     torch.manual_seed(0)
     model, lossfunc = extend(_SeveralOutputs(container).double()), extend(nn.CrossEntropyLoss())
     X, y = _batch()

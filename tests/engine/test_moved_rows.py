@@ -112,11 +112,13 @@ def test_layers_on_moved_rows_take_the_whole_model_path_and_are_per_sample(name)
     assert_batch_grad_is_a_loop(model_fn, params, X, y)
 
 
-def test_clipped_sums_and_the_shim_on_moved_rows_are_the_loops():
-    model, X, y = _problem("argsort index")
-    loss = nn.CrossEntropyLoss(reduction="sum")
+def _assert_clipped_sums_and_the_shim_are_the_loops(
+    model: nn.Module, X: Tensor, y: Tensor
+) -> dict[str, Tensor]:
+    """``clipped_grad`` and the shim's ``BatchGrad`` against a loop of autograd; its result."""
+    loss, n = nn.CrossEntropyLoss(reduction="sum"), len(y)
     expected = autograd_batch_grad(model, loss, X, y)
-    norms = torch.cat([g.reshape(6, -1) for g in expected.values()], 1).square().sum(1).sqrt()
+    norms = torch.cat([g.reshape(n, -1) for g in expected.values()], 1).square().sum(1).sqrt()
     factors = (0.1 / (norms + 1e-6)).clamp(max=1.0)
     model_fn, params = pf.functional(model)
     clipped = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=0.1)
@@ -127,6 +129,11 @@ def test_clipped_sums_and_the_shim_on_moved_rows_are_the_loops():
         lossfunc(extended(X), y).backward()
     for name, param in extended.named_parameters():
         torch.testing.assert_close(param.grad_batch, expected[name])
+    return expected
+
+
+def test_clipped_sums_and_the_shim_on_moved_rows_are_the_loops():
+    _assert_clipped_sums_and_the_shim_are_the_loops(*_problem("argsort index"))
 
 
 def test_the_samples_own_rows_picked_by_arange_keep_the_closed_forms():
@@ -441,3 +448,62 @@ def test_batch_dims_followed_through_reshapes_and_writes_keep_the_closed_forms(m
     assert not any("moved" in path for path in paths.values()), paths
     assert paths["head.weight"].startswith("closed form"), paths
     assert_batch_grad_is_a_loop(model_fn, params, X, y)
+
+
+class ReorderingForBatches(Reordering):
+    """:class:`Reordering` whose move happens for more than one sample only (``if len(x) >
+    1``: a sort by length that a single sample skips): discovery's sample cannot show it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[0] == 1:
+            return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("name", list(REORDERINGS))
+def test_rows_moved_for_batches_only_take_the_whole_model_path(name):
+    """The batch pass compares each layer's first and last input rows with those samples'
+    inputs alone: the layers on moved rows run each sample alone (their per-sample
+    gradients were other samples', off by up to 0.6 in float64, sums right)."""
+    torch.manual_seed(0)
+    model = ReorderingForBatches(REORDERINGS[name]).double()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 3, (6,))
+    for _ in range(2):  # discovered, then the plan kept with its layer on the whole model
+        assert_batch_grad_is_a_loop(model_fn, params, X, y)
+
+
+def test_rows_moved_for_batches_only_are_per_sample_in_every_quantity():
+    torch.manual_seed(0)
+    model = ReorderingForBatches(REORDERINGS["flip"]).double()
+    X, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 3, (6,))
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    model_fn, params = pf.functional(model)
+    squared = pf.batch_l2_grad(model_fn, params, X, y, loss=loss)
+    diagonals = pf.batch_diag_ggn(pf.functional(model)[0], params, X, y, loss=loss)
+    for n in range(6):
+        one = pf.diag_ggn(pf.functional(model)[0], params, X[n : n + 1], y[n : n + 1], loss=loss)
+        for name in params:
+            torch.testing.assert_close(diagonals[name][n], one[name])
+    expected = _assert_clipped_sums_and_the_shim_are_the_loops(model, X, y)
+    for name, g in expected.items():
+        torch.testing.assert_close(squared[name], g.reshape(6, -1).square().sum(1))
+
+
+def test_token_rows_moved_for_batches_only_take_the_whole_model_path():
+    """An embedding's input is its indices: compared exactly, not to rounding."""
+
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Embedding(7, 4), nn.Linear(4, 3)
+
+        def forward(self, tokens: Tensor) -> Tensor:
+            moved = tokens.flip(0) if len(tokens) > 1 else tokens
+            h = self.embed(moved).mean(1)
+            return self.head(torch.tanh(h.flip(0) if len(tokens) > 1 else h))
+
+    torch.manual_seed(0)
+    model_fn, params = pf.functional(Tokens().double())
+    tokens, y = torch.randint(0, 7, (5, 3)), torch.randint(0, 3, (5,))
+    assert_batch_grad_is_a_loop(model_fn, params, tokens, y)

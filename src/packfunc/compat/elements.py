@@ -8,19 +8,23 @@ sends to that output directly, not the share that flows back through a later out
 the backward pass has gone through every alias it reaches, exactly one must have a gradient;
 the extensions then run for that output, as for a model returning it alone (its model
 function selects it). A loss of several outputs, or of one without a row per sample (a
-loss computed inside the model), is refused by name.
+loss computed inside the model), is refused by name. An output object the pytree does not
+know (a dataclass, a ``SimpleNamespace``, a class of the user's) is looked into through its
+attributes, and given to the caller as a shallow copy holding the aliases.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
-from torch import Tensor
+from torch import Tensor, nn
 
 from packfunc.compat import context
 from packfunc.compat.layout import RECORD_KEY, node_metadata
@@ -51,6 +55,94 @@ class OutputGroup:
     gradients: dict[int, dict[int, Tensor]] = field(default_factory=dict)
 
 
+Rebuild = Callable[[list[Any]], Any]
+"""Makes an output of the flattened one's structure from new leaves (see :func:`flat_output`)."""
+
+_DEPTH = 4
+"""How deep :func:`flat_output` looks into objects inside objects."""
+
+
+def flat_output(output: Any, depth: int = 0) -> tuple[list[tuple[str, Any]], Any, Rebuild]:
+    """The leaves of a model's output with their paths, its structure, and its rebuild.
+
+    A pytree (tuple, list, dict, ``ModelOutput``) is flattened as ``torch.utils._pytree``
+    does; a leaf that is an object holding tensors in its attributes (a dataclass, a
+    ``SimpleNamespace``) is flattened through them, and rebuilt as a shallow copy.
+
+    Args:
+        output: A model's output.
+        depth: How many objects deep this output lies (internal).
+
+    Returns:
+        ``(leaves, structure, rebuild)``: each leaf as ``(path, value)``; a structure that
+        compares equal for outputs of the same layout; ``rebuild(values)`` the output with
+        the leaves replaced by ``values`` (the original is left as it is).
+
+    Example:
+        >>> import types
+        >>> leaves, _, rebuild = flat_output(types.SimpleNamespace(logits=torch.zeros(1)))
+        >>> [path for path, _ in leaves], rebuild([torch.ones(1)]).logits
+        (['.logits'], tensor([1.]))
+    """
+    flat, spec = pytree.tree_flatten_with_path(output)
+    leaves: list[tuple[str, Any]] = []
+    structure: list[Any] = []
+    parts: list[tuple[int, Rebuild | None, Any]] = []  # (leaf count, rebuild, original)
+    for path, value in flat:
+        name = pytree.keystr(path)
+        attributes = _tensor_attributes(value) if depth < _DEPTH else None
+        if attributes is None:
+            leaves.append((name, value))
+            structure.append(None)
+            parts.append((1, None, value))
+            continue
+        inner, inner_structure, inner_rebuild = flat_output(attributes, depth + 1)
+        leaves += [(f"{name}.{path[2:-2]}{rest}", v) for path, rest, v in _split(inner)]
+        structure.append((type(value), inner_structure))
+        parts.append((len(inner), inner_rebuild, value))
+
+    def rebuild(values: list[Any]) -> Any:
+        built, at = [], 0
+        for count, inner_rebuild, original in parts:
+            chunk = values[at : at + count]
+            at += count
+            built.append(
+                chunk[0] if inner_rebuild is None else _copy_with(original, inner_rebuild(chunk))
+            )
+        return pytree.tree_unflatten(built, spec)
+
+    return leaves, (spec, tuple(structure)), rebuild
+
+
+def _split(leaves: list[tuple[str, Any]]) -> list[tuple[str, str, Any]]:
+    """Each leaf of an attribute dict's flattening as ``(['name'], rest of its path, value)``."""
+    split = []
+    for path, value in leaves:
+        end = path.index("]") + 1
+        split.append((path[:end], path[end:], value))
+    return split
+
+
+def _tensor_attributes(value: Any) -> dict[str, Any] | None:
+    """The attributes of an object the pytree does not know, where some hold a tensor."""
+    if isinstance(value, Tensor | nn.Module | type) or not hasattr(value, "__dict__"):
+        return None
+    if dataclasses.is_dataclass(value):
+        attributes = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    else:
+        attributes = dict(vars(value))
+    holds = any(isinstance(leaf, Tensor) for leaf in pytree.tree_leaves(attributes))
+    return attributes if holds else None
+
+
+def _copy_with(original: Any, attributes: dict[str, Any]) -> Any:
+    """A shallow copy of ``original`` with ``attributes`` set (a frozen dataclass's too)."""
+    copied = copy.copy(original)
+    for name, value in attributes.items():
+        object.__setattr__(copied, name, value)
+    return copied
+
+
 def aliased_output(
     output: Any, n: int, make_record: Callable[[Tensor, Any], ForwardRecord], on: OnBackward
 ) -> tuple[Any, list[ForwardRecord]]:
@@ -74,7 +166,7 @@ def aliased_output(
         >>> out[0] is h, torch.equal(out[0], h), records
         (False, True, ['h'])
     """
-    flat, spec = pytree.tree_flatten_with_path(output)
+    flat, structure, rebuild = flat_output(output)
     tensors = [
         (i, path, value)
         for i, (path, value) in enumerate(flat)
@@ -91,25 +183,25 @@ def aliased_output(
     records: list[ForwardRecord | None] = []
     nodes = []
     for (i, _, value), rows in zip(tensors, batched, strict=True):
-        record = make_record(value, (spec, i)) if rows else None
+        record = make_record(value, (structure, i)) if rows else None
         leaves[i] = value.view_as(value)
         if record is not None:  # an extended loss on this output finds it (second order)
             node_metadata(leaves[i].grad_fn)[RECORD_KEY] = record
         records.append(record)
         nodes.append(leaves[i].grad_fn)
-    names = [pytree.keystr(path) for _, path, _ in tensors]
+    names = [path for _, path, _ in tensors]
     group = OutputGroup(names, records, nodes, on)
     for k, node in enumerate(nodes):
         node.register_prehook(partial(_on_alias_backward, group, k))
-    return pytree.tree_unflatten(leaves, spec), [r for r in records if r is not None]
+    return rebuild(leaves), [r for r in records if r is not None]
 
 
 def select_element(output: Any, element: tuple[Any, int]) -> Tensor:
-    """The tensor at flat position ``i`` of an output of structure ``spec``.
+    """The tensor at flat position ``i`` of an output of structure ``structure``.
 
     Args:
         output: A model output.
-        element: ``(spec, i)``.
+        element: ``(structure, i)``, as :func:`flat_output` gives them.
 
     Returns:
         That tensor.
@@ -119,17 +211,17 @@ def select_element(output: Any, element: tuple[Any, int]) -> Tensor:
 
     Example:
         >>> out = {"a": torch.zeros(1), "b": torch.ones(1)}
-        >>> select_element(out, (pytree.tree_flatten(out)[1], 1))
+        >>> select_element(out, (flat_output(out)[1], 1))
         tensor([1.])
     """
-    spec, i = element
-    flat, found = pytree.tree_flatten(output)
-    if found != spec:
+    structure, i = element
+    flat, found, _ = flat_output(output)
+    if found != structure:
         raise ValueError(
             "the extended model returned an output of another structure than in the forward "
             "pass being differentiated; packfunc.compat selects the loss's output by position."
         )
-    return flat[i]
+    return cast(Tensor, flat[i][1])
 
 
 def _on_alias_backward(group: OutputGroup, k: int, grad_outputs: tuple[Tensor | None, ...]) -> None:
@@ -196,6 +288,6 @@ def output_nodes(output: Any) -> list[Any]:
     """
     return [
         value.grad_fn
-        for value in pytree.tree_leaves(output)
+        for _, value in flat_output(output)[0]
         if isinstance(value, Tensor) and value.grad_fn is not None
     ]

@@ -48,6 +48,7 @@ from packfunc.engine.api import (
 )
 from packfunc.evaluation import evaluate
 from packfunc.functionalize import (
+    EMPTY_BATCH,
     clearer_error,
     flatten_params,
     has_packed_sequences,
@@ -186,6 +187,8 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
             "returning self.model(input_ids=input_ids, attention_mask=attention_mask).logits)."
         )
     record.check_output_unchanged()
+    if record.output_shape[:1] == (0,):  # (an empty batch: before its layout's reshapes)
+        raise ValueError(EMPTY_BATCH)
     _refuse_hooks_on_the_output(record)
     savefields = [ext.savefield for ext in ctx.extensions]
     _refuse_parameters_of_another_model(record, savefields)

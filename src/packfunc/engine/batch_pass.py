@@ -29,7 +29,7 @@ from packfunc.engine.discovery import (
     cached_discover,
     check_rows_alone,
     forget_plan,
-    last_sample_output,
+    last_sample_plan,
 )
 from packfunc.engine.memory import (
     OUTPUT_CHUNK_BUDGET,
@@ -343,8 +343,10 @@ class BatchPass:
                 self.plan.note_random(DEFAULT_GENERATOR_DRAW)
             # what the user's forward sets stays, but not the tensors the pass made
             self._put_back(made_in_a_pass)
-            last = partial(last_sample_output, model_fn, params, X, self.n)
-            checked = check_rows_alone(self.plan, self.record.output, last)  # a fresh plan's rows
+            last = partial(last_sample_plan, model_fn, params, self.leaves, X, self.n)
+            recorded = set(self.record.inputs)  # (sites whose rows moved are taken out)
+            checked = check_rows_alone(self.plan, self.record.output, last, self.record.inputs)
+            self.record.failed |= recorded - set(self.record.inputs)
         except RowsNotAloneError as error:  # (the plan is kept: it refuses every later pass)
             self._undo()
             if reuse is None:

@@ -30,7 +30,7 @@ import enum
 import functools
 import types
 import weakref
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, cast
@@ -194,6 +194,10 @@ class Plan:
     first_output: Tensor | None = None
     """The model's output for the sample discovery ran on alone, until a batch pass compared
     it with that sample's row (:func:`check_rows_alone`)."""
+    first_inputs: dict[int, Tensor] = field(default_factory=dict)
+    """Each tapped site's input for the sample discovery ran on alone, by site, until a
+    batch pass compared it with that sample's row of the site's input (a model that moves
+    the batch's rows for more than one sample only: :func:`check_rows_alone`)."""
     sample: int = 0
     """The sample of the batch discovery ran on (the first, unless the batch's calls
     followed another sample's path: see :func:`cached_discover`)."""
@@ -456,7 +460,8 @@ class _DiscoveryMode(ParameterMode):
         in_place = not _as_it_is(func, args, kwargs) and (
             any(out is v for v in values) or changed_in_place(func, args, kwargs) is not None
         )  # (x[i] = v returns None: its write is in place all the same)
-        if not carriers and not in_place:
+        random = random_call(func, args, kwargs)
+        if not carriers and not in_place and not random:
             self._derive(func, arguments, sources, out)
             self.plan.uses.append(Use(func, UseKind.DERIVED))
             return out
@@ -465,7 +470,6 @@ class _DiscoveryMode(ParameterMode):
             self._mark_samples(out)
             self._note_moved_rows(func, args, kwargs, out)
         per_sample = all(values[p].shape[:1] == (1,) for p in carriers)
-        random = random_call(func, args, kwargs)
         keeps_samples = isinstance(out, Tensor) and out.shape[:1] == (1,) and per_sample
         if in_place or random or not keeps_samples or moved:
             name = getattr(func, "__name__", repr(func))
@@ -533,6 +537,8 @@ class _DiscoveryMode(ParameterMode):
         elif moved:
             name = getattr(func, "__name__", repr(func))
             self.plan.uncover({leaf for _, leaf in call.leaves}, self._moved_reason(name))
+        else:
+            self.plan.first_inputs[len(self.plan.sites)] = x
         self.plan.uses.append(Use(func, UseKind.TAPPED, len(self.plan.sites)))
         self.plan.sites.append(Site(call, out.shape[1:], out.dtype, out.device))
         return out
@@ -1155,7 +1161,10 @@ class RowsNotAloneError(ValueError):
 
 
 def check_rows_alone(
-    plan: Plan, batch_output: Tensor, last_alone: Callable[[], Tensor | None] | None = None
+    plan: Plan,
+    batch_output: Tensor,
+    last_alone: Callable[[], Plan | None] | None = None,
+    recorded: dict[int, Recorded] | None = None,
 ) -> bool:
     """Refuse a batch whose first (or last) row is not that sample's output alone.
 
@@ -1164,22 +1173,31 @@ def check_rows_alone(
     length happens to equal the batch size (positions ``[T]`` with ``T = N``) passes
     every shape check, and a layer that mixes samples gives no error of its own: both
     would give wrong values silently. Discovery ran the first sample alone; its output
-    must be the batch's first row, to rounding; and ``last_alone()``, the last sample's
-    output alone, the last row (a shared mask whose first row happens to be the global one
-    passes the first comparison). Once passed, the plan drops discovery's output (a cached
-    plan is not checked again); a refused plan keeps it, so that every later pass with it
-    is refused too. Skipped for a model that draws random numbers or changes a buffer or
-    its input (a run differs from the next). Under ``vmap``, whose values cannot decide,
-    the comparisons make the public call's results NaN where they fail
-    (:func:`~packfunc.engine.vmap_checks.poison_where`); there, and with one sample,
-    whose row is trivially its own, the plan is not checked: the caller must not keep it
-    (see the return).
+    must be the batch's first row, to rounding; and the last sample's output alone
+    (``last_alone()``, a discovery of it) the last row (a shared mask whose first row
+    happens to be the global one passes the first comparison). Once passed, the plan
+    drops discovery's output (a cached plan is not checked again); a refused plan keeps
+    it, so that every later pass with it is refused too. Skipped for a model that draws
+    random numbers or changes a buffer or its input (a run differs from the next). Under
+    ``vmap``, whose values cannot decide, the comparisons make the public call's results
+    NaN where they fail (:func:`~packfunc.engine.vmap_checks.poison_where`); there, and
+    with one sample, whose row is trivially its own, the plan is not checked: the caller
+    must not keep it (see the return).
+
+    The rows of each ``recorded`` tapped site's input are compared the same way: a model
+    that moves the batch's rows only for more than one sample (``if len(x) > 1:
+    x = x.flip(0)``, a sort by length, undone before the output) gives its layers in
+    between the samples in another order than their rows, which discovery's one sample
+    cannot show. Such a site is taken out of ``recorded`` and its leaves take the
+    whole-model path (which runs each sample alone), in this pass and with the plan.
+    Only the first and last rows are compared: a move that keeps both in place escapes.
 
     Args:
         plan: A plan fresh from :func:`discover` (its ``first_output`` set), or cached.
         batch_output: The batch pass's output of the whole batch.
-        last_alone: Runs the model on the last sample alone (:func:`last_sample_output`;
-            its ``None``: not compared).
+        last_alone: Discovers the model on the last sample alone
+            (:func:`last_sample_plan`; its ``None``: not compared).
+        recorded: The batch pass's recorded site inputs (:attr:`BatchRecord.inputs`).
 
     Returns:
         Whether the plan may be kept: ``False`` where the check could not run (``vmap``,
@@ -1193,7 +1211,8 @@ def check_rows_alone(
         >>> fn, p = packfunc.functional(layer)
         >>> X = torch.randn(4, 3)
         >>> plan = discover(fn, p, list(p.values()), X[:1])
-        >>> check_rows_alone(plan, layer(X), lambda: layer(X[3:])), plan.first_output
+        >>> last = lambda: discover(fn, p, list(p.values()), X[3:])
+        >>> check_rows_alone(plan, layer(X), last), plan.first_output
         (True, None)
     """
     if plan.refusal is not None:
@@ -1202,31 +1221,35 @@ def check_rows_alone(
     if first is None:
         return True
     if plan.random is not None or plan.updated_buffer is not None or plan.updated_input:
-        plan.first_output = None  # (the shim's forward may change the input before discovery)
+        _checked(plan)  # (the shim's forward may change the input before discovery)
         return True
     if not (first.is_floating_point() and batch_output.is_floating_point()):
-        plan.first_output = None
+        _checked(plan)
         return True
     rows, index = batch_output.detach(), plan.sample
     which = "the first sample" if index == 0 else f"sample {index}"
     if len(rows) < 2:  # one sample: its row is itself alone; nothing is checked, nor kept
         return False
+    last_plan: Plan | None = None
     try:
         what = (  # (a plan refused on an earlier, larger batch stays refused)
             "differed from its row of an earlier batch"
             if index >= len(rows)
             else difference_beyond_rounding(first, rows[index : index + 1])
         )
-        last = last_alone() if what is None and last_alone is not None else None
+        last_plan = last_alone() if what is None and last_alone is not None else None
+        last = last_plan.first_output if last_plan is not None else None
         if last is not None:
             what, which = difference_beyond_rounding(last, rows[-1:]), "the last sample"
+        if what is None and recorded is not None:
+            _take_moved_sites(plan, recorded, last_plan)
     except RuntimeError:  # values under vmap decide nothing: the results become NaN instead
         if is_functorch_wrapped_tensor(first) or is_functorch_wrapped_tensor(rows):
-            poison_where(_rows_differ(first, rows, index, last_alone))
+            poison_where(_rows_differ(plan, rows, last_alone, recorded or {}))
             return False
         raise
     if what is None:
-        plan.first_output = None
+        _checked(plan)
         return True
     plan.refusal = (
         f"the model's output for {which} alone {what}: its row of the batch must "
@@ -1241,14 +1264,73 @@ def check_rows_alone(
     raise RowsNotAloneError(plan.refusal)
 
 
+def _checked(plan: Plan) -> None:
+    """Drop what a plan kept of its one sample for the rows check (it has passed)."""
+    plan.first_output = None
+    plan.first_inputs = {}
+
+
+_ROWS_MOVED = (
+    "its input's rows are not the samples' in order for a batch of several samples, but "
+    "are for one sample alone (the model moves the batch's rows, e.g. sorts by length or "
+    "flips, for more than one sample only)"
+)
+"""Why a site found by :func:`_take_moved_sites` takes the whole-model path."""
+
+
+def _compared_site_rows(
+    plan: Plan, recorded: dict[int, Recorded], last: Plan | None
+) -> Iterator[tuple[int, Tensor, Tensor]]:
+    """Each recorded tapped site's input alone (first and last sample) with its batch row.
+
+    The last sample's is compared where its discovery found the same calls.
+    """
+    index = plan.sample
+    same_calls = last is not None and [s.call for s in last.sites] == [s.call for s in plan.sites]
+    for k, x in recorded.items():
+        first = plan.first_inputs.get(k)
+        if not isinstance(x, Tensor) or first is None or x.shape[1:] != first.shape[1:]:
+            continue
+        if index < len(x):
+            yield k, first, x[index : index + 1]
+        alone = last.first_inputs.get(k) if last is not None and same_calls else None
+        if alone is not None and alone.shape == first.shape:
+            yield k, alone, x[-1:]
+
+
+def _take_moved_sites(plan: Plan, recorded: dict[int, Recorded], last: Plan | None) -> None:
+    """Send the sites whose input rows were moved to the whole-model path (see below).
+
+    A site whose first or last input row differs from that sample's input alone is taken
+    out of ``recorded``, and its leaves are uncovered in ``plan``.
+    """
+    moved = {
+        k
+        for k, alone, row in _compared_site_rows(plan, recorded, last)
+        if (
+            difference_beyond_rounding(alone, row) is not None
+            if alone.is_floating_point()
+            else not torch.equal(alone, row)  # (an embedding's indices)
+        )
+    }
+    for k in moved:
+        recorded.pop(k)
+        plan.uncover({leaf for _, leaf in plan.sites[k].call.leaves}, _ROWS_MOVED)
+
+
 def _rows_differ(
-    first: Tensor, rows: Tensor, index: int, last_alone: Callable[[], Tensor | None] | None
+    plan: Plan,
+    rows: Tensor,
+    last_alone: Callable[[], Plan | None] | None,
+    recorded: dict[int, Recorded],
 ) -> Tensor:
     """:func:`check_rows_alone`'s comparisons as a boolean tensor, for ``vmap``'s values.
 
     Sample ``index``'s output alone against its row, and the last sample's (where
-    ``last_alone`` runs it) against the last row; each vmapped instance decides alone.
+    ``last_alone`` runs it) against the last row, and the recorded sites' input rows
+    likewise; each vmapped instance decides alone.
     """
+    first, index = cast(Tensor, plan.first_output), plan.sample
     if index >= len(rows):  # (a plan found on a larger batch: the row is not there)
         return torch.ones((), dtype=torch.bool, device=rows.device)
     failed = differs_beyond_rounding(first, rows[index : index + 1])
@@ -1256,8 +1338,11 @@ def _rows_differ(
         last = last_alone() if last_alone is not None else None
     except RuntimeError:  # a fused layer without a batching rule (LSTM) runs alone unvmapped
         last = None  # only: the first sample's comparison decides alone
-    if last is not None:
-        failed = failed | differs_beyond_rounding(last, rows[-1:])
+    if last is not None and last.first_output is not None:
+        failed = failed | differs_beyond_rounding(last.first_output, rows[-1:])
+    for _, alone, row in _compared_site_rows(plan, recorded, last):
+        differs = differs_beyond_rounding(alone, row) if alone.is_floating_point() else alone != row
+        failed = failed | differs.any()
     return failed
 
 
@@ -1303,6 +1388,39 @@ def in_out_weights_of(plan: Plan, names: list[str]) -> set[str]:
     """
     sites = [site for site in plan.sites if site.call.stores_weight_in_out]
     return {names[leaf] for site in sites for _, leaf in site.call.leaves}
+
+
+def last_sample_plan(
+    model_fn: ModelFn, params: Any, leaves: list[Tensor], X: Any, n: int
+) -> Plan | None:
+    """Discovery's plan of the last of ``n`` samples alone (see :func:`check_rows_alone`).
+
+    Its ``first_output`` is the last sample's output and its ``first_inputs`` its tapped
+    sites' inputs. Where discovery refuses that sample, its output alone is run as the
+    model itself (:func:`last_sample_output`), without the sites' inputs.
+
+    Args:
+        model_fn: ``model_fn(params, X)``.
+        params: Its parameters.
+        leaves: Their flattened leaves.
+        X: The batch.
+        n: The batch size.
+
+    Returns:
+        The plan; ``None`` where the run changed its input (nothing can be compared).
+
+    Example:
+        >>> fn, p = packfunc.functional(torch.nn.Linear(3, 2))
+        >>> last_sample_plan(fn, p, list(p.values()), torch.randn(4, 3), 4).first_output.shape
+        torch.Size([1, 2])
+    """
+    row = select_samples(X, slice(n - 1, n))
+    try:
+        plan = discover(model_fn, params, leaves, row)
+    except ValueError:
+        out = last_sample_output(model_fn, params, X, n)
+        return Plan(first_output=out) if out is not None else None
+    return None if plan.updated_input else plan
 
 
 def last_sample_output(model_fn: ModelFn, params: Any, X: Any, n: int) -> Tensor | None:
