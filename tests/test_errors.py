@@ -135,6 +135,32 @@ def test_a_layer_that_mixes_samples_is_refused(share):
         pf.batch_grad(model_fn, params, X, Y)
 
 
+class _GatedMixing(nn.Module):
+    """Adds ``alpha`` times the batch mean: no mixing while the parameter ``alpha`` is zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.alpha = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inner(x))
+        return self.head(h + self.alpha * h.mean(0, keepdim=True))
+
+
+def test_a_mixing_gated_by_a_parameter_still_zero_is_checked_on_every_batch():
+    """``alpha = 0`` passes the rows check (nothing mixes) and the plan was kept: with
+    ``alpha`` trained away from zero the per-sample gradients came from the mixing batch,
+    silently. A reduction over the batch that reaches the output keeps the check on."""
+    model = _GatedMixing()
+    model_fn, params = pf.functional(model)
+    found = pf.batch_grad(model_fn, params, X, Y)
+    assert_trees_close(found, autograd_batch_grad(model, nn.CrossEntropyLoss(), X, Y))
+    trained = {**params, "alpha": torch.tensor(0.5)}
+    with pytest.raises(ValueError, match="mixes samples"):
+        pf.batch_grad(model_fn, trained, X, Y)
+
+
 def test_a_batch_of_one_sample_does_not_pass_the_mixing_check_for_later_batches():
     """With one sample the check compares a row with itself; the plan was kept as checked,
     and a batch of 8 through a mixing layer then returned wrong values (off by 0.68). A

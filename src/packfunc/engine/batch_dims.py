@@ -471,3 +471,72 @@ def _einsum_letters(args: tuple[Any, ...]) -> tuple[list[str], str] | None:
 
 _ELLIPSIS_LETTERS = string.ascii_uppercase
 """Letters for the dims of an ellipsis, the last ones for the rightmost dims."""
+
+
+_REDUCTIONS = frozenset(
+    {
+        "sum",
+        "nansum",
+        "mean",
+        "nanmean",
+        "prod",
+        "var",
+        "std",
+        "var_mean",
+        "std_mean",
+        "amax",
+        "amin",
+        "max",
+        "min",
+        "logsumexp",
+        "median",
+        "nanmedian",
+        "softmax",
+        "log_softmax",
+        "cumsum",
+        "cumprod",
+        "logcumsumexp",
+        "norm",
+        "vector_norm",
+    }
+)
+"""Calls that combine the entries along their dims (see :func:`reduced_dims`)."""
+_DIM_AFTER_ORDER = frozenset({"norm", "vector_norm"})
+"""Reductions whose ``dim`` comes after an order ``p`` (``torch.norm(x, p, dim)``)."""
+
+
+def reduced_dims(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[int, ...] | None:
+    """The dims a reduction of its first argument combines (``()``: all of them).
+
+    Args:
+        func: The function called.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
+
+    Returns:
+        The dims, ``()`` for a reduction over every dim, ``None`` for a call that is not a
+        reduction (``torch.max(a, b)`` is elementwise).
+
+    Example:
+        >>> h = torch.ones(2, 3)
+        >>> reduced_dims(torch.mean, (h, 0), {}), reduced_dims(torch.sum, (h,), {})
+        ((0,), ())
+        >>> reduced_dims(torch.max, (h, h), {}) is None
+        True
+    """
+    name = out_of_place_name(func).removeprefix("linalg_")
+    if name not in _REDUCTIONS or not args or not isinstance(args[0], Tensor):
+        return None
+    position = 2 if name in _DIM_AFTER_ORDER else 1
+    dim = kwargs.get("dim", args[position] if len(args) > position else None)
+    if isinstance(dim, Tensor):  # torch.max(a, b): elementwise
+        return None
+    if dim is None:
+        return ()
+    if isinstance(dim, int):
+        return (dim,)
+    if isinstance(dim, list | tuple) and all(isinstance(d, int) for d in dim):
+        return tuple(dim) or ()
+    return None

@@ -359,8 +359,10 @@ class BatchPass:
             raise
         if not checked and self.n == 1:  # kept for batches of one, which need no check
             self.plan.one_sample_only = True
-        elif not checked:
-            forget_plan(model_fn)  # (unchecked under vmap: discovered again until checked)
+        elif not checked or self.plan.mixes is not None:
+            # (unchecked under vmap: discovered again until checked; a reduction over the
+            # batch that reaches the output: checked again on every batch)
+            forget_plan(model_fn)
         failed = {leaf for k in self.record.failed for _, leaf in self.plan.sites[k].call.leaves}
         self.whole_model = sorted(self.plan.uncovered | failed)
         self._convolutional = any(

@@ -30,7 +30,7 @@ import enum
 import functools
 import types
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, cast
@@ -50,7 +50,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from packfunc.engine.attention import ATTENTION_OPS
-from packfunc.engine.batch_dims import Dims, batch_dims_after, contracted_dims
+from packfunc.engine.batch_dims import Dims, batch_dims_after, contracted_dims, reduced_dims
 from packfunc.engine.local import CallArguments, LocalInputs, Source
 from packfunc.engine.model_state import (
     MODULE_INTERNALS,
@@ -207,6 +207,10 @@ class Plan:
     refusal: str | None = None
     """The rows check's refusal of this plan, repeated for every later batch (under
     ``vmap`` too, where values decide nothing)."""
+    mixes: str | None = None
+    """A reduction over the batch whose result reaches the output (``alpha * h.mean(0)``),
+    described: its rows may mix samples where its values let them (``alpha`` no longer
+    zero), so every batch pass checks its rows again (the plan is not kept)."""
 
     @property
     def rewritten(self) -> bool:
@@ -295,6 +299,9 @@ class _DiscoveryMode(ParameterMode):
         # tensors whose rows may be other samples' (see _note_moved_rows): the call that moved
         self.moved: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         self.moved_by: str | None = None
+        # tensors computed from a reduction over the batch (see _note_mixed_rows)
+        self.mixed: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+        self.mixed_by: str | None = None
         # the model's own generators (torch.bernoulli(p, generator=g)), as they were before
         self.generators: dict[int, tuple[torch.Generator, Tensor]] = {}
         # torch.arange(N) and its views: an index that leaves every row where it is
@@ -574,6 +581,7 @@ class _DiscoveryMode(ParameterMode):
         carriers = [v for v in values if isinstance(v, Tensor) and self.samples.get(id(v)) is v]
         passed_on = self._moved_rows_among(values)
         moving = bool(carriers) and self._moves_samples(func, args, kwargs, carriers)
+        self._note_mixed_rows(func, args, kwargs, out, values, carriers)
         self._note_batch_dims(func, args, kwargs, out, carriers)
         if not passed_on and not moving:
             return
@@ -583,6 +591,40 @@ class _DiscoveryMode(ParameterMode):
         tensors = [t for _, t in tensor_outputs(out)] + ([written] if written is not None else [])
         for tensor in tensors:
             self.moved[id(tensor)] = tensor
+
+    def _note_mixed_rows(
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        values: Sequence[Any],
+        carriers: list[Tensor],
+    ) -> None:
+        """Mark the outputs of a reduction over the batch, and of calls on such outputs.
+
+        A floating-point reduction over a dim that carries the batch (``h.mean(0)``,
+        ``h.sum()``, a softmax over it) mixes samples where its result reaches the output,
+        unless its values cancel it (a gate ``alpha`` still zero): the output check of one
+        batch cannot tell the next, and :attr:`Plan.mixes` keeps it checking.
+        """
+        mixing = any(isinstance(v, Tensor) and self.mixed.get(id(v)) is v for v in values)
+        if not mixing:
+            reduced = reduced_dims(func, args, kwargs)
+            first = carriers[0] if carriers else None
+            if reduced is None or first is None or first is not args[0] or first.dim() == 0:
+                return
+            if not first.is_floating_point():
+                return
+            known = self._batch_dims_of(first)
+            batch = known if known is not None else frozenset({0})
+            dims = range(first.dim()) if reduced == () else [d % first.dim() for d in reduced]
+            if not batch & set(dims):
+                return
+            if self.mixed_by is None:
+                self.mixed_by = f"{getattr(func, '__name__', repr(func))} over the batch dim"
+        for _, tensor in tensor_outputs(out):
+            self.mixed[id(tensor)] = tensor
 
     def _moves_samples(
         self,
@@ -922,6 +964,8 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
         )
     if mode.samples.get(id(out)) is not out:
         raise ValueError(_SAMPLES_OUT_OF_SIGHT)
+    if mode.mixed.get(id(out)) is out:
+        mode.plan.mixes = mode.mixed_by
     mode.plan.first_output = out
     return mode.plan
 
