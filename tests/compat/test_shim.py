@@ -1005,6 +1005,40 @@ def test_a_refused_backward_pass_leaves_no_last_step_results():
         assert not hasattr(param, "grad_batch") and not hasattr(param, "diag_ggn_exact")
 
 
+class _WithFeatures(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = torch.tanh(self.first(x))
+        return self.second(features), features
+
+
+@pytest.mark.parametrize("penalty", ["on the features", "on the logits"])
+def test_a_refused_backward_pass_leaves_the_model_as_it_was(penalty):
+    """A penalty beside the loss: refused (a loss of two outputs; a term the GGN does not
+    follow). The stored ``input0``/``output`` of every module and of the loss stayed on the
+    user's modules, and, for two outputs, the last step's ``grad_batch`` (a probe)."""
+    torch.manual_seed(0)
+    model, lossfunc = extend(_WithFeatures()), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    with backpack(ours.BatchGrad(), ours.DiagGGNExact()):
+        lossfunc(model(X)[0], y).backward()
+    assert hasattr(model.first.weight, "grad_batch")
+    with (
+        backpack(ours.BatchGrad(), ours.DiagGGNExact()),
+        pytest.raises(ValueError, match="several outputs|not that of the extended"),
+    ):
+        logits, features = model(X)
+        extra = features if penalty == "on the features" else logits
+        (lossfunc(logits, y) + extra.square().sum()).backward()
+    for module in [*model.modules(), lossfunc]:
+        assert not {"input0", "input1", "output"} & set(vars(module)), module
+    for param in model.parameters():
+        assert not hasattr(param, "grad_batch") and not hasattr(param, "diag_ggn_exact")
+
+
 @pytest.mark.parametrize("extensions", [("DiagGGNExact",), ("BatchGrad", "KFAC")])
 def test_a_parameter_frozen_between_steps_keeps_no_results(extensions):
     """``requires_grad_(False)`` between two steps: with a second-order extension in the

@@ -45,6 +45,8 @@ class OutputGroup:
         records: Each tensor's record, ``None`` for one without a row per sample.
         nodes: Each alias's autograd node.
         on_backward: What runs the extensions for the record the loss takes.
+        on_refusal: What a refusal of this output's backward pass drops (results, stored
+            inputs and outputs), given a record of the output.
         gradients: Per graph task, the gradients its backward pass brought to the aliases.
     """
 
@@ -52,6 +54,7 @@ class OutputGroup:
     records: list[ForwardRecord | None]
     nodes: list[Any]
     on_backward: OnBackward
+    on_refusal: Callable[[ForwardRecord], None]
     gradients: dict[int, dict[int, Tensor]] = field(default_factory=dict)
 
 
@@ -144,7 +147,11 @@ def _copy_with(original: Any, attributes: dict[str, Any]) -> Any:
 
 
 def aliased_output(
-    output: Any, n: int, make_record: Callable[[Tensor, Any], ForwardRecord], on: OnBackward
+    output: Any,
+    n: int,
+    make_record: Callable[[Tensor, Any], ForwardRecord],
+    on: OnBackward,
+    on_refusal: Callable[[ForwardRecord], None] = lambda record: None,
 ) -> tuple[Any, list[ForwardRecord]]:
     """The output with each tensor that requires grad replaced by an alias that is hooked.
 
@@ -154,6 +161,7 @@ def aliased_output(
         make_record: ``make_record(tensor, element)``: the record of one output tensor,
             ``element`` being what :func:`select_element` takes.
         on: Runs the extensions for a record (see :data:`OnBackward`).
+        on_refusal: Cleans up after a refused backward pass, given a record of the output.
 
     Returns:
         ``(output, records)``: the output with aliases (the same values, of the same
@@ -190,7 +198,7 @@ def aliased_output(
         records.append(record)
         nodes.append(leaves[i].grad_fn)
     names = [path for _, path, _ in tensors]
-    group = OutputGroup(names, records, nodes, on)
+    group = OutputGroup(names, records, nodes, on, on_refusal)
     for k, node in enumerate(nodes):
         node.register_prehook(partial(_on_alias_backward, group, k))
     return rebuild(leaves), [r for r in records if r is not None]
@@ -250,6 +258,7 @@ def _on_alias_backward(group: OutputGroup, k: int, grad_outputs: tuple[Tensor | 
         return
     if len(reached) > 1:
         names = ", ".join(group.names[j] for j in reached)
+        _refused(group)
         raise ValueError(
             f"the loss of this backward pass takes several outputs of the extended model "
             f"({names}): packfunc.compat computes per-sample quantities of a loss of one "
@@ -259,10 +268,18 @@ def _on_alias_backward(group: OutputGroup, k: int, grad_outputs: tuple[Tensor | 
     group.on_backward(_record(group, j), (seen[j],))
 
 
+def _refused(group: OutputGroup) -> None:
+    """Let the group's refusal drop what its forward pass left (see :class:`OutputGroup`)."""
+    record = next((r for r in group.records if r is not None), None)
+    if record is not None:
+        group.on_refusal(record)
+
+
 def _record(group: OutputGroup, j: int) -> ForwardRecord:
     """The record of output ``j``; refused for an output without a row per sample."""
     found = group.records[j]
     if found is None:
+        _refused(group)
         raise ValueError(
             f"the loss of this backward pass takes the output {group.names[j]} of the extended "
             "model, which has no row per sample: a loss computed inside the model (a Hugging "

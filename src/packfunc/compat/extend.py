@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.nn.modules.loss import _Loss
 
 from packfunc.compat import context
-from packfunc.compat._stored_io import forget_results, store_io
+from packfunc.compat._stored_io import forget_results, memory_cleanup, store_io
 from packfunc.compat.elements import aliased_output, output_nodes
 from packfunc.compat.layout import RECORD_KEY, SampleLayout, find_layout, node_metadata
 from packfunc.compat.records import ForwardRecord, LossCall, LossRoute, ModelState
@@ -331,7 +331,7 @@ def _record_outputs(
             element=element, serial=serial,
         )  # fmt: skip
 
-    aliased, records = aliased_output(output, n, make_record, _on_backward)
+    aliased, records = aliased_output(output, n, make_record, _on_backward, _on_refusal)
     if not records:
         _warn_unrecorded(module, output)
         return None
@@ -499,30 +499,43 @@ def _on_backward(record: ForwardRecord, grad_outputs: tuple[Tensor, ...]) -> Non
         with context.own_pass(), packfunc_passes(), serving_autocast(record.autocast):
             run_extensions(ctx, record, _output_gradient(record, grad_outputs), route)
     except RuntimeError as error:
-        _forget_results_of_the_pass(ctx, record.model, task)
+        _forget_results_of_the_pass(ctx, record, task)
         clearer = clearer_error(error, (record.args, record.kwargs))
         if clearer is None:
             raise
         raise clearer from error
     except BaseException:
-        _forget_results_of_the_pass(ctx, record.model, task)
+        _forget_results_of_the_pass(ctx, record, task)
         raise
 
 
-def _forget_results_of_the_pass(ctx: context.Context, model: nn.Module, task: int) -> None:
+def _on_refusal(record: ForwardRecord) -> None:
+    """A refusal of the backward pass through ``record``'s output outside :func:`_on_backward`."""
+    ctx = context.active()
+    if ctx is not None:
+        _forget_results_of_the_pass(ctx, record, torch._C._current_graph_task_id())
+
+
+def _forget_results_of_the_pass(ctx: context.Context, record: ForwardRecord, task: int) -> None:
     """Remove the block's results from every extended model a refused backward pass concerns.
 
     A refusal stops the backward pass: the models it had not reached yet (whose forward
     is still pending) would keep the last step's values, and those it had reached hold
-    half a step's; none is left.
+    half a step's; none is left. The refused model's and its losses' stored inputs and
+    outputs (``input0``, ``output``) go as after a backward pass that ran (unless the
+    block retains the graph).
 
     Args:
         ctx: The active ``backpack`` context.
-        model: The model whose extensions were refused.
+        record: The forward pass whose extensions were refused.
         task: The refused backward pass.
     """
     savefields = [ext.savefield for ext in ctx.extensions]
-    forget_results(model, savefields)
+    forget_results(record.model, savefields)
+    if not ctx.retain_graph:
+        forget_inputs_and_outputs(record, None)
+        for call in record.losses:
+            memory_cleanup(call.module)
     for other, latest in list(_LATEST.items()):
         pending, ran = latest(), _RUN.get(other)
         if (pending is not None and pending.output is not None) or (ran and ran[0] == task):
