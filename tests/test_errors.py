@@ -138,21 +138,26 @@ def test_a_layer_that_mixes_samples_is_refused(share):
 class _GatedMixing(nn.Module):
     """Adds ``alpha`` times the batch mean: no mixing while the parameter ``alpha`` is zero."""
 
-    def __init__(self) -> None:
+    def __init__(self, mean: str) -> None:
         super().__init__()
         self.inner, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
         self.alpha = nn.Parameter(torch.zeros(()))
+        self.mean = mean
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inner(x))
+        if self.mean == "matmul":
+            n = x.shape[0]
+            return self.head(h + self.alpha * ((torch.ones(n, n) / n) @ h))
         return self.head(h + self.alpha * h.mean(0, keepdim=True))
 
 
-def test_a_mixing_gated_by_a_parameter_still_zero_is_checked_on_every_batch():
+@pytest.mark.parametrize("mean", ["mean", "matmul"])
+def test_a_mixing_gated_by_a_parameter_still_zero_is_checked_on_every_batch(mean):
     """``alpha = 0`` passes the rows check (nothing mixes) and the plan was kept: with
     ``alpha`` trained away from zero the per-sample gradients came from the mixing batch,
     silently. A reduction over the batch that reaches the output keeps the check on."""
-    model = _GatedMixing()
+    model = _GatedMixing(mean)
     model_fn, params = pf.functional(model)
     found = pf.batch_grad(model_fn, params, X, Y)
     assert_trees_close(found, autograd_batch_grad(model, nn.CrossEntropyLoss(), X, Y))

@@ -523,17 +523,17 @@ def reduced_dims(
         >>> h = torch.ones(2, 3)
         >>> reduced_dims(torch.mean, (h, 0), {}), reduced_dims(torch.sum, (h,), {})
         ((0,), ())
-        >>> reduced_dims(torch.max, (h, h), {}) is None
-        True
+        >>> reduced_dims(torch.max, (h, h), {}) is None, reduced_dims(Tensor.sum, (h,), {"axis": 1})
+        (True, (1,))
     """
     name = out_of_place_name(func).removeprefix("linalg_")
     if name not in _REDUCTIONS or not args or not isinstance(args[0], Tensor):
         return None
     position = 2 if name in _DIM_AFTER_ORDER else 1
-    dim = kwargs.get("dim", args[position] if len(args) > position else None)
+    dim = kwargs.get("dim", kwargs.get("axis", args[position] if len(args) > position else None))
     if isinstance(dim, Tensor):  # torch.max(a, b): elementwise
         return None
-    if dim is None:
+    if dim is None or isinstance(dim, bool):  # (torch.std(x, True): unbiased, every dim)
         return ()
     if isinstance(dim, int):
         return (dim,)

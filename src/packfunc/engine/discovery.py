@@ -610,21 +610,38 @@ class _DiscoveryMode(ParameterMode):
         """
         mixing = any(isinstance(v, Tensor) and self.mixed.get(id(v)) is v for v in values)
         if not mixing:
-            reduced = reduced_dims(func, args, kwargs)
-            first = carriers[0] if carriers else None
-            if reduced is None or first is None or first is not args[0] or first.dim() == 0:
-                return
-            if not first.is_floating_point():
-                return
-            known = self._batch_dims_of(first)
-            batch = known if known is not None else frozenset({0})
-            dims = range(first.dim()) if reduced == () else [d % first.dim() for d in reduced]
-            if not batch & set(dims):
+            if not (
+                self._reduces_the_batch(func, args, kwargs, carriers)
+                or any(
+                    t.is_floating_point() and self._contracts_the_batch(t, dim)
+                    for t, dim in contracted_dims(func, args, kwargs)
+                    if any(t is c for c in carriers)
+                )
+            ):
                 return
             if self.mixed_by is None:
                 self.mixed_by = f"{getattr(func, '__name__', repr(func))} over the batch dim"
         for _, tensor in tensor_outputs(out):
             self.mixed[id(tensor)] = tensor
+
+    def _reduces_the_batch(
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        carriers: list[Tensor],
+    ) -> bool:
+        """Whether a call reduces a floating-point tensor that carries samples over the batch."""
+        reduced = reduced_dims(func, args, kwargs)
+        first = args[0] if args else None
+        if reduced is None or not isinstance(first, Tensor) or not first.dim():
+            return False
+        if not (first.is_floating_point() and any(first is c for c in carriers)):
+            return False
+        known = self._batch_dims_of(first)
+        batch = known if known is not None else frozenset({0})
+        dims = range(first.dim()) if reduced == () else [d % first.dim() for d in reduced]
+        return bool(batch & set(dims))
 
     def _moves_samples(
         self,
