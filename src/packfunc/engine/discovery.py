@@ -601,47 +601,29 @@ class _DiscoveryMode(ParameterMode):
         values: Sequence[Any],
         carriers: list[Tensor],
     ) -> None:
-        """Mark the outputs of a reduction over the batch, and of calls on such outputs.
+        """Mark the outputs of a reduction or a product over the batch, and of calls on them.
 
         A floating-point reduction over a dim that carries the batch (``h.mean(0)``,
-        ``h.sum()``, a softmax over it) mixes samples where its result reaches the output,
-        unless its values cancel it (a gate ``alpha`` still zero): the output check of one
-        batch cannot tell the next, and :attr:`Plan.mixes` keeps it checking.
+        ``h.sum()``, a softmax over it) or a product summing over it (``M @ h``) mixes
+        samples where its result reaches the output, unless its values cancel it (a gate
+        ``alpha`` still zero): the output check of one batch cannot tell the next, and
+        :attr:`Plan.mixes` keeps it checking.
         """
-        mixing = any(isinstance(v, Tensor) and self.mixed.get(id(v)) is v for v in values)
-        if not mixing:
-            if not (
-                self._reduces_the_batch(func, args, kwargs, carriers)
-                or any(
-                    t.is_floating_point() and self._contracts_the_batch(t, dim)
-                    for t, dim in contracted_dims(func, args, kwargs)
-                    if any(t is c for c in carriers)
-                )
+        if not any(isinstance(v, Tensor) and self.mixed.get(id(v)) is v for v in values):
+            reduced = reduced_dims(func, args, kwargs)
+            first = args[0] if args and reduced is not None else None
+            summed = contracted_dims(func, args, kwargs)
+            if isinstance(first, Tensor) and first.dim():
+                summed += [(first, d % first.dim()) for d in reduced or range(first.dim())]
+            if not any(
+                t.is_floating_point() and any(t is c for c in carriers) and self._is_batch_dim(t, d)
+                for t, d in summed
             ):
                 return
             if self.mixed_by is None:
                 self.mixed_by = f"{getattr(func, '__name__', repr(func))} over the batch dim"
         for _, tensor in tensor_outputs(out):
             self.mixed[id(tensor)] = tensor
-
-    def _reduces_the_batch(
-        self,
-        func: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        carriers: list[Tensor],
-    ) -> bool:
-        """Whether a call reduces a floating-point tensor that carries samples over the batch."""
-        reduced = reduced_dims(func, args, kwargs)
-        first = args[0] if args else None
-        if reduced is None or not isinstance(first, Tensor) or not first.dim():
-            return False
-        if not (first.is_floating_point() and any(first is c for c in carriers)):
-            return False
-        known = self._batch_dims_of(first)
-        batch = known if known is not None else frozenset({0})
-        dims = range(first.dim()) if reduced == () else [d % first.dim() for d in reduced]
-        return bool(batch & set(dims))
 
     def _moves_samples(
         self,
@@ -678,7 +660,7 @@ class _DiscoveryMode(ParameterMode):
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             return any(weight is t for t in carriers)
         return any(
-            self._contracts_the_batch(tensor, dim)
+            self._is_batch_dim(tensor, dim)
             for tensor, dim in contracted_dims(func, args, kwargs)
             if any(tensor is t for t in carriers)
         )
@@ -715,8 +697,8 @@ class _DiscoveryMode(ParameterMode):
             return True
         return tensor.shape[dim] == 1 and not isinstance(index, slice)
 
-    def _contracts_the_batch(self, tensor: Tensor, dim: int) -> bool:
-        """Whether a product summing over ``dim`` of ``tensor`` sums over its samples."""
+    def _is_batch_dim(self, tensor: Tensor, dim: int) -> bool:
+        """Whether ``dim`` of ``tensor`` carries the batch (dim 0 where its dims are unknown)."""
         known = self._batch_dims_of(tensor)
         return dim in known if known is not None else dim == 0
 
