@@ -507,3 +507,26 @@ def test_token_rows_moved_for_batches_only_take_the_whole_model_path():
     model_fn, params = pf.functional(Tokens().double())
     tokens, y = torch.randint(0, 7, (5, 3)), torch.randint(0, 3, (5,))
     assert_batch_grad_is_a_loop(model_fn, params, tokens, y)
+
+
+def test_local_sites_on_rows_moved_for_batches_only_take_the_whole_model_path():
+    """A layer norm and a learned scale (``h * scale``) between the moves: their calls are
+    local sites, whose arguments with a row per sample are compared too (their per-sample
+    gradients were other samples', off by 0.45)."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.norm, self.head = nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)
+            self.scale = nn.Parameter(torch.rand(4) + 0.5)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = torch.tanh(self.embed(x))
+            h = h.flip(0) if len(x) > 1 else h
+            h = torch.tanh(self.norm(h) * self.scale)
+            return self.head(h.flip(0) if len(x) > 1 else h)
+
+    torch.manual_seed(0)
+    model_fn, params = pf.functional(Scaled().double())
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    assert_batch_grad_is_a_loop(model_fn, params, X, y)

@@ -194,10 +194,11 @@ class Plan:
     first_output: Tensor | None = None
     """The model's output for the sample discovery ran on alone, until a batch pass compared
     it with that sample's row (:func:`check_rows_alone`)."""
-    first_inputs: dict[int, Tensor] = field(default_factory=dict)
-    """Each tapped site's input for the sample discovery ran on alone, by site, until a
-    batch pass compared it with that sample's row of the site's input (a model that moves
-    the batch's rows for more than one sample only: :func:`check_rows_alone`)."""
+    first_inputs: dict[int, Tensor | dict[int, Tensor]] = field(default_factory=dict)
+    """Each site's input for the sample discovery ran on alone, by site (a local site's
+    arguments that carry samples, by flat position), until a batch pass compared it with
+    that sample's row of the site's input (a model that moves the batch's rows for more
+    than one sample only: :func:`check_rows_alone`)."""
     sample: int = 0
     """The sample of the batch discovery ran on (the first, unless the batch's calls
     followed another sample's path: see :func:`cached_discover`)."""
@@ -494,6 +495,7 @@ class _DiscoveryMode(ParameterMode):
             return out
         shapes = tuple(v.shape if isinstance(v, Tensor) else None for v in values)
         call = SiteCall.local(func, sorted(leaves_of(sources)))
+        self.plan.first_inputs[len(self.plan.sites)] = {p: values[p] for p in carriers}
         self.plan.uses.append(Use(func, UseKind.LOCAL, len(self.plan.sites)))
         self.plan.sites.append(Site(call, out.shape[1:], out.dtype, out.device, shapes))
         return out
@@ -1227,7 +1229,8 @@ def check_rows_alone(
     with one sample, whose row is trivially its own, the plan is not checked: the caller
     must not keep it (see the return).
 
-    The rows of each ``recorded`` tapped site's input are compared the same way: a model
+    The rows of each ``recorded`` site's input (a local site's arguments with a row per
+    sample) are compared the same way: a model
     that moves the batch's rows only for more than one sample (``if len(x) > 1:
     x = x.flip(0)``, a sort by length, undone before the output) gives its layers in
     between the samples in another order than their rows, which discovery's one sample
@@ -1324,21 +1327,41 @@ _ROWS_MOVED = (
 def _compared_site_rows(
     plan: Plan, recorded: dict[int, Recorded], last: Plan | None
 ) -> Iterator[tuple[int, Tensor, Tensor]]:
-    """Each recorded tapped site's input alone (first and last sample) with its batch row.
+    """Each recorded site's input alone (first and last sample) with its batch row.
 
-    The last sample's is compared where its discovery found the same calls.
+    A tapped site's input, and a local site's arguments with a row per sample. The last
+    sample's are compared where its discovery found the same calls.
     """
-    index = plan.sample
     same_calls = last is not None and [s.call for s in last.sites] == [s.call for s in plan.sites]
     for k, x in recorded.items():
-        first = plan.first_inputs.get(k)
-        if not isinstance(x, Tensor) or first is None or x.shape[1:] != first.shape[1:]:
-            continue
-        if index < len(x):
-            yield k, first, x[index : index + 1]
         alone = last.first_inputs.get(k) if last is not None and same_calls else None
-        if alone is not None and alone.shape == first.shape:
-            yield k, alone, x[-1:]
+        for batch, first, other in _site_tensors(x, plan.first_inputs.get(k), alone):
+            if first.shape[:1] != (1,) or batch.shape[1:] != first.shape[1:]:
+                continue
+            if plan.sample < len(batch):
+                yield k, first, batch[plan.sample : plan.sample + 1]
+            if other is not None and other.shape == first.shape:
+                yield k, other, batch[-1:]
+
+
+def _site_tensors(
+    recorded: Recorded,
+    first: Tensor | dict[int, Tensor] | None,
+    last: Tensor | dict[int, Tensor] | None,
+) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+    """A site's batch tensors with the first and the last sample's (``None``: not known)."""
+    if isinstance(recorded, Tensor):
+        if not isinstance(first, Tensor):
+            return []
+        return [(recorded, first, last if isinstance(last, Tensor) else None)]
+    if not isinstance(first, dict):
+        return []
+    values = recorded.arguments.values
+    return [
+        (values[p], first[p], last.get(p) if isinstance(last, dict) else None)
+        for p in recorded.batched
+        if p in first and isinstance(values[p], Tensor)
+    ]
 
 
 def _take_moved_sites(plan: Plan, recorded: dict[int, Recorded], last: Plan | None) -> None:
