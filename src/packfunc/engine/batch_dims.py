@@ -538,5 +538,5 @@ def reduced_dims(
     if isinstance(dim, int):
         return (dim,)
     if isinstance(dim, list | tuple) and all(isinstance(d, int) for d in dim):
-        return tuple(dim) or ()
+        return tuple(dim)
     return None

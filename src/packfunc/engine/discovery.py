@@ -1276,7 +1276,6 @@ def check_rows_alone(
     which = "the first sample" if index == 0 else f"sample {index}"
     if len(rows) < 2:  # one sample: its row is itself alone; nothing is checked, nor kept
         return False
-    last_plan: Plan | None = None
     try:
         what = (  # (a plan refused on an earlier, larger batch stays refused)
             "differed from its row of an earlier batch"
@@ -1461,8 +1460,8 @@ def last_sample_plan(
 ) -> Plan | None:
     """Discovery's plan of the last of ``n`` samples alone (see :func:`check_rows_alone`).
 
-    Its ``first_output`` is the last sample's output and its ``first_inputs`` its tapped
-    sites' inputs. Where discovery refuses that sample, its output alone is run as the
+    Its ``first_output`` is the last sample's output and its ``first_inputs`` its sites'
+    inputs. Where discovery refuses that sample, its output alone is run as the
     model itself (:func:`last_sample_output`), without the sites' inputs.
 
     Args:
