@@ -31,8 +31,7 @@ PRODUCT_CASES = (
     "transformer",
     "custom_module",
 )
-"""Cases of :func:`test_curvature_vector_products` (their mean over three samples' dense
-oracle is computed there anyway)."""
+"""Cases of :func:`test_curvature_vector_products`."""
 
 COMBINATIONS = [
     (case, loss, reduction, n)
@@ -41,11 +40,9 @@ COMBINATIONS = [
     if loss == "cross_entropy" or case in REPRESENTATIVE
     for reduction in ("mean", "sum")
     for n in (1, 3)
-    if not (CASES[case].slow and reduction == "mean" and n == 3 and case not in PRODUCT_CASES)
 ]
-"""Each case with each loss it runs, both reductions, one and three samples; a slow case's
-mean over three samples is left out (its dense oracle, one double-backward pass per
-parameter and sample, took up to 33 s: the mean's scaling is checked on the other cases)."""
+"""Each case with each loss it runs, both reductions, one and three samples (a mean's dense
+oracle is the sum's scaled: ``tests/cases.py``)."""
 
 
 @pytest.mark.parametrize(("case", "loss_name", "reduction", "n"), COMBINATIONS, indirect=["case"])
