@@ -303,3 +303,47 @@ def test_one_sample_unfolded_by_im2col_equals_the_strided_unfold(options):
     else:
         torch.testing.assert_close(found, expected, rtol=0, atol=0)
     assert conv_rules.one_sample_unfolded(x[:2], call, weight) is None
+
+
+@pytest.mark.parametrize("options", [o for o in OPTIONS if o[1]], ids=str)
+@pytest.mark.parametrize("approx", ["sum", "expand", "reduce"])
+@pytest.mark.parametrize("samples", [1, 4])
+def test_transposed_kronecker_factors_in_chunks_equal_those_of_the_whole_layout(
+    options, approx, samples
+):
+    """A transposed convolution's factors, its input unfolded per output position a few
+    samples at a time, equal those of its whole :meth:`ConvWeight.kronecker_layout`."""
+    torch.manual_seed(0)
+    x, weight, call, op = _conv(options, torch.float64)
+    x = x[:samples]
+    g = torch.randn(2, *op(x, weight).shape, dtype=torch.float64)
+    rule = ConvWeight()
+    assert rule.kronecker_factors_unfold(x, g, call, weight)
+    unfolded, cotangents = rule.kronecker_layout(x, g, call, weight)
+    output, inputs = rule.unfolded_kronecker_factors(x, g, call, weight, approx)
+    torch.testing.assert_close(output, rule.output_factor(cotangents, approx))
+    torch.testing.assert_close(inputs, rule.input_factor(unfolded, approx))
+
+
+def test_kfac_of_a_transposed_convolution_unfolds_a_few_samples_at_a_time(monkeypatch):
+    """Issue 23: KFAC of a transposed convolution held its whole batch's input unfolded per
+    output position (at N=256 a peak of 196 MiB against a plain backward's 22.5: 144 entries
+    per output position of a 16-channel 3×3 stride-2 layer); now no more samples at a time
+    than make up the input's own size (here one: a sample's 2,916 entries against the batch's
+    1,600), with the factors of the whole layout (above) and BackPACK's
+    (tests/test_kronecker.py)."""
+    torch.manual_seed(0)
+    layer = nn.ConvTranspose2d(4, 3, 3, stride=2, padding=1)
+    model = nn.Sequential(layer, nn.ReLU(), nn.Flatten(), nn.Linear(3 * 9 * 9, 2)).double()
+    X, y = torch.randn(16, 4, 5, 5, dtype=torch.float64), torch.randint(0, 2, (16,))
+    samples: list[int] = []
+    unfold_transposed = conv_rules.unfold_transposed
+
+    def spy(x, *args, **kwargs):
+        samples.append(x.shape[0])
+        return unfold_transposed(x, *args, **kwargs)
+
+    monkeypatch.setattr(conv_rules, "unfold_transposed", spy)
+    model_fn, params = pf.functional(model)
+    pf.kfac(model_fn, params, X, y, loss=nn.CrossEntropyLoss())
+    assert samples == [1] * 16

@@ -156,8 +156,7 @@ def sqrt_factors(
     unsupported = _unsupported(bp)
     columns: ColumnGradients | None = None
     early: _FactorsDuringBackward | None = None
-    # a transposed convolution's factors pull the columns back once more (_raw_layout)
-    stream = last and count == 1 and not any(site.call.transposed for site in bp.plan.sites)
+    stream = last and count == 1
     for s in chunks(count, length):
         cotangents = roots.make(s)
         if stream:
@@ -199,9 +198,8 @@ def sqrt_factors(
 class _FactorsDuringBackward:
     """A :data:`~packfunc.engine.batch_record.SiteConsumer` of one column's Kronecker factors.
 
-    A site whose leaves are used there only, by a Kronecker rule (not a transposed
-    convolution, whose factors need the raw tensors), gets their factors from its
-    cotangent as it arrives, which is then dropped with the recorded input.
+    A site whose leaves are used there only, by a Kronecker rule, gets their factors from
+    its cotangent as it arrives, which is then dropped with the recorded input.
     """
 
     def __init__(self, bp: BatchPass, approx: str, unsupported: dict[int, str], cotangents: Tensor):
@@ -210,8 +208,7 @@ class _FactorsDuringBackward:
         self.sites = {
             k
             for k, call in calls.items()
-            if not call.transposed
-            and all(
+            if all(
                 leaf not in unsupported and rule_for(call, role).kronecker(call)
                 for role, leaf in call.leaves
             )
@@ -221,16 +218,16 @@ class _FactorsDuringBackward:
     def __call__(self, k: int, g: Tensor) -> Tensor | None:
         """Site ``k``'s leaves' factors; ``g`` is kept for any other site.
 
-        An input the rule unfolds (a convolution's) is unfolded a few samples at a time
-        (the rule's ``unfolded_kronecker_factors``): the backward pass's activations are
-        still there.
+        An input the rule unfolds (a convolution's, a transposed convolution's per output
+        position) is unfolded a few samples at a time (the rule's
+        ``unfolded_kronecker_factors``): the backward pass's activations are still there.
         """
         if k not in self.sites:
             return g
         summed: dict[int, Tensor] = {}
         for leaf, raw in self.bp.site_terms(k, g[None]):
             param = self.bp.leaves[leaf]
-            if raw.rule.unfolds_input(raw.x, raw.g, raw.call, param):
+            if raw.rule.kronecker_factors_unfold(raw.x, raw.g, raw.call, param):
                 output, inputs = raw.rule.unfolded_kronecker_factors(
                     raw.x, raw.g, raw.call, param, self.approx
                 )

@@ -121,10 +121,31 @@ class Rule:
         """
         return self.canonical_input_size(x, g, call, param) > math.prod(x.shape[1:])
 
+    def kronecker_factors_unfold(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> bool:
+        """Whether the Kronecker factors come from :meth:`unfolded_kronecker_factors`.
+
+        Where :meth:`unfolds_input` (rules with a layout of their own for the factors, a
+        transposed convolution's, say so too).
+
+        Args:
+            x: The op's recorded input ``[N, ...]``.
+            g: Cotangents of its output ``[K, N, ...]``.
+            call: The op call.
+            param: The parameter.
+
+        Returns:
+            Whether the raw input and cotangents give the factors, a few samples at a time.
+
+        Example:
+            >>> Rule().kronecker_factors_unfold(torch.ones(2, 3), torch.ones(1, 2, 3), None, None)
+            False
+        """
+        return self.unfolds_input(x, g, call, param)
+
     def unfolded_kronecker_factors(
         self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor, approx: str
     ) -> tuple[Tensor, Tensor]:
-        """The output and input factors where :meth:`unfolds_input`, unfolded in chunks.
+        """The output and input factors where :meth:`kronecker_factors_unfold`, in chunks.
 
         Args:
             x: The op's recorded input ``[N, ...]``.

@@ -390,6 +390,8 @@ class ConvWeight(ProductWeight):
         layout ``[C_in·k, samples·L]`` of one matrix product (one copy and one product per
         chunk, nothing per sample).
         """
+        if call.transposed:
+            return self._transposed_kronecker_factors(x, g, call, param, approx)
         n, groups = x.shape[0], call.option("groups")
         cotangents = g.reshape(g.shape[0], n, groups, g.shape[2] // groups, -1)
         output = None if approx == "expand" else self.output_factor(cotangents, approx)
@@ -413,6 +415,36 @@ class ConvWeight(ProductWeight):
                 inputs = torch.addmm(flat.new_zeros(()), flat, flat.T, beta=0, alpha=1 / scale)
             else:
                 inputs.addmm_(flat, flat.T, alpha=1 / scale)
+        assert output is not None and inputs is not None
+        return output, inputs
+
+    def kronecker_factors_unfold(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> bool:
+        """Where the input is unfolded, and for every transposed convolution (its layout)."""
+        return call.transposed or self.unfolds_input(x, g, call, param)
+
+    def _transposed_kronecker_factors(
+        self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor, approx: str
+    ) -> tuple[Tensor, Tensor]:
+        """A transposed convolution's factors in :meth:`kronecker_layout`, a few samples at a time.
+
+        Its input unfolded per output position (``C_in·K`` entries each, dozens of times the
+        input's size for a strided 3×3 kernel) is formed no more samples at a time than
+        make up the input's own size, as a convolution's (:meth:`unfolded_kronecker_factors`).
+        """
+        n, groups = x.shape[0], call.option("groups")
+        cotangents = g.reshape(g.shape[0], n, groups, g.shape[2] // groups, -1)
+        kernel = list(param.shape[2:])
+        per_sample = x.shape[1] * math.prod(kernel) * cotangents.shape[-1]
+        at_once = unfold_chunk_length(n, x.numel(), per_sample, x.device)
+        output = None if approx == "expand" else self.output_factor(cotangents, approx)
+        inputs: Tensor | None = None
+        for chunk in chunks(n, at_once):
+            if approx == "expand":
+                found = self.output_factor(cotangents[:, chunk], approx)
+                output = found if output is None else output.add_(found)
+            unfolded = unfold_transposed(x[chunk], kernel, call)
+            layout = unfolded.view(1, -1, groups, unfolded.shape[1] // groups, unfolded.shape[-1])
+            inputs = self.input_factor(layout, approx, add_to=inputs, samples=n)
         assert output is not None and inputs is not None
         return output, inputs
 
