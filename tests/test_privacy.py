@@ -349,6 +349,25 @@ def test_dp_optimizer_steps_with_the_private_gradient() -> None:
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
 
 
+def test_targets_empty_beside_inputs_with_samples_are_refused_not_taken_for_an_empty_batch():
+    """A batch of six inputs and no targets (a collate bug) was taken for an empty Poisson
+    batch: the step was the noise alone, the six samples dropped silently (found by a
+    probe). It is refused as ``clipped_grad`` refuses it; inputs and targets both empty
+    stay the noise alone."""
+    model, loss, X, y = _problem()
+    model_fn, params = pf.functional(model)
+    transform = pf.privacy.private_gradient(
+        model_fn, max_norm=1.0, noise_multiplier=0.0, expected_batch_size=6, loss=loss
+    )
+    with pytest.raises(ValueError, match="batch"):
+        transform.update(None, None, params, (X, y[:0]))
+    opt = _noiseless_dp_sgd(model, loss, lr=0.5, expected_batch_size=6)
+    with pytest.raises(ValueError, match="batch"):
+        opt.step(batch=(X, y[:0]))
+    updates, _ = transform.update(None, None, params, (X[:0], y[:0]))
+    assert all(torch.equal(u, torch.zeros_like(u)) for u in updates.values())
+
+
 def test_dp_optimizer_reads_a_list_of_bounds_in_the_optimizers_order() -> None:
     """A list of per-parameter bounds, as opacus' ``DPPerLayerOptimizer`` takes it: in the
     optimizer's ``param_groups`` order (here the head's group first). It was read in

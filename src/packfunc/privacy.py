@@ -28,7 +28,7 @@ from typing_extensions import Unpack
 from packfunc.data import DataOptions, over_data
 from packfunc.engine.statistics import clipping_factors, norms_from_squares
 from packfunc.evaluation import CLIPPING_EPS, clipping_bounds, one_quantity
-from packfunc.functionalize import flatten_params, functional
+from packfunc.functionalize import flatten_params, functional, leading_sizes
 from packfunc.losses import check_loss, default_loss
 from packfunc.optim.transforms import EmptyState, GradientTransformation
 from packfunc.specs import SPECS
@@ -560,7 +560,9 @@ def private_gradient(
         # for the noise alone: else one bound could clip two leaves, the noise sized for one
         clipping_bounds(max_norm, flatten_params(params)[2])
         total: PyTree
-        if y is not None and len(y) == 0:  # an empty Poisson batch: the noise alone
+        if y is not None and len(y) == 0 and leading_sizes(X) <= {0}:
+            # an empty Poisson batch: the noise alone (inputs with samples beside no targets
+            # go on to clipped_grad, which refuses the mismatch)
             total = cast(PyTree, optree.tree_map(torch.zeros_like, cast(Any, params)))
         else:
             total = clipped_grad(model_fn, params, X, y, loss=summed, max_norm=max_norm)
