@@ -156,7 +156,8 @@ def sqrt_factors(
     unsupported = _unsupported(bp)
     columns: ColumnGradients | None = None
     early: _FactorsDuringBackward | None = None
-    stream = last and count == 1
+    # a linear weight stored [in, out] reads its factors from the unswapped pair (_raw_layout)
+    stream = last and count == 1 and not any(s.call.stores_weight_in_out for s in bp.plan.sites)
     for s in chunks(count, length):
         cotangents = roots.make(s)
         if stream:
@@ -208,7 +209,8 @@ class _FactorsDuringBackward:
         self.sites = {
             k
             for k, call in calls.items()
-            if all(
+            if not call.stores_weight_in_out
+            and all(
                 leaf not in unsupported and rule_for(call, role).kronecker(call)
                 for role, leaf in call.leaves
             )

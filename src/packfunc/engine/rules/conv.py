@@ -420,7 +420,7 @@ class ConvWeight(ProductWeight):
 
     def kronecker_factors_unfold(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> bool:
         """Where the input is unfolded, and for every transposed convolution (its layout)."""
-        return call.transposed or self.unfolds_input(x, g, call, param)
+        return call.is_transposed_convolution or self.unfolds_input(x, g, call, param)
 
     def _transposed_kronecker_factors(
         self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor, approx: str
