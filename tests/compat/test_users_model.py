@@ -7,6 +7,7 @@ with the functional API's values; compiled modules and changed losses are named.
 
 from __future__ import annotations
 
+import copy
 import io
 import warnings
 from collections import OrderedDict
@@ -33,6 +34,8 @@ from packfunc.engine.randomness import RandomModelError
 from tests.cases import (
     HUGGING_FACE,
     assert_trees_close,
+    autograd_batch_grad,
+    dense_curvature,
     hugging_face_inputs,
     hugging_face_problem,
 )
@@ -355,6 +358,72 @@ def test_a_hook_registered_after_extend_that_replaces_the_output_is_followed(ext
     else:
         expected = pf.diag_ggn(doubled, params, X3, Y3)
         assert_trees_close({k: p.diag_ggn_exact for k, p in model.named_parameters()}, expected)
+
+
+class _Attending(nn.Module):
+    """Attention between two linear layers: the shim runs its own pass (not the user's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.embed(x))
+        return self.head(self.attention(h, h, h)[0].mean(1))
+
+
+@pytest.mark.parametrize("registered", ["before extend", "after extend"])
+@pytest.mark.parametrize("extension", [BatchGrad, DiagGGNExact, KFRA])
+def test_a_forward_pre_hook_on_the_model_is_applied_once(registered, extension):
+    """A pre-hook that scales the model's inputs: packfunc's passes ran the model from the
+    inputs its forward saw, the hook applied again (refused as mixing samples, or as an own
+    pass computing another output, by a probe; a hook changing inner rows only would have
+    passed the first and last rows' checks). They now start from the caller's inputs."""
+    torch.manual_seed(0)
+    if extension is KFRA:  # (a sequential model)
+        model, X, y = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double(), X3, Y3
+    else:  # (its own pass)
+        model, X = _Attending().double().eval(), torch.randn(4, 3, 3, dtype=torch.float64)
+        y = torch.tensor([0, 1, 1, 0])
+    plain = copy.deepcopy(model)
+    scale = lambda module, inputs: (2 * inputs[0],)  # noqa: E731
+    if registered == "before extend":
+        model.register_forward_pre_hook(scale)
+    model = extend(model)
+    if registered == "after extend":
+        model.register_forward_pre_hook(scale)
+    loss = nn.CrossEntropyLoss()
+    with backpack(extension()):
+        extend(copy.deepcopy(loss))(model(X), y).backward()
+    if extension is BatchGrad:
+        expected = autograd_batch_grad(plain, loss, 2 * X, y)
+        assert_trees_close({k: p.grad_batch for k, p in model.named_parameters()}, expected)
+    elif extension is DiagGGNExact:
+        dense = dense_curvature(plain, loss, 2 * X, y)
+        found = dense.flatten({k: p.diag_ggn_exact for k, p in model.named_parameters()})
+        torch.testing.assert_close(found, dense.ggn.diagonal())
+    else:
+        expected = pf.kfra(*pf.functional(plain), 2 * X, y, loss=loss)
+        assert_trees_close({k: p.kfra for k, p in model.named_parameters()}, expected)
+
+
+def test_a_pre_hook_put_before_the_shims_is_refused_then_follows_it():
+    """A pre-hook registered with ``prepend=True`` after ``extend`` changes the inputs before
+    the shim sees them: that forward's backward is refused with the fix; the shim's goes
+    first from the next forward on, whose results are the hooked model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    plain = copy.deepcopy(model)
+    model = extend(model)
+    model.register_forward_pre_hook(lambda module, inputs: (2 * inputs[0],), prepend=True)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    with backpack(BatchGrad()), pytest.raises(ValueError, match="prepend=True"):
+        lossfunc(model(X3), Y3).backward()
+    with backpack(BatchGrad()):
+        lossfunc(model(X3), Y3).backward()
+    expected = autograd_batch_grad(plain, nn.CrossEntropyLoss(), 2 * X3, Y3)
+    assert_trees_close({k: p.grad_batch for k, p in model.named_parameters()}, expected)
 
 
 def test_an_input_changed_in_place_after_the_forward_is_refused_on_a_rerun():

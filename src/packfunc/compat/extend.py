@@ -96,6 +96,17 @@ def _entered() -> list[int]:
     return cast(list[int], _THREAD.entered)
 
 
+def _callers_inputs() -> list[tuple[tuple, dict] | None]:
+    """The inputs the callers passed the outermost extended forwards running in this thread.
+
+    As given, before the module's forward pre-hooks (``None``: a pre-hook ran before the
+    shim's, see :func:`_inputs_as_called`).
+    """
+    if not hasattr(_THREAD, "callers_inputs"):
+        _THREAD.callers_inputs = []
+    return cast(list[tuple[tuple, dict] | None], _THREAD.callers_inputs)
+
+
 def _recorders() -> list[ForwardRecorder | None]:
     """The recorders of the outermost extended forwards running in this thread (``None``: none)."""
     if not hasattr(_THREAD, "recorders"):
@@ -156,7 +167,7 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
         if getattr(sub, "_packfunc_extended", False):
             continue
         setattr(sub, "_packfunc_extended", True)  # noqa: B010 (not a declared attribute)
-        sub.register_forward_pre_hook(_enter, with_kwargs=True)
+        sub.register_forward_pre_hook(_enter, with_kwargs=True, prepend=True)
         handle = sub.register_forward_hook(_exit, with_kwargs=True, always_call=True)
         sub.__dict__[_EXIT_HOOK] = handle.id
         if debug:
@@ -199,6 +210,31 @@ def _last_of_the_forward_hooks(module: nn.Module) -> None:
     own: int = module.__dict__.get(_EXIT_HOOK, -1)
     if own in hooks and next(reversed(hooks)) != own:
         hooks.move_to_end(own)
+
+
+def _inputs_as_called(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The inputs the caller passed ``module``, if the shim's pre-hook is the first to see them.
+
+    packfunc's own passes call the model with them, its forward pre-hooks applied there
+    once: the inputs its forward saw (``(2 * x,)`` from a pre-hook that scales them) would
+    have them applied twice. The shim's pre-hook is registered first; one registered before
+    it since (``prepend=True``) or a global one (``register_module_forward_pre_hook``) has
+    changed the inputs already: ``None``, and the shim's goes first from the next forward on.
+
+    Example:
+        >>> layer = extend(torch.nn.Linear(2, 2))
+        >>> inputs = ((torch.ones(1, 2),), {})
+        >>> _inputs_as_called(layer, *inputs) is not None
+        True
+    """
+    hooks = cast(OrderedDict[int, Any], module._forward_pre_hooks)
+    global_hooks = getattr(torch.nn.modules.module, "_global_forward_pre_hooks", {})
+    if next(iter(hooks.values()), None) is _enter and not global_hooks:
+        return args, kwargs
+    for key, hook in list(hooks.items()):
+        if hook is _enter:
+            hooks.move_to_end(key, last=False)
+    return None
 
 
 def _refuse_nested_fast_path(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -245,6 +281,7 @@ def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
             recorder = ForwardRecorder(leaves, (args, kwargs), tuple(module.buffers()))
             recorder.__enter__()
         _recorders().append(recorder)
+        _callers_inputs().append(_inputs_as_called(module, args, kwargs))
     if _recording():  # (last: the always-called _exit undoes the above on a refusal)
         _refuse_nested_fast_path(module, args, kwargs)
 
@@ -258,15 +295,17 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         store_io(module, args, output[0] if isinstance(output, tuple) else output)
     if entered:
         return None
-    recorder = _recorders().pop()
+    recorder, called = _recorders().pop(), _callers_inputs().pop()
     if recorder is None:
         _note_unrecorded(module, output)
         return None
     recorder.__exit__(None, None, None)
     if _reduced_without_parameters(module, output):
         return None
+    # the record keeps the caller's inputs: packfunc's own passes apply the pre-hooks again
+    args, kwargs = called if called is not None else (args, kwargs)
     if not isinstance(output, Tensor):
-        return _record_outputs(module, args, kwargs, recorder, output)
+        return _record_outputs(module, args, kwargs, recorder, output, called is not None)
     if output.grad_fn is None:
         return None
     recorder.release(output)
@@ -281,6 +320,7 @@ def _exit(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         output._version,
         state,
         output.output_nr,
+        inputs_as_called=called is not None,
     )
     _note_latest(module, record)
     _link_to_producer(record)
@@ -311,7 +351,12 @@ def _note_latest(module: nn.Module, record: ForwardRecord) -> None:
 
 
 def _record_outputs(
-    module: nn.Module, args: tuple, kwargs: dict, recorder: ForwardRecorder, output: Any
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    recorder: ForwardRecorder,
+    output: Any,
+    inputs_as_called: bool,
 ) -> Any:
     """Record a forward returning several tensors; the output, its tensors aliased.
 
@@ -328,7 +373,7 @@ def _record_outputs(
         version = tensor._version
         return ForwardRecord(
             module, args, kwargs, recorder, tensor, tensor.shape, version, state,
-            element=element, serial=serial,
+            element=element, serial=serial, inputs_as_called=inputs_as_called,
         )  # fmt: skip
 
     aliased, records = aliased_output(output, n, make_record, _on_backward, _on_refusal)

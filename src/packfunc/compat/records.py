@@ -177,6 +177,9 @@ class ForwardRecord:
             later forward of the model): what packfunc's own pass must compute again.
         kept_loss_rows: Those of each loss input (by ``id`` of its :class:`LossCall`): a
             second-order pass computes the loss input.
+        inputs_as_called: Whether ``args`` and ``kwargs`` are the caller's, before the
+            model's forward pre-hooks (``False``: one ran before the shim's; they are those
+            the forward saw, and packfunc's own passes, which apply the pre-hooks, refuse).
     """
 
     model: nn.Module
@@ -194,6 +197,7 @@ class ForwardRecord:
     serial: int = field(default_factory=lambda: next(_serials))
     kept_rows: tuple[Tensor, Tensor] | None = None
     kept_loss_rows: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    inputs_as_called: bool = True
     graph_task: int | None = None
     """The backward pass (its graph task) that pulled the output back with ``create_graph=True``
     (a gradient penalty's ``autograd.grad``), if one did: its gradient is differentiable."""

@@ -187,6 +187,15 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
             "returning self.model(input_ids=input_ids, attention_mask=attention_mask).logits)."
         )
     record.check_output_unchanged()
+    if not record.inputs_as_called:
+        raise ValueError(
+            f"a forward pre-hook ran before the shim's on the extended {type(model).__name__} "
+            "(one registered on it with prepend=True after extend(), or a global one: "
+            "register_module_forward_pre_hook): packfunc runs the model from the inputs its "
+            "caller passed, with its pre-hooks, and does not have those inputs. Register the "
+            "hook without prepend=True (the shim's goes first from the next forward on), or "
+            "on a submodule, or apply it to the inputs before calling the model."
+        )
     if record.output_shape[:1] == (0,):  # (an empty batch: before its layout's reshapes)
         raise ValueError(EMPTY_BATCH)
     _refuse_hooks_on_the_output(record)
