@@ -218,8 +218,10 @@ def _inputs_as_called(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     packfunc's own passes call the model with them, its forward pre-hooks applied there
     once: the inputs its forward saw (``(2 * x,)`` from a pre-hook that scales them) would
     have them applied twice. The shim's pre-hook is registered first; one registered before
-    it since (``prepend=True``) or a global one (``register_module_forward_pre_hook``) has
-    changed the inputs already: ``None``, and the shim's goes first from the next forward on.
+    it since (``prepend=True``) may have changed the inputs already: ``None``, and the shim's
+    goes first from the next forward on. (A global pre-hook, ``register_module_forward_pre_hook``,
+    runs before any module's: its inputs are taken as the caller's; one that changes them is
+    applied twice, which the checks of packfunc's runs find unless it changes inner rows only.)
 
     Example:
         >>> layer = extend(torch.nn.Linear(2, 2))
@@ -228,8 +230,7 @@ def _inputs_as_called(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
         True
     """
     hooks = cast(OrderedDict[int, Any], module._forward_pre_hooks)
-    global_hooks = getattr(torch.nn.modules.module, "_global_forward_pre_hooks", {})
-    if next(iter(hooks.values()), None) is _enter and not global_hooks:
+    if next(iter(hooks.values()), None) is _enter:
         return args, kwargs
     for key, hook in list(hooks.items()):
         if hook is _enter:

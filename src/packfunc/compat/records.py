@@ -178,8 +178,9 @@ class ForwardRecord:
         kept_loss_rows: Those of each loss input (by ``id`` of its :class:`LossCall`): a
             second-order pass computes the loss input.
         inputs_as_called: Whether ``args`` and ``kwargs`` are the caller's, before the
-            model's forward pre-hooks (``False``: one ran before the shim's; they are those
-            the forward saw, and packfunc's own passes, which apply the pre-hooks, refuse).
+            model's forward pre-hooks (``False``: one registered with ``prepend=True`` after
+            ``extend`` ran before the shim's; they are those the forward saw, and the
+            backward pass is refused).
     """
 
     model: nn.Module

@@ -190,11 +190,10 @@ def run_extensions(ctx: Context, record: ForwardRecord, gradient: Tensor, route:
     if not record.inputs_as_called:
         raise ValueError(
             f"a forward pre-hook ran before the shim's on the extended {type(model).__name__} "
-            "(one registered on it with prepend=True after extend(), or a global one: "
-            "register_module_forward_pre_hook): packfunc runs the model from the inputs its "
-            "caller passed, with its pre-hooks, and does not have those inputs. Register the "
-            "hook without prepend=True (the shim's goes first from the next forward on), or "
-            "on a submodule, or apply it to the inputs before calling the model."
+            "(one registered on it with prepend=True after extend()): packfunc runs the model "
+            "from the inputs its caller passed, with its pre-hooks, and does not have those "
+            "inputs. Register the hook without prepend=True, or before extend() (the shim's "
+            "goes first from the next forward on: run that step again)."
         )
     if record.output_shape[:1] == (0,):  # (an empty batch: before its layout's reshapes)
         raise ValueError(EMPTY_BATCH)
