@@ -62,6 +62,29 @@ def results(loss_name: str, reduction: str, shard: slice | None, group) -> dict:
     return found
 
 
+def one_rank_empty(loss_name: str, reduction: str, rank: int, group) -> dict:
+    """Rank 0 holds every sample, rank 1 none (a Poisson draw of no sample): summed
+    quantities as one process over all; Kronecker factors refused on both ranks alike."""
+    problem = make_dataset(loss_name, reduction)
+    model_fn, params = problem.functional()
+    X, y = (problem.X, problem.y) if rank == 0 else (problem.X[:0], problem.y[:0])
+    kw = {"loss": problem.loss, "process_group": group}
+    loader = DataLoader(TensorDataset(X, y), batch_size=3)
+    found = {
+        "compute": pf.compute(
+            model_fn, params, quantities=("grad", "sum_grad_squared", "variance"), data=loader, **kw
+        ),
+        "diag_ggn": pf.diag_ggn(model_fn, params, X, y, **kw),
+    }
+    if reduction == "sum":
+        found["clipped_grad"] = pf.clipped_grad(model_fn, params, X, y, max_norm=0.05, **kw)
+    try:
+        pf.kflr(model_fn, params, data=loader, **kw)
+    except ValueError as error:
+        found["kflr refused"] = "no non-empty batch" in str(error)
+    return found
+
+
 def _rows(stream, dim: int) -> dict:
     parts = list(stream)
     return {name: torch.cat([p[name] for p in parts], dim) for name in parts[0]}
@@ -72,6 +95,9 @@ def _worker(rank: int, init_file: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         found = {setting: results(*setting, SHARDS[rank], dist.group.WORLD) for setting in SETTINGS}
+        found["one rank empty"] = {
+            setting: one_rank_empty(*setting, rank, dist.group.WORLD) for setting in SETTINGS
+        }
         torch.save(found, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -104,3 +130,18 @@ def test_ranks_give_the_single_process_result(ranks: list[dict], setting: tuple)
             for key in expected[name.removesuffix("_xy")]
         }
         assert_trees_close(rows, expected[name.removesuffix("_xy")], name)
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=["-".join(s) for s in SETTINGS])
+def test_a_rank_without_samples_adds_nothing(ranks: list[dict], setting: tuple) -> None:
+    """Issue 22: a rank whose Poisson draw held no sample made every rank raise (a DP-SGD step
+    over ranks could not take it); its summed quantities are now zeros laid out as the other
+    ranks', and every rank gets the one-process result. Kronecker factors, whose layout is
+    read from a batch, are still refused, on both ranks alike (no rank waits)."""
+    expected = results(*setting, None, None)
+    for rank, found in enumerate(ranks):
+        uneven = found["one rank empty"][setting]
+        for name in ("compute", "diag_ggn", "clipped_grad"):
+            if name in expected:
+                assert_trees_close(uneven[name], expected[name], f"rank{rank} {name}")
+        assert uneven["kflr refused"], f"rank{rank}"

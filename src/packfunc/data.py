@@ -51,6 +51,7 @@ from packfunc.distributed import (
     sum_counts_over_ranks,
     sum_over_ranks,
     world_size,
+    zeros_like_others,
 )
 from packfunc.engine.discovery import in_out_weights
 from packfunc.evaluation import check_per_sample_loss, compute_batch, statistic_quantities
@@ -669,13 +670,16 @@ def _summed(
     samples_all, normalizer_all, empty = sum_counts_over_ranks(
         [float(samples), float(normalizer), float(totals is None)], group, device
     )
-    if empty or totals is None:
+    if empty and (empty == world_size(group) or kronecker):  # (every rank refuses alike)
         raise ValueError(
-            "data= yielded no non-empty batch (on at least one rank); pass non-empty shards. "
-            "(A Poisson-sampled DP-SGD step that drew no sample has a clipped sum of zero: "
-            "add the noise alone, pf.privacy.add_noise on zeros shaped like params, as "
-            "DPOptimizer does.)"
+            "data= yielded no non-empty batch (on every rank, or on one rank for Kronecker "
+            "factors); pass non-empty shards. (A Poisson-sampled DP-SGD step that drew no "
+            "sample has a clipped sum of zero: add the noise alone, pf.privacy.add_noise on "
+            "zeros shaped like params, as DPOptimizer does.)"
         )
+    if empty:  # a rank that drew no sample (Poisson sampling) adds zeros laid out as the others'
+        # (a Kronecker pair's order is read from a batch's plan: there every rank refuses)
+        totals = zeros_like_others(totals, group, device)
     return sum_over_ranks(totals, group), samples_all, normalizer_all
 
 

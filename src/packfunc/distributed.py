@@ -12,6 +12,7 @@ CUDA tensors.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import optree
@@ -112,6 +113,53 @@ def _summed(tensor: Tensor, group: ProcessGroup) -> Tensor:
     return total
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """A tensor's shape and dtype, sent to ranks that have none (see :func:`zeros_like_others`)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def zeros_like_others(tree: Any | None, group: ProcessGroup | None, device: torch.device) -> Any:
+    """The rank's ``tree``, or zeros laid out as another rank's where it has none.
+
+    A rank whose shard has no sample (Poisson sampling drew none) adds zeros to the sums
+    over ranks; it learns their shapes and dtypes from a rank that has them (one
+    ``all_gather_object``). Every rank of ``group`` calls it, with ``None`` where it has
+    nothing.
+
+    Args:
+        tree: A pytree of tensors, or ``None``.
+        group: A process group (``None``: a single process, ``tree`` returned).
+        device: Where the zeros go.
+
+    Returns:
+        ``tree``, or the zeros; ``None`` if no rank has a tree.
+
+    Example:
+        >>> zeros_like_others({"a": torch.ones(2)}, None, torch.device("cpu"))["a"]
+        tensor([1., 1.])
+    """
+    if group is None:
+        return tree
+    layout = None
+    if tree is not None:
+        layout = optree.tree_map(lambda t: _Layout(tuple(t.shape), t.dtype), tree)
+    gathered: list[Any] = [None] * world_size(group)
+    dist.all_gather_object(gathered, layout, group=group)
+    if tree is not None:
+        return tree
+    found = next((other for other in gathered if other is not None), None)
+    if found is None:
+        return None
+    return optree.tree_map(
+        lambda leaf: torch.zeros(leaf.shape, dtype=leaf.dtype, device=device),
+        found,
+        is_leaf=lambda value: isinstance(value, _Layout),
+    )
+
+
 def sum_counts_over_ranks(
     counts: list[float], group: ProcessGroup | None, device: torch.device
 ) -> list[float]:
@@ -143,4 +191,5 @@ __all__ = [
     "sum_counts_over_ranks",
     "sum_over_ranks",
     "world_size",
+    "zeros_like_others",
 ]
