@@ -128,10 +128,7 @@ class Rule:
         transposed convolution's, say so too).
 
         Args:
-            x: The op's recorded input ``[N, ...]``.
-            g: Cotangents of its output ``[K, N, ...]``.
-            call: The op call.
-            param: The parameter.
+            x, g, call, param: As for :meth:`unfolds_input`.
 
         Returns:
             Whether the raw input and cotangents give the factors, a few samples at a time.
