@@ -290,7 +290,10 @@ def matvec(curvature: Curvature, vector: ParamsT) -> ParamsT:
 def logdet(curvature: Curvature, damping: float = 0.0) -> PyTree:
     """``log det(C + damping·I)`` of every entry (one scalar each).
 
-    Undamped factors use ``log det(A ⊗ B) = dim B · log det A + dim A · log det B``.
+    Undamped factors use ``log det(A ⊗ B) = dim B · log det A + dim A · log det B``. Undamped,
+    an eigenvalue within rounding of zero (below ``size · eps`` times the largest: a
+    rank-deficient factor, from fewer samples than its size) counts as zero, and the
+    log-determinant of that singular matrix is ``-inf``, not the log of rounding noise.
 
     Args:
         curvature: A curvature pytree.
@@ -308,7 +311,14 @@ def logdet(curvature: Curvature, damping: float = 0.0) -> PyTree:
         found = [None if e is None else _factor_logdet(e) for e in entries]
         return cast(PyTree, spec.unflatten(found))
     entries = _flatten(eigh(curvature))[0]
-    found = [None if e is None else (e.eigenvalues + damping).log().sum() for e in entries]
+    found = [
+        None
+        if e is None
+        else (e.eigenvalues + damping).log().sum()
+        if damping
+        else _log_eigenvalue_sum(e.eigenvalues)
+        for e in entries
+    ]
     return cast(PyTree, spec.unflatten(found))
 
 
@@ -510,13 +520,25 @@ def _decomposable(matrix: Tensor) -> Tensor:
 
 
 def _factor_logdet(factors: list[Tensor]) -> Tensor:
-    factors = [_decomposable(factor) for factor in factors]
+    sums = [_log_eigenvalue_sum(torch.linalg.eigvalsh(_decomposable(f))) for f in factors]
     if len(factors) == 1:
-        return cast(Tensor, torch.linalg.slogdet(factors[0])[1])
+        return sums[0].to(factors[0].dtype)
     A, B = factors
-    return cast(
-        Tensor, B.shape[0] * torch.linalg.slogdet(A)[1] + A.shape[0] * torch.linalg.slogdet(B)[1]
-    )
+    return (B.shape[0] * sums[0] + A.shape[0] * sums[1]).to(A.dtype)
+
+
+def _log_eigenvalue_sum(values: Tensor) -> Tensor:
+    """``Σ log λ`` of a positive semi-definite matrix's eigenvalues; ``-inf`` if it is singular.
+
+    An eigenvalue below ``size · eps`` times the largest is zero to the matrix's rounding
+    (a rank-deficient factor's come out as ±1e-9 or so, and their logs were summed).
+
+    Example:
+        >>> _log_eigenvalue_sum(torch.tensor([4.0, 1e-9]))
+        tensor(-inf)
+    """
+    tolerance = values.max() * values.numel() * torch.finfo(values.dtype).eps
+    return torch.where(values > tolerance, values, 0).log().sum()
 
 
 def _trace(entry: Any, damping: float) -> Tensor:
