@@ -312,14 +312,17 @@ CURVLINOPS_MODELS = {
 
 
 @pytest.mark.parametrize(
-    ("fisher_type", "reduction"), [("type-2", "sum"), ("type-2", "mean"), ("empirical", "sum")]
+    ("fisher_type", "reduction"),
+    [("type-2", "sum"), ("type-2", "mean"), ("empirical", "sum"), ("empirical", "mean")],
 )
 @pytest.mark.parametrize("loss_cls", [nn.CrossEntropyLoss, nn.MSELoss])
 @pytest.mark.parametrize("kfac_approx", ["expand", "reduce"])
 @pytest.mark.parametrize("name", list(CURVLINOPS_MODELS))
 def test_expand_and_reduce_equal_curvlinops(name, kfac_approx, loss_cls, fisher_type, reduction):
     """Weight factors equal curvlinops' ``KFACLinearOperator`` (exact: ``"type-2"``, or the
-    empirical Fisher, whose scale for a mean-reduced loss differs from packfunc's)."""
+    empirical Fisher; with a mean its factors were ``N`` times curvlinops', ``Σ g_n g_nᵀ``
+    of the per-sample gradients of the mean, found by a probe: now ``Σ ∇ℓ_n ∇ℓ_nᵀ / N``,
+    scaled as the loss as every other factor is)."""
     curvlinops = pytest.importorskip("curvlinops")
     torch.manual_seed(0)
     build, shape = CURVLINOPS_MODELS[name]
@@ -754,7 +757,8 @@ def test_hessian_variants_refuse_what_they_cannot_compute():
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_empirical_kfac_uses_the_loss_gradient_at_each_layer_output(reduction):
-    """A = Σ_n δ_n δ_nᵀ (δ_n: sample n's share of ∂L/∂z at the layer output), B = Σ_n u uᵀ / N."""
+    """A = Z · Σ_n δ_n δ_nᵀ (δ_n: sample n's share of ∂L/∂z at the layer output, Z = N for a
+    mean: the empirical Fisher Σ ∇ℓ_n ∇ℓ_nᵀ / N of the mean, as curvlinops'), B = Σ_n u uᵀ / N."""
     torch.manual_seed(0)
     model = SEQUENTIAL["mlp"][0]().double()
     X, n = torch.randn(6, 4, dtype=torch.float64), 6
@@ -773,12 +777,13 @@ def test_empirical_kfac_uses_the_loss_gradient_at_each_layer_output(reduction):
     model_fn, params = pf.functional(model)
     found = pf.kfac(model_fn, params, X, y, loss=loss, fisher_type="empirical")
     per_sample = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    Z = n if reduction == "mean" else 1
     for (name, (u, _)), delta in zip(seen.items(), deltas):
         A, B = found[f"{name}.weight"]
-        torch.testing.assert_close(A, delta.T @ delta)
+        torch.testing.assert_close(A, Z * delta.T @ delta)
         torch.testing.assert_close(B, u.T @ u / n)
         g = per_sample[f"{name}.bias"]  # a bias's block is the exact empirical Fisher
-        torch.testing.assert_close(found[f"{name}.bias"][0], g.T @ g)
+        torch.testing.assert_close(found[f"{name}.bias"][0], Z * g.T @ g)
     halves = [(X[:3], y[:3]), (X[3:], y[3:])]
     over_data = pf.kfac(model_fn, params, data=halves, loss=loss, fisher_type="empirical")
     for key, factors in found.items():

@@ -452,7 +452,7 @@ def _over_dataset(
     partials = _per_batch(spec, specs, one_call, model_fn, params, options)
     if spec is not None and spec.combine is Combine.PER_SAMPLE:
         normalizer = _dataset_normalizer(loss, source, device)
-        scale = _inverse_normalizer(normalizer) ** spec.power(options)
+        scale = _inverse_normalizer(normalizer) ** spec.loss_power
         if source.data is not None and loss.reduction == "mean":
             batches = _same_normalizer(batches, loss, normalizer, source.group, device)
         stream = _streamed(spec.name, batches, partials, _sum_reduced(loss), scale)
@@ -464,7 +464,7 @@ def _over_dataset(
     batches = (batch for batch in batches if len(batch[1]))  # an empty one adds nothing
     totals, samples, normalizer = _summed(batches, partials, loss, source.group, device, kronecker)
     scale = _inverse_normalizer(normalizer) if loss.reduction == "mean" else 1.0
-    result = {s.name: _finish(s, totals, scale, samples, options) for s in specs}
+    result = {s.name: _finish(s, totals, scale, samples) for s in specs}
     result = {k: layout.own(v) if k in kronecker else v for k, v in result.items()}
     if spec is not None:
         return result[spec.name]
@@ -688,16 +688,14 @@ def _added(totals: Any, part: Any) -> dict[str, Any]:
     return dict(optree.tree_map(torch.add, totals, part))
 
 
-def _finish(
-    spec: Quantity, totals: dict[str, Any], scale: float, samples: float, options: dict[str, Any]
-) -> Any:
+def _finish(spec: Quantity, totals: dict[str, Any], scale: float, samples: float) -> Any:
     """Rescale a summed quantity to the dataset's reduced loss (see the module docstring)."""
     if spec.combine is Combine.MOMENTS:
         from_parts = spec.from_parts
         assert from_parts is not None
-        parts = [_finish(QUANTITIES[part], totals, scale, samples, options) for part in spec.parts]
+        parts = [_finish(QUANTITIES[part], totals, scale, samples) for part in spec.parts]
         return optree.tree_map(lambda *p: from_parts(p, samples), *parts)
-    power = spec.power(options)
+    power = spec.loss_power
     if spec.combine is Combine.KRONECKER:
         return optree.tree_map(
             lambda f: (

@@ -108,8 +108,10 @@ def kfac(
             ``None``: the exact loss Hessian, i.e. :func:`kflr` (as ``mc_samples=None`` means
             exact in every function).
         fisher_type: ``"mc"`` (the sampled Fisher), or ``"empirical"``: the factors of the
-            empirical Fisher ``Σ_n g_n g_nᵀ`` (``g_n = batch_grad[n]``, at the given
-            targets ``y``; ``mc_samples`` unused), as curvlinops' ``fisher_type``.
+            empirical Fisher of the reduced loss ``L = Σ_n ℓ_n / Z``, ``Σ_n ∇ℓ_n ∇ℓ_nᵀ / Z``
+            at the given targets ``y`` (``Z = 1`` for ``reduction='sum'``, where it is
+            ``Σ_n g_n g_nᵀ`` with ``g_n = batch_grad[n]``; ``mc_samples`` unused), scaled as
+            the loss, as the other factors and curvlinops' ``fisher_type``.
 
     Returns:
         Pytree like ``params``; each leaf a list of factors (or ``None``).

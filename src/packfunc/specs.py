@@ -88,8 +88,6 @@ class Quantity:
         statistic: The one statistic it is made of (statistics only).
         parts: :attr:`Combine.MOMENTS` only: the quantities it is made of.
         from_parts: :attr:`Combine.MOMENTS` only: ``(parts' values, sample count) -> value``.
-        power_by_option: Options that change ``loss_power`` (``{("fisher_type",
-            "empirical"): 2}``: the empirical Fisher is quadratic in the loss).
         per_sample_loss: Whether it needs each sample's own loss (``reduction='sum'``),
             as clipping does: a mean would clip gradients scaled by ``1/N``.
         reruns_model: Whether it runs the model again beyond the forward pass whose loss
@@ -116,28 +114,9 @@ class Quantity:
     from_parts: Callable[[tuple[Tensor, ...], float], Tensor] | None = field(
         default=None, repr=False
     )
-    power_by_option: Mapping[tuple[str, object], float] = field(default_factory=dict)
     per_sample_loss: bool = False
     reruns_model: bool = False
     differentiable: bool = True
-
-    def power(self, options: Mapping[str, object]) -> float:
-        """``loss_power`` for a call with ``options`` (see :attr:`power_by_option`).
-
-        Args:
-            options: The call's keyword arguments.
-
-        Returns:
-            The power of ``1/Z`` the (output-side) value scales with.
-
-        Example:
-            >>> SPECS["kfac"].power({"fisher_type": "empirical"}), SPECS["kfac"].power({})
-            (2, 1)
-        """
-        for (option, value), power in self.power_by_option.items():
-            if options.get(option) == value:
-                return power
-        return self.loss_power
 
 
 def _variance(parts: tuple[Tensor, ...], samples: float) -> Tensor:
@@ -165,7 +144,6 @@ def _own(
     summary: str,
     family: Family,
     combine: Combine,
-    power_by_option: Mapping[tuple[str, object], float] | None = None,
     reruns_model: bool = False,
 ) -> Quantity:
     """A quantity with a function of its own (not a statistic :func:`compute` makes)."""
@@ -174,7 +152,6 @@ def _own(
         summary,
         family,
         combine,
-        power_by_option=power_by_option or {},
         reruns_model=reruns_model,
     )
 
@@ -263,7 +240,6 @@ SPECS: dict[str, Quantity] = {
             "Kronecker factors, Monte-Carlo or empirical Fisher (KFAC)",
             Family.FACTORS,
             Combine.KRONECKER,
-            power_by_option={("fisher_type", "empirical"): 2},
         ),
         _own("kflr", "Kronecker factors, exact GGN (KFLR)", Family.FACTORS, Combine.KRONECKER),
         replace(

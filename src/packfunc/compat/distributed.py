@@ -80,7 +80,7 @@ def all_reduce_extensions(
                 "combined; for Variance extend with SumGradSquared and combine it with .grad, "
                 "for KFRA use KFLR or KFAC."
             )
-        power = spec.power(dict(extension.job().options))
+        power = spec.loss_power
         scale = 1 / ranks**power if reduction == "mean" else 1.0
         for p in parameters:
             value = getattr(p, extension.savefield, None)

@@ -26,7 +26,7 @@ from packfunc.engine.ops import SIGNATURES, SiteCall
 from packfunc.engine.pch import summed_residual_curvature
 from packfunc.engine.precision import full_precision, to_dtype_of
 from packfunc.engine.rules import rule_for
-from packfunc.losses import HessianFactors, hessian_factors
+from packfunc.losses import HessianFactors, hessian_factors, mean_normalizer
 
 APPROXIMATIONS = ("sum", "expand", "reduce")
 """Conventions for positions (sequence entries, pixels, several calls of one layer):
@@ -126,9 +126,9 @@ def sqrt_factors(
         approx: One of :data:`APPROXIMATIONS`.
         mc_samples: Monte-Carlo samples (KFAC) or ``None`` (exact: KFLR).
         generator: Random generator for the samples.
-        empirical: Use the loss gradient's one column ``∂L/∂f`` (the empirical Fisher,
-            ``Σ_n g_n g_nᵀ`` with ``g_n`` sample ``n``'s gradient of the reduced loss)
-            instead of the loss Hessian's square-root columns.
+        empirical: Use the loss gradient's one column (the empirical Fisher of the reduced
+            loss ``Σ_n ℓ_n / Z``: ``Σ_n ∇ℓ_n ∇ℓ_nᵀ / Z``) instead of the loss Hessian's
+            square-root columns.
         last: Nothing uses ``bp`` afterwards but its loss (its records are used up;
             :attr:`Factors.columns` is not kept).
 
@@ -263,8 +263,16 @@ def _output_factor(term: Term, approx: str, summed: dict[int, Tensor]) -> Tensor
 
 
 def _gradient_column(bp: BatchPass) -> HessianFactors:
-    """The loss gradient ``∂L/∂f`` as one column: row ``n`` is sample ``n``'s share."""
+    """The empirical Fisher's column: ``√Z · ∂L/∂f``, row ``n`` from sample ``n``'s share.
+
+    With ``L = Σ_n ℓ_n / Z`` (``Z = 1`` for a sum), its squares are ``Z · Σ_n g_n g_nᵀ =
+    Σ_n ∇ℓ_n ∇ℓ_nᵀ / Z``: the empirical Fisher of the reduced loss, scaled as the loss is
+    (as the GGN's factors are, and curvlinops' ``fisher_type="empirical"``).
+    """
     cotangent = bp.record.output_cotangent
+    if bp.loss.reduction == "mean":
+        normalizer = mean_normalizer(bp.loss, bp.y).to(cotangent.device)
+        cotangent = cotangent * normalizer.sqrt().to(cotangent.dtype)
     return HessianFactors(1, lambda s: cotangent.unsqueeze(0))
 
 
