@@ -20,7 +20,12 @@ from torch.utils.checkpoint import checkpoint
 import packfunc as pf
 from packfunc.compat import backpack, extend
 from packfunc.compat.extensions import KFLR, BatchGrad, DiagGGNExact
-from tests.cases import HUGGING_FACE, assert_trees_close, hugging_face_inputs
+from tests.cases import (
+    HUGGING_FACE,
+    assert_trees_close,
+    autograd_batch_grad,
+    hugging_face_inputs,
+)
 
 CALLS = {
     "batch_grad": lambda fn, p, X, y: pf.batch_grad(fn, p, X, y),
@@ -102,6 +107,50 @@ def test_compiled_functions_and_submodules_are_refused_with_the_fix():
     model[0] = torch.compile(model[0])
     with pytest.raises(ValueError, match=r"\['0'\] are compiled"):
         pf.functional(model)
+
+
+class _CompiledHelper(nn.Module):
+    """A forward calling a function compiled with ``torch.compile`` (the eager backend)."""
+
+    def __init__(self, on_parameter: bool):
+        super().__init__()
+        self.first, self.head = nn.Linear(5, 7), nn.Linear(7, 3)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 7))
+        self.on_parameter = on_parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        if self.on_parameter:
+            return self.head(_compiled_scaled_tanh(h, self.scale))
+        return self.head(_compiled_tanh(h) * self.scale)
+
+
+@torch.compile(backend="eager")
+def _compiled_scaled_tanh(h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(h) * scale
+
+
+@torch.compile(backend="eager")
+def _compiled_tanh(h: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(h)
+
+
+@pytest.mark.parametrize("call", ["batch_grad", "explain"])
+def test_a_compiled_function_inside_the_model_runs_or_is_refused_with_the_fix(call):
+    """A compiled function of activations runs (its results are exact); one that takes a
+    parameter meets packfunc's recording in its tracing and failed with a dynamo assertion
+    (explain) or an internal error wrapping a plan mismatch about Python loops (found by a
+    probe): refused naming the fix."""
+    torch.manual_seed(0)
+    X, y = torch.randn(6, 5, dtype=torch.float64), torch.randint(0, 3, (6,))
+    model_fn, params = pf.functional(_CompiledHelper(on_parameter=True).double())
+    function = {"batch_grad": partial(pf.batch_grad, y=y), "explain": pf.explain}[call]
+    with pytest.raises(ValueError, match="compiled with torch.compile runs inside the model"):
+        function(model_fn, params, X)
+    model = _CompiledHelper(on_parameter=False).double()
+    model_fn, params = pf.functional(model)
+    found = pf.batch_grad(model_fn, params, X, y)
+    assert_trees_close(found, autograd_batch_grad(model, nn.CrossEntropyLoss(), X, y))
 
 
 @pytest.mark.parametrize("compiled", ["model", "submodule"])

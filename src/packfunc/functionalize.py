@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import traceback
 import types
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -267,13 +268,52 @@ def public_entry(function: F) -> F:
                         args, kwargs = normal_tensors((args, kwargs))
                         result = precise(*args, **kwargs)
             return poisoned(result, failed_checks)
-        except RuntimeError as error:
-            clearer = clearer_error(error, (args, kwargs))
+        except Exception as error:
+            if compiled_inside(error):
+                raise ValueError(_COMPILED_INSIDE.format(error=_first_line(error))) from error
+            clearer = (
+                clearer_error(error, (args, kwargs)) if isinstance(error, RuntimeError) else None
+            )
             if clearer is None:
                 raise
             raise clearer from error
 
     return run  # type: ignore[return-value]
+
+
+_COMPILED_INSIDE = (
+    "a function compiled with torch.compile runs inside the model and failed under packfunc's "
+    "recording ({error}): packfunc follows the model's calls eagerly, which compiled code "
+    "hides. Compile the whole model instead (torch.compile(model) or model.compile(): packfunc "
+    "runs it eagerly), or call that function uncompiled inside it."
+)
+
+
+def compiled_inside(error: BaseException) -> bool:
+    """Whether ``error`` was raised by ``torch.compile``'s tracer beneath a packfunc call.
+
+    A public function runs eagerly (inside compiled code it is run around it), so a frame of
+    ``torch/_dynamo`` below it belongs to a compiled function the model calls (one that takes
+    a parameter: its tracing meets packfunc's recording and fails).
+
+    Args:
+        error: What a public function raised.
+
+    Returns:
+        Whether its traceback passes through ``torch._dynamo``.
+
+    Example:
+        >>> compiled_inside(ValueError("plain"))
+        False
+    """
+    frames = traceback.walk_tb(error.__traceback__)
+    return any("torch/_dynamo/" in f.f_code.co_filename.replace("\\", "/") for f, _ in frames)
+
+
+def _first_line(error: BaseException) -> str:
+    """``error``'s type and the first line of its message."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0][:160]}" if lines else type(error).__name__
 
 
 def clearer_error(error: RuntimeError, values: Any) -> ValueError | None:
