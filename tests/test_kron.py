@@ -315,3 +315,22 @@ def test_half_precision_factors_decompose_in_float32_and_keep_their_dtype():
         torch.testing.assert_close(logdets[name].float(), expected, rtol=0.05, atol=0.05)
     eigen = pf.ekfac(model_fn, params, X.to(torch.bfloat16), y, mc_samples=None)
     assert eigen["2.weight"].eigenvalues.dtype == torch.bfloat16
+
+
+def test_a_transposed_convolutions_own_weight_layout_is_refused_by_matvec():
+    """Its factors belong to the kernel with its channels swapped; the weight as stored,
+    ``[C_in, C_out, k…]``, has their size and was multiplied silently in another layout
+    (found by a probe). Refused, naming the layout; the swapped one is the dense product."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.ConvTranspose2d(2, 3, 2), torch.nn.Flatten(), torch.nn.Linear(3 * 16, 2)
+    ).double()
+    X, y = torch.randn(4, 2, 3, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    factors = pf.kflr(*pf.functional(model), X, y)
+    weight = torch.randn(2, 3, 2, 2, dtype=torch.float64)  # as stored: [C_in, C_out, k, k]
+    with pytest.raises(ValueError, match=r"weight.transpose\(0, 1\)"):
+        kron.matvec({"0.weight": factors["0.weight"]}, {"0.weight": weight})
+    swapped = weight.transpose(0, 1)
+    found = kron.matvec({"0.weight": factors["0.weight"]}, {"0.weight": swapped})["0.weight"]
+    expected = dense_kron(factors["0.weight"]) @ swapped.reshape(-1)
+    torch.testing.assert_close(found.reshape(-1), expected)

@@ -275,7 +275,8 @@ def matvec(curvature: Curvature, vector: ParamsT) -> ParamsT:
         A pytree like ``vector`` (``None`` where the curvature entry is ``None``).
 
     Raises:
-        ValueError: if a leaf's size does not match its entry.
+        ValueError: if a leaf's size does not match its entry, or (with two factors) its
+            leading dim is not the first factor's: another layout of the same size.
 
     Example:
         >>> matvec({"w": [torch.eye(2) * 2, torch.eye(3)]}, {"w": torch.ones(2, 3)})["w"]
@@ -489,6 +490,15 @@ def _apply(entry: Any, vector: Any) -> Tensor | None:
         raise ValueError(
             f"a tensor of shape {tuple(vector.shape)} does not match Kronecker factors of sizes "
             f"{sizes}: pass a pytree shaped like the params the curvature was computed for."
+        )
+    if len(sizes) == 2 and vector.dim() > 1 and vector.shape[0] != sizes[0]:
+        # (the right size in another layout: a transposed convolution's own weight layout
+        # [C_in, C_out/G, k…], whose factors belong to the kernel with its channels swapped)
+        raise ValueError(
+            f"a tensor of shape {tuple(vector.shape)} does not lead with the first factor's "
+            f"size {sizes[0]}: its layout is not the factors' [{sizes[0]}, {sizes[1]}]. For a "
+            "transposed convolution pass weight.unflatten(0, (groups, -1)).transpose(1, 2)"
+            ".flatten(0, 1) (weight.transpose(0, 1) for one group), and transpose back."
         )
     if len(factors) == 1:  # a matrix-vector product
         v, (Q,) = vector.reshape(-1), factors
