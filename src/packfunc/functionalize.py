@@ -293,21 +293,24 @@ def compiled_inside(error: BaseException) -> bool:
     """Whether ``error`` was raised by ``torch.compile``'s tracer beneath a packfunc call.
 
     A public function runs eagerly (inside compiled code it is run around it), so a frame of
-    ``torch/_dynamo`` below it belongs to a compiled function the model calls (one that takes
-    a parameter: its tracing meets packfunc's recording and fails).
+    dynamo's compiler (``torch/_dynamo/convert_frame.py``) below it belongs to a compiled
+    function the model calls (one that takes a parameter: its tracing meets packfunc's
+    recording and fails). A function run around compiled code (``torch.compiler.disable``,
+    whose wrapper is dynamo's too) compiles nothing there.
 
     Args:
         error: What a public function raised.
 
     Returns:
-        Whether its traceback passes through ``torch._dynamo``.
+        Whether its traceback passes through dynamo's compiler.
 
     Example:
         >>> compiled_inside(ValueError("plain"))
         False
     """
     frames = traceback.walk_tb(error.__traceback__)
-    return any("torch/_dynamo/" in f.f_code.co_filename.replace("\\", "/") for f, _ in frames)
+    compiler = "torch/_dynamo/convert_frame.py"
+    return any(compiler in f.f_code.co_filename.replace("\\", "/") for f, _ in frames)
 
 
 def _first_line(error: BaseException) -> str:
