@@ -269,11 +269,7 @@ def public_entry(function: F) -> F:
                         result = precise(*args, **kwargs)
             return poisoned(result, failed_checks)
         except Exception as error:
-            if compiled_inside(error):
-                raise ValueError(_COMPILED_INSIDE.format(error=_first_line(error))) from error
-            clearer = (
-                clearer_error(error, (args, kwargs)) if isinstance(error, RuntimeError) else None
-            )
+            clearer = clearer_error(error, (args, kwargs))
             if clearer is None:
                 raise
             raise clearer from error
@@ -319,8 +315,11 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0][:160]}" if lines else type(error).__name__
 
 
-def clearer_error(error: RuntimeError, values: Any) -> ValueError | None:
+def clearer_error(error: Exception, values: Any) -> ValueError | None:
     """The error naming the fix for one of torch's that a model packfunc cannot run gives.
+
+    Any error raised beneath a compiled function the model calls (:func:`compiled_inside`);
+    otherwise only torch's ``RuntimeError``s (packfunc's own refusals stay as they are).
 
     Args:
         error: What torch raised inside a packfunc pass.
@@ -333,6 +332,10 @@ def clearer_error(error: RuntimeError, values: Any) -> ValueError | None:
         >>> clearer_error(RuntimeError("an unrelated failure"), ()) is None
         True
     """
+    if compiled_inside(error):
+        return ValueError(_COMPILED_INSIDE.format(error=_first_line(error)))
+    if not isinstance(error, RuntimeError):
+        return None
     if is_untransformable_function(error):
         return ValueError(_UNTRANSFORMABLE)
     if PACKED_UNDER_VMAP in str(error):  # (packfunc's own vmap loops instead: the caller's)

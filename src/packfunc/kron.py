@@ -312,14 +312,7 @@ def logdet(curvature: Curvature, damping: float = 0.0) -> PyTree:
         found = [None if e is None else _factor_logdet(e) for e in entries]
         return cast(PyTree, spec.unflatten(found))
     entries = _flatten(eigh(curvature))[0]
-    found = [
-        None
-        if e is None
-        else (e.eigenvalues + damping).log().sum()
-        if damping
-        else _log_eigenvalue_sum(e.eigenvalues)
-        for e in entries
-    ]
+    found = [None if e is None else _eigen_logdet(e.eigenvalues, damping) for e in entries]
     return cast(PyTree, spec.unflatten(found))
 
 
@@ -535,6 +528,11 @@ def _factor_logdet(factors: list[Tensor]) -> Tensor:
         return sums[0].to(factors[0].dtype)
     A, B = factors
     return (B.shape[0] * sums[0] + A.shape[0] * sums[1]).to(A.dtype)
+
+
+def _eigen_logdet(values: Tensor, damping: float) -> Tensor:
+    """``Σ log(λ + damping)``; undamped, ``-inf`` for a singular entry (see below)."""
+    return (values + damping).log().sum() if damping else _log_eigenvalue_sum(values)
 
 
 def _log_eigenvalue_sum(values: Tensor) -> Tensor:
