@@ -11,6 +11,7 @@ import copy
 import gc
 import threading
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -708,6 +709,50 @@ def test_clipped_grad_extension_clips_the_trainable_parameters_by_their_own_boun
     too_few = backpack(ClippedGrad([1.0, 1.0]))
     with pytest.raises(ValueError, match="2 clipping bounds for 3 trainable"), too_few:
         lossfunc(model(X), y).backward()
+
+
+def _clipped_sum_by_loop(
+    params: list[torch.Tensor], losses: Callable[[int], torch.Tensor], n: int, c: float
+) -> list[torch.Tensor]:
+    """``Σ_n g_n min(1, C / (‖g_n‖ + 1e-6))``, the norm over ``params`` together, by a loop."""
+    total = [torch.zeros_like(p) for p in params]
+    for i in range(n):
+        grads = torch.autograd.grad(losses(i), params)
+        norm = torch.sqrt(sum(g.square().sum() for g in grads))
+        for t, g in zip(total, grads):
+            t += g * min(1.0, c / (float(norm) + 1e-6))
+    return total
+
+
+def test_clipped_grad_extension_refuses_modules_extended_apart_and_chained():
+    """``lf(l2(act(l1(X))), y)`` with ``l1`` and ``l2`` extended apart: each record holds its
+    own parameters, so each clipped its samples by its own norm (a sample added √2·C: a
+    probe); refused, and no ``grad_clipped`` is left on any of them. A chain whose other
+    stages have no trainable parameter (an extended activation) clips by the one norm there
+    is, as a per-sample loop does."""
+    from packfunc.compat import backpack, extend
+    from packfunc.compat.extensions import ClippedGrad
+
+    torch.manual_seed(0)
+    X, y, c = torch.randn(5, 6, dtype=torch.float64), torch.randint(0, 3, (5,)), 0.3
+    lossfunc = extend(torch.nn.CrossEntropyLoss(reduction="sum"))
+    l1, act, l2 = (extend(m.double()) for m in (nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)))
+    with pytest.raises(ValueError, match="chained in plain code"), backpack(ClippedGrad(c)):
+        lossfunc(l2(act(l1(X))), y).backward()
+    assert not any(hasattr(p, "grad_clipped") for p in [*l1.parameters(), *l2.parameters()])
+    model = extend(nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double())
+    with pytest.raises(ValueError, match="chained in plain code"), backpack(ClippedGrad(c)):
+        lossfunc(model[2](model[1](model[0](X))), y).backward()
+    assert not any(hasattr(p, "grad_clipped") for p in model.parameters())
+
+    scale = extend(nn.Tanh())  # (no parameter: the norm is l1's alone)
+    with backpack(ClippedGrad(c)):
+        lossfunc(scale(act(l1(X))), y).backward()
+    expected = _clipped_sum_by_loop(
+        list(l1.parameters()), lambda i: lossfunc(scale(act(l1(X[i : i + 1]))), y[i : i + 1]), 5, c
+    )
+    for p, want in zip(l1.parameters(), expected):
+        torch.testing.assert_close(p.grad_clipped, want)
 
 
 def _lstm_model() -> nn.Module:

@@ -60,7 +60,7 @@ from packfunc.functionalize import (
 )
 from packfunc.kronecker_factors import factors_from_pass
 from packfunc.losses import CLASS_LOSSES, GivenOutputGradient, hessian_factors
-from packfunc.specs import Family
+from packfunc.specs import Cotangents, Family
 from packfunc.types import ModelFn
 
 if TYPE_CHECKING:
@@ -478,6 +478,8 @@ def _second_order_problem(
     """
     if route.error is not None:
         raise ValueError(route.error)
+    if job.quantity.cotangents is Cotangents.CLIPPED_GRADIENT:
+        _refuse_clipping_across_records(record, route, ext.savefield)
     call = route.loss
     if call is None:
         raise ValueError(
@@ -496,6 +498,47 @@ def _second_order_problem(
     if not route.stages:
         watched = partial(_watched, record, call.output, differentiable, cotangents)
     return ends_at_loss, _without_hooks(call.module), call.targets(), watched
+
+
+def _refuse_clipping_across_records(
+    record: ForwardRecord, route: LossRoute, savefield: str
+) -> None:
+    """Refuse a per-sample norm over one extended model where the loss comes after others.
+
+    ``lf(l2(l1(X)), y)`` with ``l1`` and ``l2`` extended apart (or an extended model's
+    children called one by one): each record holds its own parameters alone, so each would
+    clip its samples by the norm of its own gradients, and a sample would add up to
+    ``√(models)·C`` to the sum. Stages without trainable parameters (an extended
+    activation) change no norm. This pass's results are removed from every model of the chain.
+
+    Args:
+        record: The forward pass of the extended model.
+        route: How its output reaches the extended loss.
+        savefield: The extension's attribute (``"grad_clipped"``).
+
+    Raises:
+        ValueError: where a later stage of the chain has parameters that require grad.
+    """
+    later = [stage.model for stage, _ in route.stages]
+    if not _trains(record.model) or not any(_trains(model) for model in later):
+        return
+    for model in (record.model, *later):
+        forget_results(model, [savefield])
+    names = " -> ".join(type(model).__name__ for model in (record.model, *later))
+    raise ValueError(
+        f"ClippedGrad clips each sample's gradient by its norm over all the parameters it "
+        f"covers, but this loss is reached through extended modules chained in plain code "
+        f"({names}), each with its own parameters: each would clip by the norm of its own "
+        "parameters alone, and a sample would add more than max_norm. Extend one module "
+        "that runs the whole chain (extend(nn.Sequential(l1, act, l2)), called as a whole), "
+        "or use packfunc.clipped_grad on the composed function. This backward pass's "
+        f"{savefield} were removed."
+    )
+
+
+def _trains(model: nn.Module) -> bool:
+    """Whether ``model`` has a parameter that requires grad."""
+    return any(p.requires_grad for p in model.parameters())
 
 
 def _loss_gradient(call: LossCall, output: Tensor) -> Tensor | None:
