@@ -623,6 +623,55 @@ def test_a_crafted_sample_whose_positions_cancel_is_still_clipped(layer: str) ->
     assert 0.99 < float(clipped.norm()) < 1.01  # (was 3: not clipped)
 
 
+class _PositionsSummed(nn.Module):
+    """A layer over ``[N, 2, 16]`` inputs (as rows or as a sequence), its positions summed."""
+
+    def __init__(self, layer: str):
+        super().__init__()
+        self.layer = layer
+        self.op = nn.Conv1d(16, 4, 1) if layer == "conv1d" else nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layer == "conv1d":
+            return self.op(x.mT).sum(-1)
+        return self.op(x).sum(1)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("layer", ["linear", "conv1d"])
+def test_a_sample_whose_positions_cancel_below_rounding_adds_at_most_its_bound(
+    layer: str, grouped: bool
+) -> None:
+    """DP's sensitivity: adding one sample moves the clipped sum by at most ``C``. A crafted
+    float32 sample (inputs ``v`` and ``-v + δ``, ``‖v‖ ~ 4e5``) has a gradient below the
+    rounding of its positions' terms; its norm came from its formed gradient, its sum from the
+    batch's contraction, which rounds otherwise: it added up to 737·C, and 2.7·C where the
+    cancellation was not exact (a probe). It is now summed from the gradient that set its
+    norm. Per-parameter groups bound it by ``√(Σ C_g²)``."""
+    model = _PositionsSummed(layer)
+    model_fn, params = pf.functional(model)
+    loss, c = nn.MSELoss(reduction="sum"), 1e-2
+    max_norm = {name: c for name in params} if grouped else c
+    bound = c * math.sqrt(len(params)) if grouped else c
+    gen = torch.Generator().manual_seed(0)
+    normal = torch.randn(3, 2, 16, generator=gen)
+    normal_y = torch.randn(3, 4, generator=gen)
+    largest = 0.0
+    for seed in range(8):
+        gen.manual_seed(seed)
+        v = torch.randn(16, generator=gen) * 1e5
+        crafted = torch.stack([v, -v + torch.randn(16, generator=gen) * 1e-3 * (seed % 2)])
+        # (between others: packfunc runs the first and the last sample alone as a check, and
+        # a convolution of one sample rounds this one's cancellation otherwise)
+        X = torch.cat([normal[:1], crafted[None], normal[1:]])
+        y = torch.cat([normal_y[:1], torch.randn(1, 4, generator=gen) * 1e2, normal_y[1:]])
+        with_it = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=max_norm)
+        without = pf.clipped_grad(model_fn, params, normal, normal_y, loss=loss, max_norm=max_norm)
+        moved = math.sqrt(sum(float((with_it[k] - without[k]).square().sum()) for k in params))
+        largest = max(largest, moved / bound)
+    assert largest <= 1 + 1e-4, largest
+
+
 class _TiedHead(nn.Module):
     """A linear head whose weight an embedding shares (rows never looked up here)."""
 

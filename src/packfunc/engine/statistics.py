@@ -29,6 +29,7 @@ from packfunc.engine.memory import (
     is_plain,
     new_output,
 )
+from packfunc.engine.rules.product import noting_cancelled
 from packfunc.engine.vocabulary import PER_SAMPLE, Statistic
 from packfunc.losses import hessian_factors
 from packfunc.types import ClippingGroups
@@ -164,6 +165,10 @@ def clipped_sums(
     as each site's cotangent arrives (:class:`_NormsDuringBackward`: a site whose leaves all keep
     per-sample gradients drops its cotangent and recorded input there), and each site is
     released as soon as its leaves' sums are taken.
+    A sample whose Gram-form norm was taken from its formed gradient (its positions cancel:
+    :func:`~packfunc.engine.rules.product.formed_where_cancelled`) is summed apart from its
+    formed gradients, which set its norm: the contraction would round its terms otherwise, and
+    that rounding is bounded by the terms, not by the norm the clipping bounds.
 
     Args:
         bp: The batch pass (of a summed loss).
@@ -189,10 +194,11 @@ def clipped_sums(
     columns = bp.gradient_columns(last=last, consume=early)
     squares: dict[int, Tensor] = dict(early.squares) if early else {}
     kept: dict[int, Tensor] = dict(early.kept) if early else {}
+    cancelled: dict[int, Tensor] = dict(early.cancelled) if early else {}
     room = early.room if early else DEFAULT_BUDGET
     for leaf in range(len(bp.leaves)):
         if leaf not in bp.whole_model and leaf not in squares and leaf not in kept:
-            value, found = _squared_norms(columns, leaf, room)
+            value, found = _squared_norms(columns, leaf, room, cancelled)
             if found is None:
                 squares[leaf] = cast(Tensor, value)
             else:
@@ -206,10 +212,13 @@ def clipped_sums(
         whole = _materialized(columns, bp.whole_model, {Statistic.SQUARED_NORMS}, everyone)
         squares |= {leaf: f[Statistic.SQUARED_NORMS] for leaf, f in zip(bp.whole_model, whole)}
     if isinstance(max_norm, list):
-        return _clipped_by_group(columns, squares, kept, max_norm, eps)
+        return _clipped_by_group(columns, squares, kept, max_norm, eps, cancelled)
     rows = SampleRows(list(kept.values()))
     norms = _joint_norms([squares[leaf] for leaf in sorted(squares)], rows)
-    factors = clipping_factors(norms, max_norm, eps)
+    apart = _samples_apart(columns, kept, list(range(len(bp.leaves))), cancelled)
+    factors = clipping_factors(apart.norms(norms) if apart else norms, max_norm, eps)
+    extra = apart.sums(factors) if apart else {}
+    factors = apart.left_out(factors) if apart else factors
     rest = [leaf for leaf in range(len(bp.leaves)) if leaf not in kept]
     sums = dict(zip(kept, rows.weighted_sums(factors)))
     del rows
@@ -228,7 +237,9 @@ def clipped_sums(
     if formed_again:
         whole = _materialized(reweighted, formed_again, {Statistic.SUM}, everyone)
         sums |= {leaf: f[Statistic.SUM] for leaf, f in zip(formed_again, whole)}
-    return [sums[leaf] for leaf in range(len(bp.leaves))]
+    return [
+        sums[leaf] + extra[leaf] if leaf in extra else sums[leaf] for leaf in range(len(bp.leaves))
+    ]
 
 
 def clipping_factors(norms: Tensor, max_norm: float, eps: float) -> Tensor:
@@ -377,18 +388,24 @@ def norms_from_squares(squares: Tensor) -> Tensor:
 
 
 def _squared_norms(
-    columns: ColumnGradients, leaf: int, room: int
+    columns: ColumnGradients, leaf: int, room: int, cancelled: dict[int, Tensor]
 ) -> tuple[Tensor | None, Tensor | None]:
     """A tapped leaf's per-sample squared norms, or its per-sample gradients where kept.
 
     They are kept where they are smaller than the leaf's calls' cotangents, or formed for
     the norms anyway (no closed form, or a cheaper one by the cost rule), within ``room``
     elements; their squared norms are then taken with the other kept ones
-    (:class:`SampleRows`), and ``None`` is returned in their place.
+    (:class:`SampleRows`), and ``None`` is returned in their place. The samples whose
+    closed form formed their gradients (:func:`noting_cancelled`) go to ``cancelled[leaf]``.
     """
     everyone = slice(0, columns.bp.n)
     small = _per_sample_is_smaller(columns, leaf)
-    value = None if small else columns.closed_form(leaf, Statistic.SQUARED_NORMS, everyone)
+    value = None
+    if not small:
+        with noting_cancelled() as formed:
+            value = columns.closed_form(leaf, Statistic.SQUARED_NORMS, everyone)
+        if formed:
+            cancelled[leaf] = torch.cat(formed).unique()
     if value is not None:
         return value, None
     found = columns.leaf_columns(leaf, everyone)[0]  # [N, *p]
@@ -411,6 +428,7 @@ class _NormsDuringBackward:
         self.bp, self.room = bp, DEFAULT_BUDGET
         self.squares: dict[int, Tensor] = {}
         self.kept: dict[int, Tensor] = {}
+        self.cancelled: dict[int, Tensor] = {}
         self.alone = bp.single_call_sites()
 
     def __call__(self, k: int, g: Tensor) -> Tensor | None:
@@ -420,7 +438,7 @@ class _NormsDuringBackward:
         columns = ColumnGradients(self.bp, self.bp.record.output_cotangent[None], {k: g[None]})
         dropped = True
         for _, leaf in self.bp.plan.sites[k].call.leaves:
-            value, found = _squared_norms(columns, leaf, self.room)
+            value, found = _squared_norms(columns, leaf, self.room, self.cancelled)
             if found is None:
                 self.squares[leaf], dropped = cast(Tensor, value), False
             else:
@@ -447,21 +465,89 @@ def _clipped_by_group(
     kept: dict[int, Tensor],
     groups: ClippingGroups,
     eps: float,
+    cancelled: dict[int, Tensor],
 ) -> list[Tensor]:
-    """Each group's leaves' sums of per-sample gradients clipped by the group's joint norm."""
+    """Each group's leaves' sums of per-sample gradients clipped by the group's joint norm.
+
+    A group's samples in ``cancelled`` are summed apart, as in :func:`clipped_sums`.
+    """
     bp = columns.bp
     sums: dict[int, Tensor] = {}
     for leaves, bound in groups:
         mine = [leaf for leaf in leaves if leaf in kept]
         rest = [leaf for leaf in leaves if leaf not in kept]
         rows = SampleRows([kept[leaf] for leaf in mine])
-        factors = clipping_factors(_joint_norms([squares[leaf] for leaf in rest], rows), bound, eps)
+        norms = _joint_norms([squares[leaf] for leaf in rest], rows)
+        apart = _samples_apart(columns, kept, list(leaves), cancelled)
+        factors = clipping_factors(apart.norms(norms) if apart else norms, bound, eps)
+        extra = apart.sums(factors) if apart else {}
+        factors = apart.left_out(factors) if apart else factors
         sums |= dict(zip(mine, rows.weighted_sums(factors)))
-        if not rest:
-            continue
-        reweighted = columns.reweighted(factors, rest)  # copies: a site serves several groups
-        sums |= {leaf: _leaf_sum(reweighted, leaf) for leaf in rest}
+        if rest:
+            reweighted = columns.reweighted(factors, rest)  # copies: a site serves several groups
+            sums |= {leaf: _leaf_sum(reweighted, leaf) for leaf in rest}
+        sums |= {leaf: sums[leaf] + value for leaf, value in extra.items()}
     return [sums[leaf] for leaf in range(len(bp.leaves))]
+
+
+class _SamplesApart:
+    """Samples summed from their formed gradients, apart from the batch's contraction.
+
+    Args:
+        index: The samples ``[k]``.
+        gradients: Their gradients ``[k, *p]`` per leaf (of one clipping group).
+
+    Example:
+        >>> apart = _SamplesApart(torch.tensor([1]), {0: torch.tensor([[3.0, 4.0]])})
+        >>> apart.norms(torch.tensor([1.0, 0.0]))
+        tensor([1., 5.])
+        >>> factors = torch.tensor([1.0, 0.2])
+        >>> apart.sums(factors), apart.left_out(factors)
+        ({0: tensor([0.6000, 0.8000])}, tensor([1., 0.]))
+    """
+
+    def __init__(self, index: Tensor, gradients: dict[int, Tensor]):
+        self.index, self.gradients = index, gradients
+
+    def norms(self, norms: Tensor) -> Tensor:
+        """``norms`` with those of these samples taken from their formed gradients."""
+        rows = SampleRows(list(self.gradients.values()))
+        return norms.index_put((self.index,), norms_from_squares(rows.squared_norms()))
+
+    def sums(self, factors: Tensor) -> dict[int, Tensor]:
+        """``Σ_k c_k g_k`` over these samples, per leaf."""
+        mine = factors[self.index]
+        return {
+            leaf: torch.tensordot(mine.to(g.dtype), g, dims=1) for leaf, g in self.gradients.items()
+        }
+
+    def left_out(self, factors: Tensor) -> Tensor:
+        """``factors`` with these samples' zeroed: the batch's contraction leaves them out."""
+        return factors.index_fill(0, self.index, 0)
+
+
+def _samples_apart(
+    columns: ColumnGradients,
+    kept: dict[int, Tensor],
+    leaves: list[int],
+    cancelled: dict[int, Tensor],
+) -> _SamplesApart | None:
+    """The samples of ``leaves`` in ``cancelled`` with their formed gradients, or ``None``."""
+    noted = [cancelled[leaf] for leaf in leaves if leaf in cancelled]
+    if not noted:
+        return None
+    index = torch.cat(noted).unique()
+    return _SamplesApart(index, {leaf: _formed(columns, kept, leaf, index) for leaf in leaves})
+
+
+def _formed(columns: ColumnGradients, kept: dict[int, Tensor], leaf: int, index: Tensor) -> Tensor:
+    """A leaf's gradients ``[k, *p]`` of samples ``index`` (kept, or formed for them)."""
+    if leaf in kept:
+        return kept[leaf][index]
+    if leaf in columns.bp.whole_model:
+        found = _materialized(columns, [leaf], {Statistic.COLUMNS}, index)
+        return found[0][Statistic.COLUMNS][0]
+    return columns.leaf_columns(leaf, index)[0]
 
 
 def _leaf_sum(columns: ColumnGradients, leaf: int) -> Tensor:

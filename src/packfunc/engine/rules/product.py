@@ -12,7 +12,9 @@ the column dim on one side only (``Kx == 1`` or ``Kg == 1``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -223,7 +225,41 @@ def formed_where_cancelled(
         index = cancelled.nonzero().squeeze(1)
         formed = gradients(index).flatten(1).square().sum(1).to(squares.dtype)
         squares = squares.index_put((index,), formed)
+        noted = getattr(_CANCELLED, "samples", None)
+        if noted is not None:
+            noted.append(index)
     return squares.clamp_(min=0)
+
+
+_CANCELLED = threading.local()
+"""This thread's list of the samples :func:`formed_where_cancelled` formed, where one is kept."""
+
+
+@contextmanager
+def noting_cancelled() -> Iterator[list[Tensor]]:
+    """The indices of the samples whose gradients :func:`formed_where_cancelled` formed, within.
+
+    Their sums need them too: a contraction over the batch rounds their positions' terms
+    otherwise than the formed gradient that set their norm did, and where those terms cancel
+    to below their rounding a clipped sample would add that rounding, unbounded by the norm.
+
+    Yields:
+        A list that gets one index tensor per leaf with such samples (this thread's calls).
+
+    Example:
+        >>> v, u = torch.tensor([[[1.0], [-1.0]]]), torch.ones(1, 2, 1)
+        >>> with noting_cancelled() as found:
+        ...     _ = gram_squared_norms(v @ v.mT, u @ u.mT, lambda i: v[i].mT @ u[i])
+        >>> found
+        [tensor([0])]
+    """
+    outer = getattr(_CANCELLED, "samples", None)
+    found: list[Tensor] = []
+    _CANCELLED.samples = found
+    try:
+        yield found
+    finally:
+        _CANCELLED.samples = outer
 
 
 def cancellation_tolerance(dtype: torch.dtype) -> float:
