@@ -20,6 +20,8 @@ import optree
 import torch
 from torch import Tensor
 
+from packfunc.engine.thread_lists import collecting
+
 _STATE = threading.local()
 
 
@@ -38,15 +40,8 @@ def poisoning_results() -> Iterator[list[Tensor]]:
         >>> poisoned({"w": torch.ones(2)}, flags)["w"]
         tensor([1., 1.])
     """
-    outer: list[Tensor] | None = getattr(_STATE, "flags", None)
-    flags: list[Tensor] = []
-    _STATE.flags = flags
-    try:
+    with collecting(_STATE, "flags", outward=True) as flags:
         yield flags
-    finally:
-        _STATE.flags = outer
-        if outer is not None:
-            outer.extend(flags)
 
 
 def poison_where(failed: Tensor) -> None:

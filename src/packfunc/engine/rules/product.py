@@ -23,6 +23,7 @@ from packfunc.engine.autodiff import under_vmap
 from packfunc.engine.memory import is_plain, new_output
 from packfunc.engine.ops import SiteCall
 from packfunc.engine.rules.base import Rule
+from packfunc.engine.thread_lists import collecting, note
 
 
 class ProductWeight(Rule):
@@ -225,9 +226,7 @@ def formed_where_cancelled(
         index = cancelled.nonzero().squeeze(1)
         formed = gradients(index).flatten(1).square().sum(1).to(squares.dtype)
         squares = squares.index_put((index,), formed)
-        noted = getattr(_CANCELLED, "samples", None)
-        if noted is not None:
-            noted.append(index)
+        note(_CANCELLED, "samples", index)
     return squares.clamp_(min=0)
 
 
@@ -253,13 +252,8 @@ def noting_cancelled() -> Iterator[list[Tensor]]:
         >>> found
         [tensor([0])]
     """
-    outer = getattr(_CANCELLED, "samples", None)
-    found: list[Tensor] = []
-    _CANCELLED.samples = found
-    try:
+    with collecting(_CANCELLED, "samples") as found:
         yield found
-    finally:
-        _CANCELLED.samples = outer
 
 
 def cancellation_tolerance(dtype: torch.dtype) -> float:
