@@ -1023,3 +1023,46 @@ def test_a_params_name_the_model_does_not_read_is_refused():
         pf.clipped_grad(model_fn, params, X, y, max_norm=1.0)
     model_fn, params = pf.functional(model)  # weight_orig: computed
     assert pf.batch_grad(model_fn, params, X, y)["0.weight_orig"].abs().sum() > 0
+
+
+class _MeanOverPositions(nn.Module):
+    """``[N, T, d]`` features averaged over positions."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(1)
+
+
+@pytest.mark.parametrize("layer", ["conv", "linear over positions"])
+def test_float16_factors_and_squares_of_many_samples_stay_in_range(layer: str) -> None:
+    """float16, N=2048, a mean: the input factor of a layer over positions summed its
+    ``N·L`` outer products before dividing (``inf`` where the average is 32), and the
+    squares of the mean's per-sample gradients (``~1e-8``) flushed to zero where their sum
+    (``~1e-5``) does not (``sum_grad_squared`` read all zeros; a probe). Products are
+    scaled before their sum, and squares of float16 taken in float32."""
+    torch.manual_seed(0)
+    n = 2048
+    if layer == "conv":
+        model: nn.Module = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(8 * 16, 5)
+        )
+        X = torch.randn(n, 3, 4, 4) + 1.0
+    else:
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), _MeanOverPositions(), nn.Linear(8, 5))
+        X = torch.randn(n, 16, 4) + 1.0
+    y = torch.randint(0, 5, (n,))
+    reference = pf.compute(
+        *pf.functional(copy.deepcopy(model).double()),
+        X.double(),
+        y,
+        quantities=("sum_grad_squared",),
+    )["sum_grad_squared"]
+    factors = pf.kflr(*pf.functional(copy.deepcopy(model).double()), X.double(), y)
+    model_fn, params = pf.functional(model.half())
+    half_factors = pf.kflr(model_fn, params, X.half(), y)
+    squares = pf.sum_grad_squared(model_fn, params, X.half(), y)
+    for name in params:
+        assert squares[name].dtype == torch.float16
+        torch.testing.assert_close(squares[name].double(), reference[name], rtol=2e-2, atol=1e-7)
+    for found, expected in zip(half_factors["0.weight"], factors["0.weight"]):
+        assert bool(found.isfinite().all())
+        torch.testing.assert_close(found.double(), expected, rtol=1e-2, atol=1e-2)

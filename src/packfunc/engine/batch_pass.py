@@ -46,7 +46,7 @@ from packfunc.engine.model_state import (
     users_forward,
 )
 from packfunc.engine.ops import SiteCall
-from packfunc.engine.precision import to_dtype_of
+from packfunc.engine.precision import SQUARED, for_squares, to_dtype_of
 from packfunc.engine.randomness import DEFAULT_GENERATOR_DRAW, GeneratorMark, refuse_rerun
 from packfunc.engine.rules import Rule, rule_for
 from packfunc.engine.rules.base import Route
@@ -731,12 +731,25 @@ class ColumnGradients:
         x = term.x[index] if x_dim == 0 else term.x[:, index]
         return x, term.g[:, index]
 
+    def _operands(
+        self, stat: Statistic, term: Term, index: slice | Tensor, x_dim: int = 1
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`_samples` for ``stat``: float16 ones in float32 where it is made of squares.
+
+        (:func:`~packfunc.engine.precision.for_squares`; :meth:`closed_form` brings the
+        result back to the parameter's dtype.)
+        """
+        x, g = self._samples(term, index, x_dim)
+        if stat.value in SQUARED and isinstance(x, Tensor):  # (not an op-local rule's inputs)
+            return for_squares(x), for_squares(g)
+        return x, g
+
     def _from_calls(self, leaf: int, stat: Statistic, index: slice | Tensor) -> Tensor:
         """A statistic :meth:`_route` sends to the recorded calls, summed over them."""
         param = self.bp.leaves[leaf]
         return _total(
             [
-                c.rule.from_call(stat, *self._samples(c, index, x_dim=0), c.call, param)
+                c.rule.from_call(stat, *self._operands(stat, c, index, x_dim=0), c.call, param)
                 for c in self.recorded[leaf]
             ]
         )
@@ -750,8 +763,16 @@ class ColumnGradients:
             index: Samples the statistic covers.
 
         Returns:
-            The statistic, or ``None`` if it needs materialized column gradients.
+            The statistic (in the leaf's dtype), or ``None`` if it needs materialized column
+            gradients.
         """
+        found = self._closed_form(leaf, stat, index)
+        if found is None or stat.value not in SQUARED:
+            return found
+        return found.to(self.bp.leaves[leaf].dtype)
+
+    def _closed_form(self, leaf: int, stat: Statistic, index: slice | Tensor) -> Tensor | None:
+        """:meth:`closed_form`, squares of float16 operands in float32 (:meth:`_operands`)."""
         if leaf in self.bp.whole_model:
             return None
         param = self.bp.leaves[leaf]
@@ -771,7 +792,8 @@ class ColumnGradients:
             return self._tied_squared_norms(leaf, index) if tied else None
         (t,) = terms
         return cast(
-            Tensor | None, getattr(t.rule, stat.value)(*self._samples(t, index), t.call, param)
+            Tensor | None,
+            getattr(t.rule, stat.value)(*self._operands(stat, t, index), t.call, param),
         )
 
     def _tied_squared_norms(self, leaf: int, index: slice | Tensor) -> Tensor | None:
@@ -783,7 +805,9 @@ class ColumnGradients:
         if self.count != 1 or param.dim() != 2:
             return None
         factors = [
-            c.rule.outer_factors(*self._samples(c, index, x_dim=0), c.call, param)
+            c.rule.outer_factors(
+                *self._operands(Statistic.SQUARED_NORMS, c, index, x_dim=0), c.call, param
+            )
             for c in self.recorded[leaf]
         ]
         present = [f for f in factors if f is not None]

@@ -187,6 +187,24 @@ def to_dtype_of(tensor: Tensor, reference: Tensor) -> Tensor:
     return tensor.to(reference.dtype)
 
 
+SQUARED = frozenset({"squared_norms", "diagonal", "diagonal_per_sample"})
+"""The statistics (:class:`~packfunc.engine.vocabulary.Statistic` values) made of squares."""
+
+
+def for_squares(tensor: Tensor) -> Tensor:
+    """``tensor`` in float32 where it is float16, whose squares below 6·10⁻⁸ flush to zero.
+
+    A mean's per-sample gradients are ``1/N`` of a sample's: at a few thousand samples
+    their squares underflow float16 while their sums over samples do not (bfloat16 has
+    float32's range).
+
+    Example:
+        >>> for_squares(torch.full((1,), 1e-5, dtype=torch.float16)).square().item() > 0
+        True
+    """
+    return tensor.float() if tensor.dtype == torch.float16 else tensor
+
+
 def widest(leaves: list[Tensor]) -> Tensor:
     """The leaf of the most precise floating dtype (the first of those): the loss's dtype.
 

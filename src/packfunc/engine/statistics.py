@@ -29,6 +29,7 @@ from packfunc.engine.memory import (
     is_plain,
     new_output,
 )
+from packfunc.engine.precision import for_squares
 from packfunc.engine.rules.product import noting_cancelled
 from packfunc.engine.vocabulary import PER_SAMPLE, Statistic
 from packfunc.losses import hessian_factors
@@ -331,8 +332,10 @@ class SampleRows:
         if self.joined is not None:
             parts.append(self.joined)
         # (a norm, not a sum of squares: no temporary of the rows' size)
-        squares: list[Tensor] = [torch.linalg.vector_norm(r, dim=1).square() for r in parts]
-        return sum(squares[1:], squares[0])
+        # (squared in float32 where float16: the norms fit, their squares may not)
+        squares = [for_squares(torch.linalg.vector_norm(r, dim=1)).square() for r in parts]
+        total: Tensor = sum(squares[1:], squares[0])
+        return total.to(parts[0].dtype)
 
     def weighted_sums(self, weights: Tensor) -> list[Tensor]:
         """``Σ_n w_n t_n`` of each tensor ``t``, shaped like its sample.
@@ -411,7 +414,7 @@ def _squared_norms(
     found = columns.leaf_columns(leaf, everyone)[0]  # [N, *p]
     if found.numel() <= room:
         return None, found
-    return _statistic(Statistic.SQUARED_NORMS, found[None]), None
+    return _statistic(Statistic.SQUARED_NORMS, found[None]).to(found.dtype), None
 
 
 class _NormsDuringBackward:
@@ -593,10 +596,12 @@ def _reduce(
     """
     collected: list[dict[Statistic, list[Tensor]]] | None = None
     outputs: list[_Columns] = []
+    dtypes: list[torch.dtype] = []  # (squares of float16 columns add up in float32)
     for chunk in parts:
         if collected is None:
             collected = [{stat: [] for stat in stats - {Statistic.COLUMNS}} for _ in chunk]
             outputs = [_Columns(count) for _ in chunk]
+            dtypes = [t.dtype for t in chunk]
         for found, output, per_sample in zip(collected, outputs, chunk):
             for stat in found:
                 found[stat].append(_statistic(stat, per_sample))
@@ -606,7 +611,8 @@ def _reduce(
     if collected is None:
         raise ValueError("the batch is empty; pass at least one sample.")
     reduced: list[dict[Statistic, Tensor]] = [
-        {stat: _combine(stat, values) for stat, values in f.items()} for f in collected
+        {stat: _combine(stat, values).to(dtype) for stat, values in f.items()}
+        for f, dtype in zip(collected, dtypes)
     ]
     if Statistic.COLUMNS in stats:
         for leaf_stats, output in zip(reduced, outputs):
@@ -646,11 +652,16 @@ class _Columns:
 
 
 def _statistic(stat: Statistic, columns: Tensor) -> Tensor:
-    """One chunk's contribution to a statistic, without a temporary of the chunk's size."""
+    """One chunk's contribution to a statistic, without a temporary of the chunk's size.
+
+    Squares of float16 columns are taken in float32 (:func:`for_squares`: the caller
+    brings the total back).
+    """
     if stat is Statistic.COLUMNS:
         return columns
     if stat is Statistic.SUM:
         return columns.sum((0, 1))
+    columns = for_squares(columns)
     if stat is Statistic.SQUARED_NORMS:
         width = columns.shape[0] * math.prod(columns.shape[2:])  # (-1: no width for no samples)
         per_sample = columns.transpose(0, 1).reshape(columns.shape[1], width)

@@ -140,12 +140,15 @@ class ProductWeight(Rule):
         u = x[0]  # [N, G, I, L]
         if add_to is not None and n * groups == 1:
             return add_to.addmm_(u[0, 0], u[0, 0].T, alpha=1 / scale)
+        # scaled within the products, before their sum (a float16 sum of N·L terms overflows
+        # where the average does not)
         if n * groups * n_in * n_in <= u.numel():  # per-sample products, no transposed copy
-            found = (u @ u.transpose(-1, -2)).sum((0, 1))
+            rows = u.reshape(n * groups, n_in, length)
         else:
-            flat = u.permute(1, 2, 0, 3).reshape(groups, n_in, n * length)  # a copy the size of u
-            found = (flat @ flat.transpose(-1, -2)).sum(0)
-        return found.div_(scale) if add_to is None else add_to.add_(found, alpha=1 / scale)
+            rows = u.permute(1, 2, 0, 3).reshape(groups, n_in, n * length)  # a copy the size of u
+        products = torch.baddbmm(rows.new_zeros(()), rows, rows.mT, beta=0, alpha=1 / scale)
+        found = products.sum(0)
+        return found if add_to is None else add_to.add_(found)
 
 
 def gram_is_cheaper(length: int, n_in: int, n_out: int) -> bool:
