@@ -89,9 +89,12 @@ def test_first_order_quantities_equal_backpack(name, loss_cls, reduction, n, bac
         if quantity == "batch_l2_grad" and name == "grouped_conv2d":
             continue  # BackPACK 1.7.1 is wrong here; autograd decides (the test below)
         for param in params:
+            expected = theirs[quantity][param]
+            if quantity == "variance":  # (its rounding below zero reads 0 in packfunc)
+                expected = expected.clamp(min=0)
             torch.testing.assert_close(
                 ours[quantity][param],
-                theirs[quantity][param],
+                expected,
                 rtol=1e-4,
                 atol=1e-6,
                 msg=lambda m, q=quantity, p=param: f"{q}/{p}: {m}",

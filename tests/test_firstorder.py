@@ -410,3 +410,18 @@ def test_weight_standardization_by_a_batch_norm_of_the_weight():
     loss = nn.CrossEntropyLoss(reduction="sum")
     found = pf.batch_grad(*pf.functional(model), X, y, loss=loss)
     assert_trees_close(found, autograd_batch_grad(model, loss, X, y))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_variance_of_agreeing_samples_is_zero_not_negative(dtype: torch.dtype) -> None:
+    """``mean(g²) − mean(g)²`` rounds below zero where the samples agree (``-3e-8`` in
+    float32 for one sample, or three identical ones; a probe): a variance is never negative."""
+    torch.manual_seed(0)
+    model_fn, params = pf.functional(
+        torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).to(dtype)
+    )
+    for X in (torch.randn(1, 5, dtype=dtype), torch.randn(1, 5, dtype=dtype).expand(3, 5)):
+        y = torch.zeros(len(X), dtype=torch.long)
+        for value in pf.variance(model_fn, params, X, y).values():
+            assert bool((value >= 0).all())
+            torch.testing.assert_close(value, torch.zeros_like(value), atol=1e-6, rtol=0)

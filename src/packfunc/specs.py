@@ -120,9 +120,13 @@ class Quantity:
 
 
 def _variance(parts: tuple[Tensor, ...], samples: float) -> Tensor:
-    """The gradient variance over samples from the gradient and ``sum_grad_squared``."""
+    """The gradient variance over samples from the gradient and ``sum_grad_squared``.
+
+    The difference rounds below zero where the samples agree (one sample: ``-3e-8`` in
+    float32); a variance is not negative, so those entries read 0.
+    """
     gradient, squares = parts
-    return squares / samples - (gradient / samples) ** 2
+    return (squares / samples - (gradient / samples) ** 2).clamp(min=0)
 
 
 def _statistic(
