@@ -238,3 +238,23 @@ def test_ekfac_and_factors_fit_the_eigenvalues_in_the_combined_basis():
         for a, b in zip(factors[key], expected_factors[key]):
             torch.testing.assert_close(a, b)
         torch.testing.assert_close(fitted[key].eigenvalues, expected[key].eigenvalues)
+
+
+def test_given_eigenvectors_in_the_other_order_are_refused():
+    """``eigenvectors=`` of a linear weight ``[out, in]`` as ``[Q_in, Q_out]``: the total
+    size matches, so a sequence input's gradients were reshaped (not transposed) into them
+    and eigenvalues of another matrix came back (a probe); refused naming the layout."""
+    torch.manual_seed(0)
+    model_fn, params = pf.functional(torch.nn.Linear(3, 4))
+    X, y = torch.randn(5, 2, 3), torch.randint(0, 4, (5, 2))
+    loss = torch.nn.CrossEntropyLoss()
+    model = lambda p, x: model_fn(p, x).movedim(-1, 1)  # noqa: E731 - classes second
+    good = pf.ekfac(model, params, X, y, loss=loss, mc_samples=None)
+    swapped = {
+        "weight": pf.kron.Eigen(good["weight"].eigenvectors[::-1], good["weight"].eigenvalues.T),
+        "bias": good["bias"],
+    }
+    again = pf.ekfac(model, params, X, y, loss=loss, mc_samples=None, eigenvectors=good)
+    torch.testing.assert_close(again["weight"].eigenvalues, good["weight"].eigenvalues)
+    with pytest.raises(ValueError, match=r"have sizes \[3, 4\], but its Kronecker factors"):
+        pf.ekfac(model, params, X, y, loss=loss, mc_samples=None, eigenvectors=swapped)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import optree
 import pytest
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 import packfunc as pf
 from packfunc import kron
@@ -334,3 +335,29 @@ def test_a_transposed_convolutions_own_weight_layout_is_refused_by_matvec():
     found = kron.matvec({"0.weight": factors["0.weight"]}, {"0.weight": swapped})["0.weight"]
     expected = dense_kron(factors["0.weight"]) @ swapped.reshape(-1)
     torch.testing.assert_close(found.reshape(-1), expected)
+
+
+def test_logdet_of_full_rank_float32_curvature_is_finite_beside_any_other_entry():
+    """float32 KFLR and EKFAC of a ReLU MLP's first layer (full rank, eigenvalues down to
+    5e-5 of the largest): the threshold for rounding was applied to the products of a whole
+    pytree's eigenvalues, so ``-inf`` came back for the EKFAC entry, and for the factors as
+    soon as the pytree held any :class:`Eigen` entry (a probe). Each entry is now taken alone:
+    its float64 value, while the head's (singular: the softmax's Hessians share the null
+    vector of ones) stays ``-inf``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(30, 20), nn.ReLU(), nn.Linear(20, 10))
+    X, y = torch.randn(400, 30) * torch.logspace(0, -1.5, 30), torch.randint(0, 10, (400,))
+    model_fn, params = pf.functional(model)
+    factors = pf.kflr(model_fn, params, X, y)
+    eigen = pf.ekfac(model_fn, params, X, y, mc_samples=None)
+    wide_fn, wide = pf.functional(copy.deepcopy(model).double())
+    wide_eigen = pf.ekfac(wide_fn, wide, X.double(), y, mc_samples=None)
+    expected = torch.linalg.slogdet(kron.dense(factors["0.weight"]).double())[1]
+    for curvature in (factors, {**factors, "other": eigen["2.bias"]}):
+        found = kron.logdet(curvature)
+        torch.testing.assert_close(found["0.weight"].double(), expected, rtol=1e-4, atol=0)
+        assert found["2.weight"] == -math.inf
+    found = kron.logdet(eigen)
+    wide_sum = wide_eigen["0.weight"].eigenvalues.log().sum()
+    torch.testing.assert_close(found["0.weight"].double(), wide_sum, rtol=1e-4, atol=0)
+    assert found["2.weight"] == -math.inf and kron.logdet(wide_eigen)["2.weight"] == -math.inf

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -315,3 +316,27 @@ def test_a_vector_in_another_key_order_or_shaped_otherwise(product):
         function(model_fn, params, X, y, v={"0.weight": v["0.weight"]})
     with pytest.raises(ValueError, match="at 0.weight it has"):
         function(model_fn, params, X, y, v=v | {"0.weight": v["0.weight"].T})
+
+
+def test_products_and_estimators_take_ordered_dict_parameters():
+    """``OrderedDict(model.named_parameters())``: ``v`` (even ``params`` itself) was rebuilt
+    as a plain dict and refused as "not shaped like params" by the products and the
+    estimators (a probe); they equal the plain dict's results."""
+    torch.manual_seed(0)
+    model_fn, plain = pf.functional(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    ordered = OrderedDict(plain)
+    X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    v = {k: torch.randn_like(p) for k, p in plain.items()}
+    for product in (pf.ggn_vector_product, pf.hessian_vector_product):
+        expected = product(model_fn, plain, X, y, v)
+        found = product(model_fn, ordered, X, y, OrderedDict(reversed(list(v.items()))))
+        for key in plain:
+            torch.testing.assert_close(found[key], expected[key])
+    in_sorted_order = OrderedDict(sorted(plain.items()))  # (probes are drawn in leaf order)
+    trace = pf.hutchinson_trace(
+        model_fn, in_sorted_order, X, y, num_samples=4, generator=torch.Generator().manual_seed(0)
+    )
+    expected_trace = pf.hutchinson_trace(
+        model_fn, plain, X, y, num_samples=4, generator=torch.Generator().manual_seed(0)
+    )
+    torch.testing.assert_close(trace, expected_trace)

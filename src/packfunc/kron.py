@@ -89,6 +89,9 @@ def is_entry(node: object) -> bool:
 def eigh(curvature: Curvature) -> Curvature:
     """Eigendecompose every entry: factors ``[A, B]`` become ``Eigen([Q_A, Q_B], λ_A λ_Bᵀ)``.
 
+    A factor's eigenvalues within its rounding of zero (below ``size · eps`` times its
+    largest: a rank-deficient factor, from fewer samples than its size) are zero.
+
     Args:
         curvature: A curvature pytree (entries already :class:`Eigen` are kept).
 
@@ -109,7 +112,7 @@ def eigh(curvature: Curvature) -> Curvature:
         if not isinstance(entry, list):
             found.append(entry)
             continue
-        pairs = [next(decomposed) for _ in entry]
+        pairs = [(_zero_within_rounding(v), q) for v, q in (next(decomposed) for _ in entry)]
         values = pairs[0][0] if len(pairs) == 1 else torch.outer(pairs[0][0], pairs[1][0])
         found.append(Eigen([q for _, q in pairs], values))
     return cast(Curvature, spec.unflatten(found))
@@ -292,9 +295,12 @@ def logdet(curvature: Curvature, damping: float = 0.0) -> PyTree:
     """``log det(C + damping·I)`` of every entry (one scalar each).
 
     Undamped factors use ``log det(A ⊗ B) = dim B · log det A + dim A · log det B``. Undamped,
-    an eigenvalue within rounding of zero (below ``size · eps`` times the largest: a
+    a factor's eigenvalue within rounding of zero (below ``size · eps`` times its largest: a
     rank-deficient factor, from fewer samples than its size) counts as zero, and the
-    log-determinant of that singular matrix is ``-inf``, not the log of rounding noise.
+    log-determinant of that singular matrix is ``-inf``, not the log of rounding noise. An
+    :class:`Eigen` entry's eigenvalues (EKFAC's are means of squares, accurate to their own
+    size) count as zero below ``(numel · eps)^1.5`` times the largest. Each entry is taken
+    alone.
 
     Args:
         curvature: A curvature pytree.
@@ -308,11 +314,11 @@ def logdet(curvature: Curvature, damping: float = 0.0) -> PyTree:
         tensor(4.1589)
     """
     entries, spec = _flatten(curvature)
-    if damping == 0 and all(not isinstance(e, Eigen) for e in entries):
-        found = [None if e is None else _factor_logdet(e) for e in entries]
-        return cast(PyTree, spec.unflatten(found))
-    entries = _flatten(eigh(curvature))[0]
-    found = [None if e is None else _eigen_logdet(e.eigenvalues, damping) for e in entries]
+    if damping:
+        decomposed = _flatten(eigh(curvature))[0]
+        found = [None if e is None else (e.eigenvalues + damping).log().sum() for e in decomposed]
+    else:
+        found = [None if e is None else _undamped_logdet(e) for e in entries]
     return cast(PyTree, spec.unflatten(found))
 
 
@@ -523,30 +529,42 @@ def _decomposable(matrix: Tensor) -> Tensor:
 
 
 def _factor_logdet(factors: list[Tensor]) -> Tensor:
-    sums = [_log_eigenvalue_sum(torch.linalg.eigvalsh(_decomposable(f))) for f in factors]
+    sums = [
+        _zero_within_rounding(torch.linalg.eigvalsh(_decomposable(f))).log().sum() for f in factors
+    ]
     if len(factors) == 1:
         return sums[0].to(factors[0].dtype)
     A, B = factors
     return (B.shape[0] * sums[0] + A.shape[0] * sums[1]).to(A.dtype)
 
 
-def _eigen_logdet(values: Tensor, damping: float) -> Tensor:
-    """``Σ log(λ + damping)``; undamped, ``-inf`` for a singular entry (see below)."""
-    return (values + damping).log().sum() if damping else _log_eigenvalue_sum(values)
+def _undamped_logdet(entry: Any) -> Tensor:
+    """``log det`` of one entry: per factor, or ``Σ log λ`` of an :class:`Eigen`'s (see logdet).
+
+    A threshold on the products ``λ_A λ_B`` of a whole pytree (as one was) zeroed genuine
+    small products of full-rank float32 factors: ``-inf`` for a curvature with a determinant.
+    """
+    if not isinstance(entry, Eigen):
+        return _factor_logdet(entry)
+    values = entry.eigenvalues
+    # a null direction's mean square of projections is ~(n·eps)² of the largest; an eigh's
+    # rounding n·eps would zero genuine small ones (1e-5 of the largest, in float32)
+    rounding = values.max() * (values.numel() * torch.finfo(values.dtype).eps) ** 1.5
+    return torch.where(values > rounding, values, 0).log().sum()
 
 
-def _log_eigenvalue_sum(values: Tensor) -> Tensor:
-    """``Σ log λ`` of a positive semi-definite matrix's eigenvalues; ``-inf`` if it is singular.
+def _zero_within_rounding(values: Tensor) -> Tensor:
+    """A symmetric matrix's eigenvalues, those below ``size · eps`` times the largest zero.
 
-    An eigenvalue below ``size · eps`` times the largest is zero to the matrix's rounding
-    (a rank-deficient factor's come out as ±1e-9 or so, and their logs were summed).
+    There they are zero to the matrix's rounding: a rank-deficient factor's come out as
+    ±1e-9 or so (their logs were summed into a log-determinant, their roots into powers).
 
     Example:
-        >>> _log_eigenvalue_sum(torch.tensor([4.0, 1e-9]))
-        tensor(-inf)
+        >>> _zero_within_rounding(torch.tensor([4.0, 1e-9]))
+        tensor([4., 0.])
     """
     tolerance = values.max() * values.numel() * torch.finfo(values.dtype).eps
-    return torch.where(values > tolerance, values, 0).log().sum()
+    return torch.where(values > tolerance, values, 0)
 
 
 def _trace(entry: Any, damping: float) -> Tensor:

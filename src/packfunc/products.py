@@ -13,6 +13,7 @@ BackPACK's, it is defined for sequential models.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
@@ -538,7 +539,7 @@ def _like(v: Any, params: Any) -> Any:
                 f"v must be shaped like params: missing {sorted(missing, key=str)}, unknown "
                 f"{sorted(unknown, key=str)}."
             )
-        v = {k: v[k] for k in params}
+        v = _reordered_like(params, v)
     leaves, spec = optree.tree_flatten(v)
     expected, expected_spec = optree.tree_flatten(params)
     if spec != expected_spec:
@@ -553,6 +554,21 @@ def _like(v: Any, params: Any) -> Any:
                 f"{shape}, the parameter {tuple(param.shape)}."
             )
     return v
+
+
+def _reordered_like(params: Mapping[Any, Any], v: Mapping[Any, Any]) -> Any:
+    """``v``'s values in ``params``' key order and mapping type (an ``OrderedDict`` stays one).
+
+    Example:
+        >>> from collections import OrderedDict
+        >>> _reordered_like(OrderedDict(a=0, b=1), {"b": 2, "a": 3})
+        OrderedDict([('a', 3), ('b', 2)])
+    """
+    if isinstance(params, dict):
+        reordered = copy.copy(params)  # (optree tells an OrderedDict from a dict)
+        reordered.update((k, v[k]) for k in params)
+        return reordered
+    return {k: v[k] for k in params}
 
 
 def _stacked(v: Any) -> Any:

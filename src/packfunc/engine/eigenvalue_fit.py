@@ -87,6 +87,8 @@ def _rotated_squares(columns: ColumnGradients, leaf: int, basis: list[Tensor]) -
     sizes = tuple(q.shape[0] for q in basis)
     if not terms and leaf not in bp.whole_model:  # the output does not depend on the leaf
         return basis[0].new_zeros(sizes)
+    if len(basis) == 2:
+        _check_layout(bp, leaf, terms[0] if terms else None, sizes)
     if len(basis) == 2 and len(terms) == 1 and _rank_one(terms[0]):
         return _rank_one_squares(terms[0], basis)
     total = basis[0].new_zeros(sizes)
@@ -126,6 +128,30 @@ def kronecker_layout(grads: Tensor, term: Term | None, sizes: tuple[int, ...]) -
     if len(sizes) == 2 and term is not None:
         grads = term.rule.kronecker_gradients(grads, term.call)
     return grads.reshape(m, *sizes)
+
+
+def _check_layout(bp: BatchPass, leaf: int, term: Term | None, sizes: tuple[int, ...]) -> None:
+    """Refuse a basis whose two sizes are not a matrix leaf's factors' (in their order).
+
+    A basis of the right total size in the other order (``[Q_in, Q_out]`` for a linear
+    weight ``[out, in]``) was multiplied into a reshape of the gradients, silently.
+
+    Raises:
+        ValueError: naming the leaf, both layouts and the fix.
+    """
+    param = bp.leaves[leaf]
+    probe = torch.empty((1, *param.shape), device="meta", dtype=param.dtype)
+    laid = term.rule.kronecker_gradients(probe, term.call) if term is not None else probe
+    if laid.dim() != 3:  # (a convolution's layout: its factors' sizes are the rule's to say)
+        return
+    expected = (laid.shape[1], laid.shape[2])
+    if sizes != expected:
+        raise ValueError(
+            f"eigenvectors[{bp.names[leaf]!r}] have sizes {list(sizes)}, but its Kronecker "
+            f"factors have sizes {list(expected)}, in that order (the order pf.kfac returns "
+            "them in): pass [Q_A, Q_B] of those factors (kron.eigh of pf.kfac's, or "
+            "pf.ekfac's eigenvectors)."
+        )
 
 
 def _rank_one(term: Term) -> bool:

@@ -353,15 +353,18 @@ def scale_by_ekfac(
 ) -> GradientTransformation:
     """Precondition with EKFAC: averaged KFAC factors' eigenbasis, re-fitted eigenvalues.
 
-    Every ``inverse_period`` steps the basis is recomputed from the averaged KFAC factors
-    and the eigenvalues fitted anew; every ``update_period`` steps in between, the
-    eigenvalues are re-fitted in the current basis and averaged. Each refresh inverts.
+    Every ``inverse_period`` steps the KFAC factors of that step's batch enter their
+    average (batches in between do not), the basis is recomputed from it and the
+    eigenvalues are fitted on that batch alone (the old average, in another basis, is
+    dropped); every ``update_period`` steps in between, the eigenvalues are re-fitted in the
+    current basis and averaged. Each refresh inverts.
 
     Args:
         model_fn: ``model_fn(params, X) -> output`` (e.g. from :func:`packfunc.functional`).
         loss: The loss module (default ``CrossEntropyLoss()``).
         damping: Added to the eigenvalues (positive).
-        ema: Weight of the old factors and eigenvalues in their averages, in ``[0, 1)``.
+        ema: Weight of the old factors (at basis refreshes) and eigenvalues (between
+            them) in their averages, in ``[0, 1)``.
         update_period: Steps between eigenvalue re-fits.
         inverse_period: Steps between eigenbasis refreshes.
         mc_samples: Monte-Carlo samples per sample, or ``None`` for the exact GGN.
