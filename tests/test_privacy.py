@@ -506,9 +506,10 @@ def _over_sensitivity(found: dict, bounds) -> torch.Tensor:
 
 
 def test_clipped_grad_needs_little_more_memory_than_a_plain_backward() -> None:
-    """On an LM whose activations dominate, ``clipped_grad``'s tensors peak at most 1.3×
-    a plain forward + backward's (1.18× measured; 1.73× before norms were taken during the
-    backward, sites released as their sums were taken and the output let go: issue 22).
+    """On an LM whose activations dominate, ``clipped_grad``'s tensors peak at most 1.1×
+    a plain forward + backward's (1.01× measured; 1.73× before norms were taken during the
+    backward, sites released as their sums were taken and the output let go: issue 22;
+    1.17× while the head's cotangent went through its flat product's edge, 045e893).
     """
     torch.manual_seed(0)
     layer = partial(nn.TransformerEncoderLayer, 256, 4, 1024, dropout=0.0, batch_first=True)
@@ -530,7 +531,7 @@ def test_clipped_grad_needs_little_more_memory_than_a_plain_backward() -> None:
         model.zero_grad(set_to_none=True)
 
     clipped = peak_bytes(lambda: pf.clipped_grad(forward, params, X, y, loss=loss, max_norm=1.0))
-    assert clipped <= 1.3 * peak_bytes(plain)
+    assert clipped <= 1.1 * peak_bytes(plain)
 
 
 def test_clipped_grad_forms_normalization_gradients_during_the_backward(monkeypatch) -> None:

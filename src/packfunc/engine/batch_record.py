@@ -318,6 +318,55 @@ def graph_owner(out: Tensor) -> Tensor | None:
     return None
 
 
+_RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+"""Backward nodes of a view that is its base reshaped (:func:`graph_owner`'s views)."""
+
+_LAYOUTS = _RESHAPES | {"PermuteBackward0", "TransposeBackward0", "TransposeBackward1"}
+"""Backward nodes of ops that only lay a tensor out otherwise."""
+
+
+def _unchanged_head(output: Tensor, outputs: dict[int, GradientEdge]) -> dict[int, GradientEdge]:
+    """The head's own edge, where the output is its view laid out otherwise and unchanged.
+
+    A linear layer over positions records the edge of the flat product its output views
+    (:func:`graph_owner`: an in-place op on the view would leave the view's edge out of
+    the graph). Where the model output reaches that view through layout ops alone (an LM's
+    ``logits.permute(0, 2, 1)``), the view was not changed, and its own edge takes the
+    output's cotangent as it is laid out: through the base's, autograd copied it (a
+    logits-sized tensor more at the peak).
+
+    Args:
+        output: The model output.
+        outputs: The sites' recorded edges.
+
+    Returns:
+        ``{site: edge}`` for that head, or empty.
+
+    Example:
+        >>> base = torch.ones(6, 2, requires_grad=True) * 1
+        >>> head = base.view(2, 3, 2)
+        >>> found = _unchanged_head(head.permute(0, 2, 1), {0: get_gradient_edge(base)})
+        >>> found[0].node is head.grad_fn
+        True
+        >>> _unchanged_head(head.relu_().permute(0, 2, 1), {0: get_gradient_edge(base)})
+        {}
+    """
+    sites = {(e.node, e.output_nr): k for k, e in outputs.items()}
+    node = output.grad_fn
+    while node is not None and type(node).__name__ in _LAYOUTS and len(node.next_functions) == 1:
+        below, index = node.next_functions[0]
+        k = sites.get((below, index))
+        if k is None:
+            node = below
+            continue
+        # (the output itself a reshape of the head's: the head's edge stays, as a call whose
+        # output is the model output's is taken as the head, with its cotangent as it is)
+        if type(node).__name__ in _RESHAPES and node is not output.grad_fn:
+            return {k: GradientEdge(node, 0)}
+        return {}
+    return {}
+
+
 _ROW_PER_SAMPLE = (
     "model_fn uses its parameters differently for different batch sizes: a tensor made of "
     "parameters has one row per sample in the batch, but not for the first sample alone "
@@ -877,6 +926,7 @@ def autograd_record(
             value: Tensor = loss(out, y)
         return value
 
+    outputs = outputs | _unchanged_head(output, outputs)
     # a call whose output is the model output (a head) gets the cotangent itself
     node, index = output.grad_fn, output.output_nr
     direct = [
