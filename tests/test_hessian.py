@@ -186,3 +186,20 @@ def test_piecewise_affine_check_steps_aside_inside_transforms():
     for member in range(2):
         alone = pf.diag_hessian(model_fn, {k: p[member] for k, p in ensemble.items()}, X, y)
         assert_trees_close({k: v[member] for k, v in stacked.items()}, alone, "ensemble member")
+
+
+@pytest.mark.parametrize("name", ["diag_hessian", "batch_diag_hessian"])
+def test_hessian_diagonals_of_some_parameters_carry_no_graph_to_the_others(name: str) -> None:
+    """``params`` a subset of ``pf.functional``'s: the model reads the others from the
+    module, where they require grad, and the result kept a graph to them; a backward pass
+    through it wrote a wrong gradient into ``0.weight`` (0.72 off the third derivative; a
+    probe). The others are constants (docs/conventions.md): the result is detached."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)
+    ).double()
+    model_fn, params = pf.functional(model)
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
+    found = getattr(pf, name)(model_fn, {"2.weight": params["2.weight"]}, X, y)["2.weight"]
+    assert found.grad_fn is None and not found.requires_grad
+    assert model[0].weight.requires_grad

@@ -202,7 +202,9 @@ def refuse_differentiation(
     """``value`` (a pytree) whose gradient w.r.t. ``leaves`` or ``inputs`` raises, where one flows.
 
     With no leaf or input requiring grad (and outside ``torch.func.grad``) it is ``value``
-    itself.
+    detached: a graph it keeps runs to tensors the model closes over (the module's other
+    parameters, which are constants), and a backward pass through it wrote a wrong
+    gradient into theirs.
 
     Args:
         value: A pytree of tensors (a quantity's result).
@@ -212,7 +214,8 @@ def refuse_differentiation(
         why: Why its gradient would be wrong, and what to do instead (the message's end).
 
     Returns:
-        ``value``, each tensor connected to ``leaves`` by a node whose backward raises.
+        ``value``, each tensor connected to ``leaves`` by a node whose backward raises (or
+        detached, see above).
 
     Example:
         >>> w = torch.ones(2, requires_grad=True)
@@ -227,7 +230,9 @@ def refuse_differentiation(
     sources = [*leaves, *(t for t in tensors if t.is_floating_point())]
     reverse = torch.is_grad_enabled() and any(t.requires_grad for t in sources)
     if not (reverse or any(_has_tangent(t) for t in sources)):
-        return value
+        return optree.tree_map(
+            lambda t: t.detach() if isinstance(t, Tensor) else t, value, none_is_leaf=True
+        )
 
     def refused(t: Any) -> Any:
         if not (isinstance(t, Tensor) and t.is_floating_point()):

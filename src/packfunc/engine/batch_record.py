@@ -351,7 +351,9 @@ def _unchanged_head(output: Tensor, outputs: dict[int, GradientEdge]) -> dict[in
         >>> _unchanged_head(head.relu_().permute(0, 2, 1), {0: get_gradient_edge(base)})
         {}
     """
-    sites = {(e.node, e.output_nr): k for k, e in outputs.items()}
+    sites: dict[tuple[Node | None, int], int] = {
+        (e.node, e.output_nr): k for k, e in outputs.items()
+    }
     node = output.grad_fn
     while node is not None and type(node).__name__ in _LAYOUTS and len(node.next_functions) == 1:
         below, index = node.next_functions[0]
