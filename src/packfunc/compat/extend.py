@@ -39,7 +39,7 @@ from packfunc.compat._stored_io import forget_results, memory_cleanup, store_io
 from packfunc.compat.elements import aliased_output, output_nodes
 from packfunc.compat.layout import RECORD_KEY, SampleLayout, find_layout, node_metadata
 from packfunc.compat.records import ForwardRecord, LossCall, LossRoute, ModelState
-from packfunc.compat.run import NO_OP_MODULES, forget_inputs_and_outputs, run_extensions
+from packfunc.compat.run import NO_OP_MODULES, forget_inputs_and_outputs, run_extensions, trains
 from packfunc.compat.watch import ForwardRecorder
 from packfunc.engine.api import FunctionalMode, packfunc_passes, serving_autocast
 from packfunc.functionalize import batch_size, clearer_error, is_compiled
@@ -252,8 +252,7 @@ def _refuse_nested_fast_path(module: nn.Module, args: tuple, kwargs: dict) -> No
     if not isinstance(module, nn.TransformerEncoder) or module.training:
         return
     mask = args[2] if len(args) > 2 else kwargs.get("src_key_padding_mask")
-    frozen = not any(p.requires_grad for p in module.parameters())
-    if getattr(module, "use_nested_tensor", False) and mask is not None and frozen:
+    if getattr(module, "use_nested_tensor", False) and mask is not None and not trains(module):
         raise ValueError(
             "this nn.TransformerEncoder would run on nested tensors (evaluation mode, a padding "
             "mask, frozen weights), which leave padded positions zero; the shim's recording "
@@ -340,7 +339,7 @@ def _reduced_without_parameters(module: nn.Module, output: Any) -> bool:
     model whose output it reduces (BackPACK's first-order extensions take any loss).
     """
     reduced = isinstance(output, Tensor) and output.dim() == 0
-    return reduced and not any(p.requires_grad for p in module.parameters())
+    return reduced and not trains(module)
 
 
 def _note_latest(module: nn.Module, record: ForwardRecord) -> None:

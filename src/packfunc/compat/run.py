@@ -520,7 +520,7 @@ def _refuse_clipping_across_records(
         ValueError: where a later stage of the chain has parameters that require grad.
     """
     later = [stage.model for stage, _ in route.stages]
-    if not _trains(record.model) or not any(_trains(model) for model in later):
+    if not trains(record.model) or not any(trains(model) for model in later):
         return
     for model in (record.model, *later):
         forget_results(model, [savefield])
@@ -536,8 +536,13 @@ def _refuse_clipping_across_records(
     )
 
 
-def _trains(model: nn.Module) -> bool:
-    """Whether ``model`` has a parameter that requires grad."""
+def trains(model: nn.Module) -> bool:
+    """Whether ``model`` has a parameter that requires grad.
+
+    Example:
+        >>> trains(torch.nn.Linear(2, 1)), trains(torch.nn.Linear(2, 1).requires_grad_(False))
+        (True, False)
+    """
     return any(p.requires_grad for p in model.parameters())
 
 

@@ -46,12 +46,12 @@ from packfunc.engine.model_state import (
     users_forward,
 )
 from packfunc.engine.ops import SiteCall
-from packfunc.engine.precision import SQUARED, for_squares, to_dtype_of
+from packfunc.engine.precision import for_squares, to_dtype_of
 from packfunc.engine.randomness import DEFAULT_GENERATOR_DRAW, GeneratorMark, refuse_rerun
 from packfunc.engine.rules import Rule, rule_for
 from packfunc.engine.rules.base import Route
 from packfunc.engine.tied import tied_gram_is_cheaper, tied_squared_norms
-from packfunc.engine.vocabulary import Statistic
+from packfunc.engine.vocabulary import SQUARED, Statistic
 from packfunc.functionalize import (
     batch_size,
     check_model_arguments,
@@ -740,7 +740,7 @@ class ColumnGradients:
         result back to the parameter's dtype.)
         """
         x, g = self._samples(term, index, x_dim)
-        if stat.value in SQUARED and isinstance(x, Tensor):  # (not an op-local rule's inputs)
+        if stat in SQUARED and isinstance(x, Tensor):  # (not an op-local rule's inputs)
             return for_squares(x), for_squares(g)
         return x, g
 
@@ -767,7 +767,7 @@ class ColumnGradients:
             gradients.
         """
         found = self._closed_form(leaf, stat, index)
-        if found is None or stat.value not in SQUARED:
+        if found is None or stat not in SQUARED:
             return found
         return found.to(self.bp.leaves[leaf].dtype)
 

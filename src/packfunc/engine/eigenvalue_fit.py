@@ -63,6 +63,8 @@ def fitted_eigenvalues(
         for leaf, basis in enumerate(bases):
             if basis is None:
                 continue
+            if values[leaf] is None and len(basis) == 2:  # (once a leaf: its first chunk)
+                _check_layout(chunk, leaf, basis)
             fitted = _rotated_squares(chunk, leaf, basis)
             previous = values[leaf]
             values[leaf] = fitted if previous is None else previous + fitted
@@ -87,8 +89,6 @@ def _rotated_squares(columns: ColumnGradients, leaf: int, basis: list[Tensor]) -
     sizes = tuple(q.shape[0] for q in basis)
     if not terms and leaf not in bp.whole_model:  # the output does not depend on the leaf
         return basis[0].new_zeros(sizes)
-    if len(basis) == 2:
-        _check_layout(bp, leaf, terms[0] if terms else None, sizes)
     if len(basis) == 2 and len(terms) == 1 and _rank_one(terms[0]):
         return _rank_one_squares(terms[0], basis)
     total = basis[0].new_zeros(sizes)
@@ -130,7 +130,7 @@ def kronecker_layout(grads: Tensor, term: Term | None, sizes: tuple[int, ...]) -
     return grads.reshape(m, *sizes)
 
 
-def _check_layout(bp: BatchPass, leaf: int, term: Term | None, sizes: tuple[int, ...]) -> None:
+def _check_layout(columns: ColumnGradients, leaf: int, basis: list[Tensor]) -> None:
     """Refuse a basis whose two sizes are not a matrix leaf's factors' (in their order).
 
     A basis of the right total size in the other order (``[Q_in, Q_out]`` for a linear
@@ -139,6 +139,8 @@ def _check_layout(bp: BatchPass, leaf: int, term: Term | None, sizes: tuple[int,
     Raises:
         ValueError: naming the leaf, both layouts and the fix.
     """
+    bp, terms = columns.bp, columns.terms.get(leaf, [])
+    term, sizes = (terms[0] if terms else None), tuple(q.shape[0] for q in basis)
     param = bp.leaves[leaf]
     probe = torch.empty((1, *param.shape), device="meta", dtype=param.dtype)
     laid = term.rule.kronecker_gradients(probe, term.call) if term is not None else probe

@@ -187,10 +187,6 @@ def to_dtype_of(tensor: Tensor, reference: Tensor) -> Tensor:
     return tensor.to(reference.dtype)
 
 
-SQUARED = frozenset({"squared_norms", "diagonal", "diagonal_per_sample"})
-"""The statistics (:class:`~packfunc.engine.vocabulary.Statistic` values) made of squares."""
-
-
 def for_squares(tensor: Tensor) -> Tensor:
     """``tensor`` in float32 where it is float16, whose squares below 6·10⁻⁸ flush to zero.
 

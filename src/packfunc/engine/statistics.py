@@ -216,10 +216,10 @@ def clipped_sums(
         return _clipped_by_group(columns, squares, kept, max_norm, eps, cancelled)
     rows = SampleRows(list(kept.values()))
     norms = _joint_norms([squares[leaf] for leaf in sorted(squares)], rows)
-    apart = _samples_apart(columns, kept, list(range(len(bp.leaves))), cancelled)
-    factors = clipping_factors(apart.norms(norms) if apart else norms, max_norm, eps)
-    extra = apart.sums(factors) if apart else {}
-    factors = apart.left_out(factors) if apart else factors
+    everything = list(range(len(bp.leaves)))
+    factors, extra = _factors_and_sums_apart(
+        columns, kept, everything, cancelled, norms, max_norm, eps
+    )
     rest = [leaf for leaf in range(len(bp.leaves)) if leaf not in kept]
     sums = dict(zip(kept, rows.weighted_sums(factors)))
     del rows
@@ -481,10 +481,9 @@ def _clipped_by_group(
         rest = [leaf for leaf in leaves if leaf not in kept]
         rows = SampleRows([kept[leaf] for leaf in mine])
         norms = _joint_norms([squares[leaf] for leaf in rest], rows)
-        apart = _samples_apart(columns, kept, list(leaves), cancelled)
-        factors = clipping_factors(apart.norms(norms) if apart else norms, bound, eps)
-        extra = apart.sums(factors) if apart else {}
-        factors = apart.left_out(factors) if apart else factors
+        factors, extra = _factors_and_sums_apart(
+            columns, kept, list(leaves), cancelled, norms, bound, eps
+        )
         sums |= dict(zip(mine, rows.weighted_sums(factors)))
         if rest:
             reweighted = columns.reweighted(factors, rest)  # copies: a site serves several groups
@@ -529,18 +528,39 @@ class _SamplesApart:
         return factors.index_fill(0, self.index, 0)
 
 
-def _samples_apart(
+def _factors_and_sums_apart(
     columns: ColumnGradients,
     kept: dict[int, Tensor],
     leaves: list[int],
     cancelled: dict[int, Tensor],
-) -> _SamplesApart | None:
-    """The samples of ``leaves`` in ``cancelled`` with their formed gradients, or ``None``."""
+    norms: Tensor,
+    bound: float,
+    eps: float,
+) -> tuple[Tensor, dict[int, Tensor]]:
+    """One clipping group's factors for the batch's contraction, and its samples' summed apart.
+
+    The samples of ``leaves`` in ``cancelled`` take their norms and sums from their formed
+    gradients (:class:`_SamplesApart`), and a factor of zero in the contraction.
+
+    Args:
+        columns: The batch's column gradients (before reweighting).
+        kept: Per-sample gradients kept, by leaf.
+        leaves: The group's leaves.
+        cancelled: Samples whose Gram-form norms were formed, by leaf.
+        norms: The group's per-sample norms ``[N]``.
+        bound: Its clipping bound.
+        eps: Added to each norm before dividing.
+
+    Returns:
+        ``(factors, {leaf: Σ_k c_k g_k})`` (an empty dict where no sample is apart).
+    """
     noted = [cancelled[leaf] for leaf in leaves if leaf in cancelled]
     if not noted:
-        return None
+        return clipping_factors(norms, bound, eps), {}
     index = torch.cat(noted).unique()
-    return _SamplesApart(index, {leaf: _formed(columns, kept, leaf, index) for leaf in leaves})
+    apart = _SamplesApart(index, {leaf: _formed(columns, kept, leaf, index) for leaf in leaves})
+    factors = clipping_factors(apart.norms(norms), bound, eps)
+    return apart.left_out(factors), apart.sums(factors)
 
 
 def _formed(columns: ColumnGradients, kept: dict[int, Tensor], leaf: int, index: Tensor) -> Tensor:

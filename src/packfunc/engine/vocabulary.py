@@ -32,3 +32,6 @@ class Statistic(str, Enum):
 
 PER_SAMPLE = frozenset({Statistic.COLUMNS, Statistic.SQUARED_NORMS, Statistic.DIAGONAL_PER_SAMPLE})
 """Statistics with one entry per requested sample; the others sum over the whole batch."""
+
+SQUARED = frozenset({Statistic.SQUARED_NORMS, Statistic.DIAGONAL, Statistic.DIAGONAL_PER_SAMPLE})
+"""Statistics made of squares (float16 ones are taken in float32: ``precision.for_squares``)."""
