@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.utils.checkpoint as checkpoint_module
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 import packfunc as pf
@@ -422,6 +423,69 @@ def test_the_shim_under_autocast_is_float32_and_close_to_float32():
     for name, p in model.named_parameters():
         assert p.grad_batch.dtype == torch.float32
         assert (p.grad_batch - expected[name]).norm() <= AUTOCAST_TOLERANCE * scale
+
+
+class _FrozenEncoderClassifier(nn.Module):
+    """Embedding, an ``nn.TransformerEncoder`` pooled over positions (padding too), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(7, 4)
+        layer = nn.TransformerEncoderLayer(4, 2, 6, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, tokens: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embedding(tokens), src_key_padding_mask=padding).mean(1))
+
+
+def _flat(tree: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tree.values()])
+
+
+@pytest.mark.filterwarnings("ignore:.*nested tensors.*:UserWarning")
+@pytest.mark.parametrize("samples", [1, 3])
+def test_a_frozen_encoder_on_nested_tensors_is_refused_where_a_pass_leaves_that_path(samples):
+    """With nothing before it trainable, an eval encoder runs nested tensors in the user's
+    forward (padded positions zero) but not inside packfunc's torch function modes or vmap,
+    which compute them: ggn/hessian_vector_product returned the other function's curvature
+    (0.27-0.81 off), the per-sample quantities a wrong RowsNotAloneError (found by a probe).
+    Refused naming the fix; with a trainable embedding every path computes them: exact."""
+    torch.manual_seed(0)
+    tokens, y = torch.randint(0, 7, (samples, 5)), torch.randint(0, 3, (samples,))
+    padding = torch.zeros(samples, 5, dtype=torch.bool)
+    padding[0, 3:] = True
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    model_fn, params = pf.functional(_FrozenEncoderClassifier().double().eval())
+    for trained in ("head.", "embedding."):
+        sub = {k: p for k, p in params.items() if k.startswith(trained)}
+        shapes = [(k, p.shape, p.numel()) for k, p in sub.items()]
+
+        def total(theta: torch.Tensor, shapes=shapes) -> torch.Tensor:
+            parts, at = {}, 0
+            for k, shape, size in shapes:
+                parts[k], at = theta[at : at + size].reshape(shape), at + size
+            return loss(model_fn({**params, **parts}, (tokens, padding)), y)
+
+        with_sub = lambda p, X: model_fn({**params, **p}, X)  # noqa: E731
+        v = {k: torch.randn_like(p) for k, p in sub.items()}
+        args = (with_sub, sub, (tokens, padding), y)
+        if trained == "head.":
+            for quantity in (pf.ggn_vector_product, pf.hessian_vector_product):
+                with pytest.raises(ValueError, match="enable_nested_tensor=False"):
+                    quantity(*args, v, loss=loss)
+            for quantity in (pf.batch_grad, pf.diag_ggn):
+                with pytest.raises(ValueError, match="enable_nested_tensor=False"):
+                    quantity(*args, loss=loss)
+            continue
+        with sdpa_kernel(SDPBackend.MATH):  # (twice differentiable)
+            hessian = torch.autograd.functional.hessian(total, _flat(sub))
+        found = _flat(pf.hessian_vector_product(*args, v, loss=loss))
+        torch.testing.assert_close(found, hessian @ _flat(v))
+        gradient = torch.autograd.functional.jacobian(total, _flat(sub))
+        rows = pf.batch_grad(*args, loss=loss)
+        torch.testing.assert_close(_flat({k: g.sum(0) for k, g in rows.items()}), gradient)
+    assert not torch.nn.modules.module._global_forward_hooks  # (no hook left behind)
 
 
 class _PaddedEncoder(nn.Module):

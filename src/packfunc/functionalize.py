@@ -27,6 +27,7 @@ from packfunc.engine.model_state import (
     restoring_attributes,
     submodules,
 )
+from packfunc.engine.nested_encoders import refusing_nested_encoders
 from packfunc.engine.precision import forward_precision_only
 from packfunc.engine.vmap_checks import poisoned, poisoning_results
 from packfunc.reparametrize import call_with_tensors
@@ -260,7 +261,11 @@ def public_entry(function: F) -> F:
         if torch.compiler.is_compiling():  # traced by torch.compile: run eagerly, around it
             return torch.compiler.disable(run)(*args, **kwargs)
         try:
-            with packfunc_passes(), poisoning_results() as failed_checks:
+            with (
+                packfunc_passes(),
+                refusing_nested_encoders(),
+                poisoning_results() as failed_checks,
+            ):
                 if not torch.is_inference_mode_enabled():
                     result = precise(*args, **kwargs)
                 else:

@@ -597,6 +597,12 @@ def test_an_encoder_on_nested_tensors_is_refused_not_changed_by_the_recording():
     mask[1, -2:] = True
     with backpack(BatchGrad()), pytest.raises(ValueError, match="enable_nested_tensor=False"):
         model(x, mask)
+    with backpack(BatchGrad()):  # an input requiring grad: both take the other path
+        extend(nn.CrossEntropyLoss())(
+            model(x.clone().requires_grad_(), mask), torch.tensor([0, 1, 1])
+        ).backward()
+    assert torch.allclose(head.weight.grad_batch.sum(0), head.weight.grad)
+    head.zero_grad()
     encoder.use_nested_tensor = False  # (as built with enable_nested_tensor=False)
     with backpack(BatchGrad()):  # the refusal left the shim's state as it was
         extend(nn.CrossEntropyLoss())(model(x, mask), torch.tensor([0, 1, 1])).backward()

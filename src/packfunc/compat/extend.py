@@ -41,7 +41,13 @@ from packfunc.compat.layout import RECORD_KEY, SampleLayout, find_layout, node_m
 from packfunc.compat.records import ForwardRecord, LossCall, LossRoute, ModelState
 from packfunc.compat.run import NO_OP_MODULES, forget_inputs_and_outputs, run_extensions, trains
 from packfunc.compat.watch import ForwardRecorder
-from packfunc.engine.api import FunctionalMode, packfunc_passes, serving_autocast
+from packfunc.engine.api import (
+    NESTED_ENCODER_FIX,
+    FunctionalMode,
+    packfunc_passes,
+    runs_nested_in_users_forward,
+    serving_autocast,
+)
 from packfunc.functionalize import batch_size, clearer_error, is_compiled
 
 _THREAD = threading.local()
@@ -241,25 +247,15 @@ def _inputs_as_called(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
 def _refuse_nested_fast_path(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Refuse a recorded forward of an encoder that would take PyTorch's nested-tensor path.
 
-    ``nn.TransformerEncoder`` in evaluation mode, with a padding mask and no weight requiring
-    grad, runs on nested tensors, which leave its padded positions zero; under the torch
-    function mode the shim records with it takes its other path, which computes them: the
-    output (a mean over positions) would not be the one without ``extend``.
+    The recording's torch function mode turns that path off: the padded positions the
+    user's forward leaves zero would be computed, and the output would change under
+    ``extend`` (:mod:`packfunc.engine.nested_encoders`).
 
     Raises:
         ValueError: for such a call, naming the fix.
     """
-    if not isinstance(module, nn.TransformerEncoder) or module.training:
-        return
-    mask = args[2] if len(args) > 2 else kwargs.get("src_key_padding_mask")
-    if getattr(module, "use_nested_tensor", False) and mask is not None and not trains(module):
-        raise ValueError(
-            "this nn.TransformerEncoder would run on nested tensors (evaluation mode, a padding "
-            "mask, frozen weights), which leave padded positions zero; the shim's recording "
-            "takes its other path, which computes them, so your model's output would change "
-            "under extend(). Build it with enable_nested_tensor=False (the same function, "
-            "padded positions computed)."
-        )
+    if runs_nested_in_users_forward(module, args, kwargs):
+        raise ValueError(NESTED_ENCODER_FIX)
 
 
 def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:

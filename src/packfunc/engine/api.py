@@ -39,6 +39,7 @@ from packfunc.engine.modes import (
     remember_derivations,
     tensor_outputs,
 )
+from packfunc.engine.nested_encoders import NESTED_ENCODER_FIX, runs_nested_in_users_forward
 from packfunc.engine.ops import (
     LINEAR_CALLS,
     RESHAPES,
@@ -74,6 +75,7 @@ __all__ = [
     "FunctionalMode",
     "LeafIndex",
     "LocalInputs",
+    "NESTED_ENCODER_FIX",
     "Plan",
     "Recorded",
     "RowsNotAloneError",
@@ -99,6 +101,7 @@ __all__ = [
     "random_call",
     "refuse_differentiation",
     "remember_derivations",
+    "runs_nested_in_users_forward",
     "sample_layout",
     "tensor_outputs",
 ]
