@@ -125,11 +125,16 @@ def _follows_in_this_pass() -> Follows:
 
 
 def _refuse_a_pass_off_the_nested_path(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    module: nn.Module, args: tuple[Any, ...], *rest: Any
 ) -> None:
-    """A global forward hook: refuse an encoder call packfunc runs off the user's path."""
+    """A global forward hook: refuse an encoder call packfunc runs off the user's path.
+
+    Called ``(module, args, kwargs, output)``, or without ``kwargs`` by another thread's
+    call that took the hook as its registration was being removed.
+    """
     if getattr(_THREAD, "depth", 0) == 0 or not isinstance(module, nn.TransformerEncoder):
         return
+    kwargs: dict[str, Any] = rest[0] if len(rest) == 2 else {}
     src = args[0] if args else kwargs.get("src")
     off_path = torch._C._is_torch_function_mode_enabled() or (
         isinstance(src, Tensor) and torch._C._functorch.is_batchedtensor(src)
