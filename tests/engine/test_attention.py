@@ -510,3 +510,25 @@ def test_kflr_of_the_packed_projection_is_the_ggn_block_for_one_token(same_tenso
     out = output(weight).detach()
     H = hessian(lambda o: F.cross_entropy(o, y), out).reshape(3, 3)
     torch.testing.assert_close(torch.kron(A, B), J.T @ H @ J)
+
+
+@pytest.mark.parametrize("weight", ["q_proj_weight", "k_proj_weight", "v_proj_weight"])
+def test_a_separate_projection_weight_alone_is_tapped(weight):
+    """Alone (no packed projection, bias or out_proj followed), a kdim attention's weight does
+    not make ``F.multi_head_attention_forward`` dispatch to a tensor subclass: the tapped
+    batch pass saw its ``F.linear`` on ``[L, N, E]`` rows, and KFLR refused it with a wrong
+    reason ("used outside a linear layer", "rows moved"; found by a probe). Such a plan runs
+    in the mode: the weight is tapped, exact, its factors those with every parameter."""
+    torch.manual_seed(0)
+    model, inputs, y, loss = _problem("mha_kdim")
+    model_fn, params = pf.functional(model)
+    name = next(k for k in params if k.endswith(weight))
+    alone = {name: params[name]}
+    with_alone = lambda p, X: model_fn({**params, **p}, X)  # noqa: E731
+    backprop = BatchPass(with_alone, alone, inputs, y, loss)
+    assert not backprop.whole_model
+    found = pf.batch_grad(with_alone, alone, inputs, y, loss=loss)
+    assert_trees_close(found, {name: per_sample_gradients(model, inputs, y, loss)[name]}, name)
+    every = pf.kflr(model_fn, params, inputs, y, loss=loss, on_unsupported="skip")[name]
+    for factor, expected in zip(pf.kflr(with_alone, alone, inputs, y, loss=loss)[name], every):
+        torch.testing.assert_close(factor, expected)

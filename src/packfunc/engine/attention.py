@@ -54,6 +54,45 @@ _PLAIN = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in _SIGNATURE.parameters.va
 """Whether every argument may be given by position or name (the fast binding's premise)."""
 
 
+_DISPATCHING = (
+    "query",
+    "key",
+    "value",
+    "in_proj_weight",
+    "in_proj_bias",
+    "bias_k",
+    "bias_v",
+    "out_proj_weight",
+    "out_proj_bias",
+)
+"""The arguments whose ``__torch_function__`` ``F.multi_head_attention_forward`` consults
+(``q/k/v_proj_weight`` are not among them)."""
+
+
+def dispatching_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The arguments of an attention call through which a tensor subclass sees the call.
+
+    A call whose only parameters are separate ``q/k/v_proj_weight`` runs PyTorch's own
+    implementation even with those weights a tensor subclass: only their ``F.linear`` calls,
+    on ``[L, N, E]`` inputs, reach it.
+
+    Args:
+        args: Positional arguments of an ``F.multi_head_attention_forward`` call.
+        kwargs: Its keyword arguments.
+
+    Returns:
+        The values of query, key, value, the packed projection, the bias_k/v and out_proj.
+
+    Example:
+        >>> x = torch.ones(2, 1, 4)
+        >>> len(dispatching_arguments((x, x, x, 4, 2, None, None, None, None, False, 0.0,
+        ...                            torch.ones(4, 4), None), {}))
+        9
+    """
+    bound = _bind(args, kwargs)
+    return tuple(bound[name] for name in _DISPATCHING)
+
+
 def _bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """Map a call's arguments onto ``F.multi_head_attention_forward``'s names, defaults filled.
 

@@ -49,7 +49,7 @@ from torch._C._functorch import (
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from packfunc.engine.attention import ATTENTION_OPS
+from packfunc.engine.attention import ATTENTION_OPS, dispatching_arguments, run_attention
 from packfunc.engine.batch_dims import Dims, batch_dims_after, contracted_dims, reduced_dims
 from packfunc.engine.local import CallArguments, LocalInputs, Source
 from packfunc.engine.model_state import (
@@ -355,6 +355,10 @@ class _DiscoveryMode(ParameterMode):
             func is F.batch_norm or self._touches_parameters(args, kwargs or {})
         ):
             self.plan.rewritten_ops.add(func)
+            if func in ATTENTION_OPS and not self._touches_parameters(
+                dispatching_arguments(args, kwargs or {}), {}
+            ):  # tapped leaves would see its projections' calls alone, on [L, N, E] rows
+                self.plan.rewritten_ops.add(run_attention)
         out = super().__torch_function__(func, types, args, kwargs)
         if changed is not None:
             self._note_written(changed, args, kwargs or {})
