@@ -28,7 +28,7 @@ from packfunc.engine.model_state import (
     submodules,
 )
 from packfunc.engine.nested_encoders import refusing_nested_encoders
-from packfunc.engine.precision import forward_precision_only
+from packfunc.engine.precision import autocast_enabled, forward_precision_only, serving_autocast
 from packfunc.engine.vmap_checks import poisoned, poisoning_results
 from packfunc.reparametrize import call_with_tensors
 from packfunc.types import ModelFn
@@ -272,6 +272,8 @@ def public_entry(function: F) -> F:
                     with torch.inference_mode(False):
                         args, kwargs = normal_tensors((args, kwargs))
                         result = precise(*args, **kwargs)
+            if isinstance(result, Iterator):  # (per_batch): its steps run after this block
+                return _each_step_inside(result, autocast_enabled(), (args, kwargs))
             return poisoned(result, failed_checks)
         except Exception as error:
             clearer = clearer_error(error, (args, kwargs))
@@ -280,6 +282,46 @@ def public_entry(function: F) -> F:
             raise clearer from error
 
     return run  # type: ignore[return-value]
+
+
+def _each_step_inside(
+    steps: Iterator[Any], autocast: tuple[tuple[str, torch.dtype], ...], arguments: Any
+) -> Iterator[Any]:
+    """A public function's iterator whose every step runs as its call did (:func:`public_entry`).
+
+    Without it a generator's body (``per_batch``'s batches) ran after the call's block had
+    closed: outside packfunc's passes, its refusals and its autocast (found by a probe).
+
+    Args:
+        steps: What the public function returned.
+        autocast: The autocast in force at the call (its forwards run under it).
+        arguments: The call's ``(args, kwargs)``, to make errors clearer.
+
+    Yields:
+        Each step's result.
+    """
+    while True:
+        try:
+            with (
+                packfunc_passes(),
+                refusing_nested_encoders(),
+                poisoning_results() as failed_checks,
+                serving_autocast(autocast),
+                torch.inference_mode(False),
+            ):
+                step = next(steps, _DONE)
+        except Exception as error:
+            clearer = clearer_error(error, arguments)
+            if clearer is None:
+                raise
+            raise clearer from error
+        if step is _DONE:
+            return
+        yield poisoned(step, failed_checks)
+
+
+_DONE = object()
+"""The end of an iterator :func:`_each_step_inside` runs."""
 
 
 _COMPILED_INSIDE = (

@@ -314,9 +314,6 @@ class _DiscoveryMode(ParameterMode):
         self._note_memory(list(self.samples.values()))
         self.level = maybe_current_level()  # the caller's torch.func transforms, if any
 
-    def parameters_used(self) -> bool:
-        return bool(self.plan.uses)
-
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:

@@ -565,25 +565,6 @@ class ParameterMode(FunctionalMode):
         found = self.derived.get(id(value))
         return self.leaf_of(value) is not None or (found is not None and found[0] is value)
 
-    def may_follow(self, value: Tensor, weight: bool) -> bool:
-        """Whether ``value`` may depend on the parameters in a pass without gradients.
-
-        A weight is followed if it is a parameter or made of parameters; an input (which
-        mixes parameters with samples, not followed here) if any parameter was used before.
-
-        Args:
-            value: A tensor the model computes with.
-            weight: Whether it is a layer's weight (else an input to it).
-
-        Returns:
-            Whether the user's forward would have ``value`` require grad.
-        """
-        return self._made_of_parameters(value) if weight else self.parameters_used()
-
-    def parameters_used(self) -> bool:
-        """Whether the pass has called a layer on a parameter yet."""
-        return self.uses_seen > 0
-
     def _touches_parameters(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """A cheap test whether any argument (or list item) is a parameter or derived from one."""
         for value in (*args, *kwargs.values()):

@@ -1,26 +1,27 @@
-"""``nn.TransformerEncoder``'s nested-tensor path, which packfunc's passes cannot take.
+"""``nn.TransformerEncoder``'s nested-tensor path, which packfunc's passes cannot all take.
 
 In evaluation mode, with a padding mask and nothing that requires grad among its input and
 first layer's weights, the encoder runs on nested tensors: its padded positions come out
-zero. Inside a torch function mode (packfunc's passes but the batch pass on tapped leaves)
-or ``vmap`` it takes its other path, which computes them. Where the padded positions reach
-the loss the two are different functions, so a quantity from such a pass would be the other
-function's: such a call is refused, naming the fix (``enable_nested_tensor=False``).
+zero. Inside a torch function mode (discovery, products, the shim's recording) or ``vmap``
+it takes its other path, which computes them. Where the padded positions reach the loss the
+two are different functions, and a call that mixes passes of both (discovery's one sample
+and the batch pass, or a product) would return the other function's values or a wrong
+error: an encoder call that takes the nested path in the user's forward is refused, naming
+the fix (``enable_nested_tensor=False``), in every pass with gradients (discovery's has none,
+and says nothing of which tensors the user's forward differentiates).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.forward_ad import unpack_dual
 from torch.nn.modules.module import register_module_forward_hook
-from torch.overrides import _get_current_function_mode_stack
-
-from packfunc.engine.modes import ParameterMode
 
 NESTED_ENCODER_FIX = (
     "this nn.TransformerEncoder runs on nested tensors in your forward (evaluation mode, a "
@@ -35,50 +36,72 @@ _THREAD = threading.local()
 """Per thread: how deep in :func:`refusing_nested_encoders` blocks (``depth``)."""
 
 
-Follows = Callable[[Tensor, bool], bool]
-"""Whether a tensor (a weight, or else an input) requires grad in the user's forward."""
+def _physical(tensor: Tensor) -> Tensor:
+    """``tensor`` beneath ``vmap``'s samples, the mapped dimension first.
+
+    Example:
+        >>> _physical(torch.ones(2)).shape
+        torch.Size([2])
+    """
+    functorch = torch._C._functorch
+    while functorch.is_batchedtensor(tensor):
+        mapped = functorch.maybe_get_bdim(tensor)
+        tensor = functorch.get_unwrapped(tensor).movedim(mapped, 0)
+    return tensor
 
 
-def _follows_parameters(tensor: Tensor, weight: bool = False) -> bool:
-    """Whether ``tensor`` requires grad (beneath ``vmap``'s samples, where it runs under one).
+def _follows_parameters(tensor: Tensor) -> bool:
+    """Whether ``tensor`` requires grad in the user's forward, as far as this pass shows it.
+
+    It requires grad (autograd, ``torch.func.grad``/``vjp``), carries a tangent (``jvp``),
+    or is a tensor subclass that sees calls (packfunc's tapped leaves, which the user's
+    forward has as parameters requiring grad); beneath ``vmap``'s samples likewise.
 
     Example:
         >>> _follows_parameters(torch.ones(1, requires_grad=True))
         True
     """
-    if torch._C._functorch.is_batchedtensor(tensor):
-        return _follows_parameters(torch._C._functorch.get_unwrapped(tensor))
-    return tensor.requires_grad
+    functorch = torch._C._functorch
+    if functorch.is_batchedtensor(tensor):
+        return _follows_parameters(functorch.get_unwrapped(tensor))
+    sees_calls = type(tensor) not in (Tensor, nn.Parameter) and torch.overrides.has_torch_function(
+        (tensor,)
+    )
+    return tensor.requires_grad or unpack_dual(tensor).tangent is not None or sees_calls
 
 
-def _is_left_aligned(src: Tensor, padding: Tensor) -> bool:
-    """Torch's check that every row's kept positions come first (``True`` where it fails)."""
-    keep = padding.logical_not() if padding.dtype == torch.bool else padding == 0
-    try:
-        with torch._C.DisableTorchFunction():
-            return bool(torch._nested_tensor_from_mask_left_aligned(src, keep))
-    except (RuntimeError, ValueError):  # (vmap's samples): refused rather than guessed
-        return True
+def _pads_at_ends(padding: Tensor) -> tuple[bool, bool]:
+    """Whether any position is padded, and whether every row's padding comes last.
+
+    Torch's ``mask_check`` (its nested tensor needs each row's kept positions first), read
+    off the mask alone, also under ``vmap``.
+
+    Example:
+        >>> _pads_at_ends(torch.tensor([[False, True], [False, False]]))
+        (True, True)
+    """
+    padded = _physical(padding)
+    padded = padded if padded.dtype == torch.bool else padded != 0
+    with torch._C.DisableTorchFunction():
+        kept_after_padding = padded[..., :-1] & ~padded[..., 1:]
+        return bool(padded.any()), not bool(kept_after_padding.any())
 
 
 def runs_nested_in_users_forward(
-    module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    follows: Follows = _follows_parameters,
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> bool:
     """Whether ``module`` is an encoder that runs this call on nested tensors outside packfunc.
 
     Torch's conditions (``nn.TransformerEncoder.forward``) but the one a torch function mode
     changes: fast path on, nested tensors enabled, evaluation mode, a batched input with a
     padding mask and no other mask, no autocast, rows padded at their end, and none of the
-    input and the first layer's weights requiring grad.
+    input and the first layer's weights requiring grad; and a position padded (without one
+    both paths compute the same).
 
     Args:
         module: Any module being called.
         args: Its positional arguments.
         kwargs: Its keyword arguments.
-        follows: Whether a tensor requires grad in the user's forward (by default: now).
 
     Returns:
         ``True`` for such an encoder call.
@@ -111,41 +134,30 @@ def runs_nested_in_users_forward(
     weights = (first.self_attn.in_proj_weight, first.self_attn.in_proj_bias)
     layers = (first.self_attn.out_proj, first.norm1, first.norm2, first.linear1, first.linear2)
     weights += tuple(t for layer in layers for t in (layer.weight, layer.bias))
-    if follows(src, False) or any(t is not None and follows(t, True) for t in weights):
+    if any(t is not None and _follows_parameters(t) for t in (src, *weights)):
         return False
-    return not getattr(module, "mask_check", True) or _is_left_aligned(src, padding)
+    padded, at_ends = _pads_at_ends(padding)
+    return padded and (at_ends or not getattr(module, "mask_check", True))
 
 
-def _follows_in_this_pass() -> Follows:
-    """How to tell a followed tensor now: without gradients (discovery), by packfunc's mode."""
-    if torch.is_grad_enabled():
-        return _follows_parameters
-    modes = [m for m in _get_current_function_mode_stack() if isinstance(m, ParameterMode)]
-    return lambda t, weight: any(mode.may_follow(t, weight) for mode in modes)
-
-
-def _refuse_a_pass_off_the_nested_path(
-    module: nn.Module, args: tuple[Any, ...], *rest: Any
-) -> None:
-    """A global forward hook: refuse an encoder call packfunc runs off the user's path.
+def _refuse_the_nested_path(module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
+    """A global forward hook: refuse an encoder call the user's forward runs nested.
 
     Called ``(module, args, kwargs, output)``, or without ``kwargs`` by another thread's
     call that took the hook as its registration was being removed.
     """
     if getattr(_THREAD, "depth", 0) == 0 or not isinstance(module, nn.TransformerEncoder):
         return
+    if not torch.is_grad_enabled():  # discovery: checked against the batch pass after it
+        return
     kwargs: dict[str, Any] = rest[0] if len(rest) == 2 else {}
-    src = args[0] if args else kwargs.get("src")
-    off_path = torch._C._is_torch_function_mode_enabled() or (
-        isinstance(src, Tensor) and torch._C._functorch.is_batchedtensor(src)
-    )
-    if off_path and runs_nested_in_users_forward(module, args, kwargs, _follows_in_this_pass()):
+    if runs_nested_in_users_forward(module, args, kwargs):
         raise ValueError(NESTED_ENCODER_FIX)
 
 
 @contextlib.contextmanager
 def refusing_nested_encoders() -> Iterator[None]:
-    """Refuse, on the calling thread, encoder calls off the nested path the user's takes.
+    """Refuse, on the calling thread, encoder calls the user's forward runs nested.
 
     A global forward hook for the block (no module of the user's gets one); other threads'
     calls pass through it untouched.
@@ -157,7 +169,7 @@ def refusing_nested_encoders() -> Iterator[None]:
     """
     depth = getattr(_THREAD, "depth", 0)
     _THREAD.depth = depth + 1
-    handle = register_module_forward_hook(_refuse_a_pass_off_the_nested_path, with_kwargs=True)
+    handle = register_module_forward_hook(_refuse_the_nested_path, with_kwargs=True)
     try:
         yield
     finally:
