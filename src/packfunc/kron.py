@@ -298,9 +298,10 @@ def logdet(curvature: Curvature, damping: float = 0.0) -> PyTree:
     a factor's eigenvalue within rounding of zero (below ``size · eps`` times its largest: a
     rank-deficient factor, from fewer samples than its size) counts as zero, and the
     log-determinant of that singular matrix is ``-inf``, not the log of rounding noise. An
-    :class:`Eigen` entry's eigenvalues (EKFAC's are means of squares, accurate to their own
-    size) count as zero below ``(numel · eps)^1.5`` times the largest. Each entry is taken
-    alone.
+    :class:`Eigen` entry's fitted eigenvalues (EKFAC's are means of squares, accurate to their
+    own size) count as zero below ``(numel · eps)^1.5`` times the largest; :func:`eigh`'s
+    (products of its factors', each zeroed within its factor's rounding) as they are. Each
+    entry is taken alone.
 
     Args:
         curvature: A curvature pytree.
@@ -547,10 +548,35 @@ def _undamped_logdet(entry: Any) -> Tensor:
     if not isinstance(entry, Eigen):
         return _factor_logdet(entry)
     values = entry.eigenvalues
+    if _factor_products(values):  # eigh's: each factor's were zeroed within its rounding
+        kept = _zero_within_rounding(values) if values.dim() == 1 else values
+        return kept.log().sum()
     # a null direction's mean square of projections is ~(n·eps)² of the largest; an eigh's
     # rounding n·eps would zero genuine small ones (1e-5 of the largest, in float32)
     rounding = values.max() * (values.numel() * torch.finfo(values.dtype).eps) ** 1.5
     return torch.where(values > rounding, values, 0).log().sum()
+
+
+def _factor_products(values: Tensor) -> bool:
+    """Whether an :class:`Eigen`'s eigenvalues are ``λ_A ⊗ λ_B`` (:func:`eigh`'s), not fitted.
+
+    A rank-one ``[dim A, dim B]`` table to rounding: the column and row through its largest
+    entry reproduce it. A bias's ``[dim A]`` are one factor's (or fitted ones, which its
+    rounding threshold zeroes where they are null: ``(n·eps)²`` of the largest).
+
+    Example:
+        >>> _factor_products(torch.outer(torch.tensor([1.0, 1e-4]), torch.tensor([2.0, 1e-3])))
+        True
+        >>> _factor_products(torch.tensor([[1.0, 1e-4], [1e-3, 1.0]]))
+        False
+    """
+    if values.dim() == 1:
+        return True
+    i, j = divmod(int(values.argmax()), values.shape[1])
+    if not values[i, j] > 0:
+        return False
+    outer = torch.outer(values[:, j], values[i, :]) / values[i, j]
+    return bool(((outer - values).abs() <= 8 * torch.finfo(values.dtype).eps * values).all())
 
 
 def _zero_within_rounding(values: Tensor) -> Tensor:
