@@ -159,8 +159,8 @@ def _refuse_the_nested_path(module: nn.Module, args: tuple[Any, ...], *rest: Any
 def refusing_nested_encoders() -> Iterator[None]:
     """Refuse, on the calling thread, encoder calls the user's forward runs nested.
 
-    A global forward hook for the block (no module of the user's gets one); other threads'
-    calls pass through it untouched.
+    A global forward hook for the outermost block (no module of the user's gets one);
+    other threads' calls pass through it untouched.
 
     Example:
         >>> with refusing_nested_encoders():
@@ -169,9 +169,14 @@ def refusing_nested_encoders() -> Iterator[None]:
     """
     depth = getattr(_THREAD, "depth", 0)
     _THREAD.depth = depth + 1
-    handle = register_module_forward_hook(_refuse_the_nested_path, with_kwargs=True)
+    handle = (
+        register_module_forward_hook(_refuse_the_nested_path, with_kwargs=True)
+        if depth == 0
+        else None
+    )
     try:
         yield
     finally:
-        handle.remove()
+        if handle is not None:
+            handle.remove()
         _THREAD.depth = depth
