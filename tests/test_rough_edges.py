@@ -325,6 +325,67 @@ def test_a_parameter_inside_a_custom_autograd_function_takes_the_whole_model(fun
         torch.testing.assert_close(got[name], expected[name])
 
 
+class _RoundStraightThrough(torch.autograd.Function):
+    """A weight quantizer: rounds to quarters, its backward the identity (an STE)."""
+
+    @staticmethod
+    def forward(w):
+        return torch.round(w * 4) / 4
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+    generate_vmap_rule = True
+
+
+class _HalfGradient(torch.autograd.Function):
+    """The identity, its backward halving the gradient (no setup_context)."""
+
+    @staticmethod
+    def forward(ctx, w):
+        return w.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 0.5
+
+
+class _QuantizedLinear(nn.Linear):
+    def __init__(self, function: type[torch.autograd.Function]) -> None:
+        super().__init__(3, 2)
+        self.function = function
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.function.apply(self.weight), self.bias)
+
+
+@pytest.mark.parametrize("function", [_RoundStraightThrough, _HalfGradient])
+def test_a_parameter_transformed_by_a_custom_function_before_its_layer_is_exact(function):
+    """A parameter alone through a custom Function (a quantizer's straight-through estimator,
+    a gradient scale) was followed through the Function's forward ops as a derivation: its
+    per-sample gradients read their derivative (rounding's: zero), not the backward's, in the
+    functional API and the shim (0.2-1.0 off, clipped sums too; found by a probe). Such a
+    parameter takes the whole-model path."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_QuantizedLinear(function), nn.Tanh(), nn.Linear(2, 2)).double()
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    model_fn, params = pf.functional(model)
+    X64 = X.double()
+    assert pf.explain(model_fn, params, X64)["0.weight"].startswith("whole model")
+    expected = autograd_batch_grad(model, loss, X64, Y)
+    assert_trees_close(pf.batch_grad(model_fn, params, X64, Y, loss=loss), expected)
+    extended = extend(copy.deepcopy(model))
+    with backpack(BatchGrad()):
+        extend(loss)(extended(X64), Y).backward()
+    shim = {name: p.grad_batch for name, p in extended.named_parameters()}
+    assert_trees_close(shim, expected)
+
+
 def test_hessians_through_a_custom_function_torch_func_cannot_transform_name_the_fix():
     model_fn, params = pf.functional(_CustomScaled(_ScaleOldStyle))
     with pytest.raises(ValueError, match="a setup_context staticmethod and a vmap rule"):

@@ -6,8 +6,10 @@ stub says so with a union; these wrappers fix the arity for the type checker.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, cast
 
 import optree
@@ -113,6 +115,41 @@ PACKED_UNDER_VMAP = (
 )
 """Raised where ``vmap`` meets ``pack_padded_sequence``: :func:`over_samples` then loops, and
 the whole-model path (which escapes it) runs torch's kernels a sample at a time."""
+
+
+_APPLY = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]
+"""The code of ``autograd.Function.apply``, on the stack while a custom forward runs."""
+
+
+def custom_forward_running() -> str | None:
+    """The custom ``autograd.Function`` whose forward the calling code runs in, if any.
+
+    Its forward's ops are not what autograd differentiates (its backward is): a parameter
+    used there cannot be followed through them. Torch's own (``torch.utils.checkpoint``)
+    are left out: they recompute what they run.
+
+    Returns:
+        The innermost such function's name, or ``None``.
+
+    Example:
+        >>> class Twice(torch.autograd.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         return x * 2 if custom_forward_running() == "Twice" else x
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         return g * 2
+        >>> Twice.apply(torch.ones(1))
+        tensor([2.])
+    """
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _APPLY:
+            function = frame.f_locals.get("cls")
+            if not getattr(function, "__module__", "").startswith("torch."):
+                return cast(str, getattr(function, "__name__", repr(function)))
+        frame = frame.f_back
+    return None
 
 
 def is_untransformable_function(error: Exception) -> bool:

@@ -50,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from packfunc.engine.attention import ATTENTION_OPS, dispatching_arguments, run_attention
+from packfunc.engine.autodiff import custom_forward_running
 from packfunc.engine.batch_dims import Dims, batch_dims_after, contracted_dims, reduced_dims
 from packfunc.engine.local import CallArguments, LocalInputs, Source
 from packfunc.engine.model_state import (
@@ -343,6 +344,7 @@ class _DiscoveryMode(ParameterMode):
                 "to the whole batch instead of torch.vmap(f)), or compute these quantities "
                 "without packfunc."
             )
+        self._note_custom_forward(args, kwargs or {})
         self.plan.note_random(random_call(func, args, kwargs or {}))
         generator = (kwargs or {}).get("generator")
         if isinstance(generator, torch.Generator) and id(generator) not in self.generators:
@@ -360,6 +362,23 @@ class _DiscoveryMode(ParameterMode):
         if changed is not None:
             self._note_written(changed, args, kwargs or {})
         return out
+
+    def _note_custom_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Send parameters a custom ``autograd.Function``'s forward uses to the whole model.
+
+        Its ops are not what autograd differentiates: followed through them (a weight
+        quantizer's rounding, a straight-through estimator) their per-sample quantities
+        read the ops' derivative (zero), not the function's backward.
+        """
+        if not self._touches_parameters(args, kwargs):
+            return
+        name = custom_forward_running()
+        if name is None:
+            return
+        values = CallArguments.of(args, kwargs).values
+        sources = self._sources(values)
+        leaves = leaves_of(sources) if sources else set(range(len(self.leaf_of.leaves)))
+        self.plan.uncover(leaves, f"used inside the custom autograd.Function {name}")
 
     def _at_callers_level(self, arguments: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments as the caller's transforms see them: wrappers of the forward's own off.
