@@ -253,6 +253,44 @@ def test_a_parameter_inside_a_transform_of_the_forward_is_refused(transform):
         pf.batch_grad(model_fn, params, torch.randn(3, 3), torch.tensor([0, 1, 0]))
 
 
+def _energy_gradient_model(inner: str):
+    """``model(p, X) = (∂E/∂x)(X) W₃`` with ``E = tanh(x W₁ + b₁) w₂``, the derivative in ``x``
+    taken by ``torch.func.grad`` (reverse mode) or ``jacfwd`` (forward mode)."""
+
+    def model_fn(p: dict[str, torch.Tensor], X: torch.Tensor) -> torch.Tensor:
+        def energy(x: torch.Tensor) -> torch.Tensor:
+            return (torch.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]).sum()
+
+        derivative = torch.func.grad(energy) if inner == "grad" else torch.func.jacfwd(energy)
+        return torch.vmap(derivative)(X) @ p["w3"]
+
+    return model_fn
+
+
+@pytest.mark.parametrize("inner", ["grad", "jacfwd"])
+def test_products_through_a_reverse_mode_transform_in_the_forward_are_refused(inner):
+    """An energy model's (a PINN's) ``torch.func.grad`` in ``x`` inside its forward: the
+    first-order quantities refused it, the GGN and Hessian products returned a zero block for
+    the parameters used there (1.0 off; found by a probe). Refused; a forward-mode
+    derivative there stays exact (against torch.func on the same function)."""
+    torch.manual_seed(0)
+    X, y = torch.randn(3, 3, dtype=torch.float64), torch.tensor([0, 2, 1])
+    shapes = {"w1": (3, 4), "b1": (4,), "w2": (4,), "w3": (3, 3)}
+    params = {k: torch.randn(*s, dtype=torch.float64) / 2 for k, s in shapes.items()}
+    v = {k: torch.randn_like(p) for k, p in params.items()}
+    model_fn, loss = _energy_gradient_model(inner), nn.CrossEntropyLoss(reduction="sum")
+    if inner == "grad":
+        for product in (pf.ggn_vector_product, pf.hessian_vector_product):
+            with pytest.raises(ValueError, match="reverse-mode torch.func transform"):
+                product(model_fn, params, X, y, v, loss=loss)
+        return
+    total = lambda p: loss(model_fn(p, X), y)  # noqa: E731
+    expected = torch.func.jvp(torch.func.grad(total), (params,), (v,))[1]
+    found = pf.hessian_vector_product(model_fn, params, X, y, v, loss=loss)
+    for name in params:
+        torch.testing.assert_close(found[name], expected[name])
+
+
 def test_a_maml_step_in_the_forward_names_the_transform():
     """A torch.func.grad of the forward's own, with the parameters themselves wrapped by it
     (a MAML inner step on a fixed support set): the refusal said the rows mix samples."""

@@ -21,7 +21,14 @@ from typing import Any, TypeVar, cast
 import optree
 import torch
 from torch import Tensor, nn
-from torch._C._functorch import is_functorch_wrapped_tensor
+from torch._C._functorch import (
+    TransformType,
+    get_unwrapped,
+    is_functorch_wrapped_tensor,
+    maybe_current_level,
+    maybe_get_level,
+)
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.func import grad, vmap
 from torch.overrides import TorchFunctionMode
 from typing_extensions import Unpack
@@ -338,7 +345,7 @@ def _model(model_fn: ModelFn, X: Any, params: Any, replaced: list[int]) -> Calla
             current[replaced[0]] = chosen
             current = optree.tree_unflatten(treespec, current)
         # the products are of the whole batch, in full precision (see engine/precision.py)
-        with full_precision(), functional_mode(batch_statistics=True):
+        with full_precision(), functional_mode(batch_statistics=True), _ReverseModeInside():
             return in_loss_dtype(run_model(model_fn, current, X), leaves)  # engine/precision.py
 
     return forward
@@ -397,6 +404,52 @@ def _checked_mats(params: Any, mats: Any) -> list[Tensor | None]:
                 "out [V, p.numel()]: m.reshape(-1, *p.shape))."
             )
     return cast(list[Tensor | None], blocks)
+
+
+class _ReverseModeInside(TorchFunctionMode):
+    """Refuses a parameter the model differentiates in reverse mode inside its own forward.
+
+    An energy model's ``torch.func.grad`` of ``E`` in ``x``, a PINN's ``jacrev``/``hessian``:
+    the products read a zero block for the parameters used there (the first-order quantities
+    refuse them in discovery). A ``vmap``, ``jvp`` or ``jacfwd`` inside the forward is exact.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.level = maybe_current_level() or 0  # the products' own transforms
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if (maybe_current_level() or 0) > self.level and self._reverse_mode_inside():
+            values: list[Any] = optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
+            if any(self._from_outside(v) for v in values):
+                raise ValueError(_REVERSE_MODE_INSIDE.format(name=getattr(func, "__name__", func)))
+        return func(*args, **kwargs)
+
+    def _reverse_mode_inside(self) -> bool:
+        return any(
+            i.level() > self.level and i.key() == TransformType.Grad
+            for i in retrieve_all_functorch_interpreters()
+        )
+
+    def _from_outside(self, value: Any) -> bool:
+        """A tensor of the products' levels (the parameters, or made of them) used inside."""
+        while isinstance(value, Tensor) and is_functorch_wrapped_tensor(value):
+            level = maybe_get_level(value)
+            if level <= self.level:
+                return level > 0
+            value = get_unwrapped(value)
+        return False
+
+
+_REVERSE_MODE_INSIDE = (
+    "the model uses a parameter inside a reverse-mode torch.func transform of its own forward "
+    "(torch.func.grad, vjp, jacrev or hessian: {name}), whose calls packfunc's products cannot "
+    "differentiate through: their block for that parameter would read zero. Compute the "
+    "products with torch.func (jvp of grad of the loss) for such a model."
+)
 
 
 class _CallsWithoutGradient(TorchFunctionMode):
