@@ -386,6 +386,36 @@ def test_a_parameter_transformed_by_a_custom_function_before_its_layer_is_exact(
     assert_trees_close(shim, expected)
 
 
+def test_a_gradient_hook_on_a_tensor_made_of_a_parameter_takes_the_whole_model():
+    """``w = p * 1; w.register_hook(lambda g: 0.5 * g)`` in the forward: packfunc followed
+    ``w``'s uses, whose inputs and output gradients the hook does not change, and its
+    per-sample gradients were twice autograd's (found by a probe). The parameter takes the
+    whole-model path, whose autograd applies the hook."""
+
+    class Hooked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            weight = self.first.weight * 1.0
+            weight.register_hook(lambda g: g * 0.5)
+            hidden = torch.tanh(nn.functional.linear(x, weight, self.first.bias))
+            return self.second(hidden)
+
+    torch.manual_seed(0)
+    model, loss = Hooked().double(), nn.CrossEntropyLoss(reduction="sum")
+    model_fn, params = pf.functional(model)
+    X64 = X.double()
+    assert "gradient hook" in pf.explain(model_fn, params, X64)["first.weight"]
+    found = pf.batch_grad(model_fn, params, X64, Y, loss=loss)
+    for n in range(len(X64)):
+        model.zero_grad()
+        loss(model(X64[n : n + 1]), Y[n : n + 1]).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(found[name][n], p.grad)
+
+
 def test_hessians_through_a_custom_function_torch_func_cannot_transform_name_the_fix():
     model_fn, params = pf.functional(_CustomScaled(_ScaleOldStyle))
     with pytest.raises(ValueError, match="a setup_context staticmethod and a vmap rule"):

@@ -344,7 +344,7 @@ class _DiscoveryMode(ParameterMode):
                 "to the whole batch instead of torch.vmap(f)), or compute these quantities "
                 "without packfunc."
             )
-        self._note_custom_forward(args, kwargs or {})
+        self._note_custom_backward(func, args, kwargs or {})
         self.plan.note_random(random_call(func, args, kwargs or {}))
         generator = (kwargs or {}).get("generator")
         if isinstance(generator, torch.Generator) and id(generator) not in self.generators:
@@ -363,22 +363,29 @@ class _DiscoveryMode(ParameterMode):
             self._note_written(changed, args, kwargs or {})
         return out
 
-    def _note_custom_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Send parameters a custom ``autograd.Function``'s forward uses to the whole model.
+    def _note_custom_backward(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Send parameters whose gradient is not their ops' derivative to the whole model.
 
-        Its ops are not what autograd differentiates: followed through them (a weight
-        quantizer's rounding, a straight-through estimator) their per-sample quantities
-        read the ops' derivative (zero), not the function's backward.
+        A custom ``autograd.Function``'s forward (its backward is what autograd takes: a
+        weight quantizer's rounding, a straight-through estimator) and a gradient hook on a
+        tensor made of parameters (``w.register_hook(...)`` in the forward): followed through
+        the ops, their per-sample quantities would read the ops' derivative alone.
         """
         if not self._touches_parameters(args, kwargs):
             return
-        name = custom_forward_running()
-        if name is None:
-            return
+        if func is Tensor.register_hook:
+            reason = "its value has a gradient hook in the forward (register_hook)"
+        else:
+            name = custom_forward_running()
+            if name is None:
+                return
+            reason = f"used inside the custom autograd.Function {name}"
         values = CallArguments.of(args, kwargs).values
         sources = self._sources(values)
         leaves = leaves_of(sources) if sources else set(range(len(self.leaf_of.leaves)))
-        self.plan.uncover(leaves, f"used inside the custom autograd.Function {name}")
+        self.plan.uncover(leaves, reason)
 
     def _at_callers_level(self, arguments: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments as the caller's transforms see them: wrappers of the forward's own off.
