@@ -106,6 +106,20 @@ def test_rejects_invalid_arguments(batch: dict, max_norm: float, noise: float, m
         pf.clip_and_noise(batch, max_norm, noise)
 
 
+@pytest.mark.parametrize("shape", ["one", "by name", "per leaf"])
+def test_a_clipping_bound_requiring_grad_is_refused(shape: str) -> None:
+    """The bound is read as a number (float): a tensor C requiring grad had its derivative
+    silently dropped (2.28 expected by a probe's oracle). Refused, naming .detach()."""
+    model_fn, params = pf.functional(nn.Linear(3, 2))
+    X, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    bound = torch.tensor(0.5, requires_grad=True)
+    max_norm = {"one": bound, "by name": {"weight": bound, "bias": 1.0}, "per leaf": [1.0, bound]}
+    with pytest.raises(ValueError, match=r"max_norm.detach\(\)"):
+        pf.clipped_grad(model_fn, params, X, y, max_norm=max_norm[shape])
+    found = pf.clipped_grad(model_fn, params, X, y, max_norm=bound.detach())
+    assert found["weight"].shape == (2, 3)
+
+
 def test_clipped_grad_of_no_parameters_is_empty() -> None:
     """As ``batch_grad`` of no parameters: an empty pytree (it raised from ``torch.stack``)."""
     model_fn, _ = pf.functional(nn.Linear(3, 2))

@@ -429,6 +429,7 @@ def clipping_bounds(max_norm: MaxNorm | None, names: list[str]) -> float | Clipp
         >>> clipping_bounds({("w", "b"): 1.0, "c": 0.5}, ["b", "c", "w"])
         [([0, 2], 1.0), ([1], 0.5)]
     """
+    _refuse_differentiable_bounds(max_norm)
     if isinstance(max_norm, numbers.Real) or (isinstance(max_norm, Tensor) and max_norm.dim() == 0):
         return _positive([float(max_norm)], max_norm)[0]
     if isinstance(max_norm, Mapping):
@@ -470,6 +471,25 @@ def _named_groups(max_norm: Mapping[Any, Any], names: list[str]) -> ClippingGrou
     index = {name: leaf for leaf, name in enumerate(names)}
     groups = [(sorted(index[name] for name in key), b) for key, b in zip(keys, bounds)]
     return sorted(groups, key=lambda group: group[0][0])
+
+
+def _refuse_differentiable_bounds(max_norm: object) -> None:
+    """Refuse a bound that requires grad: it is read as a number, its derivative lost.
+
+    Example:
+        >>> _refuse_differentiable_bounds({"w": torch.tensor(1.0)})  # a constant: fine
+    """
+    values: list[object] = [max_norm]
+    if isinstance(max_norm, Mapping):
+        values = list(max_norm.values())
+    elif isinstance(max_norm, Sequence) and not isinstance(max_norm, str):
+        values = list(max_norm)
+    if any(isinstance(b, Tensor) and b.requires_grad for b in values):
+        raise ValueError(
+            "max_norm requires grad, but the clipping bound is read as a number: its "
+            "derivative would be silently zero. Pass max_norm.detach() (or a float); the "
+            "clipped sum is not differentiable in the bound."
+        )
 
 
 def _positive(bounds: list[float], given: object) -> list[float]:
