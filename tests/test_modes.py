@@ -540,3 +540,22 @@ def test_an_eval_encoder_whose_fast_path_zeroes_padding_is_exact():
             torch.autograd.grad(loss(model(X[n : n + 1]), y[n : n + 1]), p)[0] for n in range(2)
         ]
         torch.testing.assert_close(found[name], torch.stack(rows), msg=name)
+
+
+def test_an_inference_mode_block_in_the_forward_names_no_grad():
+    """Differentiating a quantity of a model whose forward has a torch.inference_mode()
+    block: the refusal blamed the parameters, buffers or batch, which were normal tensors
+    (found by a probe). It names the block and torch.no_grad() too."""
+    torch.manual_seed(0)
+    params = {"w1": torch.randn(3, 4, dtype=torch.float64), "w2": torch.randn(4, 2)}
+    params = {k: p.double() for k, p in params.items()}
+    X, y = torch.randn(3, 3, dtype=torch.float64), torch.tensor([0, 1, 1])
+
+    def model_fn(p: dict[str, torch.Tensor], X: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            scale = (X @ p["w1"]).abs().sum(-1, keepdim=True)
+        return (torch.tanh(X @ p["w1"]) * (1 + 0.1 * scale.clone())) @ p["w2"]
+
+    penalty = lambda q: pf.batch_l2_grad(model_fn, q, X, y)["w1"].sum()  # noqa: E731
+    with pytest.raises(ValueError, match=r"inference_mode\(\) block.*torch.no_grad\(\)"):
+        torch.func.grad(penalty)(params)

@@ -507,11 +507,13 @@ _MUTATES_CAPTURED = (
 
 _INFERENCE_TENSORS = (
     "the model's parameters, buffers or the batch include tensors made under "
-    "torch.inference_mode() (see the error above), which autograd cannot differentiate or "
-    "update outside it, for packfunc as for a plain backward pass. Make them outside "
-    "inference mode (build the model, load its state_dict there), or pass normal copies "
-    "({k: v.clone() for k, v in params.items()}, cloned outside inference mode); packfunc "
-    "called inside torch.inference_mode() uses such copies of what it is given."
+    "torch.inference_mode(), or its forward makes one in a torch.inference_mode() block (see "
+    "the error above), which autograd cannot differentiate or update outside it, for "
+    "packfunc as for a plain backward pass. In the forward, use torch.no_grad() for such a "
+    "block (the same values, a constant to autograd); otherwise make them outside inference "
+    "mode (build the model, load its state_dict there), or pass normal copies ({k: v.clone() "
+    "for k, v in params.items()}, cloned outside inference mode); packfunc called inside "
+    "torch.inference_mode() uses such copies of what it is given."
 )
 
 _SPARSE_GRADIENTS = (
