@@ -1043,3 +1043,35 @@ def test_a_ggn_product_through_spectral_norm_in_training_mode_names_the_fix():
     with pytest.raises(ValueError, match="under torch.no_grad.*model.eval()"):
         pf.ggn_vector_product(model_fn, params, X4, Y4, params)
     assert torch.equal(layer.parametrizations.weight[0]._u, before)
+
+
+@torch.library.custom_op("packfunc_tests::signed_square", mutates_args=())
+def _signed_square(x: torch.Tensor) -> torch.Tensor:
+    return x * x.abs()
+
+
+@_signed_square.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _keep_input(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+def _signed_square_backward(ctx, g: torch.Tensor) -> torch.Tensor:
+    (x,) = ctx.saved_tensors
+    return g * 2 * x.abs()
+
+
+_signed_square.register_autograd(_signed_square_backward, setup_context=_keep_input)
+
+
+def test_a_custom_op_without_a_vmap_rule_is_refused_naming_register_vmap():
+    """A torch.library.custom_op (autograd registered, no vmap rule) on a parameter: the
+    refusal told how to fix an autograd.Function (setup_context, generate_vmap_rule), which
+    a custom op has not (found by a probe); it names torch.library.register_vmap too."""
+    params = {"w": torch.randn(3, 2, dtype=torch.float64)}
+    model_fn = lambda p, X: X @ _signed_square(p["w"])  # noqa: E731
+    with pytest.raises(ValueError, match=r"torch.library.register_vmap"):
+        pf.batch_grad(model_fn, params, X.double(), Y)

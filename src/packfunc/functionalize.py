@@ -485,10 +485,12 @@ _PACKED_UNDER_YOUR_VMAP = (
 )
 
 _UNTRANSFORMABLE = (
-    "model_fn calls a custom torch.autograd.Function that torch.func cannot transform (see "
-    "the error above), and this quantity differentiates through it with torch.func. Give the "
-    "Function a setup_context staticmethod and a vmap rule (generate_vmap_rule=True), see "
-    "https://pytorch.org/docs/stable/notes/extending.func.html. A hook registered with "
+    "model_fn calls a custom torch.autograd.Function (or a torch.library.custom_op) that "
+    "torch.func cannot transform (see the error above), and this quantity differentiates "
+    "through it with torch.func. Give the Function a setup_context staticmethod and a vmap "
+    "rule (generate_vmap_rule=True), see "
+    "https://pytorch.org/docs/stable/notes/extending.func.html; give a custom op a vmap rule "
+    "(torch.library.register_vmap) beside its autograd one. A hook registered with "
     "register_full_backward_hook wraps its module's inputs in such a Function of torch's "
     "own: remove it (handle.remove()) while computing this. Per-sample gradients, their "
     "moments, clipped sums, GGN diagonals and Kronecker factors run such a Function as it is."
