@@ -263,11 +263,7 @@ def public_entry(function: F) -> F:
             return torch.compiler.disable(run)(*args, **kwargs)
         try:
             _refuse_dual_tensors((args, kwargs))
-            with (
-                packfunc_passes(),
-                refusing_nested_encoders(),
-                poisoning_results() as failed_checks,
-            ):
+            with _packfunc_call() as failed_checks:
                 if not torch.is_inference_mode_enabled():
                     result = precise(*args, **kwargs)
                 else:
@@ -284,6 +280,22 @@ def public_entry(function: F) -> F:
             raise clearer from error
 
     return run  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def _packfunc_call() -> Iterator[list[Tensor]]:
+    """Enter packfunc's passes, its nested-encoder refusal and its vmap checks for one call.
+
+    Yields:
+        The call's failed-check flags (:func:`~packfunc.engine.vmap_checks.poisoning_results`).
+
+    Example:
+        >>> with _packfunc_call() as failed_checks:
+        ...     failed_checks
+        []
+    """
+    with packfunc_passes(), refusing_nested_encoders(), poisoning_results() as failed_checks:
+        yield failed_checks
 
 
 def _refuse_dual_tensors(arguments: Any) -> None:
@@ -337,9 +349,7 @@ def _each_step_inside(
     while True:
         try:
             with (
-                packfunc_passes(),
-                refusing_nested_encoders(),
-                poisoning_results() as failed_checks,
+                _packfunc_call() as failed_checks,
                 serving_autocast(autocast),
                 torch.inference_mode(False),
             ):

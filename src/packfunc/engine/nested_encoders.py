@@ -80,9 +80,9 @@ def _pads_at_ends(padding: Tensor) -> tuple[bool, bool]:
         >>> _pads_at_ends(torch.tensor([[False, True], [False, False]]))
         (True, True)
     """
-    padded = _physical(padding)
-    padded = padded if padded.dtype == torch.bool else padded != 0
     with torch._C.DisableTorchFunction():
+        padded = _physical(padding)
+        padded = padded if padded.dtype == torch.bool else padded != 0
         kept_after_padding = padded[..., :-1] & ~padded[..., 1:]
         return bool(padded.any()), not bool(kept_after_padding.any())
 
