@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import packfunc as pf
+from packfunc.engine import statistics
 from tests.cases import assert_trees_close, autograd_batch_grad, make_problem
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -684,6 +685,131 @@ def test_a_sample_whose_positions_cancel_below_rounding_adds_at_most_its_bound(
         without = pf.clipped_grad(model_fn, params, normal, normal_y, loss=loss, max_norm=max_norm)
         moved = math.sqrt(sum(float((with_it[k] - without[k]).square().sum()) for k in params))
         largest = max(largest, moved / bound)
+    assert largest <= 1 + 1e-4, largest
+
+
+def test_a_cancelling_sample_beyond_the_memory_budget_adds_at_most_its_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A layer whose per-sample gradients are formed for their norms (no cheaper Gram form)
+    but not kept (beyond the memory budget) was summed by the batch's contraction: a crafted
+    float32 sample whose positions cancel (inputs ``v`` and ``-v + δ``) moved the clipped sum
+    by more than ``C`` (1.0081·C at L=2048 with 8192² weights, a probe; here a budget of one
+    sample's gradient and a 4×4 layer). Such samples are now summed from their gradients."""
+    monkeypatch.setattr(statistics, "DEFAULT_BUDGET", 16)  # one sample of the weight
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), _SumOfPositions())
+    model_fn, params = pf.functional(model)
+    loss, c = nn.MSELoss(reduction="sum"), 1e-2
+    gen = torch.Generator().manual_seed(0)
+    normal, normal_y = torch.randn(3, 2, 4, generator=gen), torch.randn(3, 4, generator=gen)
+    without = pf.clipped_grad(model_fn, params, normal, normal_y, loss=loss, max_norm=c)
+    largest = 0.0
+    for seed in range(8):
+        gen.manual_seed(seed)
+        v = torch.randn(4, generator=gen) * 1e5
+        crafted = torch.stack([v, -v + torch.randn(4, generator=gen) * 1e-3 * (seed % 2)])
+        X = torch.cat([normal[:1], crafted[None], normal[1:]])
+        y = torch.cat([normal_y[:1], torch.randn(1, 4, generator=gen) * 1e2, normal_y[1:]])
+        with_it = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=c)
+        largest = max(largest, float((with_it["0.weight"] - without["0.weight"]).norm()) / c)
+    assert largest <= 1 + 1e-4, largest
+
+
+class _SumOfPositions(nn.Module):
+    """``[N, L, F] -> [N, F]``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(1)
+
+
+@pytest.mark.parametrize("share", [0.015, 0.14])
+def test_a_crafted_gram_norm_of_a_wide_layer_adds_at_most_its_bound(share: float) -> None:
+    """The Gram form's entries are float32 dot products of 16384 features; a crafted sample
+    of constant-valued cotangents (``a`` and ``-a + d`` on one input, its squared norm
+    ``share`` of its terms) rounds them coherently: above the old threshold (``32·√ε``,
+    1.1 %) its norm read 8e-4 low, and it added 1.0008·C (a probe). The threshold grows with
+    the features (12.6 % here), and just above it the rounding is 8e-5 of the norm."""
+    features, c = 16384, 1e-2
+    loss = nn.MSELoss(reduction="sum")
+    gen = torch.Generator().manual_seed(0)
+    model = nn.Linear(16, features, bias=False)
+    model_fn, params = pf.functional(model)
+    normal, normal_y = torch.randn(4, 2, 16, generator=gen), torch.randn(4, 2, features)
+    x = torch.randn(16, generator=gen)
+    a = torch.full((features,), 1e4 * (1 + 2**-12))
+    d = torch.full((features,), float(a.norm()) * math.sqrt(2 * share / features))
+    crafted = torch.stack([x, x])[None]
+    with torch.no_grad():
+        target = model(crafted) - torch.stack([a, -a + d])[None] / 2
+    X, y = (
+        torch.cat([normal[:2], crafted, normal[2:]]),
+        torch.cat([normal_y[:2], target, normal_y[2:]]),
+    )
+    with_it = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=c)["weight"]
+    without = pf.clipped_grad(model_fn, params, normal, normal_y, loss=loss, max_norm=c)["weight"]
+    assert float((with_it.double() - without.double()).norm()) / c <= 1 + 2e-4
+
+
+class _WideShift(nn.Module):
+    """``Σ_i (x_i + s_i)²`` over ``2²²`` features: one wide per-sample gradient, all positive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.full((2**22,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + self.shift).square().sum(-1, keepdim=True)
+
+
+def test_the_norm_of_a_wide_kept_gradient_is_right_to_rounding() -> None:
+    """``torch.linalg.vector_norm`` of a long float32 row reads low on a CPU (4e-6 here, 3e-4
+    at 2²⁴ entries: a probe's ordinary sample then exceeded ``C`` by 2.7e-4); the kept
+    per-sample gradients' norms are now taken by segments."""
+    model_fn, params = pf.functional(_WideShift())
+    X = torch.rand(3, 2**22, generator=torch.Generator().manual_seed(0))
+    loss = nn.MSELoss(reduction="sum")
+    found = pf.clipped_grad(model_fn, params, X, torch.zeros(3, 1), loss=loss, max_norm=1.0)
+    shifted = X.double() + params["shift"].double()
+    per_sample = 4 * shifted.square().sum(-1, keepdim=True) * shifted
+    factors = (1 / (per_sample.norm(dim=1, keepdim=True) + 1e-6)).clamp(max=1)
+    expected = (per_sample * factors).sum(0)
+    assert float((found["shift"].double() - expected).norm() / expected.norm()) < 1e-6
+
+
+class _ScaledTokens(nn.Module):
+    """Embeddings of ``tokens`` scaled by ``weights`` and summed over positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(5, 4)
+
+    def forward(self, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return (self.embedding(tokens) * weights[..., None]).sum(1)
+
+
+def test_a_sample_whose_repeated_tokens_cancel_adds_at_most_its_bound() -> None:
+    """One token three times in a float32 sample, its cotangents ``a``, ``b`` and ``-(a + b)``
+    (``|a| ~ 1e7``): the row's per-sample sum (which set the norm) is rounding, its clipping
+    factor huge, and the batch's scatter-add rounded the scaled terms otherwise: the sample
+    moved the clipped sum by 13·C (a probe). Its norm and sum now come from its gradient."""
+    model_fn, params = pf.functional(_ScaledTokens())
+    loss, c = nn.MSELoss(reduction="sum"), 1e-2
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 5, (6, 3), generator=gen)
+    tokens[:, 0] = 1  # (the others' sums share the crafted row)
+    weights, y = torch.randn(6, 3, generator=gen), torch.randn(6, 4, generator=gen)
+    without = pf.clipped_grad(model_fn, params, (tokens, weights), y, loss=loss, max_norm=c)
+    largest = 0.0
+    for seed in range(12):
+        gen.manual_seed(seed)
+        a, b = (torch.randn(2, generator=gen) * 1e7).tolist()
+        crafted = (torch.tensor([[1, 1, 1]]), torch.tensor([[a, b, -(a + b)]]))
+        X = tuple(torch.cat([t[:3], extra, t[3:]]) for t, extra in zip((tokens, weights), crafted))
+        target = torch.cat([y[:3], torch.randn(1, 4, generator=gen), y[3:]])
+        with_it = pf.clipped_grad(model_fn, params, X, target, loss=loss, max_norm=c)
+        largest = max(
+            largest, float((with_it["embedding.weight"] - without["embedding.weight"]).norm()) / c
+        )
     assert largest <= 1 + 1e-4, largest
 
 

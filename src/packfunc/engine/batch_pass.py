@@ -796,6 +796,29 @@ class ColumnGradients:
             getattr(t.rule, stat.value)(*self._operands(stat, t, index), t.call, param),
         )
 
+    def position_terms(self, leaf: int, index: slice | Tensor) -> Tensor | None:
+        """A tapped leaf's per-sample terms over its calls and positions, or ``None``.
+
+        See :meth:`~packfunc.engine.rules.base.Rule.position_terms`: ``None`` where a call's
+        rule gives none (an op-local rule's, the whole-model path's).
+
+        Args:
+            leaf: Leaf index.
+            index: Samples they cover.
+
+        Returns:
+            ``[n]``, in the squares' dtype, or ``None``.
+        """
+        if leaf not in self.recorded or self._route(leaf, Statistic.SQUARED_NORMS) is Route.CALL:
+            return None
+        param = self.bp.leaves[leaf]
+        found = [
+            t.rule.position_terms(*self._operands(Statistic.SQUARED_NORMS, t, index), t.call, param)
+            for t in self.leaf_terms(leaf)
+        ]
+        present = [f for f in found if f is not None]
+        return _total(present) if len(present) == len(found) else None
+
     def _tied_squared_norms(self, leaf: int, index: slice | Tensor) -> Tensor | None:
         """A leaf's squared norms over calls of several kinds, in Gram form where cheaper.
 

@@ -30,7 +30,7 @@ from packfunc.engine.memory import (
     new_output,
 )
 from packfunc.engine.precision import for_squares
-from packfunc.engine.rules.product import noting_cancelled
+from packfunc.engine.rules.product import cancellation_tolerance, noting_cancelled
 from packfunc.engine.vocabulary import PER_SAMPLE, Statistic
 from packfunc.losses import hessian_factors
 from packfunc.types import ClippingGroups
@@ -331,9 +331,7 @@ class SampleRows:
         parts = [self.rows[i] for i in self._alone()]
         if self.joined is not None:
             parts.append(self.joined)
-        # (a norm, not a sum of squares: no temporary of the rows' size)
-        # (squared in float32 where float16: the norms fit, their squares may not)
-        squares = [for_squares(torch.linalg.vector_norm(r, dim=1)).square() for r in parts]
+        squares = [squared_row_norms(r) for r in parts]
         total: Tensor = sum(squares[1:], squares[0])
         return total.to(parts[0].dtype)
 
@@ -399,7 +397,11 @@ def _squared_norms(
     the norms anyway (no closed form, or a cheaper one by the cost rule), within ``room``
     elements; their squared norms are then taken with the other kept ones
     (:class:`SampleRows`), and ``None`` is returned in their place. The samples whose
-    closed form formed their gradients (:func:`noting_cancelled`) go to ``cancelled[leaf]``.
+    closed form formed their gradients (:func:`noting_cancelled`) go to ``cancelled[leaf]``,
+    as do those whose formed gradients, beyond ``room``, are far below their positions'
+    terms (:meth:`ColumnGradients.position_terms`): the batch's contraction would round
+    their sums by more than their norms bound. Where no such bound is known, or under
+    ``vmap`` (no branch on values), gradients beyond ``room`` are kept all the same.
     """
     everyone = slice(0, columns.bp.n)
     small = _per_sample_is_smaller(columns, leaf)
@@ -414,7 +416,14 @@ def _squared_norms(
     found = columns.leaf_columns(leaf, everyone)[0]  # [N, *p]
     if found.numel() <= room:
         return None, found
-    return _statistic(Statistic.SQUARED_NORMS, found[None]).to(found.dtype), None
+    squares = _statistic(Statistic.SQUARED_NORMS, found[None]).to(found.dtype)
+    terms = columns.position_terms(leaf, everyone)
+    if terms is None or under_vmap():  # nothing bounds the contraction's rounding: kept
+        return None, found
+    cancelled_here = ~(squares >= cancellation_tolerance(squares.dtype) * terms.to(squares.dtype))
+    if bool(cancelled_here.any()):
+        cancelled[leaf] = cancelled_here.nonzero().squeeze(1)
+    return squares, None
 
 
 class _NormsDuringBackward:
@@ -671,6 +680,41 @@ class _Columns:
         return self.tensor
 
 
+_NORM_SEGMENT = 2**14
+"""Entries per norm in :func:`squared_row_norms`."""
+
+
+def squared_row_norms(rows: Tensor) -> Tensor:
+    """Each row's squared norm, ``[N]``, right to rounding at any width (float32 where float16).
+
+    ``torch.linalg.vector_norm`` of a long float32 row reads low on a CPU (its accumulation
+    rounds: 3e-5 at 2²² entries, 3e-4 at 2²⁴; a clipped sum then exceeds its bound by as
+    much). Norms of segments of :data:`_NORM_SEGMENT` entries are right to rounding; their
+    squares are summed. Nothing of the rows' size is formed.
+
+    Args:
+        rows: ``[N, W]``.
+
+    Returns:
+        ``[N]``.
+
+    Example:
+        >>> squared_row_norms(torch.full((2, 40000), 0.5))
+        tensor([10000., 10000.])
+    """
+    n, width = rows.shape
+    whole = width - width % _NORM_SEGMENT
+    if whole and rows.stride(1) == 1:  # (a view: each row's segments in one call)
+        segments = [rows[:, :whole].view(n, -1, _NORM_SEGMENT).transpose(1, 2)]
+    else:
+        segments = [rows[:, s : s + _NORM_SEGMENT, None] for s in range(0, whole, _NORM_SEGMENT)]
+    if width % _NORM_SEGMENT or not width:
+        segments.append(rows[:, whole:, None])
+    norms = torch.cat([torch.linalg.vector_norm(s, dim=1) for s in segments], 1)
+    # (squared in float32 where float16: the norms fit, their squares may not)
+    return for_squares(norms).square().sum(1)
+
+
 def _statistic(stat: Statistic, columns: Tensor) -> Tensor:
     """One chunk's contribution to a statistic, without a temporary of the chunk's size.
 
@@ -685,7 +729,7 @@ def _statistic(stat: Statistic, columns: Tensor) -> Tensor:
     if stat is Statistic.SQUARED_NORMS:
         width = columns.shape[0] * math.prod(columns.shape[2:])  # (-1: no width for no samples)
         per_sample = columns.transpose(0, 1).reshape(columns.shape[1], width)
-        return cast(Tensor, torch.linalg.vector_norm(per_sample, dim=1).square())
+        return squared_row_norms(per_sample)
     if stat is Statistic.DIAGONAL_PER_SAMPLE:
         return columns.square().sum(0)
     flat = columns.reshape(-1, *columns.shape[2:])

@@ -84,7 +84,13 @@ def tied_squared_norms(factors: Sequence[Factors], rows: int) -> Tensor:
                 terms = (products.diagonal(0, 1, 2) * columns.diagonal(0, 1, 2)).sum(1)
                 diagonal = terms if diagonal is None else diagonal + terms
     assert total is not None and diagonal is not None
-    return formed_where_cancelled(total, diagonal, lambda index: _gradients(factors, index, rows))
+    dense = any(a.is_floating_point() for a, _ in factors)  # (rows' products sum rows)
+    return formed_where_cancelled(
+        total,
+        diagonal,
+        lambda index: _gradients(factors, index, rows),
+        features=(rows if dense else 1) + factors[0][1].shape[-1],
+    )
 
 
 def _gradients(factors: Sequence[Factors], index: Tensor, rows: int) -> Tensor:

@@ -265,6 +265,17 @@ class Rule:
         """``Σ_k ‖c[k, n]‖²`` per sample, ``[n]``, or ``None``."""
         return None
 
+    def position_terms(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor | None:
+        """The squared sizes of the terms each sample's gradient sums, ``[n]``, or ``None``.
+
+        A gradient summed over positions (``Σ_l v_l u_lᵀ``) has terms ``Σ_{k,l} ‖v_kl‖²‖u_kl‖²``;
+        where its squared norm is far below them (its positions cancel), a contraction over
+        the batch rounds it by more than it is (see
+        :func:`~packfunc.engine.rules.product.formed_where_cancelled`). ``None``: the rule
+        gives no such bound.
+        """
+        return None
+
     def takes_closed_form(self, x: Any, call: SiteCall, param: Tensor, rank: int) -> bool:
         """Whether this call's column gradients come from the rule's closed forms.
 

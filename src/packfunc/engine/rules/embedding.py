@@ -8,6 +8,7 @@ from torch import Tensor
 from packfunc.engine.memory import is_plain, new_output
 from packfunc.engine.ops import SiteCall
 from packfunc.engine.rules.base import Rule
+from packfunc.engine.rules.product import formed_where_cancelled
 
 
 class EmbeddingWeight(Rule):
@@ -91,11 +92,28 @@ class EmbeddingWeight(Rule):
         out = g.new_zeros(n * rows, g.shape[-1]).index_add(0, target, sums.square())
         return out.view(n, *param.shape)
 
+    def position_terms(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
+        """``Σ_{k,l} ‖g_kl‖²`` per sample: the terms its rows' sums add (see base)."""
+        return g.square().sum(-1).sum(-1).sum(0)
+
     def squared_norms(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
-        """Squared norms of the per-key sums, gathered per sample."""
+        """Squared norms of the per-key sums, gathered per sample.
+
+        A sample whose repeated tokens' cotangents cancel (a per-key sum far below its
+        terms) gets its squared norm from its gradient, formed, and is noted
+        (:func:`~packfunc.engine.rules.product.formed_where_cancelled`): its clipped sum is
+        then taken from that gradient too, not from the batch's scatter-add, whose rounding
+        of its terms the norm does not bound.
+        """
         n, rows = x.shape[1], param.shape[0]
         unique, sums = _key_sums(x, g, rows)
-        return g.new_zeros(n).index_add(0, (unique // rows) % n, sums.square().sum(-1))
+        squares = g.new_zeros(n).index_add(0, (unique // rows) % n, sums.square().sum(-1))
+        terms = self.position_terms(x, g, call, param)
+
+        def gradients(index: Tensor) -> Tensor:
+            return self.columns(x[:, index], g[:, index], call, param).transpose(0, 1)
+
+        return formed_where_cancelled(squares, terms, gradients, features=x.shape[-1])
 
 
 def _keys(x: Tensor, columns: int, rows: int) -> Tensor:

@@ -72,7 +72,9 @@ class LinearWeight(ProductWeight):
             u_norms: Tensor = torch.linalg.vector_norm(u, dim=(1, 2))
             v_norms: Tensor = torch.linalg.vector_norm(v, dim=(1, 2))
             return (u_norms * v_norms).square()
-        return gram_squared_norms(v @ v.mT, u @ u.mT, lambda i: v[i].mT @ u[i])
+        return gram_squared_norms(
+            v @ v.mT, u @ u.mT, lambda i: v[i].mT @ u[i], features=n_in + n_out
+        )
 
     def outer_factors(
         self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor

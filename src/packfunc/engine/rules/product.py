@@ -99,7 +99,13 @@ class ProductWeight(Rule):
             return None
         gram_g = g[0].transpose(-1, -2) @ g[0]
         gram_u = x[0].transpose(-1, -2) @ x[0]
-        return gram_squared_norms(gram_g, gram_u, lambda i: g[0][i] @ x[0][i].transpose(-1, -2))
+        return gram_squared_norms(
+            gram_g, gram_u, lambda i: g[0][i] @ x[0][i].transpose(-1, -2), features=n_in + n_out
+        )
+
+    def position_terms(self, x: Tensor, g: Tensor, call: SiteCall, param: Tensor) -> Tensor:
+        """``Σ_{k,l} ‖v_kl‖²‖u_kl‖²`` per sample, over groups: a gradient's terms (see base)."""
+        return (g.square().sum(-2) * x.square().sum(-2)).sum((0, 2, 3))
 
     def sums_positions(self, g: Tensor, approx: str) -> bool:
         """Unless ``"expand"`` keeps several positions apart."""
@@ -173,7 +179,7 @@ def gram_is_cheaper(length: int, n_in: int, n_out: int) -> bool:
 
 
 def gram_squared_norms(
-    gram_v: Tensor, gram_u: Tensor, gradients: Callable[[Tensor], Tensor]
+    gram_v: Tensor, gram_u: Tensor, gradients: Callable[[Tensor], Tensor], *, features: int = 1
 ) -> Tensor:
     """``Σ_{l,m} (v_l·v_m)(u_l·u_m)`` per sample (dim 0): squared norms in Gram form, ``≥ 0``.
 
@@ -187,6 +193,7 @@ def gram_squared_norms(
         gram_v: Gram matrices of the output cotangents over positions, ``[N, ..., L, L]``.
         gram_u: Those of the inputs, the same shape.
         gradients: Maps sample indices ``[k]`` to those samples' gradients ``[k, ...]``.
+        features: The entries each Gram entry sums, both sides together (``O + I``).
 
     Returns:
         ``[N]``.
@@ -198,11 +205,11 @@ def gram_squared_norms(
     """
     squares = (gram_v * gram_u).flatten(1).sum(1)
     diagonal = (gram_v.diagonal(0, -2, -1) * gram_u.diagonal(0, -2, -1)).flatten(1).sum(1)
-    return formed_where_cancelled(squares, diagonal, gradients)
+    return formed_where_cancelled(squares, diagonal, gradients, features=features)
 
 
 def formed_where_cancelled(
-    squares: Tensor, diagonal: Tensor, gradients: Callable[[Tensor], Tensor]
+    squares: Tensor, diagonal: Tensor, gradients: Callable[[Tensor], Tensor], *, features: int = 1
 ) -> Tensor:
     """Squared norms in Gram form, those of samples whose positions cancel from their gradients.
 
@@ -210,6 +217,7 @@ def formed_where_cancelled(
         squares: Squared norms in Gram form ``[N]``.
         diagonal: Their terms of equal positions, ``Σ_l ‖v_l‖²‖u_l‖²`` ``[N]``.
         gradients: Maps sample indices ``[k]`` to those samples' gradients ``[k, ...]``.
+        features: The entries each of the terms' products sums (:func:`cancellation_tolerance`).
 
     Returns:
         ``[N]``, ``≥ 0``.
@@ -220,7 +228,7 @@ def formed_where_cancelled(
         tensor([0.5000, 2.0000])
     """
     # (not >=: a NaN, where positions' terms overflowed to inf - inf, is formed too)
-    cancelled = ~(squares >= cancellation_tolerance(squares.dtype) * diagonal)
+    cancelled = ~(squares >= cancellation_tolerance(squares.dtype, features) * diagonal)
     if under_vmap():  # (no branch on values there: every sample's gradient, formed)
         everyone = torch.arange(len(squares), device=squares.device)
         formed = gradients(everyone).flatten(1).square().sum(1).to(squares.dtype)
@@ -259,17 +267,28 @@ def noting_cancelled() -> Iterator[list[Tensor]]:
         yield found
 
 
-def cancellation_tolerance(dtype: torch.dtype) -> float:
+def cancellation_tolerance(dtype: torch.dtype, features: int = 1) -> float:
     """The share of its diagonal terms below which a Gram-form squared norm is not trusted.
 
-    ``32·√ε``: where positions cancel to that, the Gram form's rounding (of the order of
-    ``ε`` times the terms) is a few per cent of the result.
+    ``32·√(κε)``, ``κ = 1 + features / 128``: the Gram form's rounding is of the order of
+    ``κε`` times the terms, where its entries are dot products of ``features`` entries (a
+    CPU's float32 products round by about ``features / 200·ε`` of their terms where the
+    entries share a sign; crafted samples just above ``32·√ε`` read their norms 8e-4 low
+    with 16384 output features, 1.2e-2 with 262144, a probe). At the threshold the rounding
+    is ``√(κε) / 32`` of the result: 1e-4 at 16384 float32 features, 3e-4 at 262144.
+
+    Args:
+        dtype: The squares' dtype.
+        features: The entries each product the terms are made of sums (1: none).
+
+    Returns:
+        The share.
 
     Example:
-        >>> round(cancellation_tolerance(torch.float32), 4)
-        0.011
+        >>> [round(cancellation_tolerance(torch.float32, n), 3) for n in (1, 16384)]
+        [0.011, 0.126]
     """
-    return 32 * math.sqrt(torch.finfo(dtype).eps)
+    return 32 * math.sqrt(torch.finfo(dtype).eps * (1 + features / 128))
 
 
 def _column_products(x: Tensor, g: Tensor) -> Tensor:
