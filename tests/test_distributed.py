@@ -7,11 +7,13 @@ them; the tests compare both ranks' files with one process over all samples.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import packfunc as pf
@@ -85,6 +87,82 @@ def one_rank_empty(loss_name: str, reduction: str, rank: int, group) -> dict:
     return found
 
 
+def disagreements(rank: int, group) -> dict:
+    """Ranks that raise alone, make different calls or pass other parameters: every rank
+    leaves the call alike (the others hung, or paired its collectives with the next call's)."""
+    problem = make_dataset("cross_entropy", "sum")
+    model_fn, params = problem.functional()
+    X, y = problem.X[rank::2], problem.y[rank::2]
+    kw = {"loss": problem.loss, "process_group": group}
+    found: dict = {}
+    outcomes = {
+        "one rank raises": lambda: pf.clipped_grad(
+            model_fn,
+            params,
+            X if rank else X.clone().index_fill_(0, torch.tensor([0]), math.nan),
+            y,
+            max_norm=0.05,
+            **kw,
+        ),
+        "other max_norm": lambda: pf.clipped_grad(
+            model_fn, params, X, y, max_norm=0.05 * (1 + rank), **kw
+        ),
+        "other values": lambda: pf.diag_ggn(
+            model_fn, {k: v + rank for k, v in params.items()}, X, y, **kw
+        ),
+    }
+    for name, call in outcomes.items():
+        try:
+            call()
+            found[name] = "ran"
+        except Exception as error:  # noqa: BLE001 (the outcome is the test's)
+            found[name] = f"{type(error).__name__}: {error}"
+    found["after them"] = pf.diag_ggn(model_fn, params, X, y, **kw)  # the collectives pair up
+    # an embedding's block products are laid out non-contiguously; all-reduced against an
+    # empty rank's contiguous zeros they were read in another order there
+    torch.manual_seed(0)
+    tokens = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 3)).double()
+    tokens_fn, tokens_params = pf.functional(tokens)
+    X_t, y_t = torch.randint(0, 7, (6, 5)), torch.randint(0, 3, (6, 5))
+    mats = {k: torch.ones(2, *p.shape, dtype=p.dtype) for k, p in tokens_params.items()}
+    found["blocks"] = pf.ggn_block_products(
+        lambda p, x: tokens_fn(p, x).transpose(1, 2),
+        tokens_params,
+        X_t[: 6 * (1 - rank)],
+        y_t[: 6 * (1 - rank)],
+        mats=mats,
+        loss=nn.CrossEntropyLoss(),
+        process_group=group,
+    )
+    return found
+
+
+def private_steps(rank: int | None, group) -> dict:
+    """DP-SGD's private gradient over ranks (``rank=None``: one process over every sample,
+    with rank 0's generator): each rank's generator differs, the noise is drawn once."""
+    problem = make_dataset("cross_entropy", "sum")
+    model_fn, params = problem.functional()
+    found = {}
+    for case, shards in (
+        ("uneven", (slice(0, 4), slice(4, 11))),
+        ("one empty", (slice(0, 11), slice(0, 0))),
+    ):
+        shard = slice(0, 11) if rank is None else shards[rank]
+        generator = torch.Generator().manual_seed(100 + (rank or 0))
+        private = pf.privacy.private_gradient(
+            model_fn,
+            max_norm=0.05,
+            noise_multiplier=1.0,
+            expected_batch_size=11.0,
+            loss=problem.loss,
+            generator=generator,
+            process_group=group,
+        )
+        batch = (problem.X[shard], problem.y[shard])
+        found[case] = private.update(None, private.init(params), params, batch)[0]
+    return found
+
+
 def _rows(stream, dim: int) -> dict:
     parts = list(stream)
     return {name: torch.cat([p[name] for p in parts], dim) for name in parts[0]}
@@ -98,6 +176,8 @@ def _worker(rank: int, init_file: str, out: str) -> None:
         found["one rank empty"] = {
             setting: one_rank_empty(*setting, rank, dist.group.WORLD) for setting in SETTINGS
         }
+        found["disagreements"] = disagreements(rank, dist.group.WORLD)
+        found["private"] = private_steps(rank, dist.group.WORLD)
         torch.save(found, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -145,3 +225,50 @@ def test_a_rank_without_samples_adds_nothing(ranks: list[dict], setting: tuple) 
             if name in expected:
                 assert_trees_close(uneven[name], expected[name], f"rank{rank} {name}")
         assert uneven["kflr refused"], f"rank{rank}"
+
+
+def test_ranks_that_disagree_leave_the_call_alike(ranks: list[dict]) -> None:
+    """A probe: a NaN sample on rank 0 raised there only, rank 1 waited in the all-reduce
+    (a hang; where the caller caught the error, the next call's sums were paired with this
+    one's); different max_norm or parameter values were summed silently. Every rank now
+    raises, and the next call's sums are right."""
+    first, second = (found["disagreements"] for found in ranks)
+    assert first["one rank raises"].startswith("FloatingPointError")
+    assert first["one rank raises"] != second["one rank raises"]
+    assert second["one rank raises"].startswith("RuntimeError: rank 0 of process_group= raised")
+    for found in (first, second):
+        assert "made different calls" in found["other max_norm"]
+        assert "parameters of different values" in found["other values"]
+    problem = make_dataset("cross_entropy", "sum")
+    model_fn, params = problem.functional()
+    expected = pf.diag_ggn(model_fn, params, problem.X, problem.y, loss=problem.loss)
+    for found in (first, second):
+        assert_trees_close(found["after them"], expected, "the call after")
+    torch.manual_seed(0)
+    tokens = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 3)).double()
+    tokens_fn, tokens_params = pf.functional(tokens)
+    X_t, y_t = torch.randint(0, 7, (6, 5)), torch.randint(0, 3, (6, 5))
+    mats = {k: torch.ones(2, *p.shape, dtype=p.dtype) for k, p in tokens_params.items()}
+    blocks = pf.ggn_block_products(
+        lambda p, x: tokens_fn(p, x).transpose(1, 2),
+        tokens_params,
+        X_t,
+        y_t,
+        mats=mats,
+        loss=nn.CrossEntropyLoss(),
+    )
+    for found in (first, second):
+        assert_trees_close(found["blocks"], blocks, "block products, one rank empty")
+
+
+def test_private_gradients_over_ranks_are_one_process_s_with_the_noise_drawn_once(
+    ranks: list[dict],
+) -> None:
+    """A probe: with each rank's own generator the ranks' noisy gradients differed (the
+    replicas drifted apart), and nothing said how to size noise over ranks. The noise is
+    drawn on the first rank and sent to the others; a rank with an empty batch still takes
+    part."""
+    expected = private_steps(None, None)
+    for rank, found in enumerate(ranks):
+        for case in expected:
+            assert_trees_close(found["private"][case], expected[case], f"rank{rank} {case}")

@@ -300,3 +300,38 @@ def test_negative_class_weights_with_a_negative_mean_divisor_are_convex():
     loss = nn.CrossEntropyLoss(weight=-torch.rand(CLASSES).double() - 0.1)
     ggn, _ = _autograd_diagonals(model, loss, X, y)
     assert_trees_close(pf.diag_ggn(model_fn, params, X, y, loss=loss), ggn)
+
+
+@pytest.mark.parametrize(
+    "setting", ["negative weight", "negative pos_weight", "target beyond [0, 1]", "tiny weight"]
+)
+def test_negative_weights_of_binary_losses_are_refused_for_curvature(setting: str) -> None:
+    """BCEWithLogitsLoss's closed-form curvature took the square root of a negative weight:
+    NaN in every curvature quantity, silently; BCELoss's small negative weights (1e-7) fell
+    under the autodiff path's absolute rounding floor and were clamped to 0 (0.95 off; both
+    found by a probe). Refused, as negative cross-entropy weights are."""
+    torch.manual_seed(0)
+    model_fn, params = pf.functional(nn.Linear(4, 3).double())
+    X, y = torch.randn(5, 4, dtype=torch.float64), torch.rand(5, 3, dtype=torch.float64)
+    signs = torch.tensor([1.0, -1.0, 1.0], dtype=torch.float64)
+    if setting == "negative weight":
+        loss: nn.Module = nn.BCEWithLogitsLoss(weight=signs)
+    elif setting == "negative pos_weight":
+        loss = nn.BCEWithLogitsLoss(pos_weight=signs)
+    elif setting == "target beyond [0, 1]":
+        loss, y = nn.BCEWithLogitsLoss(pos_weight=torch.full((3,), 0.5).double()), 3 * y + 2.5
+    else:
+        model_fn, params = pf.functional(nn.Sequential(nn.Linear(4, 3), nn.Sigmoid()).double())
+        loss = nn.BCELoss(weight=1e-7 * signs, reduction="sum")
+    for quantity in (pf.diag_ggn, pf.diag_hessian, pf.kflr):
+        with pytest.raises(ValueError, match="negative"):
+            quantity(model_fn, params, X, y, loss=loss)
+
+
+def test_uint8_class_targets_of_k_dimensional_outputs_are_refused_naming_long() -> None:
+    """torch's cross-entropy takes uint8 class indices for [N, C] outputs only; for
+    [N, C, d...] (segmentation masks) it raised its own "expected scalar type Long"."""
+    model_fn, params = pf.functional(nn.Conv2d(2, 3, 1))
+    X, y = torch.randn(2, 2, 3, 3), torch.randint(0, 3, (2, 3, 3), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"y\.long\(\)"):
+        pf.batch_grad(model_fn, params, X, y, loss=nn.CrossEntropyLoss())

@@ -46,6 +46,8 @@ from torch.utils.data import DataLoader
 
 from packfunc.distributed import (
     ProcessGroup,
+    agree_on_call,
+    call_signature,
     check_group,
     is_first_rank,
     sum_counts_over_ranks,
@@ -462,7 +464,11 @@ def _over_dataset(
     if kronecker:
         partials = layout.canonical(partials, kronecker)
     batches = (batch for batch in batches if len(batch[1]))  # an empty one adds nothing
-    totals, samples, normalizer = _summed(batches, partials, loss, source.group, device, kronecker)
+    signature = call_signature(name, [s.name for s in specs], options, loss, params)
+    values = [t for t in optree.tree_leaves(params) if isinstance(t, Tensor)]
+    totals, samples, normalizer = _summed(
+        batches, partials, loss, source.group, device, kronecker, signature, values
+    )
     scale = _inverse_normalizer(normalizer) if loss.reduction == "mean" else 1.0
     result = {s.name: _finish(s, totals, scale, samples) for s in specs}
     result = {k: layout.own(v) if k in kronecker else v for k, v in result.items()}
@@ -648,25 +654,34 @@ def _summed(
     group: ProcessGroup | None,
     device: torch.device,
     kronecker: set[str],
+    signature: str,
+    values: list[Tensor],
 ) -> tuple[dict[str, Any], float, float]:
     """Partial results summed over batches and ranks; sample count ``N`` and normalizer ``Z``.
 
     The ``B`` factors of the ``kronecker`` quantities enter weighted by their batch's
-    sample count.
+    sample count. Before any sum the ranks agree that each made the call ``signature``
+    describes, with parameters of equal ``values``, and none raised
+    (:func:`~packfunc.distributed.agree_on_call`).
     """
     summed_loss = _sum_reduced(loss)
     totals: dict[str, Any] | None = None
     samples, normalizer = 0, torch.zeros((), dtype=torch.float64, device=device)
-    for X_b, y_b in batches:
-        n = int(y_b.shape[0])
-        part = {
-            name: _input_factors_times(value, n) if name in kronecker else value
-            for name, value in per_batch(X_b, y_b, summed_loss).items()
-        }
-        totals = part if totals is None else _added(totals, part)
-        del part  # the next batch's intermediate state replaces this one's
-        samples += n
-        normalizer += mean_normalizer(loss, y_b)  # on the device: no sync per batch
+    failure: Exception | None = None
+    try:
+        for X_b, y_b in batches:
+            n = int(y_b.shape[0])
+            part = {
+                name: _input_factors_times(value, n) if name in kronecker else value
+                for name, value in per_batch(X_b, y_b, summed_loss).items()
+            }
+            totals = part if totals is None else _added(totals, part)
+            del part  # the next batch's intermediate state replaces this one's
+            samples += n
+            normalizer += mean_normalizer(loss, y_b)  # on the device: no sync per batch
+    except Exception as error:  # (raised after the others learn of it)
+        failure = error
+    agree_on_call(signature, values, failure, group, device)
     samples_all, normalizer_all, empty = sum_counts_over_ranks(
         [float(samples), float(normalizer), float(totals is None)], group, device
     )

@@ -11,8 +11,10 @@ CUDA tensors.
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Any, cast
 
 import optree
@@ -107,10 +109,114 @@ def _summed(tensor: Tensor, group: ProcessGroup) -> Tensor:
 
         with warnings.catch_warnings():  # deprecated in torch 2.13, with no public successor
             warnings.simplefilter("ignore", FutureWarning)
-            return cast(Tensor, all_reduce(tensor, group=group))
-    total = tensor.clone()
+            return cast(Tensor, all_reduce(tensor.contiguous(), group=group))
+    # contiguous: all_reduce adds memory in storage order, and another rank's tensor (an
+    # empty shard's zeros) may be laid out otherwise
+    total = tensor.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(total, group=group)
     return total
+
+
+def call_signature(*parts: Any) -> str:
+    """A description of a call that equal calls share: tensors by shape and dtype, numbers by value.
+
+    Args:
+        parts: The call's name, options, loss, parameters (pytrees; a module by its type and
+            public attributes).
+
+    Returns:
+        The description.
+
+    Example:
+        >>> call_signature("diag_ggn", {"w": torch.ones(2, 3)}, torch.nn.MSELoss())
+        "'diag_ggn' {'w': ((2, 3), torch.float32)} MSELoss{'reduction': 'mean'}"
+    """
+
+    def described(value: Any) -> str:
+        if isinstance(value, torch.nn.Module):
+            public = {
+                k: v
+                for k, v in sorted(vars(value).items())
+                if not k.startswith("_") and k != "training"
+            }
+            tensors = dict(value.named_buffers()) | dict(value.named_parameters())
+            return f"{type(value).__name__}{described(public | tensors)}"
+        if isinstance(value, dict):
+            inner = ", ".join(f"{k!r}: {described(v)}" for k, v in value.items())
+            return f"{{{inner}}}"
+        if isinstance(value, list | tuple):
+            return f"[{', '.join(described(v) for v in value)}]"
+        if isinstance(value, Tensor):
+            return repr((tuple(value.shape), value.dtype))
+        if value is None or isinstance(value, bool | int | float | complex | str | Enum):
+            return repr(value)
+        return type(value).__name__  # (a generator's repr has its address: one per rank)
+
+    return " ".join(described(part) for part in parts)
+
+
+def agree_on_call(
+    signature: str,
+    values: list[Tensor],
+    failure: Exception | None,
+    group: ProcessGroup | None,
+    device: torch.device,
+) -> None:
+    """Every rank of ``group`` learns, before the sums, that all made one call and none raised.
+
+    A rank that raised alone (a NaN in its shard) left the others waiting in a collective
+    it never reached: they hung, or, where the caller caught the error and went on, paired
+    that collective with its next call's (silently wrong sums). A rank that made another
+    call (other shapes, options or loss, or parameters of other values: a rank that missed
+    an update) aborted the process or summed different things. One ``all_gather`` of a
+    flag, a digest of ``signature`` and a checksum of ``values`` lets every rank leave alike.
+
+    Args:
+        signature: This rank's :func:`call_signature`.
+        values: The parameters (their float64 sums, weighted by position, are compared).
+        failure: What this rank's own part raised, or ``None``.
+        group: A process group (``None``: a single process, ``failure`` raised if any).
+        device: Where the collective runs (CPU for gloo, the GPU for NCCL).
+
+    Raises:
+        Exception: ``failure``, on its rank; ``RuntimeError`` on the others where a rank
+            raised; ``ValueError`` on every rank where the calls differ.
+
+    Example:
+        >>> agree_on_call("diag_ggn", [torch.ones(2)], None, None, torch.device("cpu"))
+    """
+    if group is None:
+        if failure is not None:
+            raise failure
+        return
+    digest = int.from_bytes(hashlib.sha256(signature.encode()).digest()[:7], "big")
+    flags = torch.tensor([int(failure is not None), digest], dtype=torch.int64, device=device)
+    sums = [v.detach().sum(dtype=torch.float64).to(device) * (i + 1) for i, v in enumerate(values)]
+    checksum = torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64)
+    mine = torch.cat([flags, checksum.to(device).view(torch.int64).reshape(1)])
+    gathered = [torch.empty_like(mine) for _ in range(world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    if failure is not None:
+        raise failure
+    failed = [rank for rank, found in enumerate(gathered) if int(found[0])]
+    if failed:
+        raise RuntimeError(
+            f"rank {failed[0]} of process_group= raised in this call (its error is reported "
+            "there); every rank leaves the call, so that the next collectives pair up. Fix "
+            "that rank's shard or call."
+        )
+    if len({int(found[1]) for found in gathered}) > 1:
+        raise ValueError(
+            "the ranks of process_group= made different calls (the quantity, its options, "
+            "the loss, or the parameters' names, shapes or dtypes differ); every rank must "
+            f"make the same call on its own shard. This rank's: {signature[:300]}"
+        )
+    if len({int(found[2]) for found in gathered}) > 1:
+        raise ValueError(
+            "the ranks of process_group= passed parameters of different values (a rank that "
+            "missed an update, or an unsynchronized initialization); every rank must pass the "
+            "same parameters (broadcast them from one rank, as DistributedDataParallel does)."
+        )
 
 
 @dataclass(frozen=True)
@@ -186,6 +292,8 @@ def sum_counts_over_ranks(
 
 __all__ = [
     "ProcessGroup",
+    "agree_on_call",
+    "call_signature",
     "check_group",
     "is_first_rank",
     "sum_counts_over_ranks",

@@ -294,7 +294,8 @@ def _check_class_targets(loss: nn.Module, output: Tensor, target: Tensor) -> Non
     index_shape = output.shape[:1] + output.shape[2:]
     takes_probabilities = isinstance(loss, nn.CrossEntropyLoss)
     if target.shape == index_shape and not target.is_floating_point():
-        if target.dtype not in (torch.long, torch.uint8):
+        kdim_uint8 = target.dtype == torch.uint8 and output.dim() > 2  # (torch refuses it)
+        if target.dtype not in (torch.long, torch.uint8) or kdim_uint8:
             raise ValueError(
                 f"{name} needs class targets of dtype torch.int64 (long); got {target.dtype}. "
                 "Pass y.long()."
@@ -429,14 +430,20 @@ def _diagonal_factors(root: Tensor) -> HessianFactors:
 
 
 def _elementwise_curvature(loss: nn.Module, output: Tensor, target: Tensor) -> Tensor:
-    """Diagonal of the reduced loss's Hessian w.r.t. the output, ``[N, ...]``."""
+    """Diagonal of the reduced loss's Hessian w.r.t. the output, ``[N, ...]``.
+
+    A negative ``weight``/``pos_weight`` (or, with ``pos_weight``, a target beyond ``[0, 1]``
+    that makes its factor negative) is refused as a negative curvature is: the closed form's
+    square root read NaN, and the autodiff path's rounding floor let small ones through.
+    """
+    _refuse_negative_weights(loss)
     if isinstance(loss, nn.MSELoss):
         return torch.full_like(output, 2.0 / float(_mean_divisor(loss, output.numel())))
     if isinstance(loss, nn.BCEWithLogitsLoss):
         probs = torch.sigmoid(output)
         weight = torch.ones_like(output)
         if loss.pos_weight is not None:
-            weight = loss.pos_weight * target + 1 - target
+            weight = nonnegative_curvature(loss, loss.pos_weight * target + 1 - target)
         if loss.weight is not None:
             weight = weight * loss.weight
         return probs * (1 - probs) * weight / _mean_divisor(loss, output.numel())
@@ -449,6 +456,25 @@ def _elementwise_curvature(loss: nn.Module, output: Tensor, target: Tensor) -> T
     _, pullback = vjp(torch.func.grad(loss_of), output)
     (hvp,) = pullback(torch.ones_like(output))
     return nonnegative_curvature(loss, hvp, floor=1.0)
+
+
+def _refuse_negative_weights(loss: nn.Module) -> None:
+    """Refuse a loss whose ``weight`` or ``pos_weight`` has a negative entry (not convex).
+
+    Raises:
+        ValueError: naming the option.
+
+    Example:
+        >>> _refuse_negative_weights(nn.BCELoss(weight=torch.tensor([1.0, 2.0])))
+    """
+    for option in ("weight", "pos_weight"):
+        weight = getattr(loss, option, None)
+        if isinstance(weight, Tensor) and bool((weight < 0).any()):
+            raise ValueError(
+                f"{type(loss).__name__}({option}=...) has negative entries: the loss has "
+                "negative curvature there, and the GGN needs a convex loss (positive "
+                "semi-definite Hessian w.r.t. the output). Give nonnegative weights."
+            )
 
 
 def nonnegative_curvature(loss: nn.Module, curvature: Tensor, *, floor: float = 0.0) -> Tensor:

@@ -22,10 +22,17 @@ from typing import Any, Literal, cast
 
 import optree
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
 from packfunc.data import DataOptions, over_data
+from packfunc.distributed import (
+    ProcessGroup,
+    check_group,
+    is_first_rank,
+    sum_counts_over_ranks,
+)
 from packfunc.engine.statistics import clipping_factors, norms_from_squares
 from packfunc.evaluation import CLIPPING_EPS, clipping_bounds, one_quantity
 from packfunc.functionalize import flatten_params, functional, leading_sizes
@@ -110,6 +117,7 @@ def add_noise(
     noise_multiplier: float,
     *,
     generator: torch.Generator | None = None,
+    process_group: ProcessGroup | None = None,
 ) -> ParamsT:
     """The clipped sum plus Gaussian noise of standard deviation ``σ·C`` in every coordinate.
 
@@ -120,6 +128,11 @@ def add_noise(
         max_norm: The clipping bound ``C``.
         noise_multiplier: ``σ >= 0``, finite.
         generator: Random generator for the noise (on the sum's device).
+        process_group: Ranks that each hold the global clipped sum (``clipped_grad(...,
+            process_group=...)``): the noise is drawn once, on the group's first rank
+            (from its ``generator``), and sent to the others, so that every rank adds the
+            same noise (noise drawn on each rank would leave the replicas apart, and an
+            average of it would be ``√ranks`` too small).
 
     Returns:
         Pytree like ``clipped_sum``.
@@ -142,7 +155,17 @@ def add_noise(
             f"add_noise needs floating-point leaves (Gaussian noise); leaf {integral[0]} is "
             f"{leaves[integral[0]].dtype}. Pass the clipped sum (clipped_grad's result)."
         )
-    noisy = _plus_gaussian(leaves, noise_multiplier * max_norm, generator)
+    if process_group is None:
+        noisy = _plus_gaussian(leaves, noise_multiplier * max_norm, generator)
+    else:
+        check_group(process_group)
+        noise = [torch.zeros_like(leaf, memory_format=torch.contiguous_format) for leaf in leaves]
+        if is_first_rank(process_group):
+            noise = _plus_gaussian(noise, noise_multiplier * max_norm, generator)
+        first = dist.get_global_rank(process_group, 0)
+        for drawn in noise:
+            dist.broadcast(drawn, src=first, group=process_group)
+        noisy = [leaf + drawn for leaf, drawn in zip(leaves, noise, strict=True)]
     return cast(ParamsT, optree.tree_unflatten(treespec, noisy))
 
 
@@ -335,9 +358,13 @@ class DPOptimizer:
             reads it; :func:`clipped_grad` reads a list in its ``params``' order, sorted
             names, and the shim's ``ClippedGrad`` in ``model.parameters()`` order).
         noise_multiplier: ``σ``.
-        expected_batch_size: ``q·n`` for Poisson sampling (the batch size otherwise).
+        expected_batch_size: ``q·n`` for Poisson sampling (the batch size otherwise), over
+            every rank's shard.
         loss: A loss with ``reduction='sum'`` (default ``CrossEntropyLoss(reduction='sum')``).
         generator: Random generator for the noise.
+        process_group: Ranks that each step on their own batch of one model replica (not
+            wrapped in ``DistributedDataParallel``): every rank steps with the private
+            gradient of all ranks' samples, the noise drawn once (:func:`add_noise`).
 
     Raises:
         ValueError: for a ``noise_multiplier`` that is negative, infinite or NaN, bounds
@@ -362,6 +389,7 @@ class DPOptimizer:
         expected_batch_size: float,
         loss: nn.Module | None = None,
         generator: torch.Generator | None = None,
+        process_group: ProcessGroup | None = None,
     ):
         _check_noise_multiplier(noise_multiplier, "DPOptimizer")
         if loss is not None:
@@ -375,6 +403,7 @@ class DPOptimizer:
             expected_batch_size=expected_batch_size,
             loss=loss,
             generator=generator,
+            process_group=process_group,
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -498,6 +527,7 @@ def private_gradient(
     expected_batch_size: float,
     loss: nn.Module | None = None,
     generator: torch.Generator | None = None,
+    process_group: ProcessGroup | None = None,
 ) -> GradientTransformation:
     """DP-SGD's gradient as an optax-style transformation: chain it with ``scale(-lr)``.
 
@@ -509,9 +539,12 @@ def private_gradient(
         model_fn: ``model_fn(params, X) -> output``.
         max_norm: The clipping bound (or one per parameter).
         noise_multiplier: ``σ``.
-        expected_batch_size: ``q·n`` for Poisson sampling.
+        expected_batch_size: ``q·n`` for Poisson sampling (over every rank's shard).
         loss: A loss with ``reduction='sum'`` (default ``CrossEntropyLoss(reduction='sum')``).
         generator: Random generator for the noise.
+        process_group: Ranks that each pass their own batch: every rank gets the private
+            gradient of all ranks' samples, with the noise drawn once (see
+            :func:`add_noise`).
 
     Returns:
         The transformation (its state is an :class:`~packfunc.optim.EmptyState`).
@@ -560,13 +593,27 @@ def private_gradient(
         # for the noise alone: else one bound could clip two leaves, the noise sized for one
         clipping_bounds(max_norm, flatten_params(params)[2])
         total: PyTree
-        if y is not None and len(y) == 0 and leading_sizes(X) <= {0}:
+        empty = y is not None and len(y) == 0 and leading_sizes(X) <= {0}
+        if process_group is not None:  # (every rank's batch empty: each adds the noise alone)
+            device = optree.tree_leaves(cast(Any, params))[0].device
+            empty = sum_counts_over_ranks([float(not empty)], process_group, device)[0] == 0
+        if empty:
             # an empty Poisson batch: the noise alone (inputs with samples beside no targets
             # go on to clipped_grad, which refuses the mismatch)
             total = cast(PyTree, optree.tree_map(torch.zeros_like, cast(Any, params)))
         else:
-            total = clipped_grad(model_fn, params, X, y, loss=summed, max_norm=max_norm)
-        noisy = add_noise(total, bound, noise_multiplier, generator=generator)
+            total = clipped_grad(
+                model_fn,
+                params,
+                X,
+                y,
+                loss=summed,
+                max_norm=max_norm,
+                process_group=process_group,
+            )
+        noisy = add_noise(
+            total, bound, noise_multiplier, generator=generator, process_group=process_group
+        )
         scaled = optree.tree_map(lambda t: t / expected_batch_size, cast(Any, noisy))
         return cast(PyTree, scaled), state
 

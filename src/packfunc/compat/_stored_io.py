@@ -109,7 +109,12 @@ def memory_cleanup(module: nn.Module) -> None:
 
 
 def store_result(
-    param: nn.Parameter, name: str, value: Any, *, input_factor_first: bool = False
+    param: nn.Parameter,
+    name: str,
+    value: Any,
+    *,
+    input_factor_first: bool = False,
+    samples: int | None = None,
 ) -> None:
     """Set ``param.<name>`` to an extension's result, noted as the shim's.
 
@@ -120,6 +125,7 @@ def store_result(
         input_factor_first: Kronecker factors ``[A, G]`` of a weight stored ``[in, out]``
             (``x @ W``, GPT-2's ``Conv1D``), where others have ``[G, A]``: noted for
             :func:`input_factor_first`.
+        samples: The batch's samples the result is of (see :func:`samples_of`).
 
     Example:
         >>> import torch
@@ -129,7 +135,7 @@ def store_result(
         torch.Size([3, 2])
     """
     setattr(param, name, value)
-    param.__dict__.setdefault(_RESULTS, {})[name] = (type(value), id(value))
+    param.__dict__.setdefault(_RESULTS, {})[name] = (type(value), id(value), samples)
     first = param.__dict__.setdefault(_INPUT_FIRST, set())
     if input_factor_first:
         first.add(name)
@@ -150,6 +156,21 @@ def input_factor_first(param: nn.Parameter, name: str) -> bool:
     stored = param.__dict__.get(_RESULTS, {}).get(name)
     ours = stored is not None and stored[1] == id(getattr(param, name, None))
     return ours and name in param.__dict__.get(_INPUT_FIRST, set())
+
+
+def samples_of(param: nn.Parameter, name: str) -> int | None:
+    """The number of samples the shim's ``param.<name>`` is of, where it noted one.
+
+    Example:
+        >>> import torch
+        >>> weight = nn.Parameter(torch.zeros(3, 2))
+        >>> store_result(weight, "kflr", [torch.eye(3), torch.eye(2)], samples=5)
+        >>> samples_of(weight, "kflr")
+        5
+    """
+    stored = param.__dict__.get(_RESULTS, {}).get(name)
+    ours = stored is not None and stored[1] == id(getattr(param, name, None))
+    return stored[2] if ours else None
 
 
 def forget_results(module: nn.Module, names: list[str]) -> None:
@@ -193,6 +214,6 @@ def forget_result(param: nn.Parameter, name: str) -> None:
     """
     mine = param.__dict__.get(_RESULTS, {})
     value = param.__dict__.get(name)
-    if name in mine and mine[name] == (type(value), id(value)):
+    if name in mine and mine[name][:2] == (type(value), id(value)):
         del param.__dict__[name]
         del mine[name]

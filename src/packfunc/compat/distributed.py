@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Literal, cast
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from packfunc.compat._stored_io import input_factor_first, store_result
+from packfunc.compat._stored_io import input_factor_first, samples_of, store_result
 from packfunc.compat.extensions.backprop_extension import BackpropExtension
 from packfunc.distributed import ProcessGroup, sum_over_ranks
 from packfunc.specs import Combine, Family
@@ -37,9 +38,10 @@ def all_reduce_extensions(
     like DDP's ``.grad``, and ``sum_grad_squared`` (quadratic) the sum over ranks
     divided by the number of ranks squared. With ``reduction='sum'`` both are
     summed. Kronecker input factors (averages over samples) are averaged over
-    ranks. Per-sample fields (``grad_batch`` ...) and curvature-product functions
-    stay per rank. For unequal batches or class-weighted means use the functional
-    API with ``process_group=``, which normalizes globally.
+    ranks, with either reduction: unequal batches are refused there. Per-sample fields
+    (``grad_batch`` ...) and curvature-product functions stay per rank. For unequal
+    batches or class-weighted means use the functional API with ``process_group=``, which
+    normalizes globally.
 
     Args:
         model: The extended model (or the module inside ``DistributedDataParallel``).
@@ -49,9 +51,9 @@ def all_reduce_extensions(
 
     Raises:
         RuntimeError: if ``torch.distributed`` is not initialized.
-        ValueError: for ``Variance`` and ``KFRA`` (not sums over samples; compute
-            ``variance`` from ``SumGradSquared`` and ``.grad``, use ``KFLR``/``KFAC``),
-            or a bad ``reduction``.
+        ValueError: for Kronecker factors of unequal batches; for ``Variance`` and ``KFRA``
+            (not sums over samples; compute ``variance`` from ``SumGradSquared`` and
+            ``.grad``, use ``KFLR``/``KFAC``), or a bad ``reduction``.
 
     Example:
         >>> from packfunc.compat.extensions import DiagGGNExact
@@ -80,6 +82,8 @@ def all_reduce_extensions(
                 "combined; for Variance extend with SumGradSquared and combine it with .grad, "
                 "for KFRA use KFLR or KFAC."
             )
+        if spec.combine is Combine.KRONECKER:
+            _refuse_unequal_batches(extension, parameters, group)
         power = spec.loss_power
         scale = 1 / ranks**power if reduction == "mean" else 1.0
         for p in parameters:
@@ -88,6 +92,39 @@ def all_reduce_extensions(
                 first = input_factor_first(p, extension.savefield)
                 combined = _combined(value, scale, ranks, group, input_first=first)
                 store_result(p, extension.savefield, combined, input_factor_first=first)
+
+
+def _refuse_unequal_batches(
+    extension: BackpropExtension, parameters: list[nn.Parameter], group: ProcessGroup
+) -> None:
+    """Refuse Kronecker factors of ranks whose batches differ in size, on every rank.
+
+    Each rank's input factors average its own samples; averaging them over ranks weighs
+    every rank alike, which is the global average only where the batches are equally large
+    (unequal ones: a factor 17 % off, a probe).
+
+    Raises:
+        ValueError: where the ranks' batch sizes differ.
+    """
+    noted = (samples_of(p, extension.savefield) for p in parameters)
+    mine = next((n for n in noted if n is not None), -1)
+    local = torch.tensor([mine], dtype=torch.int64, device=_device(parameters))
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    sizes = [int(found) for found in gathered]
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"{type(extension).__name__}'s input factors average each rank's own samples, and "
+            f"the ranks' batches differ in size ({sizes}; -1: none noted): averaged over ranks "
+            "they would not be the global batch's. Give every rank an equally large batch, or "
+            "use the functional API with process_group= (pf.kflr(..., process_group=...)), "
+            "which weighs each sample once."
+        )
+
+
+def _device(parameters: list[nn.Parameter]) -> torch.device:
+    """Where the collective runs: the parameters' device (CPU for gloo, the GPU for NCCL)."""
+    return parameters[0].device if parameters else torch.device("cpu")
 
 
 def _combined(

@@ -360,12 +360,13 @@ def _finish(
                 )
                 for name, value in results[ext.savefield].items()
             }
+    samples = next(iter(passes.values())).n if passes else None  # (noted for the ranks)
     for ext in ctx.extensions:
         for name, param in model.named_parameters():
             if name in names and name in results[ext.savefield]:
                 value = results[ext.savefield][name]
                 first = name in input_first.get(ext.savefield, set()) and len(value) == 2
-                store_result(param, ext.savefield, value, input_factor_first=first)
+                store_result(param, ext.savefield, value, input_factor_first=first, samples=samples)
             else:  # (without Kronecker factors, or frozen since: no last step's value either)
                 forget_result(param, ext.savefield)
     # the extended loss's own pass is compared as the backward pass scaled it (s * loss)
