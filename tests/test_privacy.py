@@ -715,6 +715,64 @@ def test_a_cancelling_sample_beyond_the_memory_budget_adds_at_most_its_bound(
     assert largest <= 1 + 1e-4, largest
 
 
+class _SameWeight(torch.autograd.Function):
+    """The weight itself, through a custom Function: packfunc takes the whole-model path."""
+
+    @staticmethod
+    def forward(weight: torch.Tensor) -> torch.Tensor:
+        return weight.clone()
+
+    @staticmethod
+    def setup_context(ctx: object, inputs: tuple, output: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+    @staticmethod
+    def vmap(info: object, in_dims: tuple, weight: torch.Tensor) -> tuple:
+        return weight.clone(), in_dims[0]
+
+
+class _CustomLinear(nn.Module):
+    """A linear layer over positions whose weight passes a custom Function, positions summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, _SameWeight.apply(self.weight)).sum(1)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_cancelling_sample_on_the_whole_model_path_adds_at_most_its_bound(
+    monkeypatch: pytest.MonkeyPatch, grouped: bool
+) -> None:
+    """A whole-model leaf's per-sample gradients beyond the memory budget were formed again
+    from cotangents scaled by the clipping factors: a crafted float32 sample whose positions
+    cancel had its terms rounded at its (huge) factor, and moved the clipped sum by 1.4·C.
+    They are now formed unscaled, as for the norms, and weighted as formed."""
+    monkeypatch.setattr(statistics, "DEFAULT_BUDGET", 16)  # one sample of the weight
+    model_fn, params = pf.functional(_CustomLinear())
+    loss, c = nn.MSELoss(reduction="sum"), 1e-2
+    max_norm = {"weight": c} if grouped else c
+    gen = torch.Generator().manual_seed(0)
+    normal, normal_y = torch.randn(3, 2, 4, generator=gen), torch.randn(3, 4, generator=gen)
+    without = pf.clipped_grad(model_fn, params, normal, normal_y, loss=loss, max_norm=max_norm)
+    largest = 0.0
+    for seed in range(8):
+        gen.manual_seed(seed)
+        v = torch.randn(4, generator=gen) * 1e5
+        crafted = torch.stack([v, -v + torch.randn(4, generator=gen) * 1e-3 * (seed % 2)])
+        X = torch.cat([normal[:1], crafted[None], normal[1:]])
+        y = torch.cat([normal_y[:1], torch.randn(1, 4, generator=gen) * 1e2, normal_y[1:]])
+        with_it = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=max_norm)
+        largest = max(largest, float((with_it["weight"] - without["weight"]).norm()) / c)
+    assert largest <= 1 + 1e-4, largest
+
+
 class _SumOfPositions(nn.Module):
     """``[N, L, F] -> [N, F]``."""
 

@@ -161,10 +161,12 @@ def clipped_sums(
     recorded input with the reweighted cotangents (:meth:`ColumnGradients.reweighted`,
     in place where they own their memory); a leaf whose per-sample gradients are smaller
     than its calls' cotangents, or whose norms need them anyway (the whole-model path's),
-    keeps them within the memory budget and sums them with the factors (else they are
-    formed again, reweighted). With ``last``, norms are taken during the backward pass
-    as each site's cotangent arrives (:class:`_NormsDuringBackward`: a site whose leaves all keep
-    per-sample gradients drops its cotangent and recorded input there), and each site is
+    keeps them within the memory budget and sums them with the factors (else the
+    whole-model path's are formed again and weighted as formed, :func:`_weighted_sums`;
+    a tapped leaf's sum is a contraction, checked as :func:`_squared_norms` says). With
+    ``last``, norms are taken during the backward pass as each site's cotangent arrives
+    (:class:`_NormsDuringBackward`: a site whose leaves all keep per-sample gradients drops
+    its cotangent and recorded input there), and each site is
     released as soon as its leaves' sums are taken.
     A sample whose Gram-form norm was taken from its formed gradient (its positions cancel:
     :func:`~packfunc.engine.rules.product.formed_where_cancelled`) is summed apart from its
@@ -228,6 +230,7 @@ def clipped_sums(
     # `columns` is not used again: its cotangents are scaled in place where they can be, and
     # those only the kept leaves used go with it
     reweighted = columns.reweighted(factors, rest, in_place=True) if rest else columns
+    outputs = columns.cotangents  # (not scaled in place where the whole-model path reads them)
     del columns
     # smallest first: their calls' records free more than their sums take, before the largest
     for leaf in sorted(rest, key=lambda i: bp.leaves[i].numel()):
@@ -236,8 +239,8 @@ def clipped_sums(
             reweighted.release(leaf)  # the peak: records shrink as the sums grow
     formed_again = [leaf for leaf in bp.whole_model if leaf not in kept]
     if formed_again:
-        whole = _materialized(reweighted, formed_again, {Statistic.SUM}, everyone)
-        sums |= {leaf: f[Statistic.SUM] for leaf, f in zip(formed_again, whole)}
+        unscaled = ColumnGradients(bp, outputs, {})
+        sums |= dict(zip(formed_again, _weighted_sums(unscaled, formed_again, factors)))
     return [
         sums[leaf] + extra[leaf] if leaf in extra else sums[leaf] for leaf in range(len(bp.leaves))
     ]
@@ -494,9 +497,12 @@ def _clipped_by_group(
             columns, kept, list(leaves), cancelled, norms, bound, eps
         )
         sums |= dict(zip(mine, rows.weighted_sums(factors)))
-        if rest:
-            reweighted = columns.reweighted(factors, rest)  # copies: a site serves several groups
-            sums |= {leaf: _leaf_sum(reweighted, leaf) for leaf in rest}
+        whole = [leaf for leaf in rest if leaf in bp.whole_model]
+        sums |= dict(zip(whole, _weighted_sums(columns, whole, factors)))
+        tapped = [leaf for leaf in rest if leaf not in bp.whole_model]
+        if tapped:
+            reweighted = columns.reweighted(factors, tapped)  # copies: a site serves several groups
+            sums |= {leaf: _leaf_sum(reweighted, leaf) for leaf in tapped}
         sums |= {leaf: sums[leaf] + value for leaf, value in extra.items()}
     return [sums[leaf] for leaf in range(len(bp.leaves))]
 
@@ -580,6 +586,37 @@ def _formed(columns: ColumnGradients, kept: dict[int, Tensor], leaf: int, index:
         found = _materialized(columns, [leaf], {Statistic.COLUMNS}, index)
         return found[0][Statistic.COLUMNS][0]
     return columns.leaf_columns(leaf, index)[0]
+
+
+def _weighted_sums(columns: ColumnGradients, leaves: list[int], factors: Tensor) -> list[Tensor]:
+    """``Σ_n c_n g_n`` of whole-model ``leaves``, their gradients formed chunk by chunk, unscaled.
+
+    Each sample's gradient is the one whose norm set ``c_n`` (formed again alike): scaling
+    its output cotangent first would round its terms otherwise, by up to ``c_n`` times them,
+    which a crafted sample whose terms cancel makes exceed the bound (1.4·C, a probe).
+
+    Args:
+        columns: The batch's column gradients (one column, not reweighted).
+        leaves: Leaves on the whole-model path.
+        factors: The clipping factors ``[N]``.
+
+    Returns:
+        One sum per leaf, shaped like it.
+    """
+    if not leaves:
+        return []
+    totals: list[Tensor] | None = None
+    start = 0
+    for chunk in columns.iter_leaf_columns(leaves, slice(0, columns.bp.n)):
+        length = chunk[0].shape[1]
+        mine = factors[start : start + length]
+        parts = [torch.tensordot(mine.to(t.dtype), t.sum(0), dims=1) for t in chunk]
+        totals = parts if totals is None else [a + b for a, b in zip(totals, parts, strict=True)]
+        start += length
+        del chunk  # (not held while the next chunk is formed)
+    if totals is None:
+        raise ValueError("the batch is empty; pass at least one sample.")
+    return totals
 
 
 def _leaf_sum(columns: ColumnGradients, leaf: int) -> Tensor:
