@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 import pathlib
 import sys
+from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import numpy as np
 import pytest
@@ -639,6 +641,33 @@ def test_a_crafted_sample_whose_positions_cancel_is_still_clipped(layer: str) ->
     assert 0.99 < float(clipped.norm()) < 1.01  # (was 3: not clipped)
 
 
+def _largest_move_by_cancelling_samples(
+    model_fn: Callable, params: dict, max_norm: Any, bound: float, features: int
+) -> float:
+    """The most one crafted float32 sample moves the clipped sum of three others, over ``bound``.
+
+    The sample's two positions take inputs ``v`` and ``-v + δ`` (``‖v‖ ~ 1e5``, ``δ`` zero
+    or 1e-3): its gradient is below the rounding of its positions' terms. It goes between
+    the others (packfunc runs the first and the last sample alone as a check, and a
+    convolution of one sample rounds this one's cancellation otherwise).
+    """
+    loss = nn.MSELoss(reduction="sum")
+    gen = torch.Generator().manual_seed(0)
+    normal, normal_y = torch.randn(3, 2, features, generator=gen), torch.randn(3, 4, generator=gen)
+    without = pf.clipped_grad(model_fn, params, normal, normal_y, loss=loss, max_norm=max_norm)
+    largest = 0.0
+    for seed in range(8):
+        gen.manual_seed(seed)
+        v = torch.randn(features, generator=gen) * 1e5
+        crafted = torch.stack([v, -v + torch.randn(features, generator=gen) * 1e-3 * (seed % 2)])
+        X = torch.cat([normal[:1], crafted[None], normal[1:]])
+        y = torch.cat([normal_y[:1], torch.randn(1, 4, generator=gen) * 1e2, normal_y[1:]])
+        with_it = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=max_norm)
+        moved = math.sqrt(sum(float((with_it[k] - without[k]).square().sum()) for k in params))
+        largest = max(largest, moved / bound)
+    return largest
+
+
 class _PositionsSummed(nn.Module):
     """A layer over ``[N, 2, 16]`` inputs (as rows or as a sequence), its positions summed."""
 
@@ -664,28 +693,11 @@ def test_a_sample_whose_positions_cancel_below_rounding_adds_at_most_its_bound(
     batch's contraction, which rounds otherwise: it added up to 737·C, and 2.7·C where the
     cancellation was not exact (a probe). It is now summed from the gradient that set its
     norm. Per-parameter groups bound it by ``√(Σ C_g²)``."""
-    model = _PositionsSummed(layer)
-    model_fn, params = pf.functional(model)
-    loss, c = nn.MSELoss(reduction="sum"), 1e-2
+    model_fn, params = pf.functional(_PositionsSummed(layer))
+    c = 1e-2
     max_norm = {name: c for name in params} if grouped else c
     bound = c * math.sqrt(len(params)) if grouped else c
-    gen = torch.Generator().manual_seed(0)
-    normal = torch.randn(3, 2, 16, generator=gen)
-    normal_y = torch.randn(3, 4, generator=gen)
-    largest = 0.0
-    for seed in range(8):
-        gen.manual_seed(seed)
-        v = torch.randn(16, generator=gen) * 1e5
-        crafted = torch.stack([v, -v + torch.randn(16, generator=gen) * 1e-3 * (seed % 2)])
-        # (between others: packfunc runs the first and the last sample alone as a check, and
-        # a convolution of one sample rounds this one's cancellation otherwise)
-        X = torch.cat([normal[:1], crafted[None], normal[1:]])
-        y = torch.cat([normal_y[:1], torch.randn(1, 4, generator=gen) * 1e2, normal_y[1:]])
-        with_it = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=max_norm)
-        without = pf.clipped_grad(model_fn, params, normal, normal_y, loss=loss, max_norm=max_norm)
-        moved = math.sqrt(sum(float((with_it[k] - without[k]).square().sum()) for k in params))
-        largest = max(largest, moved / bound)
-    assert largest <= 1 + 1e-4, largest
+    assert _largest_move_by_cancelling_samples(model_fn, params, max_norm, bound, 16) <= 1 + 1e-4
 
 
 def test_a_cancelling_sample_beyond_the_memory_budget_adds_at_most_its_bound(
@@ -697,22 +709,8 @@ def test_a_cancelling_sample_beyond_the_memory_budget_adds_at_most_its_bound(
     by more than ``C`` (1.0081·C at L=2048 with 8192² weights, a probe; here a budget of one
     sample's gradient and a 4×4 layer). Such samples are now summed from their gradients."""
     monkeypatch.setattr(statistics, "DEFAULT_BUDGET", 16)  # one sample of the weight
-    model = nn.Sequential(nn.Linear(4, 4, bias=False), _SumOfPositions())
-    model_fn, params = pf.functional(model)
-    loss, c = nn.MSELoss(reduction="sum"), 1e-2
-    gen = torch.Generator().manual_seed(0)
-    normal, normal_y = torch.randn(3, 2, 4, generator=gen), torch.randn(3, 4, generator=gen)
-    without = pf.clipped_grad(model_fn, params, normal, normal_y, loss=loss, max_norm=c)
-    largest = 0.0
-    for seed in range(8):
-        gen.manual_seed(seed)
-        v = torch.randn(4, generator=gen) * 1e5
-        crafted = torch.stack([v, -v + torch.randn(4, generator=gen) * 1e-3 * (seed % 2)])
-        X = torch.cat([normal[:1], crafted[None], normal[1:]])
-        y = torch.cat([normal_y[:1], torch.randn(1, 4, generator=gen) * 1e2, normal_y[1:]])
-        with_it = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=c)
-        largest = max(largest, float((with_it["0.weight"] - without["0.weight"]).norm()) / c)
-    assert largest <= 1 + 1e-4, largest
+    model_fn, params = pf.functional(nn.Sequential(nn.Linear(4, 4, bias=False), _SumOfPositions()))
+    assert _largest_move_by_cancelling_samples(model_fn, params, 1e-2, 1e-2, 4) <= 1 + 1e-4
 
 
 class _SameWeight(torch.autograd.Function):
@@ -756,21 +754,8 @@ def test_a_cancelling_sample_on_the_whole_model_path_adds_at_most_its_bound(
     They are now formed unscaled, as for the norms, and weighted as formed."""
     monkeypatch.setattr(statistics, "DEFAULT_BUDGET", 16)  # one sample of the weight
     model_fn, params = pf.functional(_CustomLinear())
-    loss, c = nn.MSELoss(reduction="sum"), 1e-2
-    max_norm = {"weight": c} if grouped else c
-    gen = torch.Generator().manual_seed(0)
-    normal, normal_y = torch.randn(3, 2, 4, generator=gen), torch.randn(3, 4, generator=gen)
-    without = pf.clipped_grad(model_fn, params, normal, normal_y, loss=loss, max_norm=max_norm)
-    largest = 0.0
-    for seed in range(8):
-        gen.manual_seed(seed)
-        v = torch.randn(4, generator=gen) * 1e5
-        crafted = torch.stack([v, -v + torch.randn(4, generator=gen) * 1e-3 * (seed % 2)])
-        X = torch.cat([normal[:1], crafted[None], normal[1:]])
-        y = torch.cat([normal_y[:1], torch.randn(1, 4, generator=gen) * 1e2, normal_y[1:]])
-        with_it = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=max_norm)
-        largest = max(largest, float((with_it["weight"] - without["weight"]).norm()) / c)
-    assert largest <= 1 + 1e-4, largest
+    max_norm = {"weight": 1e-2} if grouped else 1e-2
+    assert _largest_move_by_cancelling_samples(model_fn, params, max_norm, 1e-2, 4) <= 1 + 1e-4
 
 
 class _SumOfPositions(nn.Module):
