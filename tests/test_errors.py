@@ -1104,3 +1104,27 @@ def test_float16_factors_and_squares_of_many_samples_stay_in_range(layer: str) -
     for found, expected in zip(half_factors["0.weight"], factors["0.weight"]):
         assert bool(found.isfinite().all())
         torch.testing.assert_close(found.double(), expected, rtol=1e-2, atol=1e-2)
+
+
+class _Branching(nn.Module):
+    """A linear layer, then ``torch.cond`` on its output (a higher-order operator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.scale = nn.Parameter(torch.ones(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.cond(h.sum() > 0, lambda a: a * self.scale, lambda a: a - self.scale, (h,))
+
+
+def test_a_higher_order_operator_is_refused_by_name() -> None:
+    """``torch.cond`` (as while_loop, scan, flex_attention) reached discovery's dispatch mode
+    as one operator and ended in torch's internal NotImplementedError about a mode's
+    ``supports_higher_order_operators`` (a probe). Refused naming the operator and the fix."""
+    model_fn, params = pf.functional(_Branching())
+    X, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    for quantity in (pf.batch_grad, pf.diag_ggn):
+        with pytest.raises(ValueError, match="higher-order operator cond.*in Python"):
+            quantity(model_fn, params, X, y)

@@ -1045,9 +1045,13 @@ class _OperatorsInSight(TorchDispatchMode):
         # discovery may run in (the shim's, inside the user's backward pass)
         self.task, self.backward = torch._C._current_graph_task_id(), False
 
+    supports_higher_order_operators = True  # (to refuse them by name, below)
+
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            raise ValueError(_HIGHER_ORDER.format(name=func.name()))
         if torch._C._current_graph_task_id() != self.task:
             self.backward = True
         calling, self.calling = self.calling, True
@@ -1055,6 +1059,15 @@ class _OperatorsInSight(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         finally:
             self.calling = calling
+
+
+_HIGHER_ORDER = (
+    "the model calls torch's higher-order operator {name} (torch.cond, while_loop, scan, "
+    "map, flex_attention: a function of functions), which packfunc's passes cannot follow "
+    "(torch's modes see it as one operator, not the calls inside it). Write the branch or "
+    "loop in Python (an if on a Python value, a for loop), or use another attention "
+    "implementation (attn_implementation='sdpa' or 'eager')."
+)
 
 
 def _bias_per_output(sig: OpSignature, bound: dict[str, Any]) -> bool:
