@@ -111,12 +111,35 @@ def disagreements(rank: int, group) -> dict:
             model_fn, {k: v + rank for k, v in params.items()}, X, y, **kw
         ),
     }
+    weights = torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)
+    ignored = problem.loss.ignore_index
+    mean_loss = torch.nn.CrossEntropyLoss(weight=weights, ignore_index=ignored)
+    batches = [(X[:2], y[:2]), (X[2:] if rank == 0 else X[2:, :1], y[2:])]  # rank 1's breaks
+    outcomes |= {
+        "other class weights": lambda: pf.diag_ggn(
+            model_fn,
+            params,
+            X,
+            y,
+            loss=torch.nn.CrossEntropyLoss(weight=weights * (1 + rank), ignore_index=ignored),
+            process_group=group,
+        ),
+        "a stream raises": lambda: list(
+            pf.per_batch(
+                pf.batch_grad, model_fn, params, data=batches, loss=mean_loss, process_group=group
+            )
+        ),
+    }
     for name, call in outcomes.items():
         try:
             call()
             found[name] = "ran"
         except Exception as error:  # noqa: BLE001 (the outcome is the test's)
             found[name] = f"{type(error).__name__}: {error}"
+    # equal calls spelled otherwise: keyword order, 1 or 1.0, the params' order, chunk_size
+    spelled = dict(reversed(params.items())) if rank else params
+    options = {"max_norm": 1, "chunk_size": 2} if rank else {"chunk_size": None, "max_norm": 1.0}
+    found["spelled otherwise"] = pf.clipped_grad(model_fn, spelled, X, y, **kw, **options)
     found["after them"] = pf.diag_ggn(model_fn, params, X, y, **kw)  # the collectives pair up
     # an embedding's block products are laid out non-contiguously; all-reduced against an
     # empty rank's contiguous zeros they were read in another order there
@@ -236,14 +259,22 @@ def test_ranks_that_disagree_leave_the_call_alike(ranks: list[dict]) -> None:
     assert first["one rank raises"].startswith("FloatingPointError")
     assert first["one rank raises"] != second["one rank raises"]
     assert second["one rank raises"].startswith("RuntimeError: rank 0 of process_group= raised")
+    assert first["a stream raises"].startswith("RuntimeError: rank 1 of process_group=")
+    assert "shapes cannot be multiplied" in second["a stream raises"]
     for found in (first, second):
         assert "made different calls" in found["other max_norm"]
-        assert "parameters of different values" in found["other values"]
+        assert "of different values" in found["other values"]
+        assert "of different values" in found["other class weights"]
     problem = make_dataset("cross_entropy", "sum")
     model_fn, params = problem.functional()
     expected = pf.diag_ggn(model_fn, params, problem.X, problem.y, loss=problem.loss)
     for found in (first, second):
         assert_trees_close(found["after them"], expected, "the call after")
+    clipped = pf.clipped_grad(
+        model_fn, params, problem.X, problem.y, loss=problem.loss, max_norm=1.0
+    )
+    for found in (first, second):
+        assert_trees_close(found["spelled otherwise"], clipped, "equal calls spelled otherwise")
     torch.manual_seed(0)
     tokens = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 3)).double()
     tokens_fn, tokens_params = pf.functional(tokens)

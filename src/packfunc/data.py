@@ -47,8 +47,8 @@ from torch.utils.data import DataLoader
 from packfunc.distributed import (
     ProcessGroup,
     agree_on_call,
-    call_signature,
     check_group,
+    describe_call,
     is_first_rank,
     sum_counts_over_ranks,
     sum_over_ranks,
@@ -441,7 +441,12 @@ def _over_dataset(
     device = _device(params)
     if source.data is not None or world_size(source.group) > 1:
         _refuse_batch_statistics(model_fn, name)
-    batches = source.batches(device, name)
+    call = _Call(source.group, device, name, spec, options, loss, params)
+    try:
+        batches = source.batches(device, name)
+    except Exception as error:  # (the other ranks learn of it at their first agreement)
+        call.agree(error)
+        raise
     if spec is not None and spec.combine is Combine.ONE_BATCH:
         return _one_batch_only(
             batches,
@@ -453,22 +458,22 @@ def _over_dataset(
     check_per_sample_loss(specs, loss)
     partials = _per_batch(spec, specs, one_call, model_fn, params, options)
     if spec is not None and spec.combine is Combine.PER_SAMPLE:
-        normalizer = _dataset_normalizer(loss, source, device)
+        normalizer = _dataset_normalizer(loss, source, call)
         scale = _inverse_normalizer(normalizer) ** spec.loss_power
-        if source.data is not None and loss.reduction == "mean":
-            batches = _same_normalizer(batches, loss, normalizer, source.group, device)
-        stream = _streamed(spec.name, batches, partials, _sum_reduced(loss), scale)
-        return stream if source.data is not None else next(stream)  # X, y: the one result
+        counted = _Normalizers(batches, loss, device)
+        stream = _streamed(spec.name, iter(counted), partials, _sum_reduced(loss), scale)
+        if source.data is None:
+            return next(stream)  # X, y: the one result (no collective after it)
+        check = loss.reduction == "mean"
+        return _agreed_at_end(
+            stream, call, lambda: counted.check(normalizer, call) if check else None
+        )
     kronecker = {s.name for s in specs if s.combine is Combine.KRONECKER}
     layout = _FactorLayout(model_fn, params)
     if kronecker:
         partials = layout.canonical(partials, kronecker)
     batches = (batch for batch in batches if len(batch[1]))  # an empty one adds nothing
-    signature = call_signature(name, [s.name for s in specs], options, loss, params)
-    values = [t for t in optree.tree_leaves(params) if isinstance(t, Tensor)]
-    totals, samples, normalizer = _summed(
-        batches, partials, loss, source.group, device, kronecker, signature, values
-    )
+    totals, samples, normalizer = _summed(batches, partials, loss, device, kronecker, call)
     scale = _inverse_normalizer(normalizer) if loss.reduction == "mean" else 1.0
     result = {s.name: _finish(s, totals, scale, samples) for s in specs}
     result = {k: layout.own(v) if k in kronecker else v for k, v in result.items()}
@@ -651,19 +656,17 @@ def _summed(
     batches: Iterator[tuple[Any, Tensor]],
     per_batch: PerBatch,
     loss: nn.Module,
-    group: ProcessGroup | None,
     device: torch.device,
     kronecker: set[str],
-    signature: str,
-    values: list[Tensor],
+    call: _Call,
 ) -> tuple[dict[str, Any], float, float]:
     """Partial results summed over batches and ranks; sample count ``N`` and normalizer ``Z``.
 
     The ``B`` factors of the ``kronecker`` quantities enter weighted by their batch's
-    sample count. Before any sum the ranks agree that each made the call ``signature``
-    describes, with parameters of equal ``values``, and none raised
-    (:func:`~packfunc.distributed.agree_on_call`).
+    sample count. Before any sum the ranks agree that each made the same ``call`` and none
+    raised (:meth:`_Call.agree`).
     """
+    group = call.group
     summed_loss = _sum_reduced(loss)
     totals: dict[str, Any] | None = None
     samples, normalizer = 0, torch.zeros((), dtype=torch.float64, device=device)
@@ -681,7 +684,7 @@ def _summed(
             normalizer += mean_normalizer(loss, y_b)  # on the device: no sync per batch
     except Exception as error:  # (raised after the others learn of it)
         failure = error
-    agree_on_call(signature, values, failure, group, device)
+    call.agree(failure)
     samples_all, normalizer_all, empty = sum_counts_over_ranks(
         [float(samples), float(normalizer), float(totals is None)], group, device
     )
@@ -723,43 +726,94 @@ def _finish(spec: Quantity, totals: dict[str, Any], scale: float, samples: float
     return optree.tree_map(lambda t: _scaled(t, scale**power), totals[spec.name])
 
 
-def _dataset_normalizer(loss: nn.Module, source: DataSource, device: torch.device) -> float:
-    """``Z`` of the whole dataset (over ranks), from a first pass over the targets only."""
+def _dataset_normalizer(loss: nn.Module, source: DataSource, call: _Call) -> float:
+    """``Z`` of the whole dataset (over ranks), from a first pass over the targets only.
+
+    The ranks agree first (:meth:`_Call.agree`): a rank whose pass raised leaves no other
+    waiting in the sum.
+    """
     if loss.reduction == "sum":
         return 1.0
-    total = sum(float(mean_normalizer(loss, y_b.to(device))) for y_b in source.targets())
-    return sum_counts_over_ranks([total], source.group, device)[0]
+    total, failure = 0.0, None
+    try:
+        total = sum(float(mean_normalizer(loss, y_b.to(call.device))) for y_b in source.targets())
+    except Exception as error:
+        failure = error
+    call.agree(failure)
+    return sum_counts_over_ranks([total], source.group, call.device)[0]
 
 
-def _same_normalizer(
-    batches: Iterator[tuple[Any, Tensor]],
-    loss: nn.Module,
-    expected: float,
-    group: ProcessGroup | None,
-    device: torch.device,
-) -> Iterator[tuple[Any, Tensor]]:
-    """``batches``, checked at their end to hold the targets the first pass normalized by.
+class _Normalizers:
+    """Batches that note their targets' normalizer, for :meth:`check` after the last one.
 
     A loader whose samples change between passes (a sampler with replacement, a shuffled
     one with ``drop_last``) gave results scaled by another pass's normalizer, silently.
-
-    Raises:
-        ValueError: after the last batch, if the targets' normalizer differs.
     """
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for X_b, y_b in batches:
-        total += mean_normalizer(loss, y_b)  # on the device: no sync per batch
-        yield X_b, y_b
-    found = sum_counts_over_ranks([float(total)], group, device)[0]
-    if not math.isclose(found, expected, rel_tol=1e-9, abs_tol=1e-12):
-        raise ValueError(
-            "data= gave other samples in this pass than in the first pass over its targets "
-            f"(their mean normalizer {found:g} against {expected:g}: a sampler with "
-            "replacement, a shuffled loader with drop_last): the per-batch results were "
-            "scaled by the first pass's. With reduction='mean' give a loader that yields the "
-            "same samples each pass (a fixed order, or shuffling without drop_last), or use "
-            "reduction='sum'."
-        )
+
+    def __init__(
+        self, batches: Iterator[tuple[Any, Tensor]], loss: nn.Module, device: torch.device
+    ) -> None:
+        self.batches, self.loss = batches, loss
+        self.total = torch.zeros((), dtype=torch.float64, device=device)
+
+    def __iter__(self) -> Iterator[tuple[Any, Tensor]]:
+        for X_b, y_b in self.batches:
+            self.total += mean_normalizer(self.loss, y_b)  # on the device: no sync per batch
+            yield X_b, y_b
+
+    def check(self, expected: float, call: _Call) -> None:
+        """Refuse a normalizer (over ranks) other than the first pass's ``expected``.
+
+        Raises:
+            ValueError: if the targets' normalizer differs.
+        """
+        found = sum_counts_over_ranks([float(self.total)], call.group, call.device)[0]
+        if not math.isclose(found, expected, rel_tol=1e-9, abs_tol=1e-12):
+            raise ValueError(
+                "data= gave other samples in this pass than in the first pass over its "
+                f"targets (their mean normalizer {found:g} against {expected:g}: a sampler "
+                "with replacement, a shuffled loader with drop_last): the per-batch results "
+                "were scaled by the first pass's. With reduction='mean' give a loader that "
+                "yields the same samples each pass (a fixed order, or shuffling without "
+                "drop_last), or use reduction='sum'."
+            )
+
+
+def _agreed_at_end(stream: Iterator[Any], call: _Call, after: Callable[[], None]) -> Iterator[Any]:
+    """``stream``, then the ranks' agreement (:meth:`_Call.agree`), then ``after``.
+
+    A rank whose stream raises takes part in the agreement before raising: the others, at the
+    end of theirs, raise too instead of waiting in ``after``'s collective.
+    """
+    failure = None
+    try:
+        yield from stream
+    except Exception as error:
+        failure = error
+    call.agree(failure)
+    after()
+
+
+class _Call:
+    """One public call over ranks: what the ranks agree on (:func:`agree_on_call`)."""
+
+    def __init__(
+        self,
+        group: ProcessGroup | None,
+        device: torch.device,
+        name: str,
+        spec: Quantity | None,
+        options: dict[str, Any],
+        loss: nn.Module,
+        params: Any,
+    ) -> None:
+        self.group, self.device = group, device
+        same = {k: v for k, v in options.items() if k != "chunk_size"}  # (memory alone)
+        self.signature, self.values = describe_call(name, same, loss, params)
+
+    def agree(self, failure: Exception | None) -> None:
+        """Every rank learns whether all made this call and none raised (``failure``)."""
+        agree_on_call(self.signature, self.values, failure, self.group, self.device)
 
 
 def _refuse_batch_statistics(model_fn: ModelFn, name: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, cast
@@ -117,42 +118,53 @@ def _summed(tensor: Tensor, group: ProcessGroup) -> Tensor:
     return total
 
 
-def call_signature(*parts: Any) -> str:
-    """A description of a call that equal calls share: tensors by shape and dtype, numbers by value.
+_LOSS_OPTIONS = frozenset(
+    {"reduction", "ignore_index", "label_smoothing", "delta", "beta", "log_input", "full", "eps"}
+)
+"""A loss's attributes that set its value (a custom loss's others, a device string, are not)."""
+
+
+def describe_call(*parts: Any) -> tuple[str, list[Tensor]]:
+    """A description of a call that equal calls share, and the tensors whose values it leaves out.
+
+    Dicts are described in sorted order, numbers by value (``1`` as ``1.0``, ``-0.0`` as
+    ``0.0``), tensors by shape and dtype (their values go to :func:`agree_on_call`'s
+    checksum), a loss module by its type, its options and its tensors, other objects by
+    their type (a generator's repr has its address: one per rank).
 
     Args:
-        parts: The call's name, options, loss, parameters (pytrees; a module by its type and
-            public attributes).
+        parts: The call's name, options, loss, parameters (pytrees).
 
     Returns:
-        The description.
+        ``(description, tensors)``.
 
     Example:
-        >>> call_signature("diag_ggn", {"w": torch.ones(2, 3)}, torch.nn.MSELoss())
-        "'diag_ggn' {'w': ((2, 3), torch.float32)} MSELoss{'reduction': 'mean'}"
+        >>> text, tensors = describe_call("diag_ggn", {"w": torch.ones(2, 3)}, torch.nn.MSELoss())
+        >>> text, len(tensors)
+        ("'diag_ggn' {'w': ((2, 3), torch.float32)} MSELoss{'reduction': 'mean'}", 1)
     """
+    tensors: list[Tensor] = []
 
     def described(value: Any) -> str:
         if isinstance(value, torch.nn.Module):
-            public = {
-                k: v
-                for k, v in sorted(vars(value).items())
-                if not k.startswith("_") and k != "training"
-            }
-            tensors = dict(value.named_buffers()) | dict(value.named_parameters())
-            return f"{type(value).__name__}{described(public | tensors)}"
-        if isinstance(value, dict):
-            inner = ", ".join(f"{k!r}: {described(v)}" for k, v in value.items())
-            return f"{{{inner}}}"
+            options = {k: v for k, v in vars(value).items() if k in _LOSS_OPTIONS}
+            own = dict(value.named_buffers()) | dict(value.named_parameters())
+            return f"{type(value).__name__}{described(options | own)}"
+        if isinstance(value, Mapping):
+            keys = sorted(((described(k), v) for k, v in value.items()), key=lambda kv: kv[0])
+            return "{" + ", ".join(f"{k}: {described(v)}" for k, v in keys) + "}"
         if isinstance(value, list | tuple):
             return f"[{', '.join(described(v) for v in value)}]"
         if isinstance(value, Tensor):
+            tensors.append(value)
             return repr((tuple(value.shape), value.dtype))
-        if value is None or isinstance(value, bool | int | float | complex | str | Enum):
+        if isinstance(value, bool | str | Enum) or value is None:
             return repr(value)
-        return type(value).__name__  # (a generator's repr has its address: one per rank)
+        if isinstance(value, int | float):
+            return repr(float(value) + 0.0)
+        return type(value).__name__
 
-    return " ".join(described(part) for part in parts)
+    return " ".join(described(part) for part in parts), tensors
 
 
 def agree_on_call(
@@ -172,8 +184,9 @@ def agree_on_call(
     flag, a digest of ``signature`` and a checksum of ``values`` lets every rank leave alike.
 
     Args:
-        signature: This rank's :func:`call_signature`.
-        values: The parameters (their float64 sums, weighted by position, are compared).
+        signature: This rank's description of the call (:func:`describe_call`).
+        values: The call's tensors: parameters, option and loss tensors (their float64
+            sums, weighted by position, are compared).
         failure: What this rank's own part raised, or ``None``.
         group: A process group (``None``: a single process, ``failure`` raised if any).
         device: Where the collective runs (CPU for gloo, the GPU for NCCL).
@@ -191,7 +204,7 @@ def agree_on_call(
         return
     digest = int.from_bytes(hashlib.sha256(signature.encode()).digest()[:7], "big")
     flags = torch.tensor([int(failure is not None), digest], dtype=torch.int64, device=device)
-    sums = [v.detach().sum(dtype=torch.float64).to(device) * (i + 1) for i, v in enumerate(values)]
+    sums = [_real(v).sum(dtype=torch.float64).to(device) * (i + 1) for i, v in enumerate(values)]
     checksum = torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64)
     mine = torch.cat([flags, checksum.to(device).view(torch.int64).reshape(1)])
     gathered = [torch.empty_like(mine) for _ in range(world_size(group))]
@@ -213,10 +226,17 @@ def agree_on_call(
         )
     if len({int(found[2]) for found in gathered}) > 1:
         raise ValueError(
-            "the ranks of process_group= passed parameters of different values (a rank that "
-            "missed an update, or an unsynchronized initialization); every rank must pass the "
-            "same parameters (broadcast them from one rank, as DistributedDataParallel does)."
+            "the ranks of process_group= passed parameters (or option or loss tensors: v=, "
+            "max_norm=, class weights) of different values (a rank that missed an update, or an "
+            "unsynchronized initialization); every rank must pass the same ones (broadcast "
+            "parameters from one rank, as DistributedDataParallel does)."
         )
+
+
+def _real(tensor: Tensor) -> Tensor:
+    """A detached tensor, a complex one as its real and imaginary parts."""
+    tensor = tensor.detach()
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
 @dataclass(frozen=True)
@@ -293,7 +313,7 @@ def sum_counts_over_ranks(
 __all__ = [
     "ProcessGroup",
     "agree_on_call",
-    "call_signature",
+    "describe_call",
     "check_group",
     "is_first_rank",
     "sum_counts_over_ranks",

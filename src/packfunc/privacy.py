@@ -593,7 +593,7 @@ def private_gradient(
         # for the noise alone: else one bound could clip two leaves, the noise sized for one
         clipping_bounds(max_norm, flatten_params(params)[2])
         total: PyTree
-        empty = y is not None and len(y) == 0 and leading_sizes(X) <= {0}
+        empty = _is_empty(X, y)
         if process_group is not None:  # (every rank's batch empty: each adds the noise alone)
             device = optree.tree_leaves(cast(Any, params))[0].device
             empty = sum_counts_over_ranks([float(not empty)], process_group, device)[0] == 0
@@ -618,6 +618,23 @@ def private_gradient(
         return cast(PyTree, scaled), state
 
     return GradientTransformation(init, update)
+
+
+def _is_empty(X: Inputs, y: Targets) -> bool:
+    """Whether ``(X, y)`` is an empty batch; a malformed one is not.
+
+    (:func:`clipped_grad` refuses it then, on every rank alike where there are several.)
+
+    Example:
+        >>> _is_empty(torch.zeros(0, 3), torch.zeros(0)), _is_empty(None, torch.tensor(1.0))
+        (True, False)
+    """
+    if not isinstance(y, Tensor) or y.dim() == 0:
+        return False
+    try:
+        return len(y) == 0 and leading_sizes(X) <= {0}
+    except (TypeError, ValueError):
+        return False
 
 
 def _bounds_by_name(

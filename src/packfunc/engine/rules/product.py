@@ -286,7 +286,7 @@ def cancellation_tolerance(dtype: torch.dtype, features: int = 1) -> float:
 
     Example:
         >>> [round(cancellation_tolerance(torch.float32, n), 3) for n in (1, 16384)]
-        [0.011, 0.126]
+        [0.011, 0.125]
     """
     return 32 * math.sqrt(torch.finfo(dtype).eps * (1 + features / 128))
 
