@@ -335,3 +335,19 @@ def test_uint8_class_targets_of_k_dimensional_outputs_are_refused_naming_long() 
     X, y = torch.randn(2, 2, 3, 3), torch.randint(0, 3, (2, 3, 3), dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"y\.long\(\)"):
         pf.batch_grad(model_fn, params, X, y, loss=nn.CrossEntropyLoss())
+
+
+@pytest.mark.parametrize("loss", [nn.CrossEntropyLoss(), nn.BCEWithLogitsLoss()])
+def test_monte_carlo_draws_of_a_nan_output_read_nan_as_the_exact_path(loss: nn.Module) -> None:
+    """A NaN in a sample's input: the categorical draw's inverse cdf found no class (an index
+    out of bounds) and Bernoulli's refused its probability (both torch's internal errors; a
+    probe); the exact path returns NaN, as autograd. The draws now read NaN too."""
+    torch.manual_seed(0)
+    model_fn, params = pf.functional(nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 3)))
+    X = torch.randn(5, 4)
+    X[1, 0] = float("nan")
+    y = torch.randint(0, 3, (5,)) if isinstance(loss, nn.CrossEntropyLoss) else torch.rand(5, 3)
+    exact = pf.diag_ggn(model_fn, params, X, y, loss=loss)
+    drawn = pf.diag_ggn(model_fn, params, X, y, loss=loss, mc_samples=2)
+    for name in params:
+        assert torch.equal(drawn[name].isnan(), exact[name].isnan())

@@ -797,3 +797,20 @@ def test_a_parameter_without_factors_is_refused_in_the_optimizers_words(optimize
     with pytest.raises(ValueError, match="no Kronecker factors.*another optimizer") as error:
         opt.step(batch=(X, y))
     assert "on_unsupported" not in str(error.value)
+
+
+def test_a_distributed_data_parallel_model_is_refused_naming_the_way_over_ranks() -> None:
+    """The curvature optimizers precondition with this rank's own batch's curvature and
+    DPOptimizer clips this rank's samples only: under DDP the replicas drifted apart (0.17
+    after three steps on two ranks; a probe). Both refuse a DDP wrapper, naming the fix."""
+    wrapped = nn.parallel.DistributedDataParallel.__new__(nn.parallel.DistributedDataParallel)
+    with pytest.raises(ValueError, match="process_group"):
+        pf.optim.KFAC(wrapped, lr=0.1)
+    with pytest.raises(ValueError, match="model.module with process_group="):
+        pf.privacy.DPOptimizer(
+            wrapped,
+            torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1),
+            max_norm=1.0,
+            noise_multiplier=1.0,
+            expected_batch_size=4,
+        )

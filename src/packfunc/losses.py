@@ -393,7 +393,8 @@ def hessian_factors(
         weight = curvature / (probs * (1 - probs)).clamp_min(torch.finfo(output.dtype).tiny)
 
         def sample(s: slice) -> Tensor:
-            draws = torch.bernoulli(probs.expand(_length(s), *probs.shape), generator=generator)
+            odds = probs.nan_to_num(0.5)  # (a NaN output: its factor reads NaN, as exactly)
+            draws = torch.bernoulli(odds.expand(_length(s), *probs.shape), generator=generator)
             return (weight / mc_samples).sqrt() * (probs - draws)
 
         return HessianFactors(mc_samples, sample)
@@ -670,8 +671,11 @@ def categorical_draws(probs: Tensor, count: int, generator: torch.Generator | No
     )
     total = cdf[:, -1:]
     # x = total - u·total in (0, total]: the first class whose cumulative mass reaches x has
-    # positive mass, and one exists (x never exceeds the total, whatever the rounding)
-    return torch.searchsorted(cdf, torch.addcmul(total, uniform, total, value=-1))
+    # positive mass, and one exists (x never exceeds the total, whatever the rounding); a row
+    # of NaN (a NaN in the model's output) finds none: its last class, where the factors read
+    # NaN as the exact path's do (an index out of bounds before)
+    drawn = torch.searchsorted(cdf, torch.addcmul(total, uniform, total, value=-1))
+    return drawn.clamp(max=probs.shape[1] - 1)
 
 
 def _cross_entropy_scale(loss: nn.CrossEntropyLoss, output: Tensor, target: Tensor) -> Tensor:

@@ -392,6 +392,13 @@ class DPOptimizer:
         process_group: ProcessGroup | None = None,
     ):
         _check_noise_multiplier(noise_multiplier, "DPOptimizer")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise ValueError(
+                "DPOptimizer takes the module itself, not a DistributedDataParallel wrapper: "
+                "DDP's averaged .grad is not DP's clipped sum, and each rank stepped on its own "
+                "shard. Pass model.module with process_group= (every rank gets the private "
+                "gradient of all ranks' samples, the noise drawn once)."
+            )
         if loss is not None:
             _check_summed_loss(loss, "DPOptimizer")
         self.model, self.optimizer, self.generator = model, optimizer, generator

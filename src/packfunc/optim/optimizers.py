@@ -76,6 +76,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
     ):
         if not lr >= 0:
             raise ValueError(f"lr must be non-negative; got {lr!r}.")
+        _refuse_distributed_data_parallel(model, type(self).__name__)
         self._named = trainable_parameters(model)
         if not self._named:
             raise ValueError(
@@ -244,6 +245,7 @@ class KFAC(CurvatureOptimizer):
         pi_damping: bool = False,
         generator: torch.Generator | None = None,
     ):
+        _refuse_distributed_data_parallel(model, type(self).__name__)
         transformation = scale_by_kfac(
             functional(model)[0],
             loss,
@@ -294,6 +296,7 @@ class EKFAC(CurvatureOptimizer):
         kfac_approx: KfacApprox | None = None,
         generator: torch.Generator | None = None,
     ):
+        _refuse_distributed_data_parallel(model, type(self).__name__)
         transformation = scale_by_ekfac(
             functional(model)[0],
             loss,
@@ -340,6 +343,7 @@ class DiagGGN(CurvatureOptimizer):
         mc_samples: int | None = 1,
         generator: torch.Generator | None = None,
     ):
+        _refuse_distributed_data_parallel(model, type(self).__name__)
         transformation = scale_by_diag_ggn(
             functional(model)[0],
             loss,
@@ -368,6 +372,28 @@ def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
         ['1.weight', '1.bias']
     """
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _refuse_distributed_data_parallel(model: nn.Module, name: str) -> None:
+    """Refuse a ``DistributedDataParallel`` model: the curvature would be one rank's batch's.
+
+    Each replica would be preconditioned by another curvature and the replicas drift apart
+    (a probe: 0.17 after 3 steps on 2 ranks).
+
+    Raises:
+        ValueError: naming the way over ranks.
+
+    Example:
+        >>> _refuse_distributed_data_parallel(nn.Linear(2, 2), "KFAC")
+    """
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError(
+            f"{name} computes its curvature from this rank's own batch: under "
+            "DistributedDataParallel each replica would be preconditioned by another curvature "
+            "and the replicas drift apart. Train on one process, or compute the factors over "
+            "ranks (pf.kflr/pf.kfac(..., process_group=...)) and precondition DDP's averaged "
+            "gradient with them (pf.kron)."
+        )
 
 
 __all__ = ["EKFAC", "KFAC", "CurvatureOptimizer", "DiagGGN"]
