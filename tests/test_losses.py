@@ -351,3 +351,12 @@ def test_monte_carlo_draws_of_a_nan_output_read_nan_as_the_exact_path(loss: nn.M
     drawn = pf.diag_ggn(model_fn, params, X, y, loss=loss, mc_samples=2)
     for name in params:
         assert torch.equal(drawn[name].isnan(), exact[name].isnan())
+
+
+@pytest.mark.parametrize("mc_samples", [0, True, 2.0])
+def test_mc_samples_must_be_a_positive_integer(mc_samples: object) -> None:
+    """``True`` was taken as one sample (a probe; the estimators refuse bools)."""
+    model_fn, params = pf.functional(nn.Linear(3, 2))
+    X, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    with pytest.raises(ValueError, match="mc_samples must be a positive integer"):
+        pf.diag_ggn(model_fn, params, X, y, mc_samples=mc_samples)

@@ -373,7 +373,8 @@ def hessian_factors(
         >>> f.count, f.all().shape
         (2, torch.Size([2, 3, 2]))
     """
-    if mc_samples is not None and (not isinstance(mc_samples, int) or mc_samples < 1):
+    whole = isinstance(mc_samples, int) and not isinstance(mc_samples, bool)
+    if mc_samples is not None and (not whole or mc_samples < 1):
         raise ValueError(f"mc_samples must be a positive integer or None; got {mc_samples!r}.")
     if isinstance(loss, GivenOutputGradient):
         raise ValueError(
