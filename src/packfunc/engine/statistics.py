@@ -747,8 +747,10 @@ def squared_row_norms(rows: Tensor) -> Tensor:
         segments = [rows[:, s : s + _NORM_SEGMENT, None] for s in range(0, whole, _NORM_SEGMENT)]
     if width % _NORM_SEGMENT or not width:
         segments.append(rows[:, whole:, None])
-    norms = torch.cat([torch.linalg.vector_norm(s, dim=1) for s in segments], 1)
     # (squared in float32 where float16: the norms fit, their squares may not)
+    if len(segments) == 1 and segments[0].shape[2] == 1:  # (one segment: nothing to sum)
+        return for_squares(torch.linalg.vector_norm(segments[0], dim=(1, 2))).square()
+    norms = torch.cat([torch.linalg.vector_norm(s, dim=1) for s in segments], 1)
     return for_squares(norms).square().sum(1)
 
 
