@@ -808,8 +808,10 @@ class _Call:
         params: Any,
     ) -> None:
         self.group, self.device = group, device
-        same = {k: v for k, v in options.items() if k != "chunk_size"}  # (memory alone)
-        self.signature, self.values = describe_call(name, same, loss, params)
+        self.signature, self.values = "", list[Tensor]()  # (one process: nothing to agree on)
+        if group is not None:
+            same = {k: v for k, v in options.items() if k != "chunk_size"}  # (memory alone)
+            self.signature, self.values = describe_call(name, same, loss, params)
 
     def agree(self, failure: Exception | None) -> None:
         """Every rank learns whether all made this call and none raised (``failure``)."""
