@@ -30,7 +30,7 @@ from packfunc.engine.memory import (
     new_output,
 )
 from packfunc.engine.precision import for_squares
-from packfunc.engine.rules.product import cancellation_tolerance, noting_cancelled
+from packfunc.engine.rules.product import cancelled_samples, noting_cancelled
 from packfunc.engine.vocabulary import PER_SAMPLE, Statistic
 from packfunc.losses import hessian_factors
 from packfunc.types import ClippingGroups
@@ -423,7 +423,7 @@ def _squared_norms(
     terms = columns.position_terms(leaf, everyone)
     if terms is None or under_vmap():  # nothing bounds the contraction's rounding: kept
         return None, found
-    cancelled_here = ~(squares >= cancellation_tolerance(squares.dtype) * terms.to(squares.dtype))
+    cancelled_here = cancelled_samples(squares, terms)
     if bool(cancelled_here.any()):
         cancelled[leaf] = cancelled_here.nonzero().squeeze(1)
     return squares, None

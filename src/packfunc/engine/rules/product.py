@@ -227,8 +227,7 @@ def formed_where_cancelled(
         ...                        lambda i: torch.full((len(i), 2), 0.5))
         tensor([0.5000, 2.0000])
     """
-    # (not >=: a NaN, where positions' terms overflowed to inf - inf, is formed too)
-    cancelled = ~(squares >= cancellation_tolerance(squares.dtype, features) * diagonal)
+    cancelled = cancelled_samples(squares, diagonal, features=features)
     if under_vmap():  # (no branch on values there: every sample's gradient, formed)
         everyone = torch.arange(len(squares), device=squares.device)
         formed = gradients(everyone).flatten(1).square().sum(1).to(squares.dtype)
@@ -265,6 +264,28 @@ def noting_cancelled() -> Iterator[list[Tensor]]:
     """
     with collecting(_CANCELLED, "samples") as found:
         yield found
+
+
+def cancelled_samples(squares: Tensor, terms: Tensor, *, features: int = 1) -> Tensor:
+    """Which samples' squared norms are below :func:`cancellation_tolerance` of their terms.
+
+    Their positions cancel: a norm or sum taken from the terms is not trusted there. A NaN
+    (terms that overflowed to ``inf - inf``) counts as cancelled.
+
+    Args:
+        squares: Squared norms ``[N]``.
+        terms: Their positions' terms, ``Σ_l ‖v_l‖²‖u_l‖²`` ``[N]``.
+        features: The entries each of the terms' products sums.
+
+    Returns:
+        A boolean mask ``[N]``.
+
+    Example:
+        >>> cancelled_samples(torch.tensor([1e-9, 2.0, float("nan")]), torch.ones(3))
+        tensor([ True, False,  True])
+    """
+    # (not >=: a NaN is cancelled too)
+    return ~(squares >= cancellation_tolerance(squares.dtype, features) * terms.to(squares.dtype))
 
 
 def cancellation_tolerance(dtype: torch.dtype, features: int = 1) -> float:
