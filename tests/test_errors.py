@@ -1128,3 +1128,37 @@ def test_a_higher_order_operator_is_refused_by_name() -> None:
     for quantity in (pf.batch_grad, pf.diag_ggn):
         with pytest.raises(ValueError, match="higher-order operator cond.*in Python"):
             quantity(model_fn, params, X, y)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda fn, p, X, y, g: pf.kfac(fn, p, X, y, generator=g),
+        lambda fn, p, X, y, g: pf.ekfac(fn, p, X, y, generator=g),
+        lambda fn, p, X, y, g: pf.diag_ggn(fn, p, X, y, mc_samples=1, generator=g),
+        lambda fn, p, X, y, g: pf.sqrt_ggn(fn, p, X, y, mc_samples=1, generator=g),
+        lambda fn, p, X, y, g: pf.hutchinson_trace(fn, p, X, y, generator=g),
+        lambda fn, p, X, y, g: pf.privacy.add_noise(p, 1.0, 1.0, generator=g),
+        lambda fn, p, X, y, g: pf.privacy.PoissonBatches(10, 0.5, generator=g),
+        lambda fn, p, X, y, g: pf.optim.scale_by_kfac(fn, generator=g),
+        lambda fn, p, X, y, g: pf.optim.KFAC(nn.Linear(3, 2), generator=g),
+    ],
+    ids=[
+        "kfac",
+        "ekfac",
+        "diag_ggn",
+        "sqrt_ggn",
+        "hutchinson",
+        "noise",
+        "poisson",
+        "transform",
+        "optimizer",
+    ],
+)
+def test_a_seed_given_as_generator_is_refused_naming_torch_generator(call) -> None:
+    """A seed passed as ``generator=`` met torch's own argument errors (some only at an
+    optimizer's first step, ekfac's an AttributeError): refused where it is given."""
+    fn, p = pf.functional(nn.Linear(3, 2))
+    X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    with pytest.raises(TypeError, match=r"torch.Generator\(\).manual_seed\(3\)"):
+        call(fn, p, X, y, 3)

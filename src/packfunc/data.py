@@ -56,6 +56,7 @@ from packfunc.distributed import (
     zeros_like_others,
 )
 from packfunc.engine.discovery import in_out_weights
+from packfunc.engine.randomness import check_generator
 from packfunc.evaluation import check_per_sample_loss, compute_batch, statistic_quantities
 from packfunc.functionalize import (
     flatten_params,
@@ -140,6 +141,7 @@ def over_data(spec: Quantity | None, required: tuple[str, ...] = ()) -> Callable
             **options: Any,
         ) -> Any:
             _check_keywords(function.__name__, options, keywords)
+            check_generator(options.get("generator"), f"{function.__name__}()")
             for name in required[len(args) :]:
                 if options.get(name) is None:
                     raise TypeError(f"{function.__name__}() needs the argument {name!r}.")

@@ -12,6 +12,7 @@ from torch import nn
 from packfunc.engine.batch_pass import BatchPass, ColumnGradients
 from packfunc.engine.eigenvalue_fit import fitted_eigenvalues
 from packfunc.engine.layer_factors import checked_approx, refuse_unsupported, sqrt_factors
+from packfunc.engine.randomness import check_generator
 from packfunc.evaluation import refuse_complex_squares
 from packfunc.functionalize import public_entry
 from packfunc.kron import Curvature, Eigen, batched_eigh
@@ -160,6 +161,7 @@ def _fit(
     if on_unsupported not in ("raise", "skip"):
         raise ValueError(f"on_unsupported must be 'raise' or 'skip'; got {on_unsupported!r}.")
     checked_approx(kfac_approx)
+    check_generator(generator, "ekfac()")
     refuse_complex_squares(params, ["ekfac"])
     bp = BatchPass(model_fn, params, X, given_targets(y, "ekfac"), loss or default_loss())
     with bp.undone_on_refusal():

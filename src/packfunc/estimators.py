@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import vmap
 
-from packfunc.engine.randomness import random_model_error
+from packfunc.engine.randomness import check_generator, random_model_error
 from packfunc.functionalize import public_entry
 from packfunc.products import ggn_vector_product, hessian_vector_product
 from packfunc.types import Inputs, ModelFn, Params, ParamsT, shares_arguments
@@ -215,6 +215,7 @@ def _probes(
     params: Params, count: int, distribution: str, generator: torch.Generator | None
 ) -> Tensor:
     """``count`` random flat vectors ``[count, D]`` with ``E[v vᵀ] = I``."""
+    check_generator(generator, "the estimators (hutchinson_diagonal, hutchinson_trace, ...)")
     leaves: list[Tensor] = optree.tree_leaves(cast(Any, params))
     if not leaves or any(not torch.is_floating_point(p) for p in leaves):
         raise ValueError("params must be a non-empty pytree of floating-point tensors.")

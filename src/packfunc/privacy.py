@@ -33,6 +33,7 @@ from packfunc.distributed import (
     is_first_rank,
     sum_counts_over_ranks,
 )
+from packfunc.engine.randomness import check_generator
 from packfunc.engine.statistics import clipping_factors, norms_from_squares
 from packfunc.evaluation import CLIPPING_EPS, clipping_bounds, one_quantity
 from packfunc.functionalize import flatten_params, functional, leading_sizes
@@ -247,6 +248,7 @@ def _plus_gaussian(
     one call, so that nothing beside the results is allocated; a group with a leaf that
     requires grad gets it added out of place.
     """
+    check_generator(generator, "the noise (add_noise, clip_and_noise)")
     noisy: list[Tensor] = []
     for group in _noise_groups(leaves):
         dtype, device = group[0].dtype, group[0].device
@@ -321,6 +323,7 @@ class PoissonBatches:
                 f"PoissonBatches needs a whole size >= 1, 0 < sample_rate <= 1 and a whole "
                 f"number of steps >= 1; got {size!r}, {sample_rate!r} and {steps!r}."
             )
+        check_generator(generator, "PoissonBatches()")
         self.size, self.sample_rate, self.generator = whole[0], sample_rate, generator
         self.steps = whole[1] or max(1, int(1 / sample_rate))
 
@@ -392,6 +395,7 @@ class DPOptimizer:
         process_group: ProcessGroup | None = None,
     ):
         _check_noise_multiplier(noise_multiplier, "DPOptimizer")
+        check_generator(generator, "DPOptimizer()")
         if isinstance(model, nn.parallel.DistributedDataParallel):
             raise ValueError(
                 "DPOptimizer takes the module itself, not a DistributedDataParallel wrapper: "

@@ -233,9 +233,38 @@ def random_model_error(random: str, rerun: str) -> RandomModelError:
     )
 
 
+def check_generator(generator: object, where: str) -> None:
+    """Refuse a ``generator=`` that is not a ``torch.Generator`` (a seed, say), naming the fix.
+
+    Given a seed, torch's samplers failed with their own argument errors, some only at the
+    first draw (an optimizer's first step) and some with an ``AttributeError``.
+
+    Args:
+        generator: The argument, ``None`` or a ``torch.Generator``.
+        where: What it was given to, as the message names it (``"kfac()"``).
+
+    Raises:
+        TypeError: for anything else.
+
+    Example:
+        >>> check_generator(torch.Generator().manual_seed(0), "kfac()")
+        >>> check_generator(3, "kfac()")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: kfac(): generator= takes a torch.Generator (or None), not the int 3; ...
+    """
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"{where}: generator= takes a torch.Generator (or None), not the "
+            f"{type(generator).__name__} {generator!r}; for a seed, pass "
+            f"torch.Generator().manual_seed({generator!r})."
+        )
+
+
 __all__ = [
     "RANDOM_FUNCTIONS",
     "RandomModelError",
+    "check_generator",
     "private_generators",
     "random_call",
     "random_model_error",

@@ -22,6 +22,7 @@ from typing import Any, cast, overload
 import torch
 from torch import Tensor, nn
 
+from packfunc.engine.randomness import check_generator
 from packfunc.functionalize import functional
 from packfunc.optim.transforms import (
     Batch,
@@ -77,6 +78,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         if not lr >= 0:
             raise ValueError(f"lr must be non-negative; got {lr!r}.")
         _refuse_distributed_data_parallel(model, type(self).__name__)
+        check_generator(generator, f"{type(self).__name__}()")
         self._named = trainable_parameters(model)
         if not self._named:
             raise ValueError(

@@ -54,6 +54,7 @@ from packfunc import kron
 from packfunc.eigen_kfac import ekfac, ekfac_and_factors
 from packfunc.engine.discovery import discover
 from packfunc.engine.precision import forward_precision_only
+from packfunc.engine.randomness import check_generator
 from packfunc.functionalize import flatten_params, select_samples
 from packfunc.kronecker_factors import kfac, kflr
 from packfunc.losses import default_loss
@@ -286,6 +287,7 @@ def scale_by_kfac(
         >>> int(state.step), updates["weight"].shape
         (1, torch.Size([2, 3]))
     """
+    check_generator(generator, "scale_by_kfac()")
     _check_hyperparameters(damping, ema, update_period=update_period, inverse_period=inverse_period)
     loss = loss or default_loss()
     invert = _pi_damped_inverse if pi_damping else _exact_inverse
@@ -388,6 +390,7 @@ def scale_by_ekfac(
         >>> state.curvature.eigen["weight"].eigenvalues.shape
         torch.Size([2, 3])
     """
+    check_generator(generator, "scale_by_ekfac()")
     _check_hyperparameters(damping, ema, update_period=update_period, inverse_period=inverse_period)
     loss = loss or default_loss()
     approx = _approx_option(kfac_approx)
@@ -469,6 +472,7 @@ def scale_by_diag_ggn(
         >>> updates["bias"].shape
         torch.Size([2])
     """
+    check_generator(generator, "scale_by_diag_ggn()")
     _check_hyperparameters(damping, ema, update_period=update_period)
     loss = loss or default_loss()
 
