@@ -382,3 +382,18 @@ def test_logdet_of_eigh_of_full_rank_float32_factors_is_the_factors_logdet():
     for found in (kron.logdet(factors), kron.logdet(kron.eigh(factors))):
         for name in factors:
             torch.testing.assert_close(found[name].double(), expected[name], rtol=1e-5, atol=0)
+
+
+def test_factors_holding_nan_are_refused_naming_the_sample_not_lapack() -> None:
+    """A NaN in a sample's input made every factor NaN; eigendecomposing them (ekfac,
+    kron.eigh, an inverse Cholesky refused) ended in LAPACK's convergence error."""
+    torch.manual_seed(0)
+    model_fn, params = pf.functional(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    X[1, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf.*batch_l2_grad"):
+        pf.ekfac(model_fn, params, X, y)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        pf.kron.eigh({"w": [torch.full((2, 2), float("nan")), torch.eye(3)]})
+    with pytest.raises(ValueError, match="NaN or inf"):
+        pf.kron.inverse(pf.kfac(model_fn, params, X, y), damping=1e-3)

@@ -136,8 +136,14 @@ def batched_eigh(matrices: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
     """
 
     def decompose(stacked: Tensor) -> list[tuple[Tensor, Tensor]]:
-        values, vectors = (t.to(stacked.dtype) for t in torch.linalg.eigh(_decomposable(stacked)))
-        if not bool(torch.isfinite(values.sum() + vectors.sum())):  # a NaN or inf anywhere
+        try:
+            found = torch.linalg.eigh(_decomposable(stacked))
+            values, vectors = (t.to(stacked.dtype) for t in found)
+            finite = bool(torch.isfinite(values.sum() + vectors.sum()))  # a NaN or inf anywhere
+        except torch.linalg.LinAlgError:
+            finite = False
+        if not finite:
+            _refuse_non_finite(stacked)
             # LAPACK's float32 eigh can return NaN on large rank-deficient matrices (seen on
             # one thread for a 2048² factor of rank 64): redo the stack in float64 (also
             # when a sum of huge eigenvalues overflows, which costs time, not accuracy)
@@ -145,6 +151,24 @@ def batched_eigh(matrices: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
         return list(zip(values.clamp_min(0).unbind(0), vectors.unbind(0)))
 
     return _per_distinct_matrix(matrices, decompose)
+
+
+def _refuse_non_finite(stacked: Tensor) -> None:
+    """Refuse factors holding NaN or inf: no eigendecomposition of theirs means anything.
+
+    Raises:
+        ValueError: naming where such values come from (LAPACK's own error before).
+
+    Example:
+        >>> _refuse_non_finite(torch.eye(2)[None])
+    """
+    if not bool(torch.isfinite(stacked).all()):
+        raise ValueError(
+            "a curvature factor holds NaN or inf (from a NaN or inf in a sample's input, the "
+            "model's output or the loss, or values that overflow the dtype), and has no "
+            "eigendecomposition. Find the sample (pf.batch_l2_grad reads NaN or inf there) "
+            "and drop or fix it before computing the curvature."
+        )
 
 
 def power(curvature: Curvature, exponent: float, damping: float = 0.0) -> Curvature:
