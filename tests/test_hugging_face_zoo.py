@@ -7,7 +7,9 @@ pooling at the EOS token (BART), a mixture of experts with top-2 routing (Mixtra
 selective state-space scan (Mamba), shifted-window attention (Swin), depthwise
 convolutions with layer scale (ConvNeXt), eval-mode batch norm (ResNet), a convolutional
 speech front end with group norm, a weight-normed positional convolution and padded frames
-zeroed by mask (Wav2Vec2) and one layer's weights shared by every depth (ALBERT). Each is checked
+zeroed by mask (Wav2Vec2), one layer's weights shared by every depth (ALBERT), tanh-capped
+attention scores and logits (Gemma 2), rotary embeddings on half of each head beside a
+parallel residual (GPT-NeoX) and sliding-window attention (ModernBERT). Each is checked
 in float64 against a per-sample autograd loop: per-sample gradients, their squared norms
 and the clipped sum of DP-SGD.
 """
@@ -279,6 +281,50 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Tensor]]] = {
                     max_position_embeddings=8,
                     num_labels=3,
                     pad_token_id=0,
+                )
+            ),
+            last=False,
+        ),
+        _tokens,
+    ),
+    "gemma2": (
+        lambda: Logits(
+            hf.Gemma2ForCausalLM(
+                hf.Gemma2Config(
+                    **SMALL,
+                    **HEADS,
+                    num_key_value_heads=1,
+                    head_dim=4,
+                    attn_logit_softcapping=5.0,  # tanh-capped attention scores
+                    final_logit_softcapping=3.0,
+                    **TOKENS,
+                )
+            ),
+            last=True,
+        ),
+        _tokens,
+    ),
+    "gpt_neox": (
+        lambda: Logits(
+            hf.GPTNeoXForCausalLM(
+                hf.GPTNeoXConfig(**SMALL, **HEADS, rotary_pct=0.5, **TOKENS)  # half rotary
+            ),
+            last=True,
+        ),
+        _tokens,
+    ),
+    "modernbert": (
+        lambda: Logits(
+            hf.ModernBertForSequenceClassification(
+                hf.ModernBertConfig(
+                    **(SMALL | {"num_hidden_layers": 2}),
+                    **HEADS,
+                    num_labels=3,
+                    global_attn_every_n_layers=2,  # the second layer's attention is local:
+                    local_attention=4,  # a sliding window of 2 each side
+                    cls_token_id=1,
+                    sep_token_id=2,
+                    **TOKENS,
                 )
             ),
             last=False,
