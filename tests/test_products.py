@@ -340,3 +340,30 @@ def test_products_and_estimators_take_ordered_dict_parameters():
         model_fn, plain, X, y, num_samples=4, generator=torch.Generator().manual_seed(0)
     )
     torch.testing.assert_close(trace, expected_trace)
+
+
+class _Distances(nn.Module):
+    """RBF features ``exp(-‖h - c‖²)`` of learned centres by ``torch.cdist``: torch has no
+    forward-mode formula of it and no derivative of its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(4, 3), nn.Linear(4, 3)
+        self.centres = nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.exp(-torch.cdist(torch.tanh(self.inp(x)), self.centres) ** 2))
+
+
+def test_an_op_without_the_derivative_a_product_needs_is_refused_naming_the_other_product() -> None:
+    """torch's own errors ("Trying to use forward AD with _cdist_forward", "the derivative
+    for '_cdist_backward' is not implemented") said nothing of what works instead (a probe)."""
+    torch.manual_seed(0)
+    model_fn, params = pf.functional(_Distances().double())
+    X, y = torch.randn(3, 4, dtype=torch.float64), torch.tensor([0, 2, 1])
+    v = {k: torch.randn_like(p) for k, p in params.items()}
+    with pytest.raises(NotImplementedError, match="forward mode.*hessian_vector_product"):
+        pf.ggn_vector_product(model_fn, params, X, y, v)
+    with pytest.raises(NotImplementedError, match="twice.*ggn_vector_product"):
+        pf.hessian_vector_product(model_fn, params, X, y, v)
+    assert pf.diag_ggn(model_fn, params, X, y)["centres"].shape == (4, 3)  # what works

@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from typing_extensions import Unpack
 
 from packfunc.data import DataOptions, over_data
-from packfunc.engine.autodiff import jvp, refuse_differentiation, vjp
+from packfunc.engine.autodiff import jvp, missing_derivative, refuse_differentiation, vjp
 from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.model_state import buffer_restorer
 from packfunc.engine.modes import functional_mode, is_metadata_query, twice_differentiable
@@ -509,7 +509,13 @@ def _ggn_products(
 
         try:
             products, outputs = vmap(one)(tangents)
-        except RuntimeError as error:
+        except (NotImplementedError, RuntimeError) as error:
+            if missing_derivative(error) == "forward":
+                raise NotImplementedError(
+                    f"{error} The GGN products take J v in forward mode, for which torch has "
+                    "no formula of that op: use hessian_vector_product (reverse mode only), "
+                    "or the GGN quantities (diag_ggn, batch_diag_ggn, sqrt_ggn, kflr)."
+                ) from error
             if "randomness" not in str(error):
                 raise
             rerun = "each Jacobian-vector product"
@@ -563,8 +569,17 @@ def _hessian_products(
         return value
 
     with twice_differentiable():
-        _, pullback = vjp(grad(total), primal)
-        return vmap(lambda t: pullback(t)[0])(tangents)
+        try:
+            _, pullback = vjp(grad(total), primal)
+            return vmap(lambda t: pullback(t)[0])(tangents)
+        except (NotImplementedError, RuntimeError) as error:
+            if missing_derivative(error) != "reverse":
+                raise
+            raise NotImplementedError(
+                f"{error} The Hessian products differentiate the model twice, and torch has "
+                "no second derivative of that op: use ggn_vector_product, or the GGN "
+                "quantities (diag_ggn, batch_diag_ggn, sqrt_ggn, kflr)."
+            ) from error
 
 
 def _like(v: Any, params: Any) -> Any:

@@ -192,6 +192,31 @@ def mutates_captured_tensor(error: Exception) -> bool:
     return isinstance(error, RuntimeError) and "would mutate a captured Tensor" in str(error)
 
 
+def missing_derivative(error: Exception) -> str | None:
+    """Which derivative torch lacks, where ``error`` says an op has none.
+
+    Args:
+        error: An error raised while differentiating the model.
+
+    Returns:
+        ``"forward"`` (no forward-mode formula: ``J v`` fails), ``"reverse"`` (no derivative
+        of the op, or of its backward: differentiating twice fails), or ``None`` for any
+        other error.
+
+    Example:
+        >>> missing_derivative(NotImplementedError("the derivative for 'x' is not implemented."))
+        'reverse'
+    """
+    if not isinstance(error, (NotImplementedError, RuntimeError)):
+        return None
+    message = str(error)
+    if "Trying to use forward AD with" in message:
+        return "forward"
+    if "derivative for" in message and "not implemented" in message:
+        return "reverse"
+    return None
+
+
 class _Undifferentiable(torch.autograd.Function):
     """The identity on a value; its backward refuses (the value's gradient would be wrong)."""
 

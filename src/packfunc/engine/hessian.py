@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 from torch.func import grad, vmap
 
-from packfunc.engine.autodiff import over_samples, vjp
+from packfunc.engine.autodiff import missing_derivative, over_samples, vjp
 from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.batch_record import probed_forward, zero_probes
 from packfunc.engine.discovery import Recorded
@@ -81,8 +81,8 @@ def diagonals(bp: BatchPass, stats: set[Statistic], index: slice | Tensor) -> li
     with twice_differentiable(), full_precision():  # re-runs: see engine/precision.py
         try:
             return _diagonals(bp, stats, index)
-        except NotImplementedError as error:
-            if "derivative for" not in str(error):
+        except (NotImplementedError, RuntimeError) as error:
+            if missing_derivative(error) != "reverse":
                 raise
             raise NotImplementedError(
                 f"{error} Hessian diagonals differentiate the model twice, and torch has no "
