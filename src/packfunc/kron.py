@@ -140,7 +140,7 @@ def batched_eigh(matrices: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
             found = torch.linalg.eigh(_decomposable(stacked))
             values, vectors = (t.to(stacked.dtype) for t in found)
             finite = bool(torch.isfinite(values.sum() + vectors.sum()))  # a NaN or inf anywhere
-        except torch.linalg.LinAlgError:
+        except torch.linalg.LinAlgError:  # type: ignore[attr-defined]
             finite = False
         if not finite:
             _refuse_non_finite(stacked)
