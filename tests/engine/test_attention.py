@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.cases import assert_trees_close
+from tests.cases import assert_trees_close, autograd_batch_grad
 from torch import Tensor, nn
 from torch.autograd.functional import hessian, jacobian
 from torch.func import functional_call
@@ -469,12 +469,10 @@ def test_arguments_bind_as_inspect_binds_them():
         attention._bind(positional[:4], {"unknown": 1, **keywords})
 
 
-@pytest.mark.parametrize("same_tensor", [True, False])
-def test_kflr_of_the_packed_projection_is_the_ggn_block_for_one_token(same_tensor):
-    """``mha(norm(x), norm(x), norm(x))`` passes three equal tensors: taken as three inputs
-    by identity, every token counted thrice in the packed weight's input factor (3× the
-    exact GGN block for one sample and one token, where ``u = norm(x); mha(u, u, u)`` was
-    exact). Equal inputs are one input."""
+def test_kflr_of_the_packed_projection_is_the_ggn_block_for_one_token():
+    """``u = norm(x); mha(u, u, u)`` passes one tensor thrice: one input, each token counted
+    once in the packed weight's input factor, so KFLR is the exact GGN block for one sample
+    and one token."""
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -486,14 +484,8 @@ def test_kflr_of_the_packed_projection_is_the_ggn_block_for_one_token(same_tenso
             self.head = nn.Linear(4, 3)
 
         def forward(self, x: Tensor) -> Tensor:
-            if same_tensor:
-                u = self.norm(x)
-                out = self.attention(u, u, u, need_weights=False)[0]
-            else:
-                out = self.attention(self.norm(x), self.norm(x), self.norm(x), need_weights=False)[
-                    0
-                ]
-            return self.head(out[:, 0])
+            u = self.norm(x)
+            return self.head(self.attention(u, u, u, need_weights=False)[0][:, 0])
 
     torch.manual_seed(0)
     model = Block().double()
@@ -510,6 +502,53 @@ def test_kflr_of_the_packed_projection_is_the_ggn_block_for_one_token(same_tenso
     out = output(weight).detach()
     H = hessian(lambda o: F.cross_entropy(o, y), out).reshape(3, 3)
     torch.testing.assert_close(torch.kron(A, B), J.T @ H @ J)
+
+
+class _EqualInputs(nn.Module):
+    """Attention whose query, key and value are other tensors of equal values: separate
+    pre-norms (equal at initialization), a detached key and value, or ``h + pos`` for query
+    and key with a learned position initialized to zero (DETR)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.embed, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.norm_q, self.norm_kv = nn.LayerNorm(4), nn.LayerNorm(4)
+        self.position = nn.Parameter(torch.zeros(3, 4))
+        self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        if self.kind == "two norms":
+            q, k = self.norm_q(h), self.norm_kv(h)
+            v = k
+        elif self.kind == "detached":
+            q, k, v = h, h.detach(), h.detach()
+        else:
+            q = k = h + self.position
+            v = h
+        return self.head(self.attention(q, k, v, need_weights=False)[0]).transpose(1, 2)
+
+
+@pytest.mark.parametrize("kind", ["two norms", "detached", "zero position"])
+def test_inputs_of_equal_values_are_other_inputs(kind):
+    """The packed projection took query, key and value of equal values as one input, so
+    the key's and value's cotangents went to the query's tensor: a key/value norm's
+    gradient read zero, a detached key's went to the embedding, a zero position's read
+    3.6× (a probe). They are apart now, as torch's projection keeps them."""
+    torch.manual_seed(0)
+    model = _EqualInputs(kind).double()
+    X = torch.randn(3, 3, 4, dtype=torch.float64)
+    y = torch.tensor([[0, 1, 2], [2, 1, 0], [1, 1, 0]])
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    expected = autograd_batch_grad(model, loss, X, y)
+    model_fn, params = pf.functional(model)
+    assert_trees_close(pf.batch_grad(model_fn, params, X, y, loss=loss), expected, kind)
+    norms = sum(g.reshape(3, -1).square().sum(1) for g in expected.values())
+    max_norm = float(norms.sqrt().median())
+    clipped = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=max_norm)
+    by_clipping = {k: g.sum(0) for k, g in pf.clip_per_sample(expected, max_norm).items()}
+    assert_trees_close(clipped, by_clipping, kind)
 
 
 @pytest.mark.parametrize("weight", ["q_proj_weight", "k_proj_weight", "v_proj_weight"])

@@ -201,16 +201,20 @@ def _packed_projection(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v from one ``F.linear`` with the whole packed ``[3E, E]`` weight.
 
-    The distinct inputs among query, key and value (by identity, or by value:
-    ``mha(norm(x), norm(x), norm(x))``) are concatenated along the sequence, projected with
-    the full weight and sliced: rows by input, columns by role. Equal inputs are one: as
-    three, each token would count thrice in the layer's Kronecker factors (KFLR's input
-    factor 3× the exact GGN's for one token), where the same tensor passed thrice counts once.
+    The distinct inputs among query, key and value, by identity as torch's own projection
+    tells them apart, are concatenated along the sequence, projected with the full weight
+    and sliced: rows by input, columns by role. One tensor passed for several roles is one
+    input (its tokens counted once in the layer's Kronecker factors). Inputs that are other
+    tensors of equal values (``mha(norm_q(h), norm_kv(h), norm_kv(h))`` at initialization,
+    a detached key, ``h + pos`` with ``pos`` zero) stay apart: each role's cotangent goes to
+    its own tensor, and so to what made it. Taken as one by value, the key's and value's
+    gradient went to the query's branch (a probe: 3.6× a learned position's gradient, a
+    key/value norm's exactly zero).
     """
     distinct: list[Tensor] = []
     owner: list[int] = []  # which distinct input each role takes
     for t in (query, key, value):
-        found = next((i for i, d in enumerate(distinct) if _same_input(t, d)), len(distinct))
+        found = next((i for i, d in enumerate(distinct) if t is d), len(distinct))
         distinct += [t] if found == len(distinct) else []
         owner.append(found)
     x = distinct[0] if len(distinct) == 1 else torch.cat(distinct, dim=1)
@@ -225,23 +229,6 @@ def _packed_projection(
         return projected[:, start : start + length, role * embed_dim : (role + 1) * embed_dim]
 
     return part(0), part(1), part(2)
-
-
-def _same_input(a: Tensor, b: Tensor) -> bool:
-    """Whether two attention inputs are one: the same tensor, or equal values.
-
-    Example:
-        >>> _same_input(torch.ones(1, 2, 3), torch.ones(1, 2, 3))
-        True
-    """
-    if a is b:
-        return True
-    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-        return False
-    try:
-        return bool(torch.equal(a, b))
-    except RuntimeError:  # under vmap, values decide nothing: by identity alone
-        return False
 
 
 def _separate_projection(
