@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import pathlib
 import sys
@@ -957,10 +958,28 @@ def test_a_norm_that_overflows_float32_is_refused_not_dropped() -> None:
         autograd_batch_grad(wide, nn.CrossEntropyLoss(reduction="sum"), X.double(), y), 1.0
     )
     assert_trees_close(found, {k: 4 * v for k, v in expected.items()})
-    half = nn.Linear(3, 2).half()  # float16's squared norms overflow above a norm of 256
+
+
+def test_float16_norms_above_256_clip_as_their_squares_overflow_only_float16() -> None:
+    """float16's squared norms overflow above a norm of 256: ``clipped_grad`` and
+    ``clip_per_sample`` refused such samples as overflowing (a probe: norms of 3452 and 4905),
+    though the norms, the factors and the clipped sums fit. Squares are taken in float32."""
+    torch.manual_seed(0)
+    half = nn.Linear(3, 2).half()
+    X, y = (300 * torch.randn(4, 3)).half(), torch.tensor([0, 1, 1, 0])
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    wide = copy.deepcopy(half).double()
+    per_sample = autograd_batch_grad(wide, loss, X.double(), y)
+    norms = sum(g.reshape(4, -1).square().sum(1) for g in per_sample.values()).sqrt()
+    assert bool((norms > 256).all()) and bool((norms < 60000).all())
+    clipped = pf.clip_per_sample(per_sample, 100.0)  # (each of norm 100: entries up to 100)
+    expected = {k: g.sum(0) for k, g in clipped.items()}
     model_fn, params = pf.functional(half)
-    with pytest.raises(FloatingPointError, match="float16.*float32 parameters.*autocast"):
-        pf.clipped_grad(model_fn, params, (1000 * X[1:]).half(), y[1:], max_norm=1.0)
+    found = pf.clipped_grad(model_fn, params, X, y, loss=loss, max_norm=100.0)
+    assert_trees_close({k: v.double() for k, v in found.items()}, expected, rtol=2e-3, atol=0.2)
+    batch = pf.batch_grad(model_fn, params, X, y, loss=loss)
+    found = pf.privacy.clip_per_sample(batch, 100.0)
+    assert_trees_close({k: v.double() for k, v in found.items()}, clipped, rtol=2e-3, atol=0.1)
 
 
 class _ClassesSecond(nn.Module):

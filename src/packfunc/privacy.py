@@ -34,7 +34,7 @@ from packfunc.distributed import (
     sum_counts_over_ranks,
 )
 from packfunc.engine.randomness import check_generator
-from packfunc.engine.statistics import clipping_factors, norms_from_squares
+from packfunc.engine.statistics import clipping_factors, norms_from_squares, squared_row_norms
 from packfunc.evaluation import CLIPPING_EPS, clipping_bounds, one_quantity
 from packfunc.functionalize import flatten_params, functional, leading_sizes
 from packfunc.losses import check_loss, default_loss
@@ -889,7 +889,8 @@ def clip_per_sample(batch_grads: ParamsT, max_norm: float, *, batch_l2: PyTree =
     leaves, treespec = optree.tree_flatten(cast(Any, batch_grads))
     num_samples = _num_samples(leaves)
     if batch_l2 is None:
-        squared_norms = [g.reshape(num_samples, -1).square().sum(1) for g in leaves]
+        # (float32 squares where float16: the norms fit, their squares may not; by segments)
+        squared_norms = [squared_row_norms(g.reshape(num_samples, -1)) for g in leaves]
     else:
         squared_norms = optree.tree_leaves(cast(Any, batch_l2))
         if len(squared_norms) != len(leaves) or any(

@@ -754,20 +754,24 @@ class ColumnGradients:
             ]
         )
 
-    def closed_form(self, leaf: int, stat: Statistic, index: slice | Tensor) -> Tensor | None:
+    def closed_form(
+        self, leaf: int, stat: Statistic, index: slice | Tensor, *, wide: bool = False
+    ) -> Tensor | None:
         """Return a statistic of a leaf in closed form, or ``None``.
 
         Args:
             leaf: Leaf index.
             stat: Any statistic but :attr:`~Statistic.COLUMNS`.
             index: Samples the statistic covers.
+            wide: Squares of a float16 leaf stay in float32 (DP's norms fit where their
+                squares overflow float16).
 
         Returns:
-            The statistic (in the leaf's dtype), or ``None`` if it needs materialized column
-            gradients.
+            The statistic (in the leaf's dtype, or wider with ``wide``), or ``None`` if it
+            needs materialized column gradients.
         """
         found = self._closed_form(leaf, stat, index)
-        if found is None or stat not in SQUARED:
+        if found is None or stat not in SQUARED or wide:
             return found
         return found.to(self.bp.leaves[leaf].dtype)
 

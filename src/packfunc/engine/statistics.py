@@ -12,6 +12,7 @@ materialized in chunks, one pass serving every missing statistic.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Collection, Iterable
 from typing import cast
@@ -31,7 +32,7 @@ from packfunc.engine.memory import (
 )
 from packfunc.engine.precision import for_squares
 from packfunc.engine.rules.product import cancelled_samples, noting_cancelled
-from packfunc.engine.vocabulary import PER_SAMPLE, Statistic
+from packfunc.engine.vocabulary import PER_SAMPLE, SQUARED, Statistic
 from packfunc.losses import hessian_factors
 from packfunc.types import ClippingGroups
 
@@ -212,7 +213,9 @@ def clipped_sums(
         kept |= {leaf: f[Statistic.COLUMNS][0] for leaf, f in zip(bp.whole_model, whole)}
         room -= whole_size
     elif bp.whole_model:
-        whole = _materialized(columns, bp.whole_model, {Statistic.SQUARED_NORMS}, everyone)
+        whole = _materialized(
+            columns, bp.whole_model, {Statistic.SQUARED_NORMS}, everyone, squares_wide=True
+        )
         squares |= {leaf: f[Statistic.SQUARED_NORMS] for leaf, f in zip(bp.whole_model, whole)}
     if isinstance(max_norm, list):
         return _clipped_by_group(columns, squares, kept, max_norm, eps, cancelled)
@@ -330,13 +333,13 @@ class SampleRows:
         return [i for i in range(len(self.rows)) if self.joined is None or i not in self.small]
 
     def squared_norms(self) -> Tensor:
-        """``[N]``: each sample's squared norm over all the tensors."""
+        """``[N]``: each sample's squared norm over all the tensors (float32 where float16)."""
         parts = [self.rows[i] for i in self._alone()]
         if self.joined is not None:
             parts.append(self.joined)
         squares = [squared_row_norms(r) for r in parts]
         total: Tensor = sum(squares[1:], squares[0])
-        return total.to(parts[0].dtype)
+        return total
 
     def weighted_sums(self, weights: Tensor) -> list[Tensor]:
         """``Σ_n w_n t_n`` of each tensor ``t``, shaped like its sample.
@@ -411,7 +414,7 @@ def _squared_norms(
     value = None
     if not small:
         with noting_cancelled() as formed:
-            value = columns.closed_form(leaf, Statistic.SQUARED_NORMS, everyone)
+            value = columns.closed_form(leaf, Statistic.SQUARED_NORMS, everyone, wide=True)
         if formed:
             cancelled[leaf] = torch.cat(formed).unique()
     if value is not None:
@@ -419,7 +422,7 @@ def _squared_norms(
     found = columns.leaf_columns(leaf, everyone)[0]  # [N, *p]
     if found.numel() <= room:
         return None, found
-    squares = _statistic(Statistic.SQUARED_NORMS, found[None]).to(found.dtype)
+    squares = _statistic(Statistic.SQUARED_NORMS, found[None])  # (float32 where float16)
     terms = columns.position_terms(leaf, everyone)
     if terms is None or under_vmap():  # nothing bounds the contraction's rounding: kept
         return None, found
@@ -529,7 +532,8 @@ class _SamplesApart:
     def norms(self, norms: Tensor) -> Tensor:
         """``norms`` with those of these samples taken from their formed gradients."""
         rows = SampleRows(list(self.gradients.values()))
-        return norms.index_put((self.index,), norms_from_squares(rows.squared_norms()))
+        squares = rows.squared_norms().to(norms.dtype)
+        return norms.index_put((self.index,), norms_from_squares(squares))
 
     def sums(self, factors: Tensor) -> dict[int, Tensor]:
         """``Σ_k c_k g_k`` over these samples, per leaf."""
@@ -569,12 +573,16 @@ def _factors_and_sums_apart(
     Returns:
         ``(factors, {leaf: Σ_k c_k g_k})`` (an empty dict where no sample is apart).
     """
+    # norms from float32 squares where float16 (theirs overflow from 256), factors in the
+    # leaves' dtype as their sums are
+    dtypes = [columns.bp.leaves[leaf].dtype for leaf in leaves]
+    dtype = functools.reduce(torch.promote_types, dtypes)
     noted = [cancelled[leaf] for leaf in leaves if leaf in cancelled]
     if not noted:
-        return clipping_factors(norms, bound, eps), {}
+        return clipping_factors(norms, bound, eps).to(dtype), {}
     index = torch.cat(noted).unique()
     apart = _SamplesApart(index, {leaf: _formed(columns, kept, leaf, index) for leaf in leaves})
-    factors = clipping_factors(apart.norms(norms), bound, eps)
+    factors = clipping_factors(apart.norms(norms), bound, eps).to(dtype)
     return apart.left_out(factors), apart.sums(factors)
 
 
@@ -631,12 +639,18 @@ def _leaf_sum(columns: ColumnGradients, leaf: int) -> Tensor:
 
 
 def _materialized(
-    columns: ColumnGradients, group: list[int], stats: set[Statistic], index: slice | Tensor
+    columns: ColumnGradients,
+    group: list[int],
+    stats: set[Statistic],
+    index: slice | Tensor,
+    *,
+    squares_wide: bool = False,
 ) -> list[dict[Statistic, Tensor]]:
     """Reduce materialized column gradients of ``group`` to ``stats``.
 
     Per-sample statistics cover ``index``; the others the whole batch. One
-    pass serves both when ``index`` is the whole batch.
+    pass serves both when ``index`` is the whole batch. With ``squares_wide``, squares of
+    float16 columns stay in float32 (:func:`_reduce`).
     """
     everyone = slice(0, columns.bp.n)
     whole = isinstance(index, slice) and index == everyone
@@ -645,20 +659,22 @@ def _materialized(
     if whole or not per_sample or not totals:
         samples = index if per_sample else everyone
         parts = columns.iter_leaf_columns(group, samples, into_output=into_output)
-        return _reduce(parts, stats, index_length(samples))
+        return _reduce(parts, stats, index_length(samples), squares_wide)
     parts = columns.iter_leaf_columns(group, index, into_output=into_output)
-    first = _reduce(parts, per_sample, index_length(index))
-    second = _reduce(columns.iter_leaf_columns(group, everyone), totals, columns.bp.n)
+    first = _reduce(parts, per_sample, index_length(index), squares_wide)
+    second = _reduce(columns.iter_leaf_columns(group, everyone), totals, columns.bp.n, squares_wide)
     return [a | b for a, b in zip(first, second)]
 
 
 def _reduce(
-    parts: Iterable[list[Tensor]], stats: set[Statistic], count: int
+    parts: Iterable[list[Tensor]], stats: set[Statistic], count: int, squares_wide: bool = False
 ) -> list[dict[Statistic, Tensor]]:
     """Fold chunks of column gradients (one ``[K, n, *p]`` tensor per leaf) into statistics.
 
     Column gradients asked for themselves are written chunk by chunk into one output of
     all ``count`` samples: no second tensor of that size, as joining the chunks would be.
+    Squares of float16 columns are summed in float32 and come back in float16, unless
+    ``squares_wide``.
     """
     collected: list[dict[Statistic, list[Tensor]]] | None = None
     outputs: list[_Columns] = []
@@ -677,7 +693,12 @@ def _reduce(
     if collected is None:
         raise ValueError("the batch is empty; pass at least one sample.")
     reduced: list[dict[Statistic, Tensor]] = [
-        {stat: _combine(stat, values).to(dtype) for stat, values in f.items()}
+        {
+            stat: _combine(stat, values).to(
+                for_squares(values[0]).dtype if squares_wide and stat in SQUARED else dtype
+            )
+            for stat, values in f.items()
+        }
         for f, dtype in zip(collected, dtypes)
     ]
     if Statistic.COLUMNS in stats:
