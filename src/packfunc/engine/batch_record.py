@@ -377,10 +377,11 @@ _ROW_PER_SAMPLE = (
     "slices a parameter by the batch size (p[:N]): copy it over the batch with expand/repeat "
     "instead; (2) the model branches on the data and takes another path for the first sample "
     "alone than for the batch: Hugging Face models build no attention mask where a sample "
-    "has no padding, so put a padded sample first; (3) sample data reached the tensor "
-    "through code packfunc does not see (a round trip through numpy or Python lists, "
-    "Tensor.as_subclass, torch.vmap inside the model): write that part with torch "
-    "operations on the tensors themselves."
+    "has no padding, so put a padded sample first (one padded in each of its masks: an "
+    "encoder-decoder's encoder and decoder masks, if the batch pads both); (3) sample data "
+    "reached the tensor through code packfunc does not see (a round trip through numpy or "
+    "Python lists, Tensor.as_subclass, torch.vmap inside the model): write that part with "
+    "torch operations on the tensors themselves."
 )
 
 
