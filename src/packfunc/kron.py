@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ForwardRef, NamedTuple, TypeVar, cast
 import optree
 import torch
 from torch import Tensor
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 from packfunc.types import Factors, ParamsT, PyTree
 
@@ -485,8 +486,21 @@ def _per_distinct_matrix(
 
 
 def _equal(a: Tensor, b: Tensor) -> bool:
-    """Whether two matrices are the same tensor or hold equal values."""
-    return a is b or torch.equal(a, b)
+    """Whether two matrices are one: the same tensor, or equal values no gradient reaches.
+
+    Equal values of another tensor share a result only where nothing differentiates them:
+    an identity-initialized layer's input factor equals the next layer's in value, and a
+    shared decomposition sent the second's gradient (a Laplace evidence's ``logdet``) into
+    the first's graph (a probe: 99 % of a weight's gradient lost).
+
+    Example:
+        >>> _equal(torch.eye(2), torch.eye(2)), _equal(torch.eye(2).requires_grad_(), torch.eye(2))
+        (True, False)
+    """
+    if a is b:
+        return True
+    plain = not any(t.requires_grad or is_functorch_wrapped_tensor(t) for t in (a, b))
+    return plain and torch.equal(a, b)
 
 
 def _by_shape(
