@@ -86,17 +86,22 @@ class _SharedPositions(nn.Module):
         return self.head(torch.tanh(self.tokens(tokens) + self.positions(positions)).mean(1))
 
 
+@pytest.mark.parametrize("zero_table", [False, True])
 @pytest.mark.parametrize(
     "quantity", [pf.batch_grad, pf.diag_ggn, pf.kfac, pf.sum_grad_squared, pf.variance]
 )
-def test_a_shared_input_as_long_as_the_batch_is_refused_not_mis_sliced(quantity):
-    """It passes every shape check: the first sample's output alone is what tells."""
+def test_a_shared_input_as_long_as_the_batch_is_refused_not_mis_sliced(quantity, zero_table):
+    """It passes every shape check, and the first sample's output alone equals its row where
+    the position table is still zero (a probe: per-sample gradients 104 % off, clipped sums
+    29 %): discovery refuses the broadcast that lines the samples up with the positions."""
     torch.manual_seed(0)
     model = _SharedPositions()
+    if zero_table:
+        nn.init.zeros_(model.positions.weight)
     model_fn, params = pf.functional(model)
     tokens, labels = torch.randint(0, 10, (4, 4)), torch.tensor([0, 1, 1, 0])
     before = {k: v.clone() for k, v in params.items()}
-    with pytest.raises(ValueError, match=r"first sample alone.*expand it to \[N, \.\.\.\]"):
+    with pytest.raises(ValueError, match=r"line up with that dim.*positions\[None\]\.expand"):
         quantity(model_fn, params, (tokens, torch.arange(4)), labels)
     assert all(torch.equal(before[k], params[k]) for k in params)
     # expanded, it is batched: per-sample gradients match the loop
@@ -423,18 +428,17 @@ def test_the_last_sample_alone_is_compared_too():
 
 def test_a_refused_batch_is_refused_again():
     """The plan a refusal found is cached: calling again must not skip the check (it did)."""
-    model_fn, params = pf.functional(_SharedPositions())
-    batch = (torch.randint(0, 10, (4, 4)), torch.arange(4))
+    model_fn, params = pf.functional(_Centered())
     for quantity in (pf.batch_grad, pf.batch_grad, pf.sum_grad_squared):
         with pytest.raises(ValueError, match="first sample alone"):
-            quantity(model_fn, params, batch, torch.tensor([0, 1, 1, 0]))
+            quantity(model_fn, params, X[:4], torch.tensor([0, 1, 1, 0]))
 
 
 def test_a_plan_found_under_vmap_is_checked_by_the_next_plain_call():
     """Under vmap values cannot decide the check: that plan was cached unchecked, and a plain
     call after it returned wrong per-sample gradients silently."""
-    model_fn, params = pf.functional(_SharedPositions())
-    batch, labels = (torch.randint(0, 10, (4, 4)), torch.arange(4)), torch.tensor([0, 1, 1, 0])
+    model_fn, params = pf.functional(_Centered())
+    batch, labels = X[:4], torch.tensor([0, 1, 1, 0])
     ensemble = {name: torch.stack([p, p]) for name, p in params.items()}
     torch.func.vmap(lambda p: pf.batch_grad(model_fn, p, batch, labels))(ensemble)
     with pytest.raises(ValueError, match="first sample alone"):
@@ -443,8 +447,8 @@ def test_a_plan_found_under_vmap_is_checked_by_the_next_plain_call():
 
 def test_the_first_sample_check_runs_under_grad():
     """``grad`` of a quantity (a penalty) is checked: values decide there."""
-    model_fn, params = pf.functional(_SharedPositions())
-    batch, labels = (torch.randint(0, 10, (4, 4)), torch.arange(4)), torch.tensor([0, 1, 1, 0])
+    model_fn, params = pf.functional(_Centered())
+    batch, labels = X[:4], torch.tensor([0, 1, 1, 0])
 
     def penalty(p):
         norms = pf.batch_l2_grad(model_fn, p, batch, labels)

@@ -172,6 +172,55 @@ def batch_dims_after(
     return aligned.pop() if len(aligned) == 1 else None
 
 
+_ELEMENTWISE_BROADCASTS = _BROADCASTS - {
+    "expand",
+    "expand_as",
+    "broadcast_to",
+    "matmul",
+    "__matmul__",
+    "__rmatmul__",
+}
+"""Calls that broadcast their inputs elementwise (no dims of their own)."""
+
+
+def broadcasts_the_batch(
+    func: Callable[..., Any], out: Tensor, carriers: Sequence[tuple[Tensor, Dims | None]]
+) -> bool:
+    """Whether broadcasting lines a sample's batch dim up with a longer dim of the output.
+
+    Discovery's one sample has a batch dim of one element; an elementwise call that stretches
+    it over another dim of the output (``pos(positions)`` of ``[N, d]`` added to ``[N, T, d]``
+    lines ``N`` up with ``T``) makes the batch's rows meet positions: with ``N = T`` no error
+    says so, and values equal at initialization (a position table of zeros) pass the output
+    check. A batch whose size is that dim's gives wrong per-sample values, any other an error.
+
+    Args:
+        func: The function called.
+        out: One tensor output of the call.
+        carriers: The call's arguments that carry samples, with their known batch dims.
+
+    Returns:
+        ``True`` where some carrier's batch dim of one element lies on a longer output dim
+        (only a carrier whose batch dim is known to be one: several are a guess).
+
+    Example:
+        >>> tokens, positions = torch.ones(1, 4, 2), torch.ones(1, 2)
+        >>> broadcasts_the_batch(torch.add, tokens + positions,
+        ...                      [(tokens, frozenset({0})), (positions, frozenset({0}))])
+        True
+    """
+    if out_of_place_name(func) not in _ELEMENTWISE_BROADCASTS:
+        return False
+    for tensor, dims in carriers:
+        if dims is None or len(dims) != 1:  # (several: not known which, see the module)
+            continue
+        (d,) = dims
+        aligned = d + out.dim() - tensor.dim()
+        if 0 <= aligned < out.dim() and tensor.shape[d] == 1 and out.shape[aligned] > 1:
+            return True
+    return False
+
+
 def _moved_by(
     name: str, args: tuple[Any, ...], kwargs: dict[str, Any], first: Tensor, out: Tensor, dims: Dims
 ) -> tuple[bool, Dims | None]:

@@ -51,7 +51,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from packfunc.engine.attention import ATTENTION_OPS, dispatching_arguments, run_attention
 from packfunc.engine.autodiff import custom_forward_running
-from packfunc.engine.batch_dims import Dims, batch_dims_after, contracted_dims, reduced_dims
+from packfunc.engine.batch_dims import (
+    Dims,
+    batch_dims_after,
+    broadcasts_the_batch,
+    contracted_dims,
+    reduced_dims,
+)
 from packfunc.engine.local import CallArguments, LocalInputs, Source
 from packfunc.engine.model_state import (
     MODULE_INTERNALS,
@@ -304,6 +310,9 @@ class _DiscoveryMode(ParameterMode):
         # tensors computed from a reduction over the batch (see _note_mixed_rows)
         self.mixed: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         self.mixed_by: str | None = None
+        # tensors computed from a broadcast of the batch over another dim (_note_batch_dims)
+        self.stretched: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+        self.stretched_by: str | None = None
         # the model's own generators (torch.bernoulli(p, generator=g)), as they were before
         self.generators: dict[int, tuple[torch.Generator, Tensor]] = {}
         # torch.arange(N) and its views: an index that leaves every row where it is
@@ -747,9 +756,23 @@ class _DiscoveryMode(ParameterMode):
         out: Any,
         carriers: list[Tensor],
     ) -> None:
-        """Note which dims of a call's outputs carry the batch (:func:`batch_dims_after`)."""
+        """Note which dims of a call's outputs carry the batch (:func:`batch_dims_after`).
+
+        Outputs of a call that stretches the batch dim over another
+        (:func:`~packfunc.engine.batch_dims.broadcasts_the_batch`), and of calls on them, are
+        noted in :attr:`stretched`: discovery refuses an output among them.
+        """
         known = [(t, self._batch_dims_of(t)) for t in carriers]
-        for _, tensor in tensor_outputs(out):
+        outputs = [tensor for _, tensor in tensor_outputs(out)]
+        values = CallArguments.of(args, kwargs).values
+        passed_on = any(isinstance(v, Tensor) and self.stretched.get(id(v)) is v for v in values)
+        stretching = any(broadcasts_the_batch(func, tensor, known) for tensor in outputs)
+        if stretching and self.stretched_by is None:
+            self.stretched_by = getattr(func, "__name__", repr(func))
+        if passed_on or stretching:
+            for tensor in outputs:
+                self.stretched[id(tensor)] = tensor
+        for tensor in outputs:
             dims = batch_dims_after(func, args, kwargs, tensor, known)
             if dims is None:
                 self.batch_dims.pop(id(tensor), None)
@@ -995,6 +1018,8 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
         )
     if mode.samples.get(id(out)) is not out:
         raise ValueError(_SAMPLES_OUT_OF_SIGHT)
+    if mode.stretched.get(id(out)) is out:
+        raise ValueError(_BATCH_STRETCHED.format(call=mode.stretched_by))
     if mode.mixed.get(id(out)) is out:
         mode.plan.mixes = mode.mixed_by
     mode.plan.first_output = out
@@ -1009,6 +1034,18 @@ _SAMPLES_OUT_OF_SIGHT = (
     "that part with torch operations on the tensors themselves."
 )
 """Discovery's refusal of a model whose output it did not see depend on the samples."""
+
+
+_BATCH_STRETCHED = (
+    "the model broadcasts a tensor with one row per sample against a longer dim of another "
+    "({call}): with the batch, its samples would line up with that dim (positions [T] given "
+    "in X and added to tokens [N, T, d]), an error where N differs from it and wrong "
+    "per-sample values where it is equal. Every tensor of X is split along dim 0 by "
+    "samples: close over an input the batch shares in model_fn, or give it a dim of one "
+    "per sample (positions[None].expand(N, T)); for a per-sample scalar, add its dims "
+    "(s[:, None])."
+)
+"""Discovery's refusal of a model that lines the batch up with another dim."""
 
 
 _BACKWARD_IN_THE_FORWARD = (
