@@ -352,7 +352,7 @@ class _Distances(nn.Module):
         self.centres = nn.Parameter(torch.randn(4, 3))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.out(torch.exp(-torch.cdist(torch.tanh(self.inp(x)), self.centres) ** 2))
+        return self.out(torch.exp(-(torch.cdist(torch.tanh(self.inp(x)), self.centres) ** 2)))
 
 
 def test_an_op_without_the_derivative_a_product_needs_is_refused_naming_the_other_product() -> None:
