@@ -1018,7 +1018,8 @@ def _warn_about_unsupported(quantity: str, names: list[str]) -> None:
     if names:
         warnings.warn(
             f"{quantity} has no Kronecker rule for {names} (not the weight or bias of a "
-            "linear or convolution layer — embeddings and norm layers have none — or used "
+            "linear, convolution or recurrent layer — embeddings and norm layers have none "
+            "— or used "
             "several ways, or called where "
             "your forward pass records no graph: under no_grad, or in a reentrant "
             "checkpoint, for which checkpoint(..., use_reentrant=False) is the fix): they "
