@@ -367,6 +367,17 @@ def test_dp_optimizer_steps_with_the_private_gradient() -> None:
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
 
 
+def test_dp_optimizer_step_without_the_batch_names_its_own_backward() -> None:
+    """opacus' habit, ``loss.backward(); optimizer.step()``, met Python's "missing 1 required
+    keyword-only argument" (a newcomer's probe); a batch given by position, "takes 1
+    positional argument"."""
+    model, loss, X, y = _problem()
+    opt = _noiseless_dp_sgd(model, loss, lr=0.5, expected_batch_size=6)
+    for call in (lambda: opt.step(), lambda: opt.step((X, y))):
+        with pytest.raises(TypeError, match=r"step\(batch=\(X, y\)\) runs its own forward"):
+            call()
+
+
 def test_targets_empty_beside_inputs_with_samples_are_refused_not_taken_for_an_empty_batch():
     """A batch of six inputs and no targets (a collate bug) was taken for an empty Poisson
     batch: the step was the noise alone, the six samples dropped silently (found by a

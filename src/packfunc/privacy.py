@@ -483,12 +483,24 @@ class DPOptimizer:
         if drawn is not None and self.generator is not None:
             self.generator.set_state(drawn)
 
-    def step(self, *, batch: tuple[Inputs, Tensor]) -> None:
+    def step(self, *args: Any, batch: tuple[Inputs, Tensor] | None = None) -> None:
         """One DP-SGD step on ``batch``: private gradients into ``.grad``, then the update.
 
         Args:
+            *args: None (a closure or a positional batch is refused, naming ``batch=``).
             batch: ``(X, y)``, possibly empty.
+
+        Raises:
+            TypeError: without ``batch=`` (opacus' ``loss.backward(); optimizer.step()``: the
+                gradients of that backward are not DP's, and this step makes its own).
         """
+        if args or batch is None:
+            raise TypeError(
+                "DPOptimizer.step(batch=(X, y)) runs its own forward and backward (clipping "
+                "each sample's gradient, then the noise); call it with the batch by keyword "
+                "instead of loss.backward(); optimizer.step() as in opacus (that backward's "
+                ".grad is not the private gradient and is replaced)."
+            )
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise TypeError(
                 f"DPOptimizer.step takes batch=(X, y), a pair; got {type(batch).__name__}."
