@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from typing_extensions import Unpack
 
 from packfunc.data import DataOptions, over_data
-from packfunc.engine.autodiff import jvp, missing_derivative, refuse_differentiation, vjp
+from packfunc.engine.autodiff import jvp, naming_missing_derivatives, refuse_differentiation, vjp
 from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.model_state import buffer_restorer
 from packfunc.engine.modes import functional_mode, is_metadata_query, twice_differentiable
@@ -507,15 +507,15 @@ def _ggn_products(
             out, jt = jvp(forward, (primal,), (t,))  # J t, forward mode
             return pullback(loss_hessian(jt))[0], out  # Jᵀ (∇²_f L) J t
 
+        instead = (
+            "The GGN products take J v in forward mode, for which torch has no formula of "
+            "that op: use hessian_vector_product (reverse mode only), or the GGN quantities "
+            "(diag_ggn, batch_diag_ggn, sqrt_ggn, kflr)."
+        )
         try:
-            products, outputs = vmap(one)(tangents)
-        except (NotImplementedError, RuntimeError) as error:
-            if missing_derivative(error) == "forward":
-                raise NotImplementedError(
-                    f"{error} The GGN products take J v in forward mode, for which torch has "
-                    "no formula of that op: use hessian_vector_product (reverse mode only), "
-                    "or the GGN quantities (diag_ggn, batch_diag_ggn, sqrt_ggn, kflr)."
-                ) from error
+            with naming_missing_derivatives("forward", instead):
+                products, outputs = vmap(one)(tangents)
+        except RuntimeError as error:
             if "randomness" not in str(error):
                 raise
             rerun = "each Jacobian-vector product"
@@ -568,18 +568,14 @@ def _hessian_products(
         value: Tensor = loss(output, targets)
         return value
 
-    with twice_differentiable():
-        try:
-            _, pullback = vjp(grad(total), primal)
-            return vmap(lambda t: pullback(t)[0])(tangents)
-        except (NotImplementedError, RuntimeError) as error:
-            if missing_derivative(error) != "reverse":
-                raise
-            raise NotImplementedError(
-                f"{error} The Hessian products differentiate the model twice, and torch has "
-                "no second derivative of that op: use ggn_vector_product, or the GGN "
-                "quantities (diag_ggn, batch_diag_ggn, sqrt_ggn, kflr)."
-            ) from error
+    instead = (
+        "The Hessian products differentiate the model twice, and torch has no second "
+        "derivative of that op: use ggn_vector_product, or the GGN quantities (diag_ggn, "
+        "batch_diag_ggn, sqrt_ggn, kflr)."
+    )
+    with twice_differentiable(), naming_missing_derivatives("reverse", instead):
+        _, pullback = vjp(grad(total), primal)
+        return vmap(lambda t: pullback(t)[0])(tangents)
 
 
 def _like(v: Any, params: Any) -> Any:

@@ -6,9 +6,10 @@ stub says so with a union; these wrappers fix the arity for the type checker.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, cast
 
@@ -190,6 +191,32 @@ def mutates_captured_tensor(error: Exception) -> bool:
         False
     """
     return isinstance(error, RuntimeError) and "would mutate a captured Tensor" in str(error)
+
+
+@contextlib.contextmanager
+def naming_missing_derivatives(kind: str, instead: str) -> Iterator[None]:
+    """Re-raise torch's error for an op without the ``kind`` of derivative, adding ``instead``.
+
+    Args:
+        kind: ``"forward"`` or ``"reverse"`` (see :func:`missing_derivative`).
+        instead: What the caller's users can compute for such a model.
+
+    Raises:
+        NotImplementedError: torch's message followed by ``instead``; any other error as is.
+
+    Example:
+        >>> with naming_missing_derivatives("reverse", "Use the GGN."):
+        ...     raise NotImplementedError("the derivative for 'x' is not implemented.")
+        Traceback (most recent call last):
+        ...
+        NotImplementedError: the derivative for 'x' is not implemented. Use the GGN.
+    """
+    try:
+        yield
+    except (NotImplementedError, RuntimeError) as error:
+        if missing_derivative(error) != kind:
+            raise
+        raise NotImplementedError(f"{error} {instead}") from error
 
 
 def missing_derivative(error: Exception) -> str | None:

@@ -604,7 +604,7 @@ class _DiscoveryMode(ParameterMode):
 
     def _moved_rows_among(self, values: Iterable[Any]) -> bool:
         """Whether any of ``values`` may hold other samples' rows (see :meth:`_note_moved_rows`)."""
-        return any(isinstance(v, Tensor) and self.moved.get(id(v)) is v for v in values)
+        return _held_in(self.moved, values)
 
     def _note_moved_rows(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
@@ -623,7 +623,7 @@ class _DiscoveryMode(ParameterMode):
         passed_on = self._moved_rows_among(values)
         moving = bool(carriers) and self._moves_samples(func, args, kwargs, carriers)
         self._note_mixed_rows(func, args, kwargs, out, values, carriers)
-        self._note_batch_dims(func, args, kwargs, out, carriers)
+        self._note_batch_dims(func, args, kwargs, out, values, carriers)
         if not passed_on and not moving:
             return
         if not passed_on and self.moved_by is None:
@@ -650,7 +650,7 @@ class _DiscoveryMode(ParameterMode):
         ``alpha`` still zero): the output check of one batch cannot tell the next, and
         :attr:`Plan.mixes` keeps it checking.
         """
-        if not any(isinstance(v, Tensor) and self.mixed.get(id(v)) is v for v in values):
+        if not _held_in(self.mixed, values):
             reduced = reduced_dims(func, args, kwargs)
             first = args[0] if args and reduced is not None else None
             summed = contracted_dims(func, args, kwargs)
@@ -754,6 +754,7 @@ class _DiscoveryMode(ParameterMode):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         out: Any,
+        values: Sequence[Any],
         carriers: list[Tensor],
     ) -> None:
         """Note which dims of a call's outputs carry the batch (:func:`batch_dims_after`).
@@ -764,8 +765,7 @@ class _DiscoveryMode(ParameterMode):
         """
         known = [(t, self._batch_dims_of(t)) for t in carriers]
         outputs = [tensor for _, tensor in tensor_outputs(out)]
-        values = CallArguments.of(args, kwargs).values
-        passed_on = any(isinstance(v, Tensor) and self.stretched.get(id(v)) is v for v in values)
+        passed_on = _held_in(self.stretched, values)
         stretching = any(broadcasts_the_batch(func, tensor, known) for tensor in outputs)
         if stretching and self.stretched_by is None:
             self.stretched_by = getattr(func, "__name__", repr(func))
@@ -1024,6 +1024,18 @@ def discover(model_fn: ModelFn, params: Any, leaves: list[Tensor], X_first: Any)
         mode.plan.mixes = mode.mixed_by
     mode.plan.first_output = out
     return mode.plan
+
+
+def _held_in(table: weakref.WeakValueDictionary[int, Tensor], values: Iterable[Any]) -> bool:
+    """Whether any of ``values`` is a tensor ``table`` holds (by identity, not a reused id).
+
+    Example:
+        >>> t = torch.ones(1)
+        >>> table = weakref.WeakValueDictionary({id(t): t})
+        >>> _held_in(table, [t, 2]), _held_in(table, [torch.ones(1)])
+        (True, False)
+    """
+    return any(isinstance(v, Tensor) and table.get(id(v)) is v for v in values)
 
 
 _SAMPLES_OUT_OF_SIGHT = (

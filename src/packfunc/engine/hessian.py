@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 from torch.func import grad, vmap
 
-from packfunc.engine.autodiff import missing_derivative, over_samples, vjp
+from packfunc.engine.autodiff import naming_missing_derivatives, over_samples, vjp
 from packfunc.engine.batch_pass import BatchPass
 from packfunc.engine.batch_record import probed_forward, zero_probes
 from packfunc.engine.discovery import Recorded
@@ -78,17 +78,14 @@ def diagonals(bp: BatchPass, stats: set[Statistic], index: slice | Tensor) -> li
         >>> diagonals(bp, {Statistic.DIAGONAL}, slice(0, 4))[1][Statistic.DIAGONAL].shape
         torch.Size([2, 3])
     """
-    with twice_differentiable(), full_precision():  # re-runs: see engine/precision.py
-        try:
-            return _diagonals(bp, stats, index)
-        except (NotImplementedError, RuntimeError) as error:
-            if missing_derivative(error) != "reverse":
-                raise
-            raise NotImplementedError(
-                f"{error} Hessian diagonals differentiate the model twice, and torch has no "
-                "second derivative of that op (torch.cdist's, for one): use the GGN "
-                "quantities (diag_ggn, batch_diag_ggn) for this model."
-            ) from error
+    instead = (
+        "Hessian diagonals differentiate the model twice, and torch has no second derivative "
+        "of that op (torch.cdist's, for one): use the GGN quantities (diag_ggn, "
+        "batch_diag_ggn) for this model."
+    )
+    # re-runs: see engine/precision.py
+    with twice_differentiable(), full_precision(), naming_missing_derivatives("reverse", instead):
+        return _diagonals(bp, stats, index)
 
 
 def _diagonals(bp: BatchPass, stats: set[Statistic], index: slice | Tensor) -> list[Stats]:
