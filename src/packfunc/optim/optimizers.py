@@ -77,8 +77,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
     ):
         if not lr >= 0:
             raise ValueError(f"lr must be non-negative; got {lr!r}.")
-        _refuse_distributed_data_parallel(model, type(self).__name__)
-        check_generator(generator, f"{type(self).__name__}()")
+        _check_model_and_generator(model, generator, type(self).__name__)
         self._named = trainable_parameters(model)
         if not self._named:
             raise ValueError(
@@ -247,7 +246,7 @@ class KFAC(CurvatureOptimizer):
         pi_damping: bool = False,
         generator: torch.Generator | None = None,
     ):
-        _refuse_distributed_data_parallel(model, type(self).__name__)
+        _check_model_and_generator(model, generator, type(self).__name__)
         transformation = scale_by_kfac(
             functional(model)[0],
             loss,
@@ -298,7 +297,7 @@ class EKFAC(CurvatureOptimizer):
         kfac_approx: KfacApprox | None = None,
         generator: torch.Generator | None = None,
     ):
-        _refuse_distributed_data_parallel(model, type(self).__name__)
+        _check_model_and_generator(model, generator, type(self).__name__)
         transformation = scale_by_ekfac(
             functional(model)[0],
             loss,
@@ -345,7 +344,7 @@ class DiagGGN(CurvatureOptimizer):
         mc_samples: int | None = 1,
         generator: torch.Generator | None = None,
     ):
-        _refuse_distributed_data_parallel(model, type(self).__name__)
+        _check_model_and_generator(model, generator, type(self).__name__)
         transformation = scale_by_diag_ggn(
             functional(model)[0],
             loss,
@@ -376,18 +375,25 @@ def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _refuse_distributed_data_parallel(model: nn.Module, name: str) -> None:
-    """Refuse a ``DistributedDataParallel`` model: the curvature would be one rank's batch's.
+def _check_model_and_generator(
+    model: nn.Module, generator: torch.Generator | None, name: str
+) -> None:
+    """Refuse a ``DistributedDataParallel`` model, or a ``generator=`` that is not one.
 
-    Each replica would be preconditioned by another curvature and the replicas drift apart
-    (a probe: 0.17 after 3 steps on 2 ranks).
+    Under DDP the curvature would be one rank's batch's: each replica would be preconditioned
+    by another curvature and the replicas drift apart (a probe: 0.17 after 3 steps on 2
+    ranks). The subclasses check before they build their transformation, so that their
+    own name is the one a refusal gives.
 
     Raises:
         ValueError: naming the way over ranks.
+        TypeError: for a generator that is not a ``torch.Generator``
+            (:func:`~packfunc.engine.randomness.check_generator`).
 
     Example:
-        >>> _refuse_distributed_data_parallel(nn.Linear(2, 2), "KFAC")
+        >>> _check_model_and_generator(nn.Linear(2, 2), None, "KFAC")
     """
+    check_generator(generator, f"{name}()")
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError(
             f"{name} computes its curvature from this rank's own batch: under "
