@@ -692,11 +692,10 @@ def _reduce(
         del chunk, per_sample  # not held while the next chunk is formed
     if collected is None:
         raise ValueError("the batch is empty; pass at least one sample.")
+    kept_wide = SQUARED if squares_wide else frozenset()  # (as _statistic took them)
     reduced: list[dict[Statistic, Tensor]] = [
         {
-            stat: _combine(stat, values).to(
-                for_squares(values[0]).dtype if squares_wide and stat in SQUARED else dtype
-            )
+            stat: _combine(stat, values) if stat in kept_wide else _combine(stat, values).to(dtype)
             for stat, values in f.items()
         }
         for f, dtype in zip(collected, dtypes)
